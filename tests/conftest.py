@@ -1,7 +1,9 @@
 """Test set-up: 8 simulated CPU devices, fixed before JAX initialises its backend."""
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the GPU machine run `MESHLAB_TEST_GPU=1 pytest -m gpu`; everywhere else tests see the CPU.
+if not os.environ.get("MESHLAB_TEST_GPU"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
