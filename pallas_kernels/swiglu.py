@@ -1,0 +1,144 @@
+"""SwiGLU gate/up projection with the activation in the matmul epilogue (Pallas Triton).
+
+    swiglu(x [T, d], w_gate [d, f], w_up [d, f]) = silu(x @ w_gate) * (x @ w_up)
+
+Forward: one GEMM-like kernel over [bm, bn] output tiles with two fp32 accumulators (gate and
+up share each loaded x tile), silu(a) * b applied in registers, only the product written. The
+[T, f] pre-activations a and b never reach memory and are not saved for the backward: the
+custom_vjp keeps x, w_gate, w_up only (saves 2 x T x f activations per layer, the point of
+the fusion under remat-free training).
+Backward: one kernel recomputes a, b tile by tile and writes da = dy * b * silu'(a) and
+db = dy * silu(a) (transient, freed within the backward); the four large matmuls
+(dx = da Wg^T + db Wu^T, dWg = x^T da, dWu = x^T db) go to XLA/cuBLAS, which a Triton GEMM
+does not beat. Cost: one extra 2-GEMM recomputation in the backward (about +1/3 FLOPs of this
+layer's backward) in exchange for the saved activations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.fused_cross_entropy import _load, _store
+
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_m: int = 128   # tokens per tile
+    block_n: int = 128   # mlp columns per tile (two fp32 accumulators of bm x bn)
+    block_k: int = 64    # contraction chunk over d
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def validate(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name}={v} must be a power of two >= 16")
+
+
+def swiglu_reference(x, w_gate, w_up):
+    a = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
+    b = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
+    return (jax.nn.silu(a) * b).astype(x.dtype)
+
+
+def _gate_up(x_ref, wg_ref, wu_ref, r0, c0, *, bm, bn, bk, T, d, f, mt, mf, md):
+    def body(k, acc):
+        a, b = acc
+        xk = _load(x_ref, r0, bm, T, k * bk, bk, d, mask_r=mt, mask_c=md)
+        gk = _load(wg_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
+        uk = _load(wu_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
+        return (a + jnp.dot(xk, gk, preferred_element_type=jnp.float32),
+                b + jnp.dot(xk, uk, preferred_element_type=jnp.float32))
+
+    z = jnp.zeros((bm, bn), jnp.float32)
+    return lax.fori_loop(0, pl.cdiv(d, bk), body, (z, z))
+
+
+def _fwd_kernel(x_ref, wg_ref, wu_ref, o_ref, **kw):
+    r0, c0 = pl.program_id(0) * kw["bm"], pl.program_id(1) * kw["bn"]
+    a, b = _gate_up(x_ref, wg_ref, wu_ref, r0, c0, **kw)
+    out = a * jax.nn.sigmoid(a) * b
+    _store(o_ref, r0, kw["bm"], kw["T"], c0, kw["bn"], kw["f"], out.astype(o_ref.dtype), mask_r=kw["mt"],
+           mask_c=kw["mf"])
+
+
+def _bwd_kernel(x_ref, wg_ref, wu_ref, dy_ref, da_ref, db_ref, **kw):
+    bm, bn, T, f, mt, mf = kw["bm"], kw["bn"], kw["T"], kw["f"], kw["mt"], kw["mf"]
+    r0, c0 = pl.program_id(0) * bm, pl.program_id(1) * bn
+    a, b = _gate_up(x_ref, wg_ref, wu_ref, r0, c0, **kw)
+    dy = _load(dy_ref, r0, bm, T, c0, bn, f, mask_r=mt, mask_c=mf).astype(jnp.float32)
+    sig = jax.nn.sigmoid(a)
+    silu = a * sig
+    # silu'(a) = sig * (1 + a * (1 - sig))
+    da = dy * b * sig * (1.0 + a * (1.0 - sig))
+    db = dy * silu
+    _store(da_ref, r0, bm, T, c0, bn, f, da.astype(da_ref.dtype), mask_r=mt, mask_c=mf)
+    _store(db_ref, r0, bm, T, c0, bn, f, db.astype(db_ref.dtype), mask_r=mt, mask_c=mf)
+
+
+def _kw(x, w_gate, bs):
+    t, d = x.shape
+    f = w_gate.shape[1]
+    bk = min(bs.block_k, max(16, pl.next_power_of_2(d)))
+    return dict(bm=bs.block_m, bn=bs.block_n, bk=bk, T=t, d=d, f=f, mt=t % bs.block_m != 0,
+                mf=f % bs.block_n != 0, md=d % bk != 0)
+
+
+def _forward(x, w_gate, w_up, bs, interpret):
+    kw = _kw(x, w_gate, bs)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, **kw), out_shape=jax.ShapeDtypeStruct((kw["T"], kw["f"]), x.dtype),
+        grid=(pl.cdiv(kw["T"], kw["bm"]), pl.cdiv(kw["f"], kw["bn"])), interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages), name="swiglu_fwd",
+    )(x, w_gate, w_up)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _swiglu(x, w_gate, w_up, bs, interpret):
+    return _forward(x, w_gate, w_up, bs, interpret)
+
+
+def _swiglu_fwd(x, w_gate, w_up, bs, interpret):
+    return _forward(x, w_gate, w_up, bs, interpret), (x, w_gate, w_up)  # no [T, f] residuals
+
+
+def _swiglu_bwd(bs, interpret, res, dy):
+    x, w_gate, w_up = res
+    kw = _kw(x, w_gate, bs)
+    gdt = jnp.promote_types(x.dtype, w_gate.dtype)  # bf16 in bf16 training: cuBLAS operands below
+    shp = jax.ShapeDtypeStruct((kw["T"], kw["f"]), gdt)
+    da, db = pl.pallas_call(
+        functools.partial(_bwd_kernel, **kw), out_shape=(shp, shp),
+        grid=(pl.cdiv(kw["T"], kw["bm"]), pl.cdiv(kw["f"], kw["bn"])), interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages), name="swiglu_bwd",
+    )(x, w_gate, w_up, dy)
+    f32 = jnp.float32
+    dx = (jnp.dot(da, w_gate.T, preferred_element_type=f32) + jnp.dot(db, w_up.T, preferred_element_type=f32))
+    dwg = jnp.dot(x.T, da, preferred_element_type=f32)
+    dwu = jnp.dot(x.T, db, preferred_element_type=f32)
+    return dx.astype(x.dtype), dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def swiglu(x, w_gate, w_up, *, interpret=False, block_sizes=None):
+    """silu(x @ w_gate) * (x @ w_up), [T, f] in x.dtype; fp32 accumulation; recomputes in backward."""
+    if x.ndim != 2:
+        raise ValueError(f"{x.shape=} must be [tokens, d]")
+    if w_gate.ndim != 2 or w_gate.shape[0] != x.shape[1]:
+        raise ValueError(f"{w_gate.shape=} must be [d, f] with d = {x.shape[1]}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"{w_up.shape=} must equal {w_gate.shape=}")
+    bs = block_sizes or BlockSizes()
+    bs.validate()
+    return _swiglu(x, w_gate, w_up, bs, bool(interpret))
