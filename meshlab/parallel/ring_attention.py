@@ -95,7 +95,7 @@ class _Call(NamedTuple):
     causal: bool                # bottom-right aligned causal mask (the diagonal is the last kv half)
 
 
-def _plan(pairs: tuple[BlockPair, ...], i: int, j: int, n: int, zigzag: bool, square_causal: bool):
+def _plan(pairs: tuple[BlockPair, ...], i: int, j: int, n: int, zigzag: bool):
     """Turn one device-step's pairs into as few attention calls as possible (bigger calls run
     faster). Returns a hashable tuple of _Call in local half indices."""
     qloc = {c: a for a, c in enumerate(_chunks_of(i, n, zigzag))}
@@ -111,11 +111,7 @@ def _plan(pairs: tuple[BlockPair, ...], i: int, j: int, n: int, zigzag: bool, sq
         assert "causal" not in kinds[:-1]
         causal = kinds[-1] == "causal"
         halves = tuple(b for b, _ in kvs)
-        if causal and square_causal and len(halves) > 1:  # kernels that only know square causal
-            calls.append(_Call((a,), halves[:-1], False))
-            calls.append(_Call((a,), halves[-1:], True))
-        else:
-            calls.append(_Call((a,), halves, causal))
+        calls.append(_Call((a,), halves, causal))
     if len(calls) == 2 and calls[0][1:] == calls[1][1:] and not calls[0].causal:  # same kv, no mask
         calls = [_Call((0, 1), calls[0].kv_halves, False)]
     return tuple(calls)
@@ -124,6 +120,14 @@ def _plan(pairs: tuple[BlockPair, ...], i: int, j: int, n: int, zigzag: bool, sq
 # ----------------------------------------------------------------------------- jnp blocks
 def _tile(ck: int, block_k: int) -> int:
     return block_k if ck > block_k and ck % block_k == 0 else ck
+
+
+def _scan(body, init, xs):
+    """lax.scan, but a single tile is traced straight (no while loop: faster to compile and run)."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        carry, y = body(init, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda x: x[None], y)
+    return lax.scan(body, init, xs)
 
 
 def _mask(q_pos, kv_pos, q_seg, kv_seg, causal):
@@ -174,7 +178,7 @@ def jnp_block_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_k=512):
 
     init = (jnp.zeros((b, kvh, g, cq, d), jnp.float32), jnp.full((b, kvh, g, cq), NEG, jnp.float32),
             jnp.zeros((b, kvh, g, cq), jnp.float32))
-    (o, m, l), _ = lax.scan(body, init, xs)
+    (o, m, l), _ = _scan(body, init, xs)
     ok = l > 0
     lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), NEG)
     o = o / jnp.where(ok, l, 1.0)[..., None]
@@ -208,7 +212,7 @@ def jnp_block_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, causal, scale, bloc
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = lax.scan(body, jnp.zeros((b, cq, kvh, g, d), jnp.float32), xs)
+    dq, (dk, dv) = _scan(body, jnp.zeros((b, cq, kvh, g, d), jnp.float32), xs)
     unsplit = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, ck, kvh, d)  # noqa: E731
     return dq.reshape(b, cq, h, d), unsplit(dk), unsplit(dv)
 
@@ -226,16 +230,20 @@ def _block_fns(block_impl: str, block_k: int):
                 "ring_attention(block_impl='pallas') needs pallas_kernels.flash_attention to provide "
                 f"flash_attention_block_fwd/_bwd ({e}); use block_impl='jnp'") from None
 
-        # Adapter: the one place that knows the kernel's calling convention.
+        # Adapter: the one place that knows the kernel's calling convention. Our `causal` is
+        # bottom-right aligned, i.e. the kernel's causal_offset = kv_len - q_len. Off GPU the
+        # kernel runs in interpret mode (slow; tests only).
+        interpret = jax.default_backend() != "gpu"
+
+        def _kw(q, k, q_seg, kv_seg, causal, scale):
+            return dict(causal_offset=(k.shape[1] - q.shape[1]) if causal else None, sm_scale=scale,
+                        segment_ids=None if q_seg is None else (q_seg, kv_seg), interpret=interpret)
+
         def pfwd(q, k, v, q_seg, kv_seg, *, causal, scale):
-            seg = None if q_seg is None else (q_seg, kv_seg)
-            o, lse = fwd(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale)
-            return o.astype(jnp.float32), lse.astype(jnp.float32)
+            return fwd(q, k, v, out_dtype=jnp.float32, **_kw(q, k, q_seg, kv_seg, causal, scale))
 
         def pbwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, causal, scale):
-            seg = None if q_seg is None else (q_seg, kv_seg)
-            dq, dk, dv = bwd(q, k, v, do, lse, delta, causal=causal, segment_ids=seg, sm_scale=scale)
-            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+            return bwd(q, k, v, do, lse, delta, grad_dtype=jnp.float32, **_kw(q, k, q_seg, kv_seg, causal, scale))
         return pfwd, pbwd
     raise ValueError(f"unknown block_impl {block_impl!r}; choose 'jnp' or 'pallas'")
 
@@ -255,10 +263,9 @@ class _Cfg:
     def steps(self):
         """Per step: (distinct plans, per-device index into them) -- derived from ring_schedule."""
         sched = ring_schedule(self.n, causal=self.causal, zigzag=self.zigzag)
-        square = self.block_impl == "pallas"
         out = []
         for t in range(self.n):
-            plans = [_plan(sched[i][t], i, (i - t) % self.n, self.n, self.zigzag, square) for i in range(self.n)]
+            plans = [_plan(sched[i][t], i, (i - t) % self.n, self.n, self.zigzag) for i in range(self.n)]
             distinct = sorted(set(plans))
             out.append((distinct, np.array([distinct.index(p) for p in plans], np.int32)))
         return out
