@@ -1,0 +1,242 @@
+"""Fused ops (pallas_kernels/): forward and gradients against the jnp references.
+
+CPU: Pallas interpret mode, float32, awkward sizes (no dimension a multiple of its tile).
+GPU (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/test_fused_ops.py`): compiled Triton
+kernels in fp32 (TF32 dots) and bf16, at tolerances for those precisions.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fused_cross_entropy as ce
+from pallas_kernels import fused_rmsnorm as rn
+from pallas_kernels import rope
+from pallas_kernels import swiglu as sg
+
+LLAMA3_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def _close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a)), "non-finite values"
+    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+def _rand(seed, *shapes, scale=1.0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [(jax.random.normal(k, s) * scale).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+# ------------------------------------------------------------------ cross-entropy
+
+def _ce_case(seed, t, d, v, dtype=jnp.float32):
+    h, w = _rand(seed, (t, d), (d, v), dtype=dtype)
+    w = (w * 0.3).astype(dtype)
+    y = jax.random.randint(jax.random.key(seed + 1), (t,), 0, v)
+    y = y.at[::7].set(-100)  # ignored tokens
+    cot = jax.random.uniform(jax.random.key(seed + 2), (t,), minval=0.5, maxval=1.5)
+    return h, w, y, cot
+
+
+def _ce_loss_and_grads(fn, h, w, y, cot, **kw):
+    f = lambda h, w: jnp.sum(fn(h, w, y, ignore_index=-100, **kw) * cot)
+    return fn(h, w, y, ignore_index=-100, **kw), jax.grad(f, (0, 1))(h, w)
+
+
+CE_BLOCKS = ce.BlockSizes(fwd_t=16, fwd_v=64, fwd_splits=2, bwd_t=16, bwd_v=64, block_d=16)
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_cross_entropy_matches_reference(z_loss):
+    h, w, y, cot = _ce_case(0, 37, 40, 300)  # 37 % 16, 40 % 16, 300 % 64 all nonzero
+    ref, gref = _ce_loss_and_grads(ce.cross_entropy_reference, h, w, y, cot, z_loss=z_loss)
+    out, gout = _ce_loss_and_grads(ce.fused_cross_entropy, h, w, y, cot, z_loss=z_loss,
+                                   block_sizes=CE_BLOCKS, interpret=True)
+    chk, gchk = _ce_loss_and_grads(ce.chunked_cross_entropy, h, w, y, cot, z_loss=z_loss, chunk_size=16)
+    for o, g in ((out, gout), (chk, gchk)):
+        np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-5)
+        _close(g[0], gref[0], 1e-5)
+        _close(g[1], gref[1], 1e-5)
+    ignored = np.asarray(y) == -100
+    assert np.all(np.asarray(out)[ignored] == 0.0) and np.all(np.asarray(out)[~ignored] > 0)
+    assert np.all(np.asarray(gout[0])[ignored] == 0.0)  # ignored tokens get no gradient
+
+
+def test_cross_entropy_z_loss_adds_lse_squared():
+    h, w, y, _ = _ce_case(3, 20, 16, 70)
+    base = ce.cross_entropy_reference(h, w, y, ignore_index=-100)
+    z = ce.cross_entropy_reference(h, w, y, ignore_index=-100, z_loss=1e-2)
+    lse = jax.nn.logsumexp(h @ w, axis=-1)
+    expect = np.where(np.asarray(y) == -100, 0.0, base + 1e-2 * lse**2)
+    np.testing.assert_allclose(z, expect, rtol=1e-5, atol=1e-6)
+
+
+def _txv_lines(text, t, v):
+    """HLO lines whose shapes hold a [t, v] (or [v, t]) array, matched line by line."""
+    pat = re.compile(rf"\[(?:{t},{v}|{v},{t})\]")
+    return [ln for ln in text.splitlines() if pat.search(ln)]
+
+
+def test_cross_entropy_never_holds_tokens_x_vocab():
+    t, d, v = 1024, 32, 2048  # logits would be 8 MiB in fp32; everything else here is < 1 MiB
+    h, w, y, cot = _ce_case(5, t, d, v)
+    blocks = ce.BlockSizes(fwd_t=128, fwd_v=512, bwd_t=128, bwd_v=512, block_d=32)
+
+    def train(fn, **kw):
+        return jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(fn(h, w, y, ignore_index=-100, **kw) * cot), (0, 1)))
+
+    ref = train(ce.cross_entropy_reference).lower(h, w).compile()
+    assert _txv_lines(ref.as_text(), t, v), "the check must see the reference's logits"
+    for name, kw in (("fused", dict(block_sizes=blocks, interpret=True)), ("chunked", dict(chunk_size=128))):
+        fn = ce.fused_cross_entropy if name == "fused" else ce.chunked_cross_entropy
+        comp = train(fn, **kw).lower(h, w).compile()
+        assert not _txv_lines(comp.as_text(), t, v), f"{name}: a [T, V] buffer in the HLO"
+        mem = comp.memory_analysis()
+        if mem is not None:
+            assert mem.temp_size_in_bytes < t * v * 4, f"{name}: temp {mem.temp_size_in_bytes} >= T*V*4"
+
+
+def test_cross_entropy_errors():
+    h, w, y, _ = _ce_case(0, 32, 16, 64)
+    with pytest.raises(ValueError, match="must be"):
+        ce.fused_cross_entropy(h, w[:8], y)
+    with pytest.raises(ValueError, match="must be"):
+        ce.fused_cross_entropy(h, w, y[:5])
+    with pytest.raises(ValueError, match="must be"):
+        ce.fused_cross_entropy(h, w, y, block_sizes=ce.BlockSizes(fwd_v=100))
+
+
+# ------------------------------------------------------------------ rmsnorm, swiglu, rope
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_reference(with_residual):
+    x, r, cy, cs = _rand(1, (3, 7, 48), (3, 7, 48), (3, 7, 48), (3, 7, 48))
+    w = 1.0 + 0.1 * _rand(2, (48,))[0]
+    res = r if with_residual else None
+
+    def loss(fn, **kw):
+        def f(x, r, w):
+            out = fn(x, w, eps=1e-6, residual=r if with_residual else None, **kw)
+            return jnp.sum(out[0] * cy) + jnp.sum(out[1] * cs) if with_residual else jnp.sum(out * cy)
+        return f
+
+    out = rn.rms_norm(x, w, eps=1e-6, residual=res, interpret=True)
+    ref = rn.rms_norm_reference(x, w, eps=1e-6, residual=res)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        _close(a, b, 1e-6)
+    g = jax.grad(loss(rn.rms_norm, interpret=True), (0, 1, 2))(x, r, w)
+    gr = jax.grad(loss(rn.rms_norm_reference), (0, 1, 2))(x, r, w)
+    for a, b in zip(g, gr):
+        if with_residual or np.any(np.asarray(b)):
+            _close(a, b, 1e-5)
+
+
+def test_swiglu_matches_reference():
+    x, wg, wu, cy = _rand(3, (37, 40), (40, 72), (40, 72), (37, 72))
+    wg, wu = wg * 0.2, wu * 0.2
+    bs = sg.BlockSizes(block_m=16, block_n=32, block_k=16)
+    _close(sg.swiglu(x, wg, wu, interpret=True, block_sizes=bs), sg.swiglu_reference(x, wg, wu), 1e-6)
+    g = jax.grad(lambda *a: jnp.sum(sg.swiglu(*a, interpret=True, block_sizes=bs) * cy), (0, 1, 2))(x, wg, wu)
+    gr = jax.grad(lambda *a: jnp.sum(sg.swiglu_reference(*a) * cy), (0, 1, 2))(x, wg, wu)
+    for a, b in zip(g, gr):
+        _close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_rope_matches_reference(scaling):
+    q, k, cq, ck = _rand(4, (2, 13, 6, 24), (2, 13, 3, 24), (2, 13, 6, 24), (2, 13, 3, 24))  # 6/3 heads: padded path
+    pos = jax.random.randint(jax.random.key(9), (2, 13), 0, 20000)
+    out = rope.apply_rope(q, k, pos, theta=500000.0, scaling=scaling, interpret=True)
+    ref = rope.apply_rope_reference(q, k, pos, theta=500000.0, scaling=scaling)
+    for a, b in zip(out, ref):
+        _close(a, b, 1e-5)
+
+    def loss(fn, **kw):
+        def f(q, k):
+            a, b = fn(q, k, pos, theta=500000.0, scaling=scaling, **kw)
+            return jnp.sum(a * cq) + jnp.sum(b * ck)
+        return f
+
+    for a, b in zip(jax.grad(loss(rope.apply_rope, interpret=True), (0, 1))(q, k),
+                    jax.grad(loss(rope.apply_rope_reference), (0, 1))(q, k)):
+        _close(a, b, 1e-5)
+
+
+def test_rope_rotate_half_and_llama3_scaling():
+    d = 64
+    inv = np.asarray(rope.rope_frequencies(d, 500000.0, None))
+    np.testing.assert_allclose(inv, 1.0 / 500000.0 ** (np.arange(0, d, 2) / d), rtol=1e-6)
+    scaled = np.asarray(rope.rope_frequencies(d, 500000.0, LLAMA3_SCALING))
+    wavelen = 2 * np.pi / inv
+    hi = wavelen < 8192 / 4.0   # short wavelengths: untouched
+    lo = wavelen > 8192 / 1.0   # long wavelengths: divided by factor
+    np.testing.assert_allclose(scaled[hi], inv[hi], rtol=1e-6)
+    np.testing.assert_allclose(scaled[lo], inv[lo] / 32.0, rtol=1e-6)
+    mid = ~hi & ~lo
+    assert np.all(scaled[mid] <= inv[mid]) and np.all(scaled[mid] >= inv[mid] / 32.0)
+    # rotate-half: pair (i, i + d/2) rotates by position * inv[i]
+    x = np.zeros((1, 1, 1, d), np.float32)
+    x[..., 0] = 1.0
+    pos = jnp.array([[3]])
+    q, _ = rope.apply_rope_reference(jnp.asarray(x), jnp.asarray(x), pos, theta=500000.0)
+    assert np.isclose(q[0, 0, 0, 0], np.cos(3 * inv[0])) and np.isclose(q[0, 0, 0, d // 2], np.sin(3 * inv[0]))
+
+
+def test_small_ops_errors():
+    x = jnp.ones((4, 8))
+    with pytest.raises(ValueError, match="must"):
+        rn.rms_norm(x, jnp.ones((7,)), eps=1e-6)
+    with pytest.raises(ValueError, match="must"):
+        sg.swiglu(x, jnp.ones((8, 16)), jnp.ones((8, 32)))
+    with pytest.raises(ValueError, match="must"):
+        rope.apply_rope(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 2, 6)), jnp.zeros((1, 2), jnp.int32), theta=1e4)
+    with pytest.raises(ValueError, match="must have keys"):
+        rope.rope_frequencies(8, 1e4, {"factor": 8.0})
+
+
+# ------------------------------------------------------------------ GPU: compiled kernels
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 5e-3), (jnp.bfloat16, 2e-2)])
+def test_gpu_cross_entropy(dtype, tol):
+    h, w, y, cot = _ce_case(11, 1000, 256, 5000, dtype)  # ragged tokens and vocab
+    ref, gref = _ce_loss_and_grads(ce.cross_entropy_reference, h, w, y, cot, z_loss=1e-4)
+    for fn in (ce.fused_cross_entropy, ce.chunked_cross_entropy):
+        out, g = _ce_loss_and_grads(fn, h, w, y, cot, z_loss=1e-4)
+        _close(out, ref, tol)
+        _close(g[0], gref[0], tol)
+        _close(g[1], gref[1], tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_gpu_rmsnorm_rope(dtype, tol):
+    x, r = _rand(12, (1000, 2048), (1000, 2048), dtype=dtype)
+    w = (1.0 + 0.1 * _rand(13, (2048,))[0]).astype(dtype)
+    for a, b in zip(rn.rms_norm(x, w, eps=1e-5, residual=r), rn.rms_norm_reference(x, w, eps=1e-5, residual=r)):
+        _close(a, b, tol)
+    gk = lambda fn: jax.grad(lambda x, r: jnp.sum(fn(x, w, eps=1e-5, residual=r)[0].astype(jnp.float32) ** 2),
+                             (0, 1))(x, r)
+    for a, b in zip(gk(rn.rms_norm), gk(rn.rms_norm_reference)):
+        _close(a, b, 2 * tol)
+    q, k = _rand(14, (2, 300, 32, 64), (2, 300, 8, 64), dtype=dtype)
+    pos = jnp.broadcast_to(jnp.arange(300), (2, 300))
+    for a, b in zip(rope.apply_rope(q, k, pos, theta=5e5, scaling=LLAMA3_SCALING),
+                    rope.apply_rope_reference(q, k, pos, theta=5e5, scaling=LLAMA3_SCALING)):
+        _close(a, b, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 5e-3), (jnp.bfloat16, 2e-2)])
+def test_gpu_swiglu(dtype, tol):
+    x, wg, wu, cy = _rand(15, (1000, 512), (512, 1000), (512, 1000), (1000, 1000), dtype=dtype)
+    wg, wu = (wg * 0.05).astype(dtype), (wu * 0.05).astype(dtype)
+    _close(sg.swiglu(x, wg, wu), sg.swiglu_reference(x, wg, wu), tol)
+    g = jax.grad(lambda *a: jnp.sum(sg.swiglu(*a).astype(jnp.float32) * cy), (0, 1, 2))(x, wg, wu)
+    gr = jax.grad(lambda *a: jnp.sum(sg.swiglu_reference(*a).astype(jnp.float32) * cy), (0, 1, 2))(x, wg, wu)
+    for a, b in zip(g, gr):
+        _close(a, b, tol)
