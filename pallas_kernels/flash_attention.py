@@ -34,6 +34,15 @@ except ImportError:  # pragma: no cover - only a jax without the Triton backend
     from jax.experimental.pallas import gpu as _pltriton  # type: ignore
     _TritonParams = getattr(_pltriton, "TritonCompilerParams")
 
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    """2-D matmul with fp32 accumulation; transposes are folded into the contraction so the
+    Triton lowering picks the operand layout instead of materialising a transpose."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
@@ -157,7 +166,7 @@ def _fwd_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         k_start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
-        s = pl.dot(q, k, trans_b=True)                          # fp32 [bq, bk]
+        s = _dot(q, k, trans_b=True)                          # fp32 [bq, bk]
         if masked:
             cols = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             kv_seg = kseg_ref[pl.ds(k_start, block_k)] if cfg.has_seg else None
@@ -171,7 +180,7 @@ def _fwd_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         p = jnp.exp2(s * c - m_new_c[:, None])                  # one FMA + exp2 per score
         alpha = jnp.exp2(m * c - m_new_c)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
     d = q.shape[-1]
@@ -232,9 +241,9 @@ def _check_and_config(q, k, v, segment_ids, causal_offset, sm_scale, block_sizes
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"q, k, v must share one dtype of bfloat16/float16/float32; got "
                          f"{q.dtype=} {k.dtype=} {v.dtype=}")
-    if causal_offset is not None and q_len - 1 + causal_offset < 0:
-        raise ValueError(f"causal with {q_len=} > {kv_len=}: queries would see no key; "
-                         "causal needs q_len <= kv_len")
+    if causal_offset is not None and causal_offset < 0:
+        raise ValueError(f"causal with {q_len=} > {kv_len=} ({causal_offset=}) leaves the first queries "
+                         "no key; causal needs q_len <= kv_len (offset >= 0)")
     scale = float(sm_scale) if sm_scale is not None else d ** -0.5
     if not scale > 0:
         raise ValueError(f"{sm_scale=} must be positive")
@@ -271,8 +280,9 @@ def _pad_seq(x, to):
 
 
 def _bwd_lse(lse2):
-    # rows that saw no key: +inf makes every recomputed probability exp2(s - inf) = 0, not NaN
-    return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
+    # rows that saw no key (-inf, or a caller's large finite stand-in): +inf makes every recomputed
+    # probability exp2(s - inf) = 0 instead of NaN/inf
+    return jnp.where(lse2 < -1e20, jnp.inf, lse2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

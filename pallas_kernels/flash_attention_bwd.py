@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import LOG2E, _Cfg, _fit, _kv_bounds, _mask, _params, _q_bounds
+from pallas_kernels.flash_attention import LOG2E, _Cfg, _dot, _fit, _kv_bounds, _mask, _params, _q_bounds
 
 
 def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
@@ -32,14 +32,14 @@ def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         k_start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
-        p = jnp.exp2(pl.dot(q, k, trans_b=True) * c - lse[:, None])
+        p = jnp.exp2(_dot(q, k, trans_b=True) * c - lse[:, None])
         if masked:
             cols = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             kv_seg = kseg_ref[pl.ds(k_start, block_k)] if cfg.has_seg else None
             mask = _mask(cfg, rows, cols, q_seg, kv_seg)
             p = p if mask is None else jnp.where(mask, p, 0.0)
-        ds = p * (pl.dot(do, v, trans_b=True) - delta[:, None])
-        return dq + pl.dot(ds.astype(k.dtype), k)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
     n_full, hi = _kv_bounds(cfg, q_start, block_q, block_k)
@@ -70,15 +70,15 @@ def _dkv_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         do = do_refs[hg][pl.ds(q_start, block_q), :]
         lse = lse_refs[hg][pl.ds(q_start, block_q)]
         delta = delta_refs[hg][pl.ds(q_start, block_q)]
-        p = jnp.exp2(pl.dot(q, k, trans_b=True) * c - lse[:, None])       # [bq, bk]
+        p = jnp.exp2(_dot(q, k, trans_b=True) * c - lse[:, None])       # [bq, bk]
         if masked:
             rows = q_start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
             q_seg = qseg_ref[pl.ds(q_start, block_q)] if cfg.has_seg else None
             mask = _mask(cfg, rows, cols, q_seg, kv_seg)
             p = p if mask is None else jnp.where(mask, p, 0.0)
-        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (pl.dot(do, v, trans_b=True) - delta[:, None])
-        dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     d = k.shape[-1]
