@@ -3,8 +3,9 @@
 `impl` is one of:
   xla     the reference: einsum + softmax in fp32, materialises [b, h, q, k] scores.
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only).
-  pallas  `pallas_kernels.flash_attention` (tiled, online softmax).
-  auto    the first available of pallas -> cudnn -> xla, logged once.
+  pallas  `pallas_kernels.flash_attention` (tiled, online softmax; Triton lowering, CUDA sm_80+).
+  auto    the first available of pallas -> cudnn -> xla, logged once; a shape the kernel refuses
+          (e.g. head_dim 96) steps down to cudnn/xla for that call.
 An explicit choice that cannot run here is an error, never a silent fallback.
 Layout everywhere: q [b, q_len, heads, d], k/v [b, kv_len, kv_heads, d].
 """
@@ -51,7 +52,33 @@ def _mask(sq, sk, causal, segment_ids):
 
 
 def _gpu_available() -> bool:
-    return any(d.platform == "gpu" for d in jax.devices())
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def _triton_gpu_available() -> bool:
+    """The Pallas kernel lowers through Triton: it needs a CUDA GPU with bf16 tensor cores (sm_80+)."""
+    try:
+        devices = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return False
+    for d in devices:
+        cc = getattr(d, "compute_capability", None)
+        try:
+            if cc is not None and float(cc) >= 8.0:
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
+
+
+def pallas_supports(q, k, *, causal: bool) -> bool:
+    """Shapes the kernel takes (see flash_attention's errors); `auto` steps past pallas otherwise."""
+    d = q.shape[-1]
+    return (d in (16, 32, 64, 128, 256) and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
+            and q.shape[2] % k.shape[2] == 0 and (not causal or q.shape[1] <= k.shape[1]))
 
 
 def available(impl: str) -> bool:
@@ -64,7 +91,7 @@ def available(impl: str) -> bool:
             from pallas_kernels import flash_attention  # noqa: F401
         except ImportError:
             return False
-        return _gpu_available()
+        return _triton_gpu_available()
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
 
 
@@ -88,14 +115,31 @@ def resolve(impl: str) -> str:
     return impl
 
 
+_logged_fallback: set = set()
+
+
 def dot_product_attention(q, k, v, *, impl: str = "xla", causal: bool = True, segment_ids=None, sm_scale=None):
+    asked = impl
     impl = resolve(impl)
+    if asked == "auto" and impl == "pallas" and not pallas_supports(q, k, causal=causal):
+        # auto promises something that runs: step down the order for shapes the kernel refuses
+        cudnn_ok = segment_ids is None and not (causal and q.shape[1] != k.shape[1])
+        impl = "cudnn" if available("cudnn") and cudnn_ok else "xla"
+        key = (q.shape[-1], str(q.dtype), impl)
+        if key not in _logged_fallback:
+            _logged_fallback.add(key)
+            log.info("attention: auto uses %s for head_dim=%d dtype=%s (pallas kernel does not take it)",
+                     impl, q.shape[-1], q.dtype)
     if impl == "xla":
         return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
     if impl == "cudnn":
         if segment_ids is not None:
             raise NotImplementedError("cudnn attention through jax.nn.dot_product_attention takes no segment ids "
                                       "here; use attention=pallas or xla for packed sequences")
+        if causal and q.shape[1] != k.shape[1]:
+            # jax.nn's is_causal aligns queries to the start of the keys; ours aligns them to the end
+            raise NotImplementedError(f"cudnn causal attention here needs q_len == kv_len (got {q.shape[1]} "
+                                      f"and {k.shape[1]}); use attention=pallas or xla for chunked prefill")
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn")
     from pallas_kernels.flash_attention import flash_attention
     return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)

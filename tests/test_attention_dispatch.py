@@ -1,0 +1,86 @@
+"""Attention dispatch: availability per platform, auto's order and log, explicit-choice errors, and
+every implementation agreeing with the float32 reference where it can run."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention
+from pallas_kernels.flash_attention import flash_attention_reference
+
+
+@pytest.fixture(autouse=True)
+def _fresh_auto(monkeypatch):
+    monkeypatch.setattr(attention, "_auto_choice", None)
+    monkeypatch.setattr(attention, "_logged_fallback", set())
+
+
+def _qkv(sq=32, sk=32, h=4, kvh=2, d=64, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(ks[0], (2, sq, h, d)).astype(dtype),
+            jax.random.normal(ks[1], (2, sk, kvh, d)).astype(dtype),
+            jax.random.normal(ks[2], (2, sk, kvh, d)).astype(dtype))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_cpu_availability():
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU-only expectations")
+    assert attention.available("xla") and attention.available("auto")
+    assert not attention.available("pallas") and not attention.available("cudnn")
+
+
+def test_auto_picks_first_available_and_logs_once(caplog, monkeypatch):
+    monkeypatch.setattr(attention, "available", lambda i: i in ("cudnn", "xla", "auto"))
+    with caplog.at_level(logging.INFO, logger=attention.log.name):
+        assert attention.resolve("auto") == "cudnn"
+        assert attention.resolve("auto") == "cudnn"
+    assert [r.getMessage() for r in caplog.records].count("attention: auto chose cudnn") == 1
+    monkeypatch.setattr(attention, "_auto_choice", None)
+    monkeypatch.setattr(attention, "available", lambda i: True)
+    assert attention.resolve("auto") == "pallas"
+
+
+def test_explicit_unavailable_choice_is_an_error(monkeypatch):
+    monkeypatch.setattr(attention, "available", lambda i: i in ("xla", "auto"))
+    with pytest.raises(RuntimeError, match="'pallas' is not available"):
+        attention.resolve("pallas")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        attention.resolve("flash")
+
+
+def test_auto_steps_past_pallas_for_shapes_it_refuses(monkeypatch, caplog):
+    monkeypatch.setattr(attention, "available", lambda i: i in ("pallas", "xla", "auto"))
+    q, k, v = _qkv(d=48)
+    with caplog.at_level(logging.INFO, logger=attention.log.name):
+        out = attention.dot_product_attention(q, k, v, impl="auto", causal=True)
+    assert "pallas kernel does not take it" in caplog.text
+    assert _rel(out, flash_attention_reference(q, k, v, causal=True)) < 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_matches_reference_with_gqa_segments_and_chunked_prefill(causal):
+    q, k, v = _qkv(sq=16, sk=32)
+    seg = (jnp.zeros((2, 16), jnp.int32).at[:, 8:].set(1), jnp.zeros((2, 32), jnp.int32).at[:, 20:].set(1))
+    out = attention.dot_product_attention(q, k, v, impl="xla", causal=causal, segment_ids=seg)
+    ref = flash_attention_reference(q, k, v, causal=causal, segment_ids=seg)
+    assert out.dtype == q.dtype and _rel(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_is_pallas_and_all_impls_agree():
+    assert attention.available("pallas") and attention.resolve("auto") == "pallas"
+    q, k, v = _qkv(sq=512, sk=512, h=8, kvh=2, d=128)
+    ref = flash_attention_reference(q, k, v, causal=True)
+    for impl in ("xla", "cudnn", "pallas", "auto"):
+        out = jax.jit(lambda q, k, v, impl=impl: attention.dot_product_attention(q, k, v, impl=impl, causal=True))(q, k, v)
+        assert _rel(out, ref) < 1e-2, impl
+    seg = jnp.zeros((2, 512), jnp.int32).at[:, 300:].set(1)
+    out = attention.dot_product_attention(q, k, v, impl="pallas", causal=True, segment_ids=seg)
+    assert _rel(out, flash_attention_reference(q, k, v, causal=True, segment_ids=seg)) < 1e-2
