@@ -219,7 +219,7 @@ def test_gpu_cross_entropy(dtype, tol):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)])
 def test_gpu_rmsnorm_rope(dtype, tol):
     x, r = _rand(12, (1000, 2048), (1000, 2048), dtype=dtype)
     w = (1.0 + 0.1 * _rand(13, (2048,))[0]).astype(dtype)

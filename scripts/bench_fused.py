@@ -1,0 +1,200 @@
+"""Benchmark the fused ops against XLA's fusion of their jnp references (and, for the
+cross-entropy, against the chunked jnp version): same shapes, one process, correctness checked
+against the fp32-accumulated reference before any time is reported.
+
+    PYTHONPATH=$PWD python3 scripts/bench_fused.py [--ops ce,swiglu,rmsnorm,rope] [--out DIR]
+    PYTHONPATH=$PWD python3 scripts/bench_fused.py --small --interpret   # CPU smoke test of this script
+
+Times: jit, 2 warm-up calls, then the median of --reps synchronised calls. Memory: the compiled
+program's memory_analysis (temp = scratch XLA allocates besides arguments and outputs).
+Writes table.md, rows.md (dated rows for docs/benchmarks.md) and results.json to --out.
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import fused_cross_entropy as ce
+from pallas_kernels import fused_rmsnorm as rn
+from pallas_kernels import rope
+from pallas_kernels import swiglu as sg
+
+GB = 1e9
+
+
+def timeit(f, args, reps):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def mem(f, args):
+    m = f.lower(*args).compile().memory_analysis()
+    if m is None:
+        return float("nan"), float("nan")
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return m.temp_size_in_bytes / GB, total / GB
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def train_fn(loss):
+    """value and grads of sum(loss(args) * cot) w.r.t. the float inputs, as one jitted program."""
+    def f(*args):
+        flo = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+        def scalar(*fl):
+            full = list(args)
+            for i, v in zip(flo, fl):
+                full[i] = v
+            out = loss(*full)
+            return sum(jnp.sum(o.astype(jnp.float32) ** 2) * 0.5 for o in jax.tree.leaves(out))
+        return jax.value_and_grad(scalar, tuple(range(len(flo))))(*[args[i] for i in flo])
+    return jax.jit(f)
+
+
+def case(rows, op, shape, name, fn, args, ref_out, reps, tol, flops=None):
+    """Check fn against ref_out, then time it and read its compiled memory; append a row."""
+    jf = jax.jit(fn) if not hasattr(fn, "lower") else fn
+    try:
+        out = jf(*args)
+        err = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out)))
+        if not err < tol:
+            rows.append(dict(op=op, shape=shape, impl=name, ms=None, err=err, note=f"WRONG (>{tol}), not timed"))
+            print(f"{op:10s} {name:28s} WRONG err={err:.3g}", flush=True)
+            return out
+        ms = timeit(jf, args, reps)
+        temp, total = mem(jf, args)
+        row = dict(op=op, shape=shape, impl=name, ms=ms, err=err, temp_gb=temp, total_gb=total)
+        if flops:
+            row["tflops"] = flops / ms / 1e9
+        rows.append(row)
+        print(f"{op:10s} {name:28s} {ms:9.3f} ms  err {err:.2e}  temp {temp:7.3f} GB  total {total:7.3f} GB"
+              + (f"  {row['tflops']:.0f} TFLOP/s" if flops else ""), flush=True)
+        return out
+    except Exception as e:  # one failing variant must not hide the others' numbers
+        rows.append(dict(op=op, shape=shape, impl=name, ms=None, err=None, note=f"failed: {type(e).__name__}: {e}"[:300]))
+        print(f"{op:10s} {name:28s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
+def bench_ce(rows, a):
+    t, d, v = (16384, 2048, 128256) if not a.small else (256, 64, 1000)
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (t, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (d, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    y = jax.random.randint(k[2], (t,), 0, v).at[::50].set(-1)
+    shape = f"T={t} d={d} V={v} bf16"
+    flops = 6 * t * d * v  # fwd 2TdV + bwd 4TdV (the useful work, not our recomputation)
+    f_ref = train_fn(lambda h, w, y: ce.cross_entropy_reference(h, w, y))
+    ref = case(rows, "ce", shape, "xla_reference", f_ref, (h, w, y), f_ref(h, w, y), a.reps, 1e-6, flops)
+    for cs in ((4096, 2048) if not a.small else (64,)):
+        case(rows, "ce", shape, f"chunked_jnp(chunk={cs})",
+             train_fn(lambda h, w, y, cs=cs: ce.chunked_cross_entropy(h, w, y, chunk_size=cs)),
+             (h, w, y), ref, a.reps, 2e-2, flops)
+    configs = [ce.BlockSizes(),
+               ce.BlockSizes(fwd_v=256, bwd_v=256, num_warps=8),
+               ce.BlockSizes(fwd_t=64, fwd_splits=2, bwd_t=64, bwd_v=256, num_warps=4)]
+    for bs in configs if not a.small else configs[:1]:
+        tag = f"pallas(t{bs.fwd_t}/{bs.bwd_t} v{bs.fwd_v}/{bs.bwd_v} s{bs.fwd_splits} w{bs.num_warps})"
+        case(rows, "ce", shape, tag,
+             train_fn(lambda h, w, y, bs=bs: ce.fused_cross_entropy(h, w, y, block_sizes=bs, interpret=a.interpret)),
+             (h, w, y), ref, a.reps, 2e-2, flops)
+    # forward only (inference / eval loss)
+    f_ref = jax.jit(lambda h, w, y: ce.cross_entropy_reference(h, w, y))
+    ref = case(rows, "ce_fwd", shape, "xla_reference", f_ref, (h, w, y), f_ref(h, w, y), a.reps, 1e-6)
+    case(rows, "ce_fwd", shape, "chunked_jnp(chunk=4096)",
+         lambda h, w, y: ce.chunked_cross_entropy(h, w, y, chunk_size=4096), (h, w, y), ref, a.reps, 2e-2)
+    case(rows, "ce_fwd", shape, "pallas(default)",
+         lambda h, w, y: ce.fused_cross_entropy(h, w, y, interpret=a.interpret), (h, w, y), ref, a.reps, 2e-2)
+
+
+def bench_pair(rows, a, op, shape, ours, ref_fn, args, tol, flops=None):
+    for mode, wrap in (("fwd", jax.jit), ("fwd+bwd", train_fn)):
+        r = wrap(ref_fn)
+        ref = case(rows, f"{op}_{mode}", shape, "xla_reference", r, args, r(*args), a.reps, 1e-6, flops and (
+            flops if mode == "fwd" else 3 * flops))
+        case(rows, f"{op}_{mode}", shape, "pallas", wrap(ours), args, ref, a.reps, tol,
+             flops and (flops if mode == "fwd" else 3 * flops))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="ce,swiglu,rmsnorm,rope")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--interpret", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    ops = a.ops.split(",")
+    k = jax.random.split(jax.random.key(1), 6)
+    bf = jnp.bfloat16
+    if "ce" in ops:  # first: the op that matters most, in case the run is cut short
+        bench_ce(rows, a)
+    if "swiglu" in ops:
+        t, d, f = (16384, 2048, 8192) if not a.small else (100, 64, 128)
+        x = jax.random.normal(k[0], (t, d)).astype(bf)
+        wg, wu = (jax.random.normal(kk, (d, f)) * 0.02 for kk in k[1:3])
+        args = (x, wg.astype(bf), wu.astype(bf))
+        bench_pair(rows, a, "swiglu", f"T={t} d={d} f={f} bf16",
+                   lambda x, g, u: sg.swiglu(x, g, u, interpret=a.interpret), sg.swiglu_reference, args, 2e-2,
+                   flops=4 * t * d * f)
+    if "rmsnorm" in ops:
+        t, d = (16384, 2048) if not a.small else (100, 64)
+        args = (jax.random.normal(k[3], (t, d)).astype(bf), jax.random.normal(k[4], (t, d)).astype(bf),
+                (1 + 0.1 * jax.random.normal(k[5], (d,))).astype(bf))
+        bench_pair(rows, a, "rmsnorm+res", f"T={t} d={d} bf16",
+                   lambda x, r, w: rn.rms_norm(x, w, eps=1e-5, residual=r, interpret=a.interpret),
+                   lambda x, r, w: rn.rms_norm_reference(x, w, eps=1e-5, residual=r), args, 1e-2)
+    if "rope" in ops:
+        b, s, h, kvh, hd = (4, 4096, 32, 8, 64) if not a.small else (1, 64, 4, 2, 16)
+        q = jax.random.normal(k[0], (b, s, h, hd)).astype(bf)
+        kk = jax.random.normal(k[1], (b, s, kvh, hd)).astype(bf)
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        sc = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        bench_pair(rows, a, "rope", f"b={b} s={s} h={h}/{kvh} d={hd} bf16",
+                   lambda q, k_, p: rope.apply_rope(q, k_, p, theta=5e5, scaling=sc, interpret=a.interpret),
+                   lambda q, k_, p: rope.apply_rope_reference(q, k_, p, theta=5e5, scaling=sc), (q, kk, pos), 1e-2)
+
+    dev = jax.devices()[0]
+    stamp = datetime.date.today().isoformat()
+    head = "| date | device | jax | op | shapes | impl | ms | vs XLA | rel err | temp GB | total GB |"
+    lines = [head, "|" + " --- |" * 11]
+    ref_ms = {r["op"]: r["ms"] for r in rows if r["impl"] == "xla_reference" and r["ms"]}
+    for r in rows:
+        ratio = (f"{ref_ms[r['op']] / r['ms']:.2f}x" if r["ms"] and r["op"] in ref_ms else "-")
+        ms = f"{r['ms']:.3f}" if r["ms"] else r.get("note", "-")
+        err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
+        lines.append(f"| {stamp} | {dev.device_kind} | {jax.__version__} | {r['op']} | {r['shape']} | {r['impl']} | "
+                     f"{ms} | {ratio} | {err} | {r.get('temp_gb', float('nan')):.2f} | "
+                     f"{r.get('total_gb', float('nan')):.2f} |")
+    table = "\n".join(lines)
+    for name, text in (("table.md", table), ("rows.md", "\n".join(lines[2:]))):
+        with open(os.path.join(a.out, name), "w") as fh:
+            fh.write(text + "\n")
+    with open(os.path.join(a.out, "results.json"), "w") as fh:
+        json.dump(dict(device=dev.device_kind, jax=jax.__version__, date=stamp, rows=rows), fh, indent=1)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
