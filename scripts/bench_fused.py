@@ -91,7 +91,7 @@ def case(rows, op, shape, name, fn, args, ref_out, reps, tol, flops=None):
         return out
     except Exception as e:  # one failing variant must not hide the others' numbers
         rows.append(dict(op=op, shape=shape, impl=name, ms=None, err=None, note=f"failed: {type(e).__name__}: {e}"[:300]))
-        print(f"{op:10s} {name:28s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"{op:10s} {name:28s} FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
         return None
 
 
