@@ -416,3 +416,33 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
         return fn(q, k, v)
     q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
     return fn(q, k, v, q_ids, kv_ids)
+
+
+# ----------------------------------------------------------------------------- local flash (jnp)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _jnp_flash(q, k, v, q_seg, kv_seg, causal, scale, block_k):
+    return jnp_block_fwd(q, k, v, q_seg, kv_seg, causal=causal, scale=scale, block_k=block_k)[0].astype(q.dtype)
+
+
+def _jnp_flash_fwd(q, k, v, q_seg, kv_seg, causal, scale, block_k):
+    o, lse = jnp_block_fwd(q, k, v, q_seg, kv_seg, causal=causal, scale=scale, block_k=block_k)
+    o = o.astype(q.dtype)
+    return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _jnp_flash_bwd(causal, scale, block_k, res, do):
+    q, k, v, q_seg, kv_seg, o, lse = res
+    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1), 1, 2)
+    dq, dk, dv = jnp_block_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, causal=causal, scale=scale, block_k=block_k)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_jnp_flash.defvjp(_jnp_flash_fwd, _jnp_flash_bwd)
+
+
+def jnp_flash_attention(q, k, v, *, causal: bool, segment_ids=None, sm_scale=None, block_k: int = 512):
+    """Single-device attention in jnp with memory ~ s x block_k (not s x s), forward and backward:
+    the ring's block pieces on one block. A portable `attention_fn` for Ulysses at long S."""
+    scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
+    q_ids, kv_ids = (segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids))
+    return _jnp_flash(q, k, v, q_ids, kv_ids, bool(causal), scale, int(block_k))
