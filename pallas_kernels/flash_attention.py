@@ -149,6 +149,14 @@ def _q_bounds(cfg, k_start, block_q, block_k):
     return lo, mid, nq
 
 
+def _loop(lo, hi, body, carry):
+    """fori_loop that vanishes when both bounds are static and the range is empty (e.g. the masked
+    loop of a full, block-aligned problem), so no dead loop reaches the Triton compiler."""
+    if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+        return carry
+    return lax.fori_loop(lo, hi, body, carry)
+
+
 # ----------------------------------------------------------------------------- forward kernel
 def _fwd_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
     if cfg.has_seg:
@@ -187,8 +195,8 @@ def _fwd_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
     carry = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     n_full, hi = _kv_bounds(cfg, q_start, block_q, block_k)
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    acc, m, l = lax.fori_loop(n_full, hi, functools.partial(body, masked=True), carry)
+    carry = _loop(0, n_full, functools.partial(body, masked=False), carry)
+    acc, m, l = _loop(n_full, hi, functools.partial(body, masked=True), carry)
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
     o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)

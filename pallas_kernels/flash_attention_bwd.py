@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import LOG2E, _Cfg, _dot, _fit, _kv_bounds, _mask, _params, _q_bounds
+from pallas_kernels.flash_attention import LOG2E, _Cfg, _dot, _fit, _kv_bounds, _loop, _mask, _params, _q_bounds
 
 
 def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
@@ -43,8 +43,8 @@ def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
 
     dq = jnp.zeros(q.shape, jnp.float32)
     n_full, hi = _kv_bounds(cfg, q_start, block_q, block_k)
-    dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(n_full, hi, functools.partial(body, masked=True), dq)
+    dq = _loop(0, n_full, functools.partial(body, masked=False), dq)
+    dq = _loop(n_full, hi, functools.partial(body, masked=True), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
@@ -87,8 +87,8 @@ def _dkv_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
     # static loop over the group's q heads: each is a separate operand (same buffer), so every ref
     # stays a plain 2-D tile and the kernel needs no strided head indexing
     for hg in range(g):
-        carry = lax.fori_loop(lo, mid, functools.partial(body, hg=hg, masked=True), carry)
-        carry = lax.fori_loop(mid, nq, functools.partial(body, hg=hg, masked=False), carry)
+        carry = _loop(lo, mid, functools.partial(body, hg=hg, masked=True), carry)
+        carry = _loop(mid, nq, functools.partial(body, hg=hg, masked=False), carry)
     dk, dv = carry
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)

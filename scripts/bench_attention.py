@@ -1,0 +1,189 @@
+"""Attention speed on one GPU: ours (Pallas FlashAttention, block-size variants) vs cuDNN and XLA
+through jax.nn.dot_product_attention, JAX's Pallas `mha`, and JAX's Mosaic `attention_mgpu` (fwd, fp16).
+
+B*S = 16k tokens, H*D = 2048, bf16. Every result is first checked against a float32 reference on the
+last 256 query rows of batch 0 (forward, and dq/dk/dv with dO zero outside those rows, which makes
+the sliced reference exact); over the threshold it is a FAIL, not a time. Shapes run in priority
+order under a time budget, so a cut-short run still has the headline shapes.
+Usage: PYTHONPATH=$PWD python3 scripts/bench_attention.py --budget-s 300 --out $OUT
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
+
+VARIANTS = {  # every variant tried is recorded; A is the default (BlockSizes.default)
+    "A": None,
+    "B": lambda d: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=2, block_q_dq=64, block_k_dq=64,
+                              block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8, num_stages_bwd=2),
+    "C": lambda d: BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3, block_q_dq=64, block_k_dq=64,
+                              block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4, num_stages_bwd=3),
+}
+CHECK_ROWS, FWD_TOL, BWD_TOL = 256, 2e-2, 5e-2
+TOKENS, HD, INTERPRET = 16384, 2048, False  # --smoke shrinks these to check the script on CPU
+
+
+def impls(d):
+    from jax.experimental.pallas.ops.gpu import attention as jmha
+    out = {f"ours{v}": (lambda q, k, v, c, bs=VARIANTS[v]: flash_attention(q, k, v, causal=c, block_sizes=bs and bs(d),
+                                                                                        interpret=INTERPRET))
+           for v in VARIANTS}
+    out["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
+    out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
+    out["pallas_mha"] = lambda q, k, v, c: jmha.mha(q, k, v, None, sm_scale=d ** -0.5, causal=c)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mg
+
+        def mgpu(q, k, v, c):
+            cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=c)
+            return mg.attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16), cfg)
+        out["mgpu_fp16_fwd"] = mgpu
+    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+        print("attention_mgpu unavailable:", repr(e)[:200])
+    return out
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def timeit(f, *args, warmup=2, reps=10):
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
+    b, h = TOKENS // s, HD // d
+    ks = jax.random.split(jax.random.key(s + d + causal), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+    # checking: only the checked rows carry a cotangent; timing uses the full random dO (never zeros)
+    do_chk = do.at[:, : s - CHECK_ROWS].set(0)
+    fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+
+    def fb(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
+        return vjp(do.astype(o.dtype))
+    fwdbwd = jax.jit(fb)
+    key = (s, d, causal)
+    if key not in ref_cache:
+        f32 = lambda x: x[:1].astype(jnp.float32)  # noqa: E731
+        (ro, vjp) = jax.vjp(lambda q, k, v: flash_attention_reference(q, k, v, causal=causal),
+                            f32(q)[:, -CHECK_ROWS:], f32(k), f32(v))
+        ref_cache.clear()
+        ref_cache[key] = (ro, vjp(f32(do_chk)[:, -CHECK_ROWS:]))
+    ro, (rdq, rdk, rdv) = ref_cache[key]
+    row = dict(impl=name, S=s, D=d, B=b, H=h, causal=causal)
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    try:
+        err = rel(fwd(q, k, v)[:1, -CHECK_ROWS:], ro)
+        row["fwd_err"] = err
+        if not err < FWD_TOL:
+            row["fwd"] = "FAIL"
+        else:
+            t = timeit(fwd, q, k, v)
+            row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
+        if not fwd_only:
+            dq, dk, dv = fwdbwd(q, k, v, do_chk)
+            err = max(rel(dq[:1, -CHECK_ROWS:], rdq), rel(dk[:1], rdk), rel(dv[:1], rdv))
+            row["bwd_err"] = err
+            if not err < BWD_TOL:
+                row["fwdbwd"] = "FAIL"
+            else:
+                t = timeit(fwdbwd, q, k, v, do)
+                row.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return row
+
+
+def plan():
+    """(S, D, causal, impl names) in priority order: the issue's headline shapes first."""
+    peers = ["cudnn", "xla", "pallas_mha", "mgpu_fp16_fwd"]
+    first = [(s, 128, c) for c in (True, False) for s in (4096, 8192)]
+    second = [(s, 64, c) for c in (True, False) for s in (4096, 8192)]
+    rest = [(s, d, c) for s in (2048, 1024, 16384) for d in (128, 64) for c in (True, False)]
+    out = [(s, d, c, ["oursA", "oursB", "oursC"] + peers) for s, d, c in first]
+    out += [(s, d, c, ["oursA", "oursB"] + peers) for s, d, c in second]
+    out += [(s, d, c, ["oursA"] + peers) for s, d, c in rest]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: CPU check of the script")
+    args = ap.parse_args()
+    global TOKENS, HD, INTERPRET, CHECK_ROWS
+    if args.smoke:
+        TOKENS, HD, INTERPRET, CHECK_ROWS = 512, 256, True, 32
+    t0 = time.time()
+    dev = jax.devices()[0].device_kind
+    rows, ref_cache = [], {}
+    jsonl = open(os.path.join(args.out, "bench_attention.jsonl"), "w")
+    for s, d, causal, names in plan():
+        if s > TOKENS:
+            s = TOKENS // 2
+        table = impls(d)
+        for name in names:
+            if time.time() - t0 > args.budget_s:
+                break
+            if name not in table:
+                continue
+            row = bench_shape(name, table[name], s, d, causal, name == "mgpu_fp16_fwd", ref_cache)
+            row.update(device=dev, jax=jax.__version__)
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            print(json.dumps(row), flush=True)
+    write_md(rows, os.path.join(args.out, "attention_rows.md"), dev)
+    print(open(os.path.join(args.out, "attention_rows.md")).read())
+    print(f"bench wall {time.time() - t0:.0f}s, {len(rows)} measurements")
+
+
+def _cell(r, k):
+    if r.get("error"):
+        return "ERR"
+    if r.get(k) == "FAIL":
+        return "FAIL"
+    v = r.get(f"{k}_tflops")
+    return f"{v:.0f}" if v is not None else "-"
+
+
+def write_md(rows, path, dev):
+    """One dated line per (shape): TFLOP/s fwd / fwd+bwd for each impl, and ours/cuDNN ratios."""
+    today = datetime.date.today().isoformat()
+    shapes = sorted({(r["S"], r["D"], r["causal"]) for r in rows}, key=lambda x: (x[1], x[2], x[0]))
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    lines = [f"| date | device | jax | B x S x H x D | causal | " + " | ".join(names) + " | A/cudnn fwd | A/cudnn f+b |",
+             "| --- " * (len(names) + 7) + "|"]
+    for s, d, c in shapes:
+        by = {r["impl"]: r for r in rows if (r["S"], r["D"], r["causal"]) == (s, d, c)}
+        cells = [f"{_cell(by[n], 'fwd')} / {_cell(by[n], 'fwdbwd')}" if n in by else "" for n in names]
+        a, cu = by.get("oursA", {}), by.get("cudnn", {})
+        ratio = lambda k: (f"{a[k] / cu[k]:.2f}" if a.get(k) and cu.get(k) else "-")  # noqa: E731
+        lines.append(f"| {today} | {dev} | {jax.__version__} | {TOKENS // s}x{s}x{HD // d}x{d} | {c} | "
+                     + " | ".join(cells) + f" | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
