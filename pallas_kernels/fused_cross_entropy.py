@@ -48,16 +48,23 @@ class BlockSizes:
     bwd_t: int = 128        # tokens per backward tile
     bwd_v: int = 128        # vocab columns per backward tile
     block_d: int = 64       # contraction chunk over d
+    dw_t: int = 0           # dweight kernel tiles (0: bwd_t / bwd_v); its RMW traffic goes as 1/dw_t
+    dw_v: int = 0
+    # bwd_chunk > 0 switches the backward to "G slabs": a Pallas kernel writes dlogits for
+    # bwd_chunk tokens at a time ([bwd_chunk, V] bf16, never [T, V]) and cuBLAS does dh and dW.
+    bwd_chunk: int = 0
     num_warps: int = 8
     num_stages: int = 3
 
     def validate(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or v < (0 if f.name in ("dw_t", "dw_v", "bwd_chunk") else 1):
                 raise ValueError(f"BlockSizes.{f.name}={v!r} must be a positive int")
-        for name in ("fwd_t", "fwd_v", "bwd_t", "bwd_v", "block_d"):
+        for name in ("fwd_t", "fwd_v", "bwd_t", "bwd_v", "block_d", "dw_t", "dw_v"):
             v = getattr(self, name)
+            if name in ("dw_t", "dw_v") and v == 0:
+                continue
             if v & (v - 1) or v < 16:
                 raise ValueError(f"BlockSizes.{name}={v} must be a power of two >= 16 (Triton tiles and dot)")
 
@@ -266,6 +273,47 @@ def _dw_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dw_ref, *, T, d, 
             _store(dw_ref, k * bk, bk, d, c0, bv, V, acc, mask_r=md, mask_c=mv)
 
 
+def _g_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, g_ref, *, T, d, V, bt, bv, bk, mt, mv, md,
+              logit_dtype):
+    """One [bt, bv] tile of dlogits for a chunk of tokens: a GEMM with a softmax-grad epilogue."""
+    r0, c0 = pl.program_id(0) * bt, pl.program_id(1) * bv
+    vecs = _row_vecs(lse_ref, cp_ref, cy_ref, lab_ref, r0, bt, T, mt)
+    g = _grad_tile(h_ref, w_ref, vecs, r0, c0, bt=bt, bv=bv, bk=bk, T=T, d=d, V=V, mt=mt, mv=mv, md=md,
+                   logit_dtype=logit_dtype, out_dtype=g_ref.dtype)
+    _store(g_ref, r0, bt, T, c0, bv, V, g, mask_r=mt, mask_c=mv)
+
+
+def _backward_slabs(hidden, weight, labels, lse, cp, cy, logit_dtype, bs, interpret):
+    """Backward by token chunks: the Pallas kernel recomputes logits and writes dlogits for one
+    chunk in the weights' dtype; dh and dW are then plain GEMMs (cuBLAS on GPU), which a Triton
+    GEMM with a read-modify-write accumulator does not match. Memory: one [chunk, V] slab plus
+    the fp32 dW accumulator; time: the recomputation at Triton speed + 2 GEMMs at cuBLAS speed."""
+    t, d, v, bk = _dims(hidden, weight, bs)
+    c = min(bs.bwd_chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    bt, bv = _fit(bs.bwd_t, c), _fit(bs.bwd_v, v)
+    kern = functools.partial(_g_kernel, T=c, d=d, V=v, bt=bt, bv=bv, bk=bk, mt=c % bt != 0, mv=v % bv != 0,
+                             md=d % bk != 0, logit_dtype=logit_dtype)
+    call = pl.pallas_call(
+        kern, out_shape=jax.ShapeDtypeStruct((c, v), weight.dtype), grid=(pl.cdiv(c, bt), pl.cdiv(v, bv)),
+        interpret=interpret, compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        name="fused_ce_dlogits")
+    chunks = lambda a, fill=0: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape(
+        (n, c) + a.shape[1:])
+    xs = (chunks(hidden), chunks(lse), chunks(cp), chunks(cy), chunks(labels.astype(jnp.int32), -1))
+
+    def step(dw, x):
+        hc, lc, pc, yc, labc = x
+        g = call(hc, weight, lc, pc, yc, labc)
+        dh = lax.dot_general(g, weight, _NT, preferred_element_type=jnp.float32)
+        dw = dw + lax.dot_general(hc, g, _TN, preferred_element_type=jnp.float32)
+        return dw, dh
+
+    dw, dh = lax.scan(step, jnp.zeros((d, v), jnp.float32), xs)
+    return dh.reshape(n * c, d)[:t], dw
+
+
 # --------------------------------------------------------------------------- wrapper
 
 def _fit(b, n):
@@ -314,6 +362,8 @@ def _backward(hidden, weight, labels, lse, cp, cy, logit_dtype, bs, interpret):
         functools.partial(_dh_kernel, **common), out_shape=jax.ShapeDtypeStruct((t, d), jnp.float32),
         grid=(pl.cdiv(t, bt),), interpret=interpret, compiler_params=params, name="fused_ce_dhidden",
     )(*args)
+    bt, bv = _fit(bs.dw_t or bs.bwd_t, t), _fit(bs.dw_v or bs.bwd_v, v)
+    common.update(bt=bt, bv=bv, mt=t % bt != 0, mv=v % bv != 0)
     dw = pl.pallas_call(
         functools.partial(_dw_kernel, **common), out_shape=jax.ShapeDtypeStruct((d, v), jnp.float32),
         grid=(pl.cdiv(v, bv),), interpret=interpret, compiler_params=params, name="fused_ce_dweight",
@@ -338,7 +388,8 @@ def _fused_ce_bwd(ignore_index, z_loss, logit_dtype, bs, interpret, res, dloss):
     dloss = jnp.where(valid, dloss.astype(jnp.float32), 0.0)
     # d(lse + z*lse^2)/dlogit = (1 + 2 z lse) * softmax; d(-logit[y])/dlogit = -onehot.
     cp = dloss * (1.0 + 2.0 * z_loss * lse)
-    dh, dw = _backward(hidden, weight, labels, lse, cp, dloss, logit_dtype, bs, interpret)
+    back = _backward_slabs if bs.bwd_chunk else _backward
+    dh, dw = back(hidden, weight, labels, lse, cp, dloss, logit_dtype, bs, interpret)
     return dh.astype(hidden.dtype), dw.astype(weight.dtype), None
 
 

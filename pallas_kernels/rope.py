@@ -94,13 +94,14 @@ def _check(q, k, positions):
 
 def _rot_one(x_ref, o_ref, cos, sin, r0, *, br, n, h, half):
     # h and half are powers of two here (the wrapper pads otherwise): Pallas refuses static
-    # slices past the array, so only the (dynamic) row tail is masked.
-    mask = ((r0 + jnp.arange(br)) < n)[:, None, None]
-    mask = jnp.broadcast_to(mask, (br, h, half))
+    # slices past the array, so only the (dynamic) row tail is masked, and only when it exists.
+    mask = None
+    if n % br:
+        mask = jnp.broadcast_to(((r0 + jnp.arange(br)) < n)[:, None, None], (br, h, half))
     v1 = x_ref.at[pl.ds(r0, br), pl.ds(0, h), pl.ds(0, half)]
     v2 = x_ref.at[pl.ds(r0, br), pl.ds(0, h), pl.ds(half, half)]
-    x1 = plgpu.load(v1, mask=mask, other=0).astype(jnp.float32)
-    x2 = plgpu.load(v2, mask=mask, other=0).astype(jnp.float32)
+    x1 = plgpu.load(v1, mask=mask, other=None if mask is None else 0).astype(jnp.float32)
+    x2 = plgpu.load(v2, mask=mask, other=None if mask is None else 0).astype(jnp.float32)
     c, s = cos[:, None, :], sin[:, None, :]
     plgpu.store(o_ref.at[pl.ds(r0, br), pl.ds(0, h), pl.ds(0, half)], (x1 * c - x2 * s).astype(o_ref.dtype),
                 mask=mask)

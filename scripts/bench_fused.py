@@ -109,11 +109,14 @@ def bench_ce(rows, a):
         case(rows, "ce", shape, f"chunked_jnp(chunk={cs})",
              train_fn(lambda h, w, y, cs=cs: ce.chunked_cross_entropy(h, w, y, chunk_size=cs)),
              (h, w, y), ref, a.reps, 2e-2, flops)
-    configs = [ce.BlockSizes(),
-               ce.BlockSizes(fwd_v=256, bwd_v=256, num_warps=8),
-               ce.BlockSizes(fwd_t=64, fwd_splits=2, bwd_t=64, bwd_v=256, num_warps=4)]
+    # run 1 (docs/benchmarks.md) swept 128/128, 256/256 and 64/256 tiles; 256/256 was best (220 ms)
+    configs = [ce.BlockSizes(fwd_v=256, bwd_v=256),
+               ce.BlockSizes(fwd_v=256, bwd_v=256, dw_t=256, dw_v=128),
+               ce.BlockSizes(bwd_chunk=4096),
+               ce.BlockSizes(bwd_chunk=2048, bwd_v=256)]
     for bs in configs if not a.small else configs[:1]:
-        tag = f"pallas(t{bs.fwd_t}/{bs.bwd_t} v{bs.fwd_v}/{bs.bwd_v} s{bs.fwd_splits} w{bs.num_warps})"
+        tag = (f"pallas(t{bs.fwd_t}/{bs.bwd_t} v{bs.fwd_v}/{bs.bwd_v} s{bs.fwd_splits} w{bs.num_warps}"
+               + (f" dw{bs.dw_t}/{bs.dw_v}" if bs.dw_t else "") + (f" slab{bs.bwd_chunk}" if bs.bwd_chunk else "") + ")")
         case(rows, "ce", shape, tag,
              train_fn(lambda h, w, y, bs=bs: ce.fused_cross_entropy(h, w, y, block_sizes=bs, interpret=a.interpret)),
              (h, w, y), ref, a.reps, 2e-2, flops)
@@ -122,17 +125,21 @@ def bench_ce(rows, a):
     ref = case(rows, "ce_fwd", shape, "xla_reference", f_ref, (h, w, y), f_ref(h, w, y), a.reps, 1e-6)
     case(rows, "ce_fwd", shape, "chunked_jnp(chunk=4096)",
          lambda h, w, y: ce.chunked_cross_entropy(h, w, y, chunk_size=4096), (h, w, y), ref, a.reps, 2e-2)
-    case(rows, "ce_fwd", shape, "pallas(default)",
-         lambda h, w, y: ce.fused_cross_entropy(h, w, y, interpret=a.interpret), (h, w, y), ref, a.reps, 2e-2)
+    for fv in (128, 256):
+        case(rows, "ce_fwd", shape, f"pallas(fwd_v={fv})",
+             lambda h, w, y, fv=fv: ce.fused_cross_entropy(h, w, y, block_sizes=ce.BlockSizes(fwd_v=fv),
+                                                           interpret=a.interpret), (h, w, y), ref, a.reps, 2e-2)
 
 
 def bench_pair(rows, a, op, shape, ours, ref_fn, args, tol, flops=None):
+    """ours: one function, or {variant name: function}."""
+    ours = ours if isinstance(ours, dict) else {"pallas": ours}
     for mode, wrap in (("fwd", jax.jit), ("fwd+bwd", train_fn)):
         r = wrap(ref_fn)
-        ref = case(rows, f"{op}_{mode}", shape, "xla_reference", r, args, r(*args), a.reps, 1e-6, flops and (
-            flops if mode == "fwd" else 3 * flops))
-        case(rows, f"{op}_{mode}", shape, "pallas", wrap(ours), args, ref, a.reps, tol,
-             flops and (flops if mode == "fwd" else 3 * flops))
+        fl = flops and (flops if mode == "fwd" else 3 * flops)
+        ref = case(rows, f"{op}_{mode}", shape, "xla_reference", r, args, r(*args), a.reps, 1e-6, fl)
+        for name, fn in ours.items():
+            case(rows, f"{op}_{mode}", shape, name, wrap(fn), args, ref, a.reps, tol, fl)
 
 
 def main():
@@ -171,8 +178,9 @@ def main():
         kk = jax.random.normal(k[1], (b, s, kvh, hd)).astype(bf)
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         sc = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-        bench_pair(rows, a, "rope", f"b={b} s={s} h={h}/{kvh} d={hd} bf16",
-                   lambda q, k_, p: rope.apply_rope(q, k_, p, theta=5e5, scaling=sc, interpret=a.interpret),
+        variants = {f"pallas(rows={br} w{nw})": (lambda q, k_, p, bs=rope.BlockSizes(br, nw): rope.apply_rope(
+            q, k_, p, theta=5e5, scaling=sc, interpret=a.interpret, block_sizes=bs)) for br, nw in ((16, 4), (64, 8))}
+        bench_pair(rows, a, "rope", f"b={b} s={s} h={h}/{kvh} d={hd} bf16", variants,
                    lambda q, k_, p: rope.apply_rope_reference(q, k_, p, theta=5e5, scaling=sc), (q, kk, pos), 1e-2)
 
     dev = jax.devices()[0]

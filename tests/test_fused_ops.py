@@ -4,6 +4,7 @@ CPU: Pallas interpret mode, float32, awkward sizes (no dimension a multiple of i
 GPU (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/test_fused_ops.py`): compiled Triton
 kernels in fp32 (TF32 dots) and bf16, at tolerances for those precisions.
 """
+import dataclasses
 import re
 
 import jax
@@ -52,15 +53,16 @@ def _ce_loss_and_grads(fn, h, w, y, cot, **kw):
     return loss, g
 
 
-CE_BLOCKS = ce.BlockSizes(fwd_t=16, fwd_v=64, fwd_splits=2, bwd_t=16, bwd_v=64, block_d=16)
+CE_TILES = ce.BlockSizes(fwd_t=16, fwd_v=64, fwd_splits=2, bwd_t=16, bwd_v=64, block_d=16, dw_t=32, dw_v=32)
+CE_SLABS = ce.BlockSizes(fwd_t=16, fwd_v=64, bwd_t=16, bwd_v=64, block_d=16, bwd_chunk=16)
 
 
-@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
-def test_cross_entropy_matches_reference(z_loss):
+@pytest.mark.parametrize("z_loss,blocks", [(0.0, CE_TILES), (1e-2, CE_SLABS)], ids=["tiles", "slabs_zloss"])
+def test_cross_entropy_matches_reference(z_loss, blocks):
     h, w, y, cot = _ce_case(0, 37, 40, 300)  # 37 % 16, 40 % 16, 300 % 64 all nonzero
     ref, gref = _ce_loss_and_grads(ce.cross_entropy_reference, h, w, y, cot, z_loss=z_loss)
     out, gout = _ce_loss_and_grads(ce.fused_cross_entropy, h, w, y, cot, z_loss=z_loss,
-                                   block_sizes=CE_BLOCKS, interpret=True)
+                                   block_sizes=blocks, interpret=True)
     chk, gchk = _ce_loss_and_grads(ce.chunked_cross_entropy, h, w, y, cot, z_loss=z_loss, chunk_size=16)
     for o, g in ((out, gout), (chk, gchk)):
         np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-5)
@@ -90,14 +92,16 @@ def test_cross_entropy_never_holds_tokens_x_vocab():
     t, d, v = 1024, 32, 2048  # logits would be 8 MiB in fp32; everything else here is < 1 MiB
     h, w, y, cot = _ce_case(5, t, d, v)
     blocks = ce.BlockSizes(fwd_t=128, fwd_v=512, bwd_t=128, bwd_v=512, block_d=32)
+    slabs = dataclasses.replace(blocks, bwd_chunk=256)
 
     def train(fn, **kw):
         return jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(fn(h, w, y, ignore_index=-100, **kw) * cot), (0, 1)))
 
     ref = train(ce.cross_entropy_reference).lower(h, w).compile()
     assert _txv_lines(ref.as_text(), t, v), "the check must see the reference's logits"
-    for name, kw in (("fused", dict(block_sizes=blocks, interpret=True)), ("chunked", dict(chunk_size=128))):
-        fn = ce.fused_cross_entropy if name == "fused" else ce.chunked_cross_entropy
+    for name, kw in (("fused", dict(block_sizes=blocks, interpret=True)),
+                     ("fused_slabs", dict(block_sizes=slabs, interpret=True)), ("chunked", dict(chunk_size=128))):
+        fn = ce.chunked_cross_entropy if name == "chunked" else ce.fused_cross_entropy
         comp = train(fn, **kw).lower(h, w).compile()
         assert not _txv_lines(comp.as_text(), t, v), f"{name}: a [T, V] buffer in the HLO"
         mem = comp.memory_analysis()
