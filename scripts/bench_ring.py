@@ -130,7 +130,7 @@ def append_docs(path, text):
     else:
         start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        lines[end:end] = ["\n", text]
+        lines[end:end] = ["\n", text] + (["\n"] if end < len(lines) else [])
     with open(path, "w") as f:
         f.writelines(lines)
 
