@@ -6,7 +6,11 @@ if not os.environ.get("MESHLAB_TEST_GPU"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in _flags and not os.environ.get("MESHLAB_TEST_GPU"):
+    # 5x faster CPU compiles (meshlab.compat); never applied to GPU code generation
+    _flags += " --xla_backend_optimization_level=1"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -51,15 +51,17 @@ def zigzag_restore(x, n: int, axis: int = 1):
 
 def context_attention(q, k, v, *, strategy: str, mesh, causal: bool, segment_ids=None, sm_scale=None,
                       batch_axes=None, head_axes=None, axis_name: str = "context", zigzag: bool | None = None,
-                      block_impl: str = "jnp", attention_fn=None):
+                      block_impl: str = "auto", attention_fn=None):
     """Self-attention with the sequence sharded over `axis_name`, by `strategy` ("ring" | "ulysses").
 
     q [b, s, h, d], k/v [b, s, kvh, d], segment_ids [b, s] or None: global arrays whose
     sequence dim is sharded over `axis_name` (batch over `batch_axes`, heads over `head_axes`,
     each a mesh axis name, a tuple of names, or None). zigzag: whether the sequence is in
     zig-zag order; default `uses_zigzag(strategy, causal, n)` -- i.e. what the pipeline did if
-    it followed the module docstring. block_impl ("jnp" | "pallas") is the ring's per-block
-    kernel; attention_fn is Ulysses' local attention. Returns [b, s, h, d] in the same order.
+    it followed the module docstring. block_impl ("auto" | "jnp" | "pallas") is the ring's
+    per-block kernel (auto: Pallas on GPU); attention_fn is Ulysses' local attention (default:
+    `dot_product_attention(impl="auto")`, i.e. Pallas flash on GPU, xla on CPU). Returns
+    [b, s, h, d] in the same order.
     """
     n = mesh.shape[axis_name]
     if strategy not in STRATEGIES:
@@ -70,4 +72,9 @@ def context_attention(q, k, v, *, strategy: str, mesh, causal: bool, segment_ids
                   batch_axes=batch_axes, head_axes=head_axes, zigzag=zigzag)
     if strategy == "ring":
         return ring_attention(q, k, v, block_impl=block_impl, **common)
-    return ulysses_attention(q, k, v, attention_fn=attention_fn, **common)
+    return ulysses_attention(q, k, v, attention_fn=attention_fn or _auto_local_attention, **common)
+
+
+def _auto_local_attention(q, k, v, *, causal, segment_ids=None, sm_scale=None):
+    from pallas_kernels.attention import dot_product_attention
+    return dot_product_attention(q, k, v, impl="auto", causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)

@@ -245,7 +245,20 @@ def _block_fns(block_impl: str, block_k: int):
         def pbwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, causal, scale):
             return bwd(q, k, v, do, lse, delta, grad_dtype=jnp.float32, **_kw(q, k, q_seg, kv_seg, causal, scale))
         return pfwd, pbwd
-    raise ValueError(f"unknown block_impl {block_impl!r}; choose 'jnp' or 'pallas'")
+    raise ValueError(f"unknown block_impl {block_impl!r}; choose 'jnp', 'pallas' or 'auto'")
+
+
+def resolve_block_impl(block_impl: str, head_dim: int) -> str:
+    """'auto': the Pallas block kernels on GPU when present and the head dim suits them, else jnp."""
+    if block_impl != "auto":
+        return block_impl
+    if jax.default_backend() != "gpu" or head_dim not in (16, 32, 64, 128, 256):
+        return "jnp"
+    try:
+        from pallas_kernels import flash_attention as fa
+        return "pallas" if hasattr(fa, "flash_attention_block_fwd") else "jnp"
+    except ImportError:
+        return "jnp"
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -395,8 +408,10 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
     axis name, tuple of names, or None). With `causal and zigzag` the sequence must already be
     in zig-zag order (`zigzag_permutation(s, context size)`); the output is in the same order.
     segment_ids: [b, s] int (same order as q), or a (q_ids, kv_ids) pair; tokens attend only
-    within their segment. block_impl: "jnp" (tiled over `block_k` keys) or "pallas"
-    (`pallas_kernels.flash_attention` block kernels, GPU). Returns [b, s, h, d] in q.dtype.
+    within their segment. block_impl: "jnp" (tiled over `block_k` keys; a causal diagonal call
+    computes its masked half too), "pallas" (`pallas_kernels.flash_attention` block kernels,
+    GPU; skips masked tiles) or "auto" (pallas on GPU when usable, else jnp).
+    Returns [b, s, h, d] in q.dtype.
     """
     n = mesh.shape[axis_name]
     b, s, h, d = q.shape
@@ -408,6 +423,7 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
         raise ValueError(f"ring attention needs the sequence length ({s}) divisible by 2 x the "
                          f"'{axis_name}' size ({2 * n}); pad the sequence")
     scale = float(sm_scale) if sm_scale is not None else d ** -0.5
+    block_impl = resolve_block_impl(block_impl, d)
     cfg = _Cfg(n, axis_name, bool(causal), bool(zigzag) and bool(causal), scale, block_impl, int(block_k))
     _block_fns(block_impl, block_k)  # fail early with the clear message
     norm = lambda a: tuple(a) if isinstance(a, list) else a  # noqa: E731  (hashable for the cache)

@@ -1,0 +1,131 @@
+"""Device meshes over the six axes, from a spec string or dict.
+
+Axis order in the mesh puts the fast-changing axes last, so that neighbouring devices
+(one host, NVLink) carry `tensor`, then `expert` and `context`, and `data`/`fsdp` span hosts.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from meshlab import compat
+
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+_HOST_LOCAL = ("context", "expert", "tensor")  # kept inside one host on a hybrid mesh
+
+
+class MeshError(ValueError):
+    pass
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
+    """'data=1,fsdp=-1,tensor=2' or a dict -> {axis: size}; unnamed axes get size 1."""
+    if spec is None or spec == "":
+        items: dict = {}
+    elif isinstance(spec, str):
+        items = {}
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise MeshError(f"mesh spec part {part!r} is not AXIS=SIZE; write e.g. 'data=1,fsdp=-1,tensor=2'")
+            name, _, size = part.partition("=")
+            try:
+                items[name.strip()] = int(size)
+            except ValueError:
+                raise MeshError(f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer") from None
+    else:
+        items = dict(spec)
+    unknown = [a for a in items if a not in AXES]
+    if unknown:
+        raise MeshError(f"unknown mesh axis {unknown[0]!r} in {spec!r}; the axes are {', '.join(AXES)}")
+    sizes = {a: int(items.get(a, 1)) for a in AXES}
+    bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise MeshError(f"mesh axis {bad[0]!r} has size {sizes[bad[0]]}; sizes are positive or -1 (fill)")
+    if sum(s == -1 for s in sizes.values()) > 1:
+        raise MeshError(f"mesh spec {spec!r} has more than one -1; only one axis can fill the remaining devices")
+    return sizes
+
+
+def resolve_sizes(spec, num_devices: int) -> dict[str, int]:
+    sizes = parse_mesh_spec(spec)
+    known = math.prod(s for s in sizes.values() if s != -1)
+    fill = [a for a, s in sizes.items() if s == -1]
+    if fill:
+        if num_devices % known:
+            raise MeshError(f"mesh {format_sizes(sizes)}: the fixed axes multiply to {known}, which does not divide "
+                            f"the {num_devices} devices; change the sizes or the device count")
+        sizes[fill[0]] = num_devices // known
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        raise MeshError(f"mesh {format_sizes(sizes)} needs {total} devices but {num_devices} are present; "
+                        f"make the sizes multiply to {num_devices} (or use -1 on one axis to fill)")
+    return sizes
+
+
+def format_sizes(sizes: Mapping[str, int]) -> str:
+    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
+
+
+def make_mesh(spec=None, devices=None) -> jax.sharding.Mesh:
+    """A Mesh with all six axes (size-1 ones included, they drop out of PartitionSpecs)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_sizes(spec, len(devices))
+    shape = tuple(sizes[a] for a in AXES)
+    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    num_hosts = len({d.process_index for d in devices})
+    if num_hosts > 1 and devices[0].platform != "cpu":
+        dev_array = _hybrid_device_array(sizes, devices, num_hosts)
+    else:
+        try:
+            from jax.experimental import mesh_utils
+            dev_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+        except Exception:  # CPU and unknown topologies: process-major order is already host-local
+            dev_array = np.asarray(devices, dtype=object).reshape(shape)
+    del num_slices
+    return compat.make_mesh(dev_array, AXES)
+
+
+def _hybrid_device_array(sizes, devices, num_hosts):
+    """Host-local axes within a host, data/fsdp/stage across hosts (ICI vs DCN split)."""
+    from jax.experimental import mesh_utils
+    per_host = len(devices) // num_hosts
+    local = [sizes[a] if a in _HOST_LOCAL else 1 for a in AXES]
+    rest = per_host // math.prod(local)
+    # Give the leftover in-host devices to the innermost cross-host axis that needs them.
+    for i, a in reversed(list(enumerate(AXES))):
+        if a not in _HOST_LOCAL and rest > 1 and sizes[a] % rest == 0:
+            local[i] = rest
+            rest = 1
+    if rest != 1:
+        raise MeshError(f"mesh {format_sizes(sizes)} cannot keep tensor/expert/context inside one host of {per_host} devices")
+    across = [sizes[a] // local[i] for i, a in enumerate(AXES)]
+    return mesh_utils.create_hybrid_device_mesh(local, across, devices=devices, process_is_granule=True)
+
+
+def axis_size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    if isinstance(axes, str):
+        axes = (axes,)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def maybe_initialize_distributed() -> bool:
+    """Join a multi-process run when the environment says so (Slurm, Open MPI, or explicit vars)."""
+    env = os.environ
+    if env.get("MESHLAB_COORDINATOR") and env.get("MESHLAB_NUM_PROCESSES"):
+        jax.distributed.initialize(coordinator_address=env["MESHLAB_COORDINATOR"],
+                                   num_processes=int(env["MESHLAB_NUM_PROCESSES"]),
+                                   process_id=int(env["MESHLAB_PROCESS_ID"]))
+        return True
+    if int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        jax.distributed.initialize()
+        return True
+    return False

@@ -1,0 +1,77 @@
+"""Collectives read from compiled HLO text: kind, bytes, and whether they sit inside a loop.
+
+Matched line by line (a regex over the whole text can run for minutes: JAX-NOTES). The
+result shape before the op name gives the bytes; tuple results (combined collectives) add up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+                "s64": 8, "u64": 8, "s16": 2, "u16": 2}
+_OP = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    bytes: int
+    computation: str
+    in_loop: bool
+    line: str
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    comp = None
+    found = []
+    loop_bodies: set[str] = set()
+    calls: dict[str, set[str]] = {}
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            comp = m.group(1)
+            continue
+        w = _WHILE.search(line)
+        if w:
+            loop_bodies.add(w.group(1))
+        for callee in _CALLS.findall(line):
+            calls.setdefault(comp, set()).add(callee)
+        op = _OP.search(line)
+        if op and "-done" not in line:
+            found.append((op.group(2), _shape_bytes(op.group(1)), comp, line.strip()))
+    # Anything reachable from a loop body runs inside the loop.
+    inside = set()
+    stack = list(loop_bodies)
+    while stack:
+        c = stack.pop()
+        if c in inside:
+            continue
+        inside.add(c)
+        stack.extend(calls.get(c, ()))
+    return [Collective(k, b, c, c in inside, l) for k, b, c, l in found]
+
+
+def summarize(colls: list[Collective]) -> dict[str, int]:
+    out = {k: 0 for k in KINDS}
+    for c in colls:
+        out[c.kind] += c.bytes
+    return out

@@ -1,0 +1,275 @@
+"""Rule files: logical axis names -> mesh axes, strictly checked, and the helpers the model uses.
+
+A rule file is the whole parallelism strategy (DESIGN.md, "Rule files"). The model only ever
+names logical axes; `constrain` places activations and `materialize` makes a stored parameter
+ready for compute (cast to the compute dtype, then, inside a manual data-parallel region,
+all-gathered over the axes it is stored sharded on: ZeRO-3's per-layer gather, whose
+autodiff transpose is the reduce-scatter of its gradient).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import importlib.resources
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshlab.mesh import AXES
+
+PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers")
+ACT_NAMES = ("act_batch", "act_seq", "act_attn_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
+             "act_vocab", "act_experts")
+CACHE_NAMES = ("cache_batch", "cache_seq", "cache_kv_heads", "cache_pages")
+LOGICAL_NAMES = PARAM_NAMES + ACT_NAMES + CACHE_NAMES
+TOP_KEYS = ("mesh", "batch", "rules", "state", "strategies")
+STATE_KINDS = ("params", "grads", "optimizer")
+STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None}
+
+
+class RulesError(ValueError):
+    pass
+
+
+def _near(word, options) -> str:
+    close = difflib.get_close_matches(word, options, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+
+
+def shipped_rules() -> list[str]:
+    files = importlib.resources.files("sharding_rules")
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def _find_file(name_or_path: str | os.PathLike) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in str(name_or_path):
+        if not path.exists():
+            raise RulesError(f"rule file {str(path)!r} does not exist")
+        return path
+    candidate = importlib.resources.files("sharding_rules") / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        raise RulesError(f"no shipped rule file named {str(name_or_path)!r}{_near(str(name_or_path), shipped_rules())}; "
+                         f"shipped: {', '.join(shipped_rules())}; or pass a path to a .yaml file")
+    return Path(str(candidate))
+
+
+def _axes(value, where: str) -> tuple[str, ...]:
+    """A rule value -> tuple of mesh axes; `null` and `replicate` both mean replicated."""
+    if value is None or value == "replicate":
+        return ()
+    vals = [value] if isinstance(value, str) else value
+    if not isinstance(vals, (list, tuple)):
+        raise RulesError(f"{where}: value {value!r} must be a mesh axis, a list of them, null or replicate")
+    for v in vals:
+        if v not in AXES:
+            raise RulesError(f"{where}: unknown mesh axis {v!r}{_near(str(v), AXES)}; mesh axes: {', '.join(AXES)}")
+    if len(set(vals)) != len(vals):
+        raise RulesError(f"{where}: mesh axis listed twice in {list(vals)}")
+    return tuple(vals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    name: str
+    path: str
+    mesh: dict
+    batch: tuple[str, ...]
+    rules: dict[str, tuple[str, ...]]
+    state: dict[str, str]
+    strategies: dict[str, Any]
+    header: str = ""
+
+    # -- logical -> mesh ------------------------------------------------------------------
+    def axes(self, logical: str | None, mesh=None) -> tuple[str, ...]:
+        """Mesh axes for a logical name, size-1 axes dropped when a mesh is given."""
+        if logical is None:
+            return ()
+        if logical not in self.rules:
+            if logical not in LOGICAL_NAMES:
+                raise RulesError(f"{self.path}: the program uses logical name {logical!r}, which is not one of the "
+                                 f"known names{_near(logical, LOGICAL_NAMES)}")
+            raise RulesError(f"{self.path}: no rule for logical name {logical!r}; add `{logical}: <axis or null>` "
+                             "under `rules:` (nothing is replicated unless the file says so)")
+        axes = self.rules[logical]
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        return axes
+
+    def spec(self, names: Sequence[str | None], shape=None, mesh=None, *, path: str = "",
+             drop: Sequence[str] = ()) -> P:
+        """PartitionSpec for an array with these logical names; checks reuse and divisibility."""
+        if shape is not None and len(shape) != len(names):
+            raise RulesError(f"{path or 'array'}: {len(names)} logical names {tuple(names)} for shape {tuple(shape)}")
+        used: dict[str, str] = {}
+        parts = []
+        for i, name in enumerate(names):
+            axes = tuple(a for a in self.axes(name, mesh) if a not in drop)
+            for a in axes:
+                if a in used:
+                    raise RulesError(f"{self.path}: mesh axis {a!r} is used twice in one spec, by {used[a]!r} and "
+                                     f"{name!r} (array {path or '?'} with names {tuple(names)}); map one of them elsewhere")
+                used[a] = name
+            if shape is not None and mesh is not None and axes:
+                n = math.prod(mesh.shape[a] for a in axes)
+                if shape[i] % n:
+                    raise RulesError(f"{self.path}: rule `{name}: {list(axes)}` splits dimension {i} of {path or 'array'} "
+                                     f"(shape {tuple(shape)}) into {n} shards, which does not divide {shape[i]}; "
+                                     "change the mesh or the rule")
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while parts and parts[-1] is None:
+            parts.pop()
+        return P(*parts)
+
+    # -- ZeRO stages ----------------------------------------------------------------------
+    def batch_axes(self, mesh) -> tuple[str, ...]:
+        return tuple(a for a in self.batch if mesh.shape[a] > 1)
+
+    def state_spec(self, kind: str, names, shape, mesh, path: str = "") -> P:
+        """Storage spec of a params/grads/optimizer leaf: `replicated` drops the batch axes."""
+        drop = self.batch if self.state[kind] == "replicated" else ()
+        return self.spec(names, shape, mesh, path=path, drop=drop)
+
+    def data_parallel_size(self, mesh) -> int:
+        return math.prod(mesh.shape[a] for a in self.batch)
+
+    def check_batch(self, global_batch: int, mesh, microbatches: int = 1):
+        n = self.data_parallel_size(mesh)
+        if global_batch < n:
+            raise RulesError(f"global batch {global_batch} is smaller than the data-parallel size {n} "
+                             f"({'x'.join(f'{a}={mesh.shape[a]}' for a in self.batch)}); raise data.global_batch to a "
+                             f"multiple of {n}")
+        if global_batch % (n * microbatches):
+            raise RulesError(f"global batch {global_batch} is not divisible by data-parallel size {n} x "
+                             f"{microbatches} micro-batches; use a multiple of {n * microbatches}")
+
+
+def load_rules(name_or_path: str | os.PathLike) -> Rules:
+    path = _find_file(name_or_path)
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise RulesError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise RulesError(f"{path}: expected a mapping with keys {', '.join(TOP_KEYS)}")
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise RulesError(f"{path}: unknown top-level key {key!r}{_near(key, TOP_KEYS)}; allowed: {', '.join(TOP_KEYS)}")
+    if "rules" not in raw or not isinstance(raw["rules"], dict):
+        raise RulesError(f"{path}: missing `rules:` mapping of logical name -> mesh axis")
+    rules = {}
+    for logical, value in raw["rules"].items():
+        if logical not in LOGICAL_NAMES:
+            raise RulesError(f"{path}: unknown logical name {logical!r}{_near(str(logical), LOGICAL_NAMES)} in rule "
+                             f"`{logical}: {value}`")
+        rules[logical] = _axes(value, f"{path}: rule `{logical}`")
+    mesh = raw.get("mesh") or {}
+    if not isinstance(mesh, dict):
+        raise RulesError(f"{path}: `mesh:` must be a mapping like {{data: 1, fsdp: -1}}")
+    for a in mesh:
+        if a not in AXES:
+            raise RulesError(f"{path}: unknown mesh axis {a!r} in `mesh:`{_near(str(a), AXES)}")
+    batch = _axes(raw.get("batch", []), f"{path}: `batch`")
+    state = {k: "replicated" for k in STATE_KINDS}
+    for k, v in (raw.get("state") or {}).items():
+        if k not in STATE_KINDS:
+            raise RulesError(f"{path}: unknown key {k!r} under `state:`{_near(str(k), STATE_KINDS)}")
+        if v not in ("sharded", "replicated"):
+            raise RulesError(f"{path}: `state.{k}: {v}` must be `sharded` or `replicated`")
+        state[k] = v
+    order = {"replicated": 0, "sharded": 1}
+    if not order[state["params"]] <= order[state["grads"]] <= order[state["optimizer"]]:
+        raise RulesError(f"{path}: state {state} is not a ZeRO stage: sharding goes optimizer -> grads -> params")
+    strategies = {"attention": "plain", "pipeline": None}
+    for k, v in (raw.get("strategies") or {}).items():
+        if k not in STRATEGY_KEYS:
+            raise RulesError(f"{path}: unknown strategy {k!r}{_near(str(k), STRATEGY_KEYS)}")
+        if STRATEGY_KEYS[k] and v not in STRATEGY_KEYS[k]:
+            raise RulesError(f"{path}: `strategies.{k}: {v}` must be one of {STRATEGY_KEYS[k]}")
+        strategies[k] = v
+    header = "\n".join(line[1:].strip() for line in text.splitlines() if line.startswith("#"))
+    return Rules(name=path.stem, path=str(path), mesh=mesh, batch=batch, rules=rules, state=state,
+                 strategies=strategies, header=header)
+
+
+# -- the active rules: set by the engines, read by the model's helpers ----------------------
+@dataclasses.dataclass
+class _Active:
+    rules: Rules
+    mesh: Any
+    manual: tuple[str, ...] = ()
+
+
+_STACK: list[_Active] = []
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules, mesh) -> Iterator[None]:
+    """Make `rules` and `mesh` the ones `constrain`/`materialize` read (and the context mesh)."""
+    _STACK.append(_Active(rules, mesh))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _STACK.pop()
+
+
+@contextlib.contextmanager
+def manual_axes(axes: Sequence[str]) -> Iterator[None]:
+    """Inside a shard_map over `axes`: constraints drop them and parameters are gathered over them."""
+    if not _STACK:
+        yield
+        return
+    top = _STACK[-1]
+    _STACK.append(_Active(top.rules, top.mesh, tuple(axes)))
+    try:
+        yield
+    finally:
+        _STACK.pop()
+
+
+def active() -> _Active | None:
+    return _STACK[-1] if _STACK else None
+
+
+def strategy(key: str):
+    a = active()
+    return None if a is None else a.rules.strategies.get(key)
+
+
+def constrain(x, names: Sequence[str | None]):
+    """Place an activation by logical names (a no-op outside `use_rules`)."""
+    a = active()
+    if a is None:
+        return x
+    spec = a.rules.spec(names, x.shape, a.mesh, drop=a.manual)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def materialize(w, names: Sequence[str | None], dtype=None):
+    """A stored parameter ready for compute: cast (before any gather: half the bytes in bf16),
+    then all-gathered over the manual axes it is stored sharded on (ZeRO-3)."""
+    if dtype is not None and w.dtype != dtype:
+        w = w.astype(dtype)
+    a = active()
+    if a is None or not a.manual:
+        return w
+    if a.rules.state["params"] != "sharded":
+        return w
+    for dim, name in enumerate(names):
+        axes = tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual)
+        if axes:
+            w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    return w
+
+
+def named_sharding(mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)

@@ -1,0 +1,116 @@
+"""Typed run configuration: dataclasses, YAML files and `a.b=c` overrides (OmegaConf)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+import models
+from meshlab.train.optimizer import OptimConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class DataConfig:
+    corpus: str = "stdlib"        # stdlib (embedded: this interpreter's standard library) or a prepared dir
+    data_dir: str = "data/stdlib" # where the token file lives (prepared on first use)
+    max_bytes: int = 8_000_000    # cap on the embedded corpus, to keep preparation fast
+    seq_len: int = 128
+    global_batch: int = 32
+    microbatches: int = 1
+    seed: int = 0
+    segment_docs: bool = False    # packed documents: segment ids + RoPE positions restart per document
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: Any = None             # the architecture's config dataclass (models.preset(name))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    rules: str = "fsdp_tp"
+    mesh: Optional[str] = None    # overrides the rule file's mesh, e.g. "data=2,fsdp=2,tensor=2"
+    steps: int = 300
+    log_every: int = 10
+    seed: int = 0
+    run_dir: str = "runs/default"
+    sample_tokens: int = 200      # text sample at the end (0: none)
+    sample_prompt: str = "def "
+    loss_scale_growth: int = 200  # fp16: steps of finite grads before the loss scale doubles
+    on_nonfinite: str = "stop"    # stop | skip: a NaN/Inf loss or gradient
+
+
+def shipped_configs() -> list[str]:
+    files = importlib.resources.files("meshlab") / "configs"
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def _config_file(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.exists():
+            raise ConfigError(f"config file {name_or_path!r} does not exist")
+        return path
+    candidate = importlib.resources.files("meshlab") / "configs" / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        close = difflib.get_close_matches(name_or_path, shipped_configs(), n=3)
+        raise ConfigError(f"no shipped config {name_or_path!r}" + (f" (did you mean {close}?)" if close else "")
+                          + f"; shipped: {', '.join(shipped_configs())}, or pass a path")
+    return Path(str(candidate))
+
+
+def _all_keys(node, prefix="") -> list[str]:
+    out = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        out.append(key)
+        if OmegaConf.is_dict(v):
+            out += _all_keys(v, key + ".")
+    return out
+
+
+def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Shipped name or path, then `key=value` overrides; unknown keys list their near matches."""
+    raw = {}
+    if name_or_path:
+        path = _config_file(name_or_path)
+        raw = yaml.safe_load(path.read_text()) or {}
+    for o in overrides:
+        if "=" not in o:
+            raise ConfigError(f"override {o!r} is not key=value (e.g. optim.lr=1e-3)")
+    dotted = dict(o.split("=", 1) for o in overrides)
+    model_name = dotted.get("model.name") or (raw.get("model") or {}).get("name") or "tiny"
+    try:
+        model_cfg = models.preset(model_name)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    base = OmegaConf.structured(TrainConfig(model=model_cfg))
+    try:
+        merged = OmegaConf.merge(base, raw, OmegaConf.from_dotlist(list(overrides)))
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        close = difflib.get_close_matches(str(key), _all_keys(base), n=3, cutoff=0.5)
+        raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else "")) from None
+    except ValidationError as e:
+        raise ConfigError(f"bad config value for {getattr(e, 'full_key', '?')!r}: {e.msg}") from None
+    cfg: TrainConfig = OmegaConf.to_object(merged)
+    try:
+        cfg.model.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} must be stop or skip")
+    return cfg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

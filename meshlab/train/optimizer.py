@@ -1,0 +1,42 @@
+"""AdamW with warmup-cosine schedule, global-norm clipping, no decay on norms (1-D leaves)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: int = 0          # 0: decay over the whole run
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0        # 0 disables clipping
+
+
+def schedule(cfg: OptimConfig, total_steps: int):
+    decay = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay, cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(names_tree):
+    """Weight decay on matrices only: a leaf whose logical names (less `layers`) are 1-D is a norm
+    scale or a bias. Decided from names, since the layer scan stacks norm scales into [L, d]."""
+    return jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, names_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, names_tree) -> optax.GradientTransformation:
+    sched = schedule(cfg, total_steps)
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=decay_mask(names_tree)))
+    return optax.chain(*parts)

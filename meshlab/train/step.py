@@ -1,0 +1,160 @@
+"""`train_step(state, batch) -> (state, metrics)`: one jitted, donated program per run.
+
+Gradients are computed inside a `shard_map` that is manual over the data-parallel axes of the
+rule file (`batch:`) and Auto over the rest (tensor, context, ...), so the data-parallel
+collectives are written out rather than left to propagation:
+  dp / zero1   local accumulation over micro-batches, one all-reduce (psum) at the end;
+  zero2        a reduce-scatter (psum_scatter) per micro-batch into the sharded accumulator;
+  fsdp         per-layer all-gather inside the layer scan (`rules.materialize`), whose
+               transpose is the per-layer reduce-scatter of the gradient.
+XLA on CPU would lower a propagated reduce-scatter to all-reduce + slice (DESIGN.md), which
+is why these are explicit. The loss is the sum of token losses over the global count of valid
+tokens, so any split over devices and micro-batches gives the same mean.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshlab import compat
+from meshlab import rules as rules_mod
+from meshlab.train.state import ModelDef, leaf_specs, only_axes, to_shardings
+
+BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids")
+
+
+class LossScaleConfig(NamedTuple):
+    growth_interval: int = 200
+    factor: float = 2.0
+
+
+def batch_spec(rules, mesh) -> P:
+    """Global [B, S] batch arrays: rows over the batch axes, sequence over act_seq's axes."""
+    rows = rules.batch_axes(mesh)
+    seq = tuple(a for a in rules.axes("act_seq", mesh) if a not in rows and a == "context")
+    return P(rows if len(rows) > 1 else (rows[0] if rows else None), seq[0] if seq else None)
+
+
+def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, axes of `axes` that shard dim) for each dim of a spec."""
+    out = []
+    for dim, entry in enumerate(spec):
+        entry = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in entry if a in axes)
+        if kept:
+            out.append((dim, kept))
+    return out
+
+
+def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scaling: bool):
+    """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens)."""
+    manual = rules.batch_axes(mesh)
+    store = leaf_specs(md, rules, mesh, "params")
+    acc = leaf_specs(md, rules, mesh, "grads")
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+
+    def local(params, batch, scale):
+        # Local rows: [b_local, s] -> [k, b_local/k, s]; every micro-batch is a slice of every device's rows.
+        mbs = {k: v.reshape(microbatches, v.shape[0] // microbatches, *v.shape[1:]) for k, v in batch.items()}
+        n_valid = jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
+        n_valid = jax.lax.psum(n_valid, manual) if manual else n_valid
+
+        def loss_fn(params, mb):
+            model = md.bind(params)
+            h = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"])
+            loss_sum = jnp.sum(model.token_losses(h, mb["labels"]))
+            return loss_sum / jnp.maximum(n_valid, 1.0) * scale
+
+        def scatter(g, st, ac):  # zero2: the accumulator is sharded where storage is not
+            for dim, axes in _axes_in(ac, manual):
+                stored = {a for _, ax in _axes_in(st, manual) for a in ax}
+                axes = tuple(a for a in axes if a not in stored)
+                if axes:
+                    g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+            return g
+
+        def micro(carry, mb):
+            loss, g = jax.value_and_grad(loss_fn)(params, mb)
+            g = jax.tree.map(scatter, g, store, acc, is_leaf=is_p) if manual else g
+            return jax.tree.map(jnp.add, carry, g), loss
+
+        zeros = jax.tree.map(lambda s, a: jnp.zeros(_local_shape(a.shape, only_axes(s, manual), mesh), jnp.float32),
+                             acc, md.abstract, is_leaf=is_p)
+        grads, losses = jax.lax.scan(micro, zeros, mbs)
+
+        def finish(g, ac):  # the remaining data-parallel sum (dp, zero1: the one all-reduce)
+            reduced = {a for _, ax in _axes_in(ac, manual) for a in ax}
+            rest = tuple(a for a in manual if a not in reduced)
+            return jax.lax.psum(g, rest) if rest else g
+
+        if manual:
+            grads = jax.tree.map(finish, grads, acc, is_leaf=is_p)
+        loss = jnp.sum(losses)
+        loss = jax.lax.psum(loss, manual) if manual else loss
+        return loss / scale, grads, n_valid
+
+    if not manual:
+        return local
+
+    def sharded(params, batch, scale):
+        in_specs = (jax.tree.map(lambda s: only_axes(s, manual), store, is_leaf=is_p),
+                    {k: only_axes(batch_spec(rules, mesh), manual) for k in batch}, P())
+        out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), acc, is_leaf=is_p), P())
+
+        def body(params, batch, scale):
+            with rules_mod.manual_axes(manual):
+                return local(params, batch, scale)
+        return compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)(
+            params, batch, scale)
+    return sharded
+
+
+def _local_shape(shape, spec, mesh):
+    shape = list(shape)
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            axes = (entry,) if isinstance(entry, str) else entry
+            shape[dim] //= math.prod(mesh.shape[a] for a in axes)
+    return tuple(shape)
+
+
+def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatches: int = 1,
+                    loss_scale: LossScaleConfig | None = None, nonfinite: str = "skip"):
+    """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling."""
+    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, loss_scale is not None)
+    acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
+
+    def step(state, batch):
+        scale = state["loss_scale"]["scale"] if loss_scale else jnp.float32(1.0)
+        loss, grads, n_valid = loss_and_grads(state["params"], batch, scale)
+        grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
+        if loss_scale:
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        updates, new_opt = tx.update(grads, state["opt"], state["params"])
+        new_params = optax.apply_updates(state["params"], updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = dict(state, step=state["step"] + 1, params=keep(new_params, state["params"]),
+                         opt=keep(new_opt, state["opt"]))
+        if loss_scale:
+            ls = state["loss_scale"]
+            good = jnp.where(finite, ls["good_steps"] + 1, 0)
+            grow = good >= loss_scale.growth_interval
+            new_scale = jnp.where(finite, jnp.where(grow, ls["scale"] * loss_scale.factor, ls["scale"]),
+                                  ls["scale"] / loss_scale.factor)
+            new_state["loss_scale"] = {"scale": new_scale, "good_steps": jnp.where(grow, 0, good)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "valid_tokens": n_valid, "finite": finite}
+        if loss_scale:
+            metrics["loss_scale"] = scale
+        return new_state, metrics
+
+    data_sharding = NamedSharding(mesh, batch_spec(rules, mesh))
+    batch_shardings = {k: data_sharding for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)

@@ -1,0 +1,268 @@
+"""Llama-3 decoder, top to bottom: config, RoPE, RMSNorm, attention (GQA), SwiGLU MLP, block, model.
+
+Parameters carry logical axis names only (`logical=` metadata); activations are placed with
+`meshlab.rules.constrain`; every weight goes through `materialize` (cast to the compute dtype,
+gathered when stored sharded) right where it is used, so FSDP's gather happens per layer inside
+the layer scan. Matmuls take bf16 (or fp16/fp32) operands and accumulate in fp32
+(`preferred_element_type`); the fp32 master weights live in the train state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshlab.parallel import attention as attention_op
+from meshlab.rules import constrain, materialize
+
+F32 = jnp.float32
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    name: str = "tiny"
+    vocab_size: int = 257                 # real vocabulary (bytes + end-of-document); the tables are padded (padded_vocab)
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    mlp_dim: int = 192
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0      # Llama-3 frequency scaling; 0 = off
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    vocab_multiple: int = 128             # pad the vocab for aligned matmul tiles
+    # how it runs
+    dtype: str = "bfloat16"               # compute dtype: bfloat16 | float16 (loss scaling) | float32
+    attention: str = "xla"                # xla | cudnn | pallas | auto
+    remat: str = "none"                   # none | full | save_dots | save_dots_no_batch
+    loss_impl: str = "dense"              # dense | chunked | pallas (fused linear + cross-entropy)
+
+    @property
+    def padded_vocab(self) -> int:
+        return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
+
+    def validate(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"model.dtype={self.dtype!r} must be bfloat16, float16 or float32")
+        if self.loss_impl not in ("dense", "chunked", "pallas"):
+            raise ValueError(f"model.loss_impl={self.loss_impl!r} must be dense, chunked or pallas")
+
+
+PRESETS = {
+    "tiny": LlamaConfig(),
+    "llama3_1b": LlamaConfig(name="llama3_1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                             n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0, rope_scaling_factor=32.0,
+                             tie_embeddings=True),
+    "llama3_3b": LlamaConfig(name="llama3_3b", vocab_size=128256, d_model=3072, n_layers=28, n_heads=24,
+                             n_kv_heads=8, head_dim=128, mlp_dim=8192, rope_theta=500000.0, rope_scaling_factor=32.0,
+                             tie_embeddings=True),
+    "llama3_8b": LlamaConfig(name="llama3_8b", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=8, head_dim=128, mlp_dim=14336, rope_theta=500000.0, rope_scaling_factor=8.0,
+                             tie_embeddings=False),
+}
+
+
+# -- RoPE ------------------------------------------------------------------------------------
+def rope_frequencies(cfg: LlamaConfig):
+    """Inverse frequencies [head_dim/2], with Llama-3's smooth low-frequency scaling."""
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=F32) / cfg.head_dim))
+    if not cfg.rope_scaling_factor:
+        return inv
+    factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_position
+    low_wavelen = orig / cfg.rope_low_freq_factor
+    high_wavelen = orig / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (orig / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    medium = (1 - smooth) * inv / factor + smooth * inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), medium, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE (Hugging Face layout). x [b, s, h, d], positions [b, s]."""
+    angles = positions[..., None].astype(F32) * inv_freq              # [b, s, d/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # [b, s, 1, d/2]
+    x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)                     # [b, s, h, d/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [b, s, h, d]
+    return out.astype(x.dtype)
+
+
+# -- layers ----------------------------------------------------------------------------------
+def _param(rngs, shape, names, std):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32), logical=names)
+
+
+def _w(var, dtype):
+    """The compute-ready value of a parameter (cast, gathered if stored sharded)."""
+    return materialize(var[...], var.get_metadata()["logical"], dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), F32), logical=("embed",))
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):  # x [b, s, d]; statistics in fp32 whatever the compute dtype
+        scale = _w(self.scale, F32)
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * scale
+        return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, h, kvh, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = _param(rngs, (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        # Output projection scaled down with depth (GPT-2's 1/sqrt(2L)) so the residual stays O(1).
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+
+    def __call__(self, x, positions, segment_ids, inv_freq):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, s, h, hd]
+        k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, s, kvh, hd]
+        v = jnp.einsum("bsd,dhk->bshk", x, _w(self.wv, dt), preferred_element_type=F32).astype(dt)   # [b, s, kvh, hd]
+        q = constrain(q, ("act_batch", "act_attn_seq", "act_heads", None))
+        k = constrain(k, ("act_batch", "act_attn_seq", "act_kv_heads", None))
+        v = constrain(v, ("act_batch", "act_attn_seq", "act_kv_heads", None))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        o = attention_op(q, k, v, impl=cfg.attention, causal=True, segment_ids=segment_ids)         # [b, s, h, hd]
+        o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
+        out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
+        return constrain(out, ("act_batch", "act_seq", "act_embed"))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+
+    def __call__(self, x):
+        dt = jnp.dtype(self.cfg.dtype)
+        gate = jnp.einsum("bsd,df->bsf", x, _w(self.w_gate, dt), preferred_element_type=F32)  # [b, s, f]
+        up = jnp.einsum("bsd,df->bsf", x, _w(self.w_up, dt), preferred_element_type=F32)      # [b, s, f]
+        h = constrain((jax.nn.silu(gate) * up).astype(dt), ("act_batch", "act_attn_seq", "act_mlp"))
+        out = jnp.einsum("bsf,fd->bsd", h, _w(self.w_down, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
+        return constrain(out, ("act_batch", "act_seq", "act_embed"))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, segment_ids, inv_freq):  # x [b, s, d], the residual stream
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, inv_freq)
+        x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("act_batch", "act_seq", "act_embed"))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    policies = {
+        "full": None,                                                   # save only the layer inputs
+        "save_dots": jax.checkpoint_policies.checkpoint_dots,           # keep every matmul output
+        "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)
+
+
+# -- the model -------------------------------------------------------------------------------
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(r):
+            return Block(cfg, r)
+
+        self.layers = make_blocks(rngs)          # every leaf stacked: [n_layers, ...]
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.padded_vocab), ("embed", "vocab"), cfg.init_std)
+
+    def hidden(self, tokens, positions=None, segment_ids=None):
+        """tokens [b, s] -> final-normed hidden states [b, s, d]."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)  # [b, s]
+        x = jnp.take(_w(self.embed, dt), tokens, axis=0)                 # [b, s, d]
+        x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+        inv_freq = rope_frequencies(cfg)
+        block_def, block_state = nnx.split(self.layers)
+
+        def layer(x, one_layer):  # scan body: one layer's parameters, [n_layers] axis removed
+            block = nnx.merge(block_def, one_layer)
+            return block(x, positions, segment_ids, inv_freq), None
+
+        x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
+        return self.final_norm(x)
+
+    def head_weight(self):
+        """The output projection [d, V] in the compute dtype (the embedding, transposed, when tied)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.cfg.tie_embeddings:
+            return _w(self.embed, dt).T                                   # [d, V]
+        return _w(self.lm_head, dt)
+
+    def logits(self, h):
+        """h [b, s, d] -> fp32 logits [b, s, V_padded]."""
+        logits = jnp.einsum("bsd,dv->bsv", h, self.head_weight(), preferred_element_type=F32)
+        return constrain(logits, ("act_batch", "act_attn_seq", "act_vocab"))  # sequence gathered, as in the MLP
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        return self.logits(self.hidden(tokens, positions, segment_ids))
+
+    def token_losses(self, h, labels):
+        """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding)."""
+        valid = labels >= 0
+        safe = jnp.where(valid, labels, 0)
+        if self.cfg.loss_impl == "dense":
+            logits = self.logits(h)                                       # [b, s, V]
+            lse = jax.nn.logsumexp(logits, axis=-1)                       # [b, s]
+            label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+            return jnp.where(valid, lse - label_logit, 0.0)
+        b, s, d = h.shape
+        flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]
+        if self.cfg.loss_impl == "chunked":
+            from pallas_kernels.fused_cross_entropy import chunked_cross_entropy as ce
+        else:
+            from pallas_kernels.fused_cross_entropy import fused_cross_entropy as ce
+        return ce(flat_h, self.head_weight(), flat_y, ignore_index=-1).reshape(b, s)
+
+
+def param_names(state) -> dict:
+    """Logical names of every parameter leaf, with `layers` in front of the stacked ones."""
+    def names(path, var):
+        n = tuple(var.get_metadata()["logical"])
+        return ("layers",) + n if len(var.get_value().shape) == len(n) + 1 else n
+    return jax.tree_util.tree_map_with_path(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
