@@ -164,3 +164,24 @@ def test_ring_compiled_collectives_and_temp_memory():
               f"(an S x S/context fp32 score matrix: {sxs / 2**20:.1f} MiB)")
     assert temps[2048] / temps[512] < 4 * 1.5  # linear: x4 when S x4 (quadratic would be x16)
     assert temps[2048] < 2048 * 2048 // n * 2 * 4 / 2
+
+
+@pytest.mark.slow
+def test_ring_with_pallas_block_kernels_interpreted():
+    """block_impl='pallas': the Pallas block fwd/bwd (interpret mode on CPU, ~20 s) in the ring."""
+    mesh = make_mesh((2,), ("context",))
+    q, k, v, sid, w = inputs(d=16, kvh=2, seg=True)
+    attn = lambda q, k, v, s: ra.ring_attention(q, k, v, mesh=mesh, causal=True, segment_ids=s,  # noqa: E731
+                                                block_impl="pallas")
+    check_against_reference(attn, q, k, v, sid, w, True, 2)
+
+
+@pytest.mark.gpu
+def test_ring_pallas_on_gpu_context_one():
+    """On the GPU: block_impl='auto' picks the Pallas kernels; the ring at context 1 is exact."""
+    assert ra.resolve_block_impl("auto", 64) == "pallas"
+    mesh = make_mesh((1,), ("context",))
+    q, k, v, sid, w = inputs(s=256, h=4, kvh=2, d=64, seg=True)
+    attn = lambda q, k, v, s: ra.ring_attention(q, k, v, mesh=mesh, causal=True, segment_ids=s,  # noqa: E731
+                                                block_impl="auto")
+    check_against_reference(attn, q, k, v, sid, w, True, 1, tol=1e-2)  # TF32 matmuls
