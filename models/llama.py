@@ -150,6 +150,18 @@ class Attention(nnx.Module):
         out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
+    def cached(self, x, positions, inv_freq, attend, cache):
+        """Serving path: this step's tokens only; `attend(q, k, v, cache) -> (o, cache)` writes k/v into the KV
+        cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, t, h, hd]
+        k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
+        v = jnp.einsum("bsd,dhk->bshk", x, _w(self.wv, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
+        out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, t, d]
+        return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
@@ -180,6 +192,12 @@ class Block(nnx.Module):
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
+
+    def cached(self, x, positions, inv_freq, attend, cache):  # serving: the KV cache threads through
+        h, cache = self.attn.cached(self.attn_norm(x), positions, inv_freq, attend, cache)
+        x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("act_batch", "act_seq", "act_embed")), cache
 
 
 def _remat(fn, policy: str):
@@ -226,6 +244,26 @@ class Llama(nnx.Module):
 
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
+
+    def cached(self, tokens, positions, cache, attend):
+        """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
+
+        tokens/positions [b, t]; `cache` is any pytree (meshlab/infer owns its layout) carried through
+        the layer scan, so each layer updates only its new tokens in place; `attend(layer, q, k, v,
+        cache) -> (o, cache)`. Returns (final-normed hidden [b, t, d], cache). No remat: no backward.
+        """
+        dt = jnp.dtype(self.cfg.dtype)
+        x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
+        inv_freq = rope_frequencies(self.cfg)
+        block_def, block_state = nnx.split(self.layers)
+
+        def layer(carry, xs):
+            (x, cache), (one_layer, i) = carry, xs
+            block = nnx.merge(block_def, one_layer)
+            return block.cached(x, positions, inv_freq, lambda q, k, v, c: attend(i, q, k, v, c), cache), None
+
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(self.cfg.n_layers)))
+        return self.final_norm(x), cache
 
     def head_weight(self):
         """The output projection [d, V] in the compute dtype (the embedding, transposed, when tied)."""

@@ -1,0 +1,140 @@
+"""Every validation path of the core gives one clear message naming what is wrong and the fix."""
+import textwrap
+
+import jax
+import pytest
+
+from meshlab.mesh import MeshError, make_mesh, parse_mesh_spec
+from meshlab.rules import RulesError, load_rules, shipped_rules
+from meshlab.train.config import ConfigError, load_config
+from meshlab.train.loop import build_trainer
+from tests.helpers import small_config
+
+BASE = textwrap.dedent("""\
+    mesh: {data: -1}
+    batch: [data]
+    rules:
+      vocab: null
+      embed: null
+      heads: null
+      kv_heads: null
+      head_dim: null
+      mlp: null
+      experts: null
+      layers: null
+      act_batch: data
+      act_seq: null
+      act_attn_seq: null
+      act_embed: null
+      act_heads: null
+      act_kv_heads: null
+      act_mlp: null
+      act_vocab: null
+      act_experts: null
+      cache_batch: data
+      cache_seq: null
+      cache_kv_heads: null
+      cache_pages: null
+    state: {params: replicated, grads: replicated, optimizer: replicated}
+    """)
+
+
+def write(tmp_path, text, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_user_rule_file_anywhere_works_like_a_shipped_one(tmp_path):
+    r = load_rules(write(tmp_path, BASE, "mine.yaml"))
+    assert r.name == "mine" and r.rules["act_batch"] == ("data",)
+    assert {"dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp"} <= set(shipped_rules())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("  mlp: null", "  mlpp: null"), "unknown logical name 'mlpp'"),
+    (lambda t: t.replace("  mlp: null", "  mlp: tensr"), "unknown mesh axis 'tensr'"),
+    (lambda t: t.replace("  mlp: null", "  mlp: [tensor, tensor]"), "listed twice"),
+    (lambda t: t.replace("mesh: {data: -1}", "mesh: {dta: -1}"), "unknown mesh axis 'dta'"),
+    (lambda t: t + "extra: 1\n", "unknown top-level key 'extra'"),
+    (lambda t: t.replace("params: replicated", "params: sharded"), "not a ZeRO stage"),
+    (lambda t: t.replace("optimizer: replicated", "optimizer: shrded"), "must be `sharded` or `replicated`"),
+    (lambda t: "rules: [\n", "not valid YAML"),
+])
+def test_bad_rule_files(tmp_path, edit, message):
+    with pytest.raises(RulesError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_rules(write(tmp_path, edit(BASE)))
+
+
+def test_unknown_shipped_name_lists_near_matches():
+    with pytest.raises(RulesError, match="did you mean 'fsdp_tp'"):
+        load_rules("fsdp_pt")
+
+
+def test_missing_rule_for_a_used_logical_name(tmp_path):
+    path = write(tmp_path, BASE.replace("  mlp: null\n", ""))
+    with pytest.raises(RulesError, match="no rule for logical name 'mlp'"):
+        build_trainer(small_config(path))
+
+
+def test_axis_used_twice_in_one_spec(tmp_path):
+    path = write(tmp_path, BASE.replace("  heads: null", "  heads: tensor").replace("  embed: null", "  embed: tensor")
+                 .replace("mesh: {data: -1}", "mesh: {data: 2, tensor: 4}"))
+    with pytest.raises(RulesError, match="'tensor' is used twice in one spec"):
+        build_trainer(small_config(path))
+
+
+def test_dimension_not_divisible_names_file_rule_path_and_shape(tmp_path):
+    path = write(tmp_path, BASE.replace("  kv_heads: null", "  kv_heads: tensor").replace(
+        "mesh: {data: -1}", "mesh: {data: 2, tensor: 4}"))
+    with pytest.raises(RulesError, match=r"rule `kv_heads: \['tensor'\]` splits dimension 2 of params\['layers'\]"
+                                         r"\['attn'\]\['wk'\] \(shape \(2, 32, 2, 8\)\) into 4 shards"):
+        build_trainer(small_config(path))
+
+
+def test_mesh_errors():
+    with pytest.raises(MeshError, match="needs 6 devices but 8 are present"):
+        make_mesh("data=2,tensor=3")
+    with pytest.raises(MeshError, match="does not divide the 8 devices"):
+        make_mesh("data=-1,tensor=3")
+    with pytest.raises(MeshError, match="unknown mesh axis 'model'"):
+        parse_mesh_spec("model=2")
+    with pytest.raises(MeshError, match="more than one -1"):
+        parse_mesh_spec("data=-1,fsdp=-1")
+    with pytest.raises(MeshError, match="is not AXIS=SIZE"):
+        parse_mesh_spec("data2")
+    assert dict(make_mesh("fsdp=-1,tensor=2").shape) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1,
+                                                         "expert": 1, "tensor": 2}
+
+
+def test_batch_errors():
+    with pytest.raises(RulesError, match="smaller than the data-parallel size 8"):
+        build_trainer(small_config("dp", extra=["data.global_batch=4"]))
+    with pytest.raises(RulesError, match="not divisible by data-parallel size 8 x 1"):
+        build_trainer(small_config("dp", extra=["data.global_batch=12"]))
+    with pytest.raises(RulesError, match="8 x 4 micro-batches"):
+        build_trainer(small_config("dp", extra=["data.microbatches=4"]))
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'; did you mean optim.lr"):
+        load_config("default", ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match="unknown model 'llama9'"):
+        load_config("default", ["model.name=llama9"])
+    with pytest.raises(ConfigError, match="is not key=value"):
+        load_config("default", ["steps"])
+    with pytest.raises(ConfigError, match="no shipped config 'defualt'"):
+        load_config("defualt")
+    with pytest.raises(ConfigError, match="must be a multiple of model.n_kv_heads"):
+        load_config("default", ["model.n_kv_heads=3"])
+    with pytest.raises(ConfigError, match="model.remat='some'"):
+        load_config("default", ["model.remat=some"])
+
+
+def test_unavailable_attention_is_an_error_not_a_fallback():
+    from pallas_kernels.attention import resolve
+    if jax.default_backend() == "cpu":
+        with pytest.raises(RuntimeError, match="'cudnn' is not available on cpu"):
+            resolve("cudnn")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        resolve("flash")
