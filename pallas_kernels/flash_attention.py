@@ -51,27 +51,28 @@ NEG_INF = float("-inf")
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes and Triton launch settings. Powers of two >= 16; larger tiles cut K/V re-reads
-    but cost registers (the fp32 accumulators live there) and shared memory (num_stages copies)."""
-    block_q: int = 128
+    but cost registers (the fp32 accumulators live there) and shared memory (num_stages copies).
+    Defaults are the variant measured fastest on the H200 (docs/benchmarks.md, "C"): at d=128,
+    64x64 tiles with 4 warps beat 128-row tiles with 8 warps by 1.2-1.4x in fwd+bwd."""
+    block_q: int = 64
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
-    block_q_dq: int = 128
+    block_q_dq: int = 64
     block_k_dq: int = 64
     block_q_dkv: int = 64
     block_k_dkv: int = 64
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 3
 
     @classmethod
     def default(cls, head_dim: int) -> "BlockSizes":
-        if head_dim <= 64:
-            return cls(num_warps=4, num_warps_bwd=4)
+        if head_dim <= 64:  # small rows: a 128-row query tile still fits 4 warps' registers
+            return cls(block_q=128)
         if head_dim <= 128:
             return cls()
-        # d=256: fp32 accumulators of 128 rows would spill; halve the tiles
-        return cls(block_q=64, block_k=32, num_stages=2, block_q_dq=64, block_k_dq=32,
-                   block_q_dkv=32, block_k_dkv=32)
+        # d=256: fp32 accumulators of 64 rows would spill; halve the kv tiles
+        return cls(block_k=32, num_stages=2, block_k_dq=32, block_q_dkv=32, block_k_dkv=32, num_stages_bwd=2)
 
 
 def _params(num_warps, num_stages):
