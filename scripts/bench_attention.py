@@ -133,7 +133,9 @@ def plan(which):
         out += [(s, d, c, ["oursA", "oursB"] + peers) for s, d, c in second]
         return out + [(s, d, c, ["oursA"] + peers) for s, d, c in rest]
     # run 2: the mgpu peer with its scale fixed, two more variants, then the shapes run 1 missed
-    out = [(s, 128, c, ["mgpu_fp16_fwd"]) for c in (True, False) for s in (4096, 8192)]
+    # first: the default (C tiles) with the kv-major dK/dV kernel, against run 1's oursC
+    out = [(s, 128, True, ["oursdef"]) for s in (8192, 4096)]
+    out += [(s, 128, c, ["mgpu_fp16_fwd"]) for c in (True, False) for s in (4096, 8192)]
     out += [(8192, 128, True, ["oursE", "oursF"])]
     rest = [(2048, 128, True), (16384, 128, True), (8192, 64, True), (1024, 128, True), (2048, 64, True),
             (16384, 64, True), (2048, 128, False), (16384, 128, False), (4096, 64, False), (8192, 64, False),
