@@ -75,13 +75,27 @@ def test_ring_matches_single_device(n, causal, kvh, seg, block_k, zigzag, sm_sca
     check_against_reference(attn, q, k, v, sid, w, causal, n, sm_scale=sm_scale, zigzag=zigzag)
 
 
-def test_ring_composes_with_fsdp_and_tensor():
-    """Batch over fsdp, heads over tensor, sequence over context, through context_attention."""
+def in_manual_region(mesh, axis, fn):
+    """Run fn(q, k, v, s) inside a shard_map manual over `axis`, as the training step does."""
+    from jax.sharding import PartitionSpec as P
+
+    def run(q, k, v, s):
+        args = (q, k, v) + (() if s is None else (s,))
+        body = lambda q, k, v, *s: fn(q, k, v, s[0] if s else None)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis), axis_names={axis},
+                             check_vma=False)(*args)
+    return run
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_ring_composes_with_fsdp_and_tensor(nested):
+    """Batch over fsdp, heads over tensor, sequence over context, through context_attention;
+    nested: called inside a shard_map already manual over fsdp (the train step's region)."""
     mesh = make_mesh((2, 2, 2), ("fsdp", "context", "tensor"))
     q, k, v, sid, w = inputs(kvh=2, seg=True, seed=2)
     attn = lambda q, k, v, s: context_attention(q, k, v, strategy="ring", mesh=mesh, causal=True,  # noqa: E731
                                                 segment_ids=s, batch_axes="fsdp", head_axes="tensor")
-    check_against_reference(attn, q, k, v, sid, w, True, 2)
+    check_against_reference(in_manual_region(mesh, "fsdp", attn) if nested else attn, q, k, v, sid, w, True, 2)
 
 
 def test_zigzag_helpers():

@@ -362,8 +362,37 @@ def _bwd_local(cfg, q, k, v, q_seg, kv_seg, o, lse, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def shard_map_region(mesh, axis_name, *axis_groups):
+    """(mesh, axis_names, axis groups) for a shard_map that may be nested in a manual region.
+
+    The training step is itself a shard_map, manual over the data-parallel axes. Inside it the
+    arrays are already local along those axes, so they are dropped from our specs, and the
+    inner shard_map must be given the context's abstract mesh and made manual over the rest.
+    """
+    am = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(am, "manual_axes", ()) or ()) if am is not None and not am.empty else frozenset()
+    if axis_name in manual:
+        raise ValueError(f"'{axis_name}' is already manual here (inside a shard_map over it); "
+                         "call context attention outside that region")
+
+    def drop(axes):
+        if axes is None:
+            return None
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    groups = tuple(drop(tuple(g) if isinstance(g, list) else g) for g in axis_groups)
+    if not manual:
+        return mesh, None, groups
+    return am, frozenset(a for a in am.axis_names if a not in manual), groups
+
+
+def _axis_size(mesh, axes) -> int:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
 @functools.lru_cache(maxsize=None)
-def _build(cfg: _Cfg, mesh, batch_axes, head_axes, has_seg: bool):
+def _build(cfg: _Cfg, mesh, axis_names, batch_axes, head_axes, has_seg: bool):
     qs = P(batch_axes, cfg.axis, head_axes, None)
     ss = P(batch_axes, cfg.axis)
     ls = P(batch_axes, head_axes, cfg.axis)
@@ -373,7 +402,8 @@ def _build(cfg: _Cfg, mesh, batch_axes, head_axes, has_seg: bool):
     # Pallas calls need it; safe because these regions are never differentiated by JAX (the
     # custom_vjp below supplies the backward ring).
     def smap(f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        kw = {} if axis_names is None else {"axis_names": set(axis_names)}
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)
 
     def unpack(args):
         return (*args, None, None) if not has_seg else args
@@ -426,8 +456,11 @@ def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = 
     block_impl = resolve_block_impl(block_impl, d)
     cfg = _Cfg(n, axis_name, bool(causal), bool(zigzag) and bool(causal), scale, block_impl, int(block_k))
     _block_fns(block_impl, block_k)  # fail early with the clear message
-    norm = lambda a: tuple(a) if isinstance(a, list) else a  # noqa: E731  (hashable for the cache)
-    fn = _build(cfg, mesh, norm(batch_axes), norm(head_axes), segment_ids is not None)
+    mesh, axis_names, (batch_axes, head_axes) = shard_map_region(mesh, axis_name, batch_axes, head_axes)
+    if k.shape[2] % _axis_size(mesh, head_axes):
+        raise ValueError(f"kv heads ({k.shape[2]}) must be divisible by the head axes {head_axes} "
+                         f"({_axis_size(mesh, head_axes)}); replicate kv heads over them or change the rule")
+    fn = _build(cfg, mesh, axis_names, batch_axes, head_axes, segment_ids is not None)
     if segment_ids is None:
         return fn(q, k, v)
     q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)

@@ -21,22 +21,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshlab.parallel.ring_attention import zigzag_inverse_permutation, zigzag_permutation
+from meshlab.parallel.ring_attention import (_axis_size, shard_map_region, zigzag_inverse_permutation,
+                                             zigzag_permutation)
 
 
 def _default_attention(q, k, v, *, causal, segment_ids=None, sm_scale=None):
     from pallas_kernels.attention import xla_attention
     return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
-
-
-def _axis_size(mesh, axes) -> int:
-    if axes is None:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else axes
-    out = 1
-    for a in axes:
-        out *= mesh.shape[a]
-    return out
 
 
 def kv_head_repeats(kv_heads_local: int, heads_local: int, n: int) -> int:
@@ -80,6 +71,7 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
     if s % n:
         raise ValueError(f"sequence length ({s}) must be divisible by the '{axis_name}' size ({n})")
+    mesh, axis_names, (batch_axes, head_axes) = shard_map_region(mesh, axis_name, batch_axes, head_axes)
     t = _axis_size(mesh, head_axes)
     if h % t or kvh % t:
         raise ValueError(f"heads ({h}) and kv heads ({kvh}) must be divisible by the head axes {head_axes} ({t})")
@@ -108,7 +100,8 @@ def ulysses_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool
     qs = P(batch_axes, axis_name, head_axes, None)
     in_specs = (qs, qs, qs) + ((P(batch_axes, axis_name),) if has_seg else ())
     # check_vma=False: attention_fn may be a Pallas kernel (needs it inside shard_map).
-    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qs, check_vma=False)
+    kw = {} if axis_names is None else {"axis_names": set(axis_names)}
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qs, check_vma=False, **kw)
     args = (q, k, v) + ((_self_ids(segment_ids),) if has_seg else ())
     return fn(*args)
 
