@@ -46,18 +46,25 @@ _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "Trit
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two, Triton's requirement) and launch parameters."""
+    """Tile sizes (powers of two, Triton's requirement) and launch parameters.
+
+    Defaults from the H200 sweep in docs/benchmarks.md (bf16, T=16k, d=2048, V=128256):
+    forward tiles 128 x 256 matched XLA's forward (16.0 vs 16.2 ms); the slab backward with
+    2048-token chunks ran fwd+bwd in 64 ms against XLA's 80 ms, where the pure tile backward
+    (bwd_chunk=0) took 177-309 ms. fp32 operands halve block_d so shared memory stays the same.
+    """
     fwd_t: int = 128        # tokens per forward program
-    fwd_v: int = 128        # vocab columns per forward tile
+    fwd_v: int = 256        # vocab columns per forward tile
     fwd_splits: int = 1     # vocab splits in the forward grid (more programs when T/fwd_t is small)
     bwd_t: int = 128        # tokens per backward tile
-    bwd_v: int = 128        # vocab columns per backward tile
+    bwd_v: int = 256        # vocab columns per backward tile
     block_d: int = 64       # contraction chunk over d
     dw_t: int = 0           # dweight kernel tiles (0: bwd_t / bwd_v); its RMW traffic goes as 1/dw_t
     dw_v: int = 0
-    # bwd_chunk > 0 switches the backward to "G slabs": a Pallas kernel writes dlogits for
-    # bwd_chunk tokens at a time ([bwd_chunk, V] bf16, never [T, V]) and cuBLAS does dh and dW.
-    bwd_chunk: int = 0
+    # bwd_chunk > 0: "G slab" backward, a Pallas kernel writes dlogits for bwd_chunk tokens at a
+    # time ([min(T, bwd_chunk), V] in the weights' dtype, never [T, V] when T > bwd_chunk) and
+    # cuBLAS does dh and dW. 0: pure tile backward, O(T*d + d*V) memory but slower.
+    bwd_chunk: int = 2048
     num_warps: int = 8
     num_stages: int = 3
 
@@ -333,6 +340,8 @@ def _dims(hidden, weight, bs):
     t, d = hidden.shape
     v = weight.shape[1]
     bk = _fit(bs.block_d, d)
+    if max(hidden.dtype.itemsize, weight.dtype.itemsize) >= 4:
+        bk = max(16, bk // 2)  # fp32 tiles: same shared memory per pipeline stage as bf16
     return t, d, v, bk
 
 

@@ -53,7 +53,8 @@ def _ce_loss_and_grads(fn, h, w, y, cot, **kw):
     return loss, g
 
 
-CE_TILES = ce.BlockSizes(fwd_t=16, fwd_v=64, fwd_splits=2, bwd_t=16, bwd_v=64, block_d=16, dw_t=32, dw_v=32)
+CE_TILES = ce.BlockSizes(fwd_t=16, fwd_v=64, fwd_splits=2, bwd_t=16, bwd_v=64, block_d=16, dw_t=32, dw_v=32,
+                         bwd_chunk=0)
 CE_SLABS = ce.BlockSizes(fwd_t=16, fwd_v=64, bwd_t=16, bwd_v=64, block_d=16, bwd_chunk=16)
 
 
@@ -91,7 +92,7 @@ def _txv_lines(text, t, v):
 def test_cross_entropy_never_holds_tokens_x_vocab():
     t, d, v = 1024, 32, 2048  # logits would be 8 MiB in fp32; everything else here is < 1 MiB
     h, w, y, cot = _ce_case(5, t, d, v)
-    blocks = ce.BlockSizes(fwd_t=128, fwd_v=512, bwd_t=128, bwd_v=512, block_d=32)
+    blocks = ce.BlockSizes(fwd_t=128, fwd_v=512, bwd_t=128, bwd_v=512, block_d=32, bwd_chunk=0)  # pure tiles
     slabs = dataclasses.replace(blocks, bwd_chunk=256)
 
     def train(fn, **kw):
@@ -215,7 +216,9 @@ def test_small_ops_errors():
 def test_gpu_cross_entropy(dtype, tol):
     h, w, y, cot = _ce_case(11, 1000, 256, 5000, dtype)  # ragged tokens and vocab
     ref, gref = _ce_loss_and_grads(ce.cross_entropy_reference, h, w, y, cot, z_loss=1e-4)
-    for fn in (ce.fused_cross_entropy, ce.chunked_cross_entropy):
+    slabs = lambda *a, **k: ce.fused_cross_entropy(*a, block_sizes=ce.BlockSizes(bwd_chunk=256), **k)
+    tiles = lambda *a, **k: ce.fused_cross_entropy(*a, block_sizes=ce.BlockSizes(bwd_chunk=0), **k)
+    for fn in (ce.fused_cross_entropy, slabs, tiles, ce.chunked_cross_entropy):
         out, g = _ce_loss_and_grads(fn, h, w, y, cot, z_loss=1e-4)
         _close(out, ref, tol)
         _close(g[0], gref[0], tol)
