@@ -10,9 +10,10 @@ the residual stream) once, writes dx (= dresidual) and per-program partial sums 
 the [programs, D] partials are summed in jnp (tiny).
 
 Where it pays: this op is memory-bound (a few bytes per flop), and XLA already fuses the add,
-the reduction and the scale into one or two loops; the win over the jnp reference comes only
-from fewer passes (the residual add and the norm read x once) and is measured, not assumed, in
-docs/benchmarks.md. Keep the faster one as the model's default.
+the reduction and the scale into one or two loops. Measured on an H200 (jax 0.11.2, bf16,
+16384 x 2048, docs/benchmarks.md): forward 0.226 ms vs XLA 0.266 ms (1.18x), forward+backward
+0.485 ms vs 0.397 ms (0.82x, XLA faster). So for training XLA's fusion of the reference is as
+good or better: keep rms_norm_reference as the model's default; the kernel wins only forward-only.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ db = dy * silu(a) (transient, freed within the backward); the four large matmuls
 (dx = da Wg^T + db Wu^T, dWg = x^T da, dWu = x^T db) go to XLA/cuBLAS, which a Triton GEMM
 does not beat. Cost: one extra 2-GEMM recomputation in the backward (about +1/3 FLOPs of this
 layer's backward) in exchange for the saved activations.
+Measured on an H200 (jax 0.11.2, bf16, T=16384 d=2048 f=8192, docs/benchmarks.md): forward
+2.19 ms vs XLA 2.10 ms (0.95x); forward+backward 7.36 ms vs 9.85 ms (1.34x faster) with 1.07 GB
+vs 2.48 GB of compiled memory.
 """
 from __future__ import annotations
 
