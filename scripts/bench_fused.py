@@ -110,10 +110,11 @@ def bench_ce(rows, a):
              train_fn(lambda h, w, y, cs=cs: ce.chunked_cross_entropy(h, w, y, chunk_size=cs)),
              (h, w, y), ref, a.reps, 2e-2, flops)
     # run 1 (docs/benchmarks.md) swept 128/128, 256/256 and 64/256 tiles; 256/256 was best (220 ms)
-    configs = [ce.BlockSizes(fwd_v=256, bwd_v=256),
-               ce.BlockSizes(fwd_v=256, bwd_v=256, dw_t=256, dw_v=128),
-               ce.BlockSizes(bwd_chunk=4096),
-               ce.BlockSizes(bwd_chunk=2048, bwd_v=256)]
+    configs = [ce.BlockSizes(),  # the defaults (slab backward); run 2's rows below chose them
+               ce.BlockSizes(fwd_v=256, bwd_v=256, bwd_chunk=0),
+               ce.BlockSizes(fwd_v=256, bwd_v=256, dw_t=256, dw_v=128, bwd_chunk=0),
+               ce.BlockSizes(fwd_v=128, bwd_v=128, bwd_chunk=4096),
+               ce.BlockSizes(fwd_v=128, bwd_chunk=2048)]
     for bs in configs if not a.small else configs[:1]:
         tag = (f"pallas(t{bs.fwd_t}/{bs.bwd_t} v{bs.fwd_v}/{bs.bwd_v} s{bs.fwd_splits} w{bs.num_warps}"
                + (f" dw{bs.dw_t}/{bs.dw_v}" if bs.dw_t else "") + (f" slab{bs.bwd_chunk}" if bs.bwd_chunk else "") + ")")
