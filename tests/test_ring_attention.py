@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType
 
 from meshlab.parallel import ring_attention as ra
-from meshlab.parallel.context import context_attention, uses_zigzag, zigzag_reorder, zigzag_restore
+from meshlab.parallel.context import context_attention, uses_zigzag, zigzag_batch, zigzag_reorder, zigzag_restore
 from pallas_kernels.attention import xla_attention
 
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(-start)?\(")
@@ -110,6 +110,11 @@ def test_zigzag_helpers():
     assert uses_zigzag("ring", True, 4) and not uses_zigzag("ring", False, 4) and not uses_zigzag("ulysses", True, 4)
     with pytest.raises(ValueError, match="divisible by 2 x"):
         ra.zigzag_permutation(12, 4)
+    tokens = np.arange(2 * s).reshape(2, s)
+    zb = zigzag_batch({"tokens": tokens, "labels": tokens + 1, "step": np.int32(3)}, n)
+    np.testing.assert_array_equal(zb["tokens"], z)  # numpy in, numpy out, same order as jnp
+    np.testing.assert_array_equal(zb["labels"], zb["tokens"] + 1)  # pairs stay aligned
+    np.testing.assert_array_equal(zb["positions"][1], z[0])  # original positions travel along
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

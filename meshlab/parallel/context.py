@@ -23,13 +23,14 @@ so one pipeline can serve both strategies; it also accepts plain order (zigzag=F
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from meshlab.parallel.ring_attention import (ring_attention, ring_schedule, zigzag_inverse_permutation,
                                              zigzag_permutation)
 from meshlab.parallel.ulysses import ulysses_attention
 
 STRATEGIES = ("ring", "ulysses")
-__all__ = ["context_attention", "zigzag_reorder", "zigzag_restore", "uses_zigzag", "zigzag_permutation",
+__all__ = ["context_attention", "zigzag_reorder", "zigzag_restore", "zigzag_batch", "uses_zigzag", "zigzag_permutation",
            "zigzag_inverse_permutation", "ring_schedule", "STRATEGIES"]
 
 
@@ -47,6 +48,26 @@ def zigzag_reorder(x, n: int, axis: int = 1):
 def zigzag_restore(x, n: int, axis: int = 1):
     """Inverse of `zigzag_reorder`."""
     return jnp.take(x, jnp.asarray(zigzag_inverse_permutation(x.shape[axis], n)), axis=axis)
+
+
+def zigzag_batch(batch: dict, n: int, *, seq_len: int | None = None, tokens_key: str = "tokens") -> dict:
+    """Step 1 of the module docstring for a whole batch dict of [b, s, ...] arrays (numpy or jax).
+
+    Adds "positions" = arange(s) when the batch has none (packed data must bring its own
+    per-segment positions), then reorders every array whose dim 1 is the sequence length.
+    Call it on the global batch before sharding it (or per process on its rows: the reorder is
+    along the sequence only). Labels must already be the shifted next tokens.
+    """
+    s = seq_len or batch[tokens_key].shape[1]
+    out = dict(batch)
+    if "positions" not in out:
+        b = batch[tokens_key].shape[0]
+        out["positions"] = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    perm = zigzag_permutation(s, n)
+    for key, x in out.items():
+        if getattr(x, "ndim", 0) >= 2 and x.shape[1] == s:
+            out[key] = np.take(x, perm, axis=1) if isinstance(x, np.ndarray) else jnp.take(x, jnp.asarray(perm), axis=1)
+    return out
 
 
 def context_attention(q, k, v, *, strategy: str, mesh, causal: bool, segment_ids=None, sm_scale=None,
