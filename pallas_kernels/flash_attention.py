@@ -108,20 +108,16 @@ class _Cfg:
     interpret: bool
 
 
-def _mask(cfg, rows, cols, q_seg, kv_seg, kv_major=False):
-    """Boolean [rows, cols] visibility ([cols, rows] with kv_major, for the dK/dV kernel's
-    transposed scores); built only in blocks that need it (the masked loop)."""
-    r = (lambda x: x[None, :]) if kv_major else (lambda x: x[:, None])  # noqa: E731  query axis
-    c = (lambda x: x[:, None]) if kv_major else (lambda x: x[None, :])  # noqa: E731  key axis
-    shape = (cols.shape[0], rows.shape[0]) if kv_major else (rows.shape[0], cols.shape[0])
+def _mask(cfg, rows, cols, q_seg, kv_seg):
+    """Boolean [rows, cols] visibility; built only in blocks that need it (the masked loop)."""
     mask = None
     if cfg.offset is not None:
-        mask = r(rows) + cfg.offset >= c(cols)
+        mask = rows[:, None] + cfg.offset >= cols[None, :]
     if cfg.kv_pad != cfg.kv_len:
-        pad = jnp.broadcast_to(c(cols) < cfg.kv_len, shape)
+        pad = jnp.broadcast_to(cols[None, :] < cfg.kv_len, (rows.shape[0], cols.shape[0]))
         mask = pad if mask is None else mask & pad
     if cfg.has_seg:
-        seg = r(q_seg) == c(kv_seg)
+        seg = q_seg[:, None] == kv_seg[None, :]
         mask = seg if mask is None else mask & seg
     return mask
 

@@ -70,17 +70,15 @@ def _dkv_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         do = do_refs[hg][pl.ds(q_start, block_q), :]
         lse = lse_refs[hg][pl.ds(q_start, block_q)]
         delta = delta_refs[hg][pl.ds(q_start, block_q)]
-        # kv-major scores [bk, bq]: P^T and dS^T come out in the layout the dV and dK products
-        # consume, so no register tile gets transposed through shared memory per step
-        pt = jnp.exp2(_dot(k, q, trans_b=True) * c - lse[None, :])
+        p = jnp.exp2(_dot(q, k, trans_b=True) * c - lse[:, None])       # [bq, bk]
         if masked:
             rows = q_start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
             q_seg = qseg_ref[pl.ds(q_start, block_q)] if cfg.has_seg else None
-            mask = _mask(cfg, rows, cols, q_seg, kv_seg, kv_major=True)
-            pt = pt if mask is None else jnp.where(mask, pt, 0.0)
-        dv = dv + _dot(pt.astype(do.dtype), do)
-        dst = pt * (_dot(v, do, trans_b=True) - delta[None, :])
-        dk = dk + _dot(dst.astype(q.dtype), q)
+            mask = _mask(cfg, rows, cols, q_seg, kv_seg)
+            p = p if mask is None else jnp.where(mask, p, 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     d = k.shape[-1]
