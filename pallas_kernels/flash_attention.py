@@ -8,7 +8,7 @@ backward did not fit this issue's budget. Measured on the H200 (2026-11-29, bf16
 D=128, TFLOP/s fwd / fwd+bwd, details and every variant in docs/benchmarks.md "Attention"):
 causal S=8192: ours 286-308 / 244-247, cuDNN 408 / 452, Pallas `mha` 321 / 141, XLA 47 / 70,
 `attention_mgpu` fp16 fwd 387; causal S=4096: ours 251-255 / 220-225, cuDNN 322 / 397, `mha` 237 / 131.
-So: 1.7x `mha` and 3.5x XLA in fwd+bwd, about 0.55x cuDNN; the fwd gap to cuDNN and to the Mosaic
+So in fwd+bwd: 1.7x `mha`, 3.5x XLA, about 0.55x cuDNN (causal); the fwd gap to cuDNN and to the Mosaic
 kernel (wgmma, TMA, warp specialisation) is what a Mosaic GPU port would have to close.
 
 Layout is `jax.nn.dot_product_attention`'s: q [b, q_len, h, d], k/v [b, kv_len, kv_h, d].
