@@ -1,0 +1,199 @@
+"""Communication per step: which collectives a rule file causes, their bytes, and their time.
+
+Time follows the alpha-beta model T = alpha + n/BW per message. For a group of p devices:
+  ring all-reduce            2(p-1) alpha + 2(p-1)/p n/BW   (reduce-scatter then all-gather)
+  ring all-gather / r-scatter (p-1) alpha +  (p-1)/p n/BW   (n = the full buffer)
+  tree all-reduce            2 log2(p) alpha + 2 n/BW       (fewer start-ups: wins for small n)
+  all-to-all (pairwise)      (p-1) alpha +  (p-1)/p n/BW
+  point-to-point             alpha + n/BW
+`algorithm="auto"` takes the cheaper of ring and tree, as NCCL does by message size.
+
+`step_collectives` lists what one train step moves, per kind and mesh axis, in the terms the
+compiled HLO uses (all-reduce: the buffer; all-gather: its output; reduce-scatter: its output
+shard), so the test suite can count the same thing in `compiled.as_text()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from meshlab.mesh import AXES
+from meshlab.plan import account
+from meshlab.plan.memory import F32, _drop, local_sizes
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class Comm:
+    kind: str
+    axes: tuple
+    nbytes: int          # HLO-comparable bytes of one call (see module docstring)
+    count: int           # calls per step
+    what: str
+    overlappable: bool   # can hide behind compute (FSDP prefetch, gradient buckets); TP activations cannot
+    propagated: bool = False   # placed by GSPMD (on CPU a propagated reduce-scatter is all-reduce + slice)
+    group: int = 1             # devices in the group (set by step_collectives)
+
+    @property
+    def total(self) -> int:
+        return self.nbytes * self.count
+
+
+def group_size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def crosses_hosts(mesh_shape: dict, axis: str, devices_per_host: int) -> bool:
+    """Axes are laid out as in meshlab.mesh: the last of AXES changes fastest (inside a host)."""
+    inner = math.prod(mesh_shape.get(a, 1) for a in AXES[AXES.index(axis) + 1:])
+    return inner * mesh_shape.get(axis, 1) > devices_per_host
+
+
+def collective_time(kind: str, n: float, p: int, alpha: float, bw: float, algorithm: str = "auto") -> float:
+    """Seconds for one collective over p devices; n is the full buffer (all-gather: output; reduce-scatter: input)."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    if kind == "collective-permute":
+        return alpha + n / bw
+    frac = (p - 1) / p
+    if kind == "all-reduce":
+        ring = 2 * (p - 1) * alpha + 2 * frac * n / bw
+        tree = 2 * math.ceil(math.log2(p)) * alpha + 2 * n / bw
+        return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        ring = (p - 1) * alpha + frac * n / bw
+        direct = math.ceil(math.log2(p)) * alpha + frac * n / bw if kind != "all-to-all" else ring
+        return {"ring": ring, "tree": direct}.get(algorithm, min(ring, direct))
+    raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
+
+
+def wire_bytes(kind: str, n: float, p: int) -> float:
+    """Bytes each device sends for one call, ring algorithms (n as in collective_time)."""
+    if p <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (p - 1) / p * n, "collective-permute": n}.get(kind, (p - 1) / p * n)
+
+
+def _spec_axes(spec) -> list:
+    return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+
+
+def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches: int = 1,
+                     policy: str | None = None) -> list[Comm]:
+    cfg = md.cfg
+    policy = policy or cfg.remat
+    k, L = microbatches, cfg.n_layers
+    batch = rules.batch_axes(mesh)
+    c = np.dtype(cfg.dtype).itemsize
+    out: list[Comm] = []
+    store = account.param_table(md, rules, mesh, "params")
+    grads = account.param_table(md, rules, mesh, "grads")
+    opt = account.param_table(md, rules, mesh, "optimizer")
+    for s, g, o in zip(store, grads, opt):
+        layered = bool(s.names) and s.names[0] == "layers"
+        local_full = account.bytes_per_device(s.shape, np.float32, _drop(s.spec, batch), mesh)
+        s_ax = [a for a in _spec_axes(s.spec) if a in batch]
+        g_ax = [a for a in _spec_axes(g.spec) if a in batch and a not in s_ax]
+        o_ax = [a for a in _spec_axes(o.spec) if a in batch and a not in s_ax]
+        rest = tuple(a for a in batch if a not in s_ax and a not in g_ax)
+        if s_ax:   # ZeRO-3: gather per use (compute dtype), its transpose reduce-scatters the gradient
+            gathered = local_full // F32 * c
+            passes = 1 if policy == "none" or not layered else 2   # remat re-gathers in the backward
+            n = gathered // L if layered else gathered
+            cnt = (L if layered else 1) * k
+            out.append(Comm("all-gather", tuple(s_ax), n, cnt * passes, f"{s.path} params (zero-3)", True))
+            # A tied embedding is used twice (lookup, head): the two gathers are merged, but each use's
+            # transpose is its own reduce-scatter (XLA does not add them first: twice the bytes).
+            uses = 2 if (cfg.tie_embeddings and s.names == ("vocab", "embed")) else 1
+            out.append(Comm("reduce-scatter", tuple(s_ax), s.bytes_per_device // (L if layered else 1), cnt * uses,
+                            f"{s.path} grads (zero-3)", True))
+        if g_ax:   # ZeRO-2: explicit psum_scatter per micro-batch into the sharded accumulator
+            out.append(Comm("reduce-scatter", tuple(g_ax), g.bytes_per_device, k, f"{s.path} grads (zero-2)", True))
+        if rest:   # the remaining data-parallel sum: one all-reduce after the last micro-batch
+            out.append(Comm("all-reduce", rest, g.bytes_per_device, 1, f"{s.path} grads", True))
+        if o_ax and not s_ax:   # ZeRO-1/2: the updated shards are gathered back into replicated params
+            out.append(Comm("all-gather", tuple(o_ax), s.bytes_per_device, 1, f"{s.path} updated params", False,
+                            propagated=True))
+        # Tensor-replicated weights (norm scales) get partial gradients on each tensor shard.
+        t_ax = tuple(a for a in ("tensor",) if mesh.shape[a] > 1 and a not in _spec_axes(s.spec))
+        if t_ax and rules.axes("act_heads", mesh):
+            out.append(Comm("all-reduce", t_ax, account.bytes_per_device(s.shape, np.float32, s.spec, mesh) //
+                            (L if layered else 1), (L if layered else 1) * k, f"{s.path} grads (tensor partial)",
+                            True, propagated=True))
+    out += _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c)
+    for x in out:
+        x.group = group_size(mesh, x.axes)
+    return [x for x in out if x.group > 1 and x.count > 0]
+
+
+def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c) -> list[Comm]:
+    """Megatron tensor parallelism (and its sequence-parallel form) on the residual stream."""
+    lc = local_sizes(cfg, rules, mesh, global_batch, seq, k)
+    L = cfg.n_layers
+    t_ax = tuple(a for a in rules.axes("act_heads", mesh))
+    out = []
+    if t_ax:
+        x = lc.b * (lc.s * lc.t if lc.sp else lc.s) * lc.d * c   # the full residual stream of one micro-batch
+        if lc.sp:   # all-gather before each block, reduce-scatter after; mirrored in the backward
+            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (fwd)", False, True))
+            out.append(Comm("reduce-scatter", t_ax, x // lc.t, 2 * L * k, "sequence-parallel scatter (fwd)", False, True))
+            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (bwd)", False, True))
+            out.append(Comm("reduce-scatter", t_ax, x // lc.t, 5 * L * k, "sequence-parallel scatter (bwd: q,k,v,gate,up)",
+                            False, True))
+        else:       # row-parallel outputs in the forward (o, down); input grads of q,k,v,gate,up in the backward
+            out.append(Comm("all-reduce", t_ax, x, 2 * L * k, "row-parallel outputs (fwd)", False, True))
+            out.append(Comm("all-reduce", t_ax, x, 5 * L * k, "column-parallel input grads (bwd)", False, True))
+        if rules.axes("vocab", mesh):   # vocab-split embedding lookup (fwd) and LM-head input grad (bwd)
+            out.append(Comm("all-reduce", t_ax, x, 2 * k, "embedding lookup + head input grad", False, True))
+            out.append(Comm("all-reduce", t_ax, 3 * lc.b * lc.s_attn * F32, k, "softmax max/sum/label over vocab",
+                            False, True))
+    if rules.strategies.get("attention") == "ring" and "context" in rules.axes("act_attn_seq", mesh):
+        p = mesh.shape["context"]
+        kv = 2 * lc.b * lc.s_attn * lc.kvh * lc.hd * c
+        out.append(Comm("collective-permute", ("context",), kv, 3 * (p - 1) * L * k, "ring attention K/V blocks", True))
+    if rules.strategies.get("attention") == "ulysses" and "context" in rules.axes("act_attn_seq", mesh):
+        qkvo = lc.b * lc.s_attn * (2 * lc.h + 2 * lc.kvh) * lc.hd * c
+        out.append(Comm("all-to-all", ("context",), qkvo, 2 * L * k, "ulysses head/sequence switch", False))
+    return out
+
+
+def cpu_view(comms: list[Comm]) -> dict:
+    """Bytes per kind as XLA on CPU writes them: a propagated reduce-scatter becomes an all-reduce of the
+    full buffer (+ slice); explicit shard_map psum_scatter stays a reduce-scatter (DESIGN.md)."""
+    return _view(comms, cpu=True)
+
+
+def _view(comms, cpu: bool) -> dict:
+    out = {k: 0 for k in KINDS}
+    for x in comms:
+        kind, n = x.kind, x.nbytes
+        if cpu and kind == "reduce-scatter" and x.propagated:
+            kind, n = "all-reduce", n * x.group
+        out[kind] += n * x.count
+    return out
+
+
+def per_kind(comms: list[Comm]) -> dict:
+    return _view(comms, cpu=False)
+
+
+def comm_time(comms: list[Comm], mesh, hw, hosts: int = 1, algorithm: str = "auto") -> dict:
+    """Seconds per step: total, the part that can overlap with compute, and the exposed part."""
+    shape = dict(mesh.shape)
+    per_host = max(int(np.prod(list(shape.values()))) // max(hosts, 1), 1)
+    total = hidden = 0.0
+    rows = []
+    for x in comms:
+        p = group_size(mesh, x.axes)
+        links = [hw.link(a, crosses_hosts(shape, a, per_host)) for a in x.axes]
+        alpha = max(lk.alpha_s for lk in links)
+        bw = min(lk.bw_Bps for lk in links)   # a multi-axis group runs at its slowest link (no hierarchy modelled)
+        n = x.nbytes * (p if x.kind == "reduce-scatter" else 1)   # reduce-scatter's input is p shards
+        t = x.count * collective_time(x.kind, n, p, alpha, bw, algorithm)
+        total += t
+        hidden += t if x.overlappable else 0.0
+        rows.append((x, t))
+    return {"total": total, "overlappable": hidden, "exposed": total - hidden, "rows": rows}

@@ -1,0 +1,94 @@
+"""What the compiler says about a train step: the planner's proof, read from the compiled program.
+
+`measure(cfg)` lowers and compiles the real train step (meshlab.train.loop.build_trainer) on
+abstract inputs (ShapeDtypeStructs with shardings: nothing is allocated, so mid-size models
+compile on a laptop) and returns per-device state bytes from the program's input shardings,
+gradient bytes from the loss-and-grads region's output shardings, the memory analysis, and
+the collectives of the HLO with loop bodies multiplied by their trip count (the layer scan).
+One compile costs 10-40 s on 2 CPU cores (the grads read-out compiles the loss-and-grads region
+again: `grads=False` skips it); results are cached per config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshlab import rules as rules_mod
+from meshlab.plan import hlo
+
+
+@dataclasses.dataclass
+class Measured:
+    rules: str
+    mesh: dict
+    params: int
+    grads: int
+    optimizer: int
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    collectives: list            # hlo.Collective, as found in the text
+    per_step: dict               # kind -> bytes per step (loop bodies x n_layers)
+    text: str = dataclasses.field(repr=False, default="")
+
+
+def _shard_bytes(sds, sharding) -> int:
+    return int(math.prod(sharding.shard_shape(sds.shape)) * np.dtype(sds.dtype).itemsize)
+
+
+def abstract_batch(tr):
+    from meshlab.train.step import BATCH_KEYS, batch_spec
+    sh = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
+    shape = (tr.cfg.data.global_batch, tr.cfg.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh) for k in BATCH_KEYS}
+
+
+def grads_bytes(tr) -> int:
+    """Per-device bytes of the gradient accumulator, from the compiled loss-and-grads region's output
+    shardings (the train step consumes them internally, so its own signature does not show them)."""
+    from meshlab.train.step import make_loss_and_grads
+    from meshlab.train.state import abstract_state
+    fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches, False)
+    st = abstract_state(tr.md, tr.tx, tr.shardings, False)
+    with rules_mod.use_rules(tr.rules, tr.mesh):
+        compiled = jax.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()
+    out_sh = compiled.output_shardings[1]
+    shapes = jax.eval_shape(lambda p: p, st["params"])
+    return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(out_sh)))
+
+
+_CACHE: dict = {}
+
+
+def measure(cfg, keep_text: bool = False, grads: bool = True) -> Measured:
+    from meshlab.train.loop import build_trainer
+    from meshlab.train.state import abstract_state
+    from meshlab.train.config import to_yaml
+    key = (to_yaml(cfg), grads)
+    if key in _CACHE:
+        return _CACHE[key]
+    tr = build_trainer(cfg)
+    st = abstract_state(tr.md, tr.tx, tr.shardings, cfg.model.dtype == "float16")
+    with rules_mod.use_rules(tr.rules, tr.mesh):   # the model reads the active rules while tracing
+        compiled = tr.step_fn.lower(st, abstract_batch(tr)).compile()
+    in_sh = compiled.input_shardings[0][0]
+    params = sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(in_sh["params"])))
+    opt_leaves = [(a, s) for a, s in zip(jax.tree.leaves(st["opt"]), jax.tree.leaves(in_sh["opt"])) if a.ndim > 0]
+    optimizer = sum(_shard_bytes(a, s) for a, s in opt_leaves)
+    ma = compiled.memory_analysis()
+    text = compiled.as_text()
+    colls = hlo.collectives(text)
+    per_step = {k: 0 for k in hlo.KINDS}
+    for c in colls:
+        per_step[c.kind] += c.bytes * (cfg.model.n_layers if c.in_loop else 1)
+    m = Measured(tr.rules.name, {a: s for a, s in tr.mesh.shape.items() if s > 1}, params, grads_bytes(tr) if grads else -1, optimizer,
+                 ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes, ma.temp_size_in_bytes,
+                 colls, per_step, text if keep_text else "")
+    _CACHE[key] = m
+    return m
