@@ -1,40 +1,69 @@
 """Train a model: python scripts/train.py --config CONFIG --rules RULES [--mesh SPEC] [--steps N]
-[--run-dir DIR] [--cpu-devices N] [key=value ...]"""
+[--run-dir DIR] [--cpu-devices N] [--resume [STEP]] [key=value ...]
+
+Several processes (one per host): set MESHLAB_COORDINATOR/MESHLAB_NUM_PROCESSES/MESHLAB_PROCESS_ID,
+pass --coordinator/--num-processes/--process-id, or launch under Slurm / Open MPI
+(scripts/launch_slurm.sh). See docs/running.md."""
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default", help="shipped config name or path to a YAML file")
     p.add_argument("--rules", help="shipped rule file name (e.g. fsdp_tp) or path to a YAML file")
     p.add_argument("--mesh", help="mesh spec overriding the rule file's, e.g. data=2,fsdp=2,tensor=2")
     p.add_argument("--steps", type=int)
     p.add_argument("--run-dir")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
+                   help="continue from the run directory's latest checkpoint (or STEP)")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (CPU only)")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-process runs)")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. optim.lr=1e-3")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
     if args.cpu_devices:
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
-    from meshlab.mesh import maybe_initialize_distributed
+    from meshlab.train import distributed
+    from meshlab.train.checkpoint import CheckpointError
     from meshlab.train.config import ConfigError, load_config
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except distributed.DistributedError as e:
+        sys.exit(f"error: {e}")
     from meshlab.train.loop import train
-    maybe_initialize_distributed()
+    import jax
     overrides = list(args.overrides)
-    for flag, key in ((args.rules, "rules"), (args.mesh, "mesh"), (args.steps, "steps"), (args.run_dir, "run_dir")):
+    for flag, key in ((args.rules, "rules"), (args.mesh, "mesh"), (args.steps, "steps"),
+                      (args.run_dir, "run_dir"), (args.resume, "checkpoint.resume")):
         if flag is not None:
             overrides.append(f"{key}={flag}")
     try:
         cfg = load_config(args.config, overrides)
         result = train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, FloatingPointError, CheckpointError,
+            distributed.DistributedError) as e:
         sys.exit(f"error: {e}")
+    if jax.process_index() != 0:
+        return
+    if "interrupted" in result:
+        argv_now = [a for a in (sys.argv if argv is None else ["scripts/train.py", *argv]) if a != "--resume"]
+        print(f"stopped after step {result['interrupted']}; checkpoint saved in {result['checkpoint_dir']}.\n"
+              f"resume with: python {shlex.join(argv_now)} --resume", flush=True)
+        return
     losses = result["losses"]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; run directory {result['run_dir']}")
+    if losses:
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; run directory {result['run_dir']}")
     if "sample" in result:
         print("sample:\n" + result["sample"])
 

@@ -33,6 +33,29 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    dir: str = ""                 # default: RUN_DIR/checkpoints
+    every: int = 0                # save every N steps (0: only at the end and on SIGTERM/Ctrl-C)
+    keep: int = 3                 # keep the last K
+    keep_every: int = 0           # and every M-th step for good (0: none)
+    async_save: bool = True       # write in the background while training goes on
+    resume: str = ""              # "" (fresh run), "latest", or a step number
+
+
+@dataclasses.dataclass
+class ValConfig:
+    every: int = 0                # validation loss on the held-out split every N steps (0: off)
+    batches: int = 4              # global batches of val.bin per evaluation (the same ones each time)
+
+
+@dataclasses.dataclass
+class ProfileConfig:
+    start_step: int = -1          # first profiled step (-1: no profile)
+    num_steps: int = 3
+    dir: str = ""                 # default: RUN_DIR/profile (open with TensorBoard or Perfetto)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: Any = None             # the architecture's config dataclass (models.preset(name))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -47,6 +70,10 @@ class TrainConfig:
     sample_prompt: str = "def "
     loss_scale_growth: int = 200  # fp16: steps of finite grads before the loss scale doubles
     on_nonfinite: str = "stop"    # stop | skip: a NaN/Inf loss or gradient
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    val: ValConfig = dataclasses.field(default_factory=ValConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    heartbeat_timeout: int = 300  # multi-process: stop when a process makes no progress this long (s)
 
 
 def shipped_configs() -> list[str]:
@@ -109,6 +136,9 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
         raise ConfigError(str(e)) from None
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} must be stop or skip")
+    r = cfg.checkpoint.resume
+    if r not in ("", "latest") and not (r.isdigit()):
+        raise ConfigError(f"checkpoint.resume={r!r} must be empty, 'latest' or a step number")
     return cfg
 
 

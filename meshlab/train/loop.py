@@ -1,7 +1,15 @@
-"""The training loop: set up mesh, rules, model, optimizer, data; run; write the run directory."""
+"""The training loop: set up mesh, rules, model, optimizer, data; run; write the run directory.
+
+Runs survive: checkpoints every `checkpoint.every` steps and at the end (async, sharded), resume
+with `checkpoint.resume=latest|STEP` onto any mesh or rule file, SIGTERM/Ctrl-C save and exit,
+a NaN/Inf stops the run (or skips the step) and is never checkpointed, validation loss on
+val.bin, an optional profiler window, metrics.jsonl appended across resumes."""
 from __future__ import annotations
 
 import dataclasses
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,12 +22,14 @@ from meshlab import rules as rules_mod
 from meshlab.mesh import make_mesh, format_sizes
 from meshlab.plan import account
 from meshlab.train import data as data_mod
+from meshlab.train import distributed
+from meshlab.train.checkpoint import Checkpointer
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
 from meshlab.train.peak import measured_matmul_flops
-from meshlab.train.state import init_state, model_def, state_specs, to_shardings
-from meshlab.train.step import LossScaleConfig, make_train_step
+from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
+from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
 
 DATASHEET_PEAK = 989e12  # H100/H200 dense bf16, the datasheet figure MFU is also reported against
 
@@ -72,7 +82,6 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
 
 def device_batch(tr: Trainer, host_batch: dict) -> dict:
     """Host rows -> global sharded arrays (each process contributes its own rows)."""
-    sharding = tr.step_fn_batch_sharding if hasattr(tr, "step_fn_batch_sharding") else None
     from meshlab.train.step import batch_spec
     from jax.sharding import NamedSharding
     sharding = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
@@ -82,68 +91,241 @@ def device_batch(tr: Trainer, host_batch: dict) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in host_batch.items()}
 
 
+def make_eval(tr: Trainer):
+    """(params, batch) -> (sum of token losses, valid tokens): the validation forward, no grads."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from meshlab.train.step import batch_spec
+    data_sh = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
+    rep = NamedSharding(tr.mesh, P())
+
+    def loss_sums(params, batch):
+        model = tr.md.bind(params)
+        h = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return jnp.sum(model.token_losses(h, batch["labels"])), jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
+    return jax.jit(loss_sums, in_shardings=(tr.shardings["params"], {k: data_sh for k in BATCH_KEYS}),
+                   out_shardings=(rep, rep))
+
+
+class Validator:
+    """Mean loss over the same `cfg.val.batches` global batches of val.bin each time."""
+
+    def __init__(self, tr: Trainer):
+        self.tr = tr
+        self.fn = make_eval(tr)
+        self.batches = load_batches(tr.cfg, "val")
+
+    def __call__(self, params) -> float:
+        total, count = 0.0, 0.0
+        for k in range(self.tr.cfg.val.batches):
+            s, n = self.fn(params, device_batch(self.tr, self.batches.batch(k, self.tr.rows)))
+            total, count = total + float(s), count + float(n)
+        return total / max(count, 1.0)
+
+
+class StopRequest:
+    """SIGTERM / Ctrl-C set a flag; the loop finishes the step in flight, saves and exits.
+    In a multi-process run the flag is agreed on by all processes each step (one tiny
+    host all-gather per step), so every process stops after the same step and the final
+    checkpoint is collective."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out now
+        self.signal = signal.Signals(signum).name
+        print(f"\nmeshlab: {self.signal} received; finishing this step and saving a checkpoint", flush=True)
+
+    def requested(self) -> bool:
+        local = self.signal is not None
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def _checkpointer(cfg: TrainConfig, run_dir: Path) -> Checkpointer:
+    c = cfg.checkpoint
+    return Checkpointer(c.dir or run_dir / "checkpoints", every=c.every, keep=c.keep,
+                        keep_every=c.keep_every, async_save=c.async_save)
+
+
+def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
+    """(state, start step): fresh, or restored into this run's shardings."""
+    cfg = tr.cfg
+    if not cfg.checkpoint.resume:
+        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16), 0
+    if ckpt is None:
+        raise ValueError("checkpoint.resume needs a run that writes its run directory (write=True)")
+    step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
+    state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step)
+    saved = meta.get("data", {})
+    now = {"seed": cfg.data.seed, "global_batch": cfg.data.global_batch, "seq_len": cfg.data.seq_len,
+           "corpus": cfg.data.corpus}
+    changed = {k: (saved.get(k), v) for k, v in now.items() if k in saved and saved[k] != v}
+    if changed and jax.process_index() == 0:
+        print(f"meshlab: warning: data settings changed since the checkpoint {changed}; "
+              "the batches after the resume differ from the original run's", file=sys.stderr)
+    return state, int(meta["step"])
+
+
+def _meta(tr: Trainer, step: int) -> dict:
+    cfg = tr.cfg
+    return {"config": to_yaml(cfg), "rules": tr.rules.name, "mesh": dict(tr.mesh.shape),
+            "processes": jax.process_count(),
+            # The batch is a function of (seed, step, row): the next step is the iterator state.
+            "data": {"next_step": step, "seed": cfg.data.seed, "global_batch": cfg.data.global_batch,
+                     "seq_len": cfg.data.seq_len, "corpus": cfg.data.corpus}}
+
+
 def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = True) -> dict:
-    """Run `cfg.steps` steps; returns {"losses": [...], "state": ..., "run_dir": ...}."""
+    """Run up to `cfg.steps` steps; returns {"losses", "state", "run_dir", "rows", "trainer"} and,
+    when stopped by a signal, "interrupted": the step saved."""
     tr = build_trainer(cfg, devices)
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0 and write
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
+    ckpt = _checkpointer(cfg, run_dir) if write else None
+    fp16 = cfg.model.dtype == "float16"
+    watchdog = distributed.Watchdog(cfg.heartbeat_timeout).start()
+    try:
+        with rules_mod.use_rules(tr.rules, tr.mesh), StopRequest() as stop:
+            state, start = _start_state(tr, ckpt, fp16)
+            result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog)
+    finally:
+        watchdog.stop()
+        if ckpt is not None:
+            ckpt.close()   # waits for async saves of good states, even when the run failed
+    if is_main and result["rows"]:
+        plot_loss(run_dir, result["rows"])
+    if is_main and cfg.sample_tokens and "interrupted" not in result:
+        result["sample"] = write_sample(tr, result["state"], run_dir)
+    return result
+
+
+def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path, is_main: bool,
+         progress: bool, watchdog) -> dict:
+    cfg = tr.cfg
     writer = MetricsWriter(run_dir, enabled=is_main)
     lr_at = schedule(cfg.optim, cfg.steps)
     flops_tok = account.train_flops_per_token(cfg.model, cfg.data.seq_len)
-    with rules_mod.use_rules(tr.rules, tr.mesh):
-        peak = measured_matmul_flops(tr.mesh)
-        if progress and is_main:
-            print(f"meshlab: {cfg.model.name} ({account.param_count(tr.md):,} params), rules {tr.rules.name}, "
-                  f"mesh {format_sizes(dict(tr.mesh.shape))} on {tr.mesh.devices.size} {jax.default_backend()} devices")
-            print(f"  {account.mfu_formula(cfg.model, cfg.data.seq_len)}")
-            print(f"  peak = measured matmul rate {peak / 1e12:.3f} TFLOP/s (all devices); datasheet {DATASHEET_PEAK / 1e12:.0f}")
-        state = init_state(tr.md, tr.tx, tr.shardings, cfg.seed, cfg.model.dtype == "float16")
-        losses, rows_out = [], []
-        bar = Progress(cfg.steps, enabled=progress)
-        batches = tr.batches.iterator(0, cfg.steps, tr.rows)
-        pending = None
-        t_prev = time.perf_counter()
+    peak = measured_matmul_flops(tr.mesh)
+    validate = Validator(tr) if cfg.val.every > 0 else None
+    profiler = ProfileWindow(cfg.profile, run_dir)
+    if progress and is_main:
+        print(f"meshlab: {cfg.model.name} ({account.param_count(tr.md):,} params), rules {tr.rules.name}, "
+              f"mesh {format_sizes(dict(tr.mesh.shape))} on {tr.mesh.devices.size} {jax.default_backend()} devices")
+        print(f"  {account.mfu_formula(cfg.model, cfg.data.seq_len)}")
+        print(f"  peak = measured matmul rate {peak / 1e12:.3f} TFLOP/s (all devices); datasheet {DATASHEET_PEAK / 1e12:.0f}")
+        if start:
+            print(f"  resumed from step {start} ({ckpt.directory})")
+    if start:
+        writer.write({"event": "resume", "step": start, "time": time.time()})
+    losses, rows_out = [], []
+    bar = Progress(cfg.steps, enabled=progress)
+    batches = tr.batches.iterator(start, cfg.steps - start, tr.rows)
+    pending, t_prev, done, interrupted = None, time.perf_counter(), start, None
 
-        def record(step_done, metrics, step_ms):
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            tok_s = tr.tokens_per_step / (step_ms / 1e3)
-            row = {"step": step_done, "loss": m["loss"], "grad_norm": m["grad_norm"],
-                   "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / peak,
-                   "mfu_datasheet": tok_s * flops_tok / (DATASHEET_PEAK * tr.mesh.devices.size),
-                   "step_ms": step_ms}
-            if not m["finite"]:
-                if cfg.on_nonfinite == "stop":
-                    raise FloatingPointError(f"non-finite loss or gradient at step {step_done}; the update was "
-                                             "not applied. Lower optim.lr, or set on_nonfinite=skip")
-            losses.append(m["loss"])
-            last = step_done == cfg.steps
-            if step_done == 1 or last or step_done % cfg.log_every == 0:
-                writer.write(row)
-                rows_out.append(row)
-                bar.update(row, force_line=(step_done % (cfg.log_every * 5) == 0) or last or step_done == 1)
-            return row
+    def record(step_done, metrics, step_ms, extra=None):
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        tok_s = tr.tokens_per_step / (step_ms / 1e3)
+        row = {"step": step_done, "loss": m["loss"], "grad_norm": m["grad_norm"],
+               "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / peak,
+               "mfu_datasheet": tok_s * flops_tok / (DATASHEET_PEAK * tr.mesh.devices.size),
+               "step_ms": step_ms, **(extra or {})}
+        if not m["finite"]:
+            if cfg.on_nonfinite == "stop":
+                raise FloatingPointError(f"non-finite loss or gradient at step {step_done}; the update was not "
+                                         "applied and no checkpoint of it was written. Lower optim.lr, or set "
+                                         "on_nonfinite=skip")
+            row["skipped"] = True
+            if is_main:
+                print(f"meshlab: non-finite loss or gradient at step {step_done}; update skipped", file=sys.stderr)
+        losses.append(m["loss"])
+        last = step_done == cfg.steps
+        if step_done == 1 or last or step_done % cfg.log_every == 0 or extra:
+            writer.write(row)
+            rows_out.append(row)
+            bar.update(row, force_line=(step_done % (cfg.log_every * 5) == 0) or last or step_done == 1)
 
-        for i in range(cfg.steps):
-            batch = device_batch(tr, next(batches))
-            state, metrics = tr.step_fn(state, batch)
-            if pending is not None:   # one step late: step i-1's numbers while step i runs
-                now = time.perf_counter()
-                record(i, pending, (now - t_prev) * 1e3)
-                t_prev = now
-            pending = metrics
-        jax.block_until_ready(state)
-        record(cfg.steps, pending, (time.perf_counter() - t_prev) * 1e3)
-        bar.close()
+    for i in range(start, cfg.steps):
+        profiler.before(i)
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+            state, metrics = tr.step_fn(state, device_batch(tr, next(batches)))
+        if pending is not None:   # one step late: step i's numbers while step i+1 runs
+            now = time.perf_counter()
+            record(i, pending, (now - t_prev) * 1e3)
+            t_prev = now
+        pending, done = metrics, i + 1
+        watchdog.beat(done)
+        profiler.after(i, state)
+        extra = {"val_loss": validate(state["params"])} if validate and done % cfg.val.every == 0 else None
+        stopping = stop.requested()
+        if extra or stopping or (ckpt and ckpt.should_save(done)) or done == cfg.steps:
+            # A checkpoint (or a val row) only after this step's own numbers are checked finite.
+            now = time.perf_counter()
+            record(done, pending, (now - t_prev) * 1e3, extra)
+            pending, t_prev = None, now
+        if ckpt and (ckpt.should_save(done) or stopping or done == cfg.steps):
+            ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
+        if stopping:
+            interrupted = done
+            break
+    if pending is not None:
+        record(done, pending, (time.perf_counter() - t_prev) * 1e3)
+    jax.block_until_ready(state)
+    profiler.close()
+    bar.close()
     writer.close()
-    result = {"losses": losses, "state": state, "run_dir": run_dir, "rows": rows_out, "trainer": tr}
-    if is_main:
-        plot_loss(run_dir, rows_out)
-        if cfg.sample_tokens:
-            result["sample"] = write_sample(tr, state, run_dir)
-    return result
+    out = {"losses": losses, "state": state, "run_dir": run_dir, "rows": rows_out, "trainer": tr, "step": done}
+    if interrupted is not None:
+        out["interrupted"] = interrupted
+        if ckpt is not None:
+            out["checkpoint_dir"] = str(ckpt.directory)
+    return out
+
+
+class ProfileWindow:
+    """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile."""
+
+    def __init__(self, pcfg, run_dir: Path):
+        self.start, self.stop_at = pcfg.start_step, pcfg.start_step + pcfg.num_steps
+        self.dir = Path(pcfg.dir or run_dir / "profile")
+        self.active = False
+
+    def before(self, i: int) -> None:
+        if self.start >= 0 and i == self.start:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.dir))
+            self.active = True
+
+    def after(self, i: int, state) -> None:
+        if self.active and i + 1 >= self.stop_at:
+            jax.block_until_ready(state)   # the trace must hold the device work of the window
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            if jax.process_index() == 0:
+                print(f"meshlab: profile written to {self.dir}", flush=True)
 
 
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:

@@ -1,0 +1,195 @@
+"""Sharded, asynchronous checkpoints of the train state with orbax's CheckpointManager.
+
+A checkpoint step directory holds two items:
+  state  the train-state pytree (params, optax state, step, loss scale), written by every
+         process for its own shards (OCDBT), restored straight into whatever shardings the
+         *new* run asks for (abstract targets), so a different rule file, mesh or process
+         count reshards on load without a host copy of the whole state;
+  meta   JSON: the step, the resolved config, the data position (the batch is a function of
+         the step; the grain iterator state is kept too) and a per-leaf fingerprint that is
+         checked after a restore, so silently damaged bytes are caught.
+
+Failure rules: orbax writes into a temporary directory and renames it when complete, so an
+interrupted save never shows up as a step. A step that exists but fails to restore (damaged
+files, missing item, fingerprint mismatch) is moved aside to `corrupt-step-N` -- never
+deleted, never overwritten -- and the previous complete step is used instead, with a warning.
+Asking for a specific step that is missing or damaged is an error naming what exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+# Relative tolerance of the fingerprint check: a restore onto another mesh sums the same
+# values in another order (float32), a damaged chunk moves a sum by far more.
+_FINGERPRINT_RTOL = 1e-4
+
+
+# Written by orbax (0.12) as the last act of a save; a step directory without it is incomplete.
+COMMIT_MARKER = "commit_success.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(f"meshlab checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+@jax.jit
+def fingerprint(state) -> jax.Array:
+    """Per-leaf (sum, sum of |x|) as one small replicated vector: a cheap integrity check.
+    Costs one reduction pass over the state per save and per restore."""
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(state)]
+    return jnp.stack([jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))]) for x in leaves])
+
+
+@jax.jit
+def all_finite(state) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+class Checkpointer:
+    """Save every `every` steps (async) and at the end; keep the last `keep` (and every
+    `keep_every`-th); restore the latest complete one or a given step."""
+
+    def __init__(self, directory: str | os.PathLike, every: int = 0, keep: int = 3,
+                 keep_every: int = 0, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self.every = every
+        self._async = async_save
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep if keep > 0 else None,
+            keep_period=keep_every if keep_every > 0 else None,
+            enable_async_checkpointing=async_save,
+            create=True,
+            # Leftovers of a save killed half-way are orbax's temporary dirs; removing them
+            # at start is safe (they were never a complete step) and keeps the dir tidy.
+            cleanup_tmp_directories=True)
+        self.mgr = self._open()
+
+    def _open(self):
+        return ocp.CheckpointManager(self.directory, options=self._options, item_names=("state", "meta"))
+
+    # -- listing ---------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete steps. A step directory without orbax's commit marker (a save cut short
+        on a file system without atomic rename, or a copy gone wrong) is moved aside first."""
+        self.mgr.reload()
+        partial = [s for s in self.mgr.all_steps() if not (self.directory / str(s) / COMMIT_MARKER).exists()]
+        for s in partial:
+            _log(f"step {s} has no {COMMIT_MARKER} (its save never finished); moving it aside")
+            self._quarantine(s, "partial")
+        return sorted(self.mgr.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, state, meta: dict[str, Any], wait: bool = False) -> bool:
+        """Start a save of `state` at `step` (async unless `wait`). Refuses a state with a NaN
+        or Inf; skips (with a note) a step that already exists rather than overwrite it."""
+        if not bool(all_finite(state)):
+            raise CheckpointError(f"refusing to save step {step}: the state holds NaN or Inf values "
+                                  "(the last good checkpoint is kept)")
+        # orbax itself finishes the previous async save before starting the next; waiting here
+        # first means the listing below never mistakes that save in flight for a partial one.
+        self.mgr.wait_until_finished()
+        if step in self.steps():
+            _log(f"step {step} already saved in {self.directory}; not overwriting it")
+            return False
+        meta = dict(meta, step=int(step), saved_at=time.time(),
+                    fingerprint=np.asarray(jax.device_get(fingerprint(state))).tolist())
+        self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+        if wait or not self._async:
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        self.mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mgr.wait_until_finished()
+        self.mgr.close()
+
+    # -- restoring -------------------------------------------------------------------------
+    def restore(self, abstract_state, step: Optional[int] = None):
+        """(state, meta) from `step`, or from the latest complete step (falling back past
+        damaged ones). `abstract_state` carries the NEW run's shardings."""
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
+                                      f"complete steps: {steps or 'none'}")
+            try:
+                return self._restore_one(abstract_state, step)
+            except Exception as e:  # noqa: BLE001 - any failure here means the step is unusable
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
+                                      f"{_short(e)}. Resume from another step ({steps}) or the latest") from None
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory} to resume from; start without --resume "
+                                  "or point checkpoint.dir at the run's checkpoints")
+        for s in reversed(steps):
+            try:
+                return self._restore_one(abstract_state, s)
+            except Exception as e:  # noqa: BLE001
+                _log(f"step {s} is damaged ({_short(e)}); moving it aside and trying the previous one")
+                self._quarantine(s, "corrupt")
+        raise CheckpointError(f"every checkpoint in {self.directory} is damaged (moved aside as corrupt-step-N); "
+                              "start a fresh run")
+
+    def _restore_one(self, abstract_state, step: int):
+        got = self.mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        state, meta = got["state"], got["meta"]
+        if meta is None or "fingerprint" not in meta:
+            raise CheckpointError("its meta item is missing")
+        if int(meta.get("step", -1)) != step:
+            raise CheckpointError(f"its meta says step {meta.get('step')}, not {step}")
+        want = np.asarray(meta["fingerprint"], np.float64)
+        have = np.asarray(jax.device_get(fingerprint(state)), np.float64)
+        if want.shape != have.shape or not np.allclose(have, want, rtol=_FINGERPRINT_RTOL, atol=1e-6):
+            raise CheckpointError("its values do not match the fingerprint written at save time")
+        return state, meta
+
+    def _quarantine(self, step: int, why: str) -> None:
+        """Move a damaged step out of orbax's sight (kept for inspection, never deleted)."""
+        if jax.process_index() == 0:
+            src = self.directory / str(step)
+            dst = self.directory / f"{why}-step-{step}-{int(time.time())}"
+            if src.exists():
+                os.replace(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"meshlab_quarantine_{step}")
+        self.mgr.reload()
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:300]
+
+
+def read_meta(directory: str | os.PathLike, step: int) -> dict:
+    """The JSON meta of a step without touching the arrays (for tools and tests)."""
+    path = Path(directory) / str(step) / "meta" / "metadata"
+    if not path.exists():
+        raise CheckpointError(f"{path} not found")
+    return json.loads(path.read_text())

@@ -1,0 +1,206 @@
+"""Checkpoints: exact resume, resharding restore onto another rule file and mesh, missing /
+partial / corrupt checkpoints, and the NaN policy (never a poisoned checkpoint)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from meshlab.train import loop
+from meshlab.train.checkpoint import Checkpointer, CheckpointError, read_meta
+from meshlab.train.metrics import read_metrics
+from tests.helpers import small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+# Compiled programs are shared between the train() calls of these tests and their subprocesses
+# through JAX's persistent cache: a cold small train step costs ~30 s on 2 cores, a cached one ~1 s.
+CACHE_DIR = Path(tempfile.gettempdir()) / f"meshlab-test-jax-cache-{os.getuid()}"
+
+
+def _reset_cache():
+    try:
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()   # the on/off decision is cached at the first compile
+    except (ImportError, AttributeError):
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache():
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (str(CACHE_DIR), 0, 0)):
+        jax.config.update(n, v)
+    _reset_cache()
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+    _reset_cache()
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(CACHE_DIR),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.pop("XLA_FLAGS", None)   # each subprocess sets its own device count
+    env.update(extra)
+    return env
+
+
+def cfg(tmp, rules="fsdp", mesh=None, steps=4, extra=()):
+    return small_config(rules, mesh=mesh, steps=steps, extra=["checkpoint.every=2", *extra], tmp_path=tmp)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """fsdp on 8 devices, 4 steps, checkpoints at 2 and 4."""
+    run = tmp_path_factory.mktemp("full")
+    out = loop.train(cfg(run), progress=False)
+    return run, out["losses"]
+
+
+def test_resume_is_exact(uninterrupted, tmp_path):
+    run, losses = uninterrupted
+    assert Checkpointer(run / "checkpoints").steps() == [2, 4]
+    meta = read_meta(run / "checkpoints", 2)
+    assert meta["step"] == 2 and meta["data"]["next_step"] == 2 and "rules: fsdp" in meta["config"]
+    # Resume in a copy of the run directory from step 2: same rules, same steps -> same losses.
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    out = loop.train(cfg(copy, extra=["checkpoint.resume=2"]), progress=False)
+    assert out["losses"] == losses[2:], "losses after a resume must equal the uninterrupted run's, bit for bit"
+    rows = read_metrics(copy)
+    assert any(r.get("event") == "resume" and r["step"] == 2 for r in rows)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 3, 4]   # appended, never rewritten
+
+
+def test_restore_onto_other_rules_and_mesh(uninterrupted, tmp_path):
+    """Saved with fsdp on 8 devices, restored with tp on data=4,tensor=2: resharded on load."""
+    run, losses = uninterrupted
+    c = cfg(tmp_path, rules="tp", mesh="data=4,tensor=2",
+            extra=["checkpoint.resume=latest", f"checkpoint.dir={run / 'checkpoints'}", "steps=4"])
+    c.checkpoint.resume = "2"
+    out = loop.train(c, progress=False)
+    np.testing.assert_allclose(out["losses"], losses[2:], rtol=1e-5)
+    spec = out["trainer"].shardings["params"]
+    assert any("tensor" in str(s.spec) for s in jax.tree.leaves(spec))
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint in .* to resume from"):
+        loop.train(cfg(tmp_path, extra=["checkpoint.resume=latest"]), progress=False)
+    with pytest.raises(CheckpointError, match="no complete checkpoint for step 7"):
+        Checkpointer(tmp_path / "x").restore({}, step=7)
+
+
+def _damage(step_dir: Path):
+    """Overwrite the middle of every array data file with garbage (same sizes)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.stat().st_size > 64
+             and "metadata" not in p.name]
+    assert files
+    for p in files:
+        data = bytearray(p.read_bytes())
+        mid = len(data) // 2
+        data[mid:mid + 32] = os.urandom(min(32, len(data) - mid))
+        p.write_bytes(bytes(data))
+
+
+def test_corrupt_latest_falls_back_and_is_kept(uninterrupted, tmp_path):
+    run, losses = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    _damage(copy / "checkpoints" / "4")
+    out = loop.train(cfg(copy, extra=["checkpoint.resume=latest"]), progress=False)
+    assert out["losses"] == losses[2:]                        # resumed from step 2
+    aside = [p.name for p in (copy / "checkpoints").iterdir() if p.name.startswith("corrupt-step-4")]
+    assert aside, "the damaged step is moved aside, not deleted"
+    assert Checkpointer(copy / "checkpoints").steps() == [2, 4]   # a good step 4 written again
+    # Asking for the damaged step by number is an error, not a silent fallback.
+    _damage(copy / "checkpoints" / "4")
+    with pytest.raises(CheckpointError, match="step 4 .* cannot be restored"):
+        loop.train(cfg(copy, extra=["checkpoint.resume=4"]), progress=False)
+
+
+def test_step_without_commit_marker_is_partial(uninterrupted, tmp_path):
+    run, _ = uninterrupted
+    ckdir = tmp_path / "ck"
+    shutil.copytree(run / "checkpoints", ckdir)
+    os.remove(ckdir / "4" / "commit_success.txt")
+    assert Checkpointer(ckdir).steps() == [2]
+    assert any(p.name.startswith("partial-step-4") for p in ckdir.iterdir())
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+import jax, jax.numpy as jnp
+from meshlab.train.checkpoint import Checkpointer
+ck = Checkpointer(sys.argv[1])
+ck.save(1, {"w": jnp.ones((256, 1024)), "step": jnp.int32(1)}, {"n": 1}, wait=True)
+big = {"w": jax.random.normal(jax.random.key(0), (32, 1024, 1024)), "step": jnp.int32(2)}
+ck.save(2, big, {"n": 2})          # async: returns while the bytes are being written
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_save_killed_half_way(tmp_path):
+    ckdir = tmp_path / "ck"
+    p = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(ckdir)], env=subprocess_env(),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert any(".orbax-checkpoint-tmp" in q.name for q in ckdir.iterdir()), "the kill came after the save"
+    ck = Checkpointer(ckdir)
+    assert ck.steps() == [1]
+    abstract = {"w": jax.ShapeDtypeStruct((256, 1024), np.float32, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])), "step": jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))}
+    state, meta = ck.restore(abstract)
+    assert meta["step"] == 1 and float(state["w"].sum()) == 256 * 1024
+
+
+def _poison_at(step_to_poison, nan_params=False):
+    """Wrap the train step: at `step_to_poison` report a NaN loss (and, if asked, NaN params)."""
+    import jax.numpy as jnp
+    real_build = loop.build_trainer
+
+    def build(*a, **k):
+        tr = real_build(*a, **k)
+        step_fn = tr.step_fn
+
+        def poisoned(state, batch):
+            state, metrics = step_fn(state, batch)
+            if int(state["step"]) == step_to_poison:
+                if nan_params:
+                    state = dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"]))
+                else:
+                    metrics = dict(metrics, loss=metrics["loss"] * jnp.nan, finite=jnp.bool_(False))
+            return state, metrics
+        tr.step_fn = poisoned
+        return tr
+    return build
+
+
+def test_nan_stops_naming_the_step_and_saves_nothing_poisoned(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "build_trainer", _poison_at(3))
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        loop.train(cfg(tmp_path), progress=False)
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [2]
+
+
+def test_nan_skip_policy_continues(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "build_trainer", _poison_at(3))
+    out = loop.train(cfg(tmp_path, extra=["on_nonfinite=skip"]), progress=False)
+    assert len(out["losses"]) == 4
+    assert [r["step"] for r in out["rows"] if r.get("skipped")] == [3]
+
+
+def test_poisoned_state_is_never_saved(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "build_trainer", _poison_at(4, nan_params=True))
+    with pytest.raises(CheckpointError, match="refusing to save step 4"):
+        loop.train(cfg(tmp_path), progress=False)
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [2]
