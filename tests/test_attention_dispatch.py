@@ -79,7 +79,8 @@ def test_gpu_auto_is_pallas_and_all_impls_agree():
     q, k, v = _qkv(sq=512, sk=512, h=8, kvh=2, d=128)
     ref = flash_attention_reference(q, k, v, causal=True)
     for impl in ("xla", "cudnn", "pallas", "auto"):
-        out = jax.jit(lambda q, k, v, impl=impl: attention.dot_product_attention(q, k, v, impl=impl, causal=True))(q, k, v)
+        f = jax.jit(lambda q, k, v, impl=impl: attention.dot_product_attention(q, k, v, impl=impl, causal=True))
+        out = f(q, k, v)
         assert _rel(out, ref) < 1e-2, impl
     seg = jnp.zeros((2, 512), jnp.int32).at[:, 300:].set(1)
     out = attention.dot_product_attention(q, k, v, impl="pallas", causal=True, segment_ids=seg)
