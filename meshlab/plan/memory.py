@@ -82,55 +82,97 @@ def textbook_memory(n_params: int, stage: int, p: int) -> dict:
 
 
 # -- activations -------------------------------------------------------------------------------
-def layer_residuals(lc: Local, policy: str, attention: str = "xla") -> dict:
-    """Bytes one layer keeps for its backward pass, by tensor, for one micro-batch on one device.
+_PROBES = (61, 67, 71, 73, 79, 83, 89, 97)
 
-    `none`: what autodiff saves once XLA has fused elementwise chains: matmul inputs, norm inputs
-    (fp32), the softmax output of XLA attention ([b,h,s,s] fp32: the S^2 term; a flash kernel
-    keeps only the [b,h,s] log-sum-exp), SwiGLU's fp32 gate and up. `save_dots`: every matmul
-    output (fp32 accumulators, incl. attention's two batched dots); `save_dots_no_batch`: only the
-    projections (no batch dimension); `full`: the layer input alone (everything else recomputed).
-    """
-    tok = lc.b * lc.s
-    atok = lc.b * lc.s_attn
-    flash = attention not in ("xla",)
-    probs = atok * lc.h * (1 if flash else lc.s_kv) * F32
-    x_in = tok * lc.d * lc.c
-    if policy == "full":
-        return {"layer input": x_in}
-    if policy in ("save_dots", "save_dots_no_batch"):
-        out = {"layer input": x_in,
-               "q,k,v proj (fp32)": atok * (lc.h + 2 * lc.kvh) * lc.hd * F32,
-               "o proj (fp32)": tok * lc.d * F32,
-               "gate, up (fp32)": 2 * atok * lc.f * F32,
-               "down (fp32)": tok * lc.d * F32}
-        if policy == "save_dots" and not flash:
-            out["scores, p@v (fp32)"] = probs + atok * lc.h * lc.hd * F32
-        return out
-    if policy != "none":
-        raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch")
-    return {"norm inputs (fp32)": 2 * tok * lc.d * F32,
-            "normed inputs": 2 * atok * lc.d * lc.c,
-            "q,k,v (roped)": atok * (lc.h + 2 * lc.kvh) * lc.hd * lc.c,
-            "softmax probs" if not flash else "lse": probs,
-            "attention out": atok * lc.h * lc.hd * lc.c,
-            "gate, up (fp32)": 2 * atok * lc.f * F32,
-            "silu*up": atok * lc.f * lc.c}
+
+_TRACED: dict = {}
+
+
+def _traced(cfg, policy: str, attention: str) -> tuple:
+    key = (repr(cfg), policy, attention)
+    if key not in _TRACED:
+        _TRACED[key] = _trace(cfg, policy, attention)
+    return _TRACED[key]
+
+
+def _trace(cfg, policy: str, attention: str) -> tuple:
+    """Residuals autodiff saves for `cfg` (local sizes, 2 layers), traced once with a probe sequence
+    length P on one row: per array, its elements and how many of its dims are P (1: grows with S,
+    2: S^2, e.g. XLA attention's [b,h,S,S] softmax). Returns (per-layer, head) lists of
+    (elements per row at S=P, itemsize, P-dims). Tracing only: no compile, no allocation."""
+    import jax
+    import jax.numpy as jnp
+    from meshlab.train.state import model_def
+    dims = {cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab}
+    probe = next(p for p in _PROBES if p not in dims)
+    local = dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention)
+    md = model_def(local)
+    tok = jax.ShapeDtypeStruct((1, probe), jnp.int32)
+
+    def loss(params, tok):
+        m = md.bind(params)
+        return jnp.sum(m.token_losses(m.hidden(tok, tok, None), tok))
+    layer, head = [], []
+    for aval, why in _saved_residuals(loss, md.abstract, tok):
+        if "argument" in why:       # parameters and the batch: counted as state / input already
+            continue
+        n = int(np.prod(aval.shape))
+        entry = (n, aval.dtype.itemsize, sum(1 for x in aval.shape if x == probe), probe)
+        if "output of scan" in why:  # stacked [n_layers, ...]: one layer is half of it
+            layer.append((n // 2,) + entry[1:])
+        else:
+            head.append(entry)
+    return tuple(layer), tuple(head)
+
+
+def _saved_residuals(f, *args):
+    try:   # private in jax 0.10/0.11 (only the printing form is public); kept in one place
+        from jax._src.ad_checkpoint import saved_residuals
+    except ImportError as e:   # pragma: no cover
+        raise RuntimeError("this jax has no saved_residuals; the activation estimate needs it") from e
+    return saved_residuals(f, *args)
+
+
+def _scale(entries, rows: int, seq: int) -> int:
+    return int(sum(n * size * rows * (seq / p) ** k for n, size, k, p in entries))
+
+
+def local_config(cfg, lc: "Local"):
+    """The model one device runs: heads, MLP and vocab divided by their tensor split."""
+    return dataclasses.replace(cfg, n_heads=lc.h, n_kv_heads=lc.kvh, mlp_dim=lc.f, vocab_size=lc.v, vocab_multiple=1)
 
 
 def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> dict:
-    """Peak activation bytes: L layers' residuals + one layer's working set in the backward + the loss head."""
-    per_layer = layer_residuals(lc, policy, attention)
-    saved = cfg.n_layers * sum(per_layer.values())
-    # Backward of one layer: its full residual set exists again (recomputed unless `none`), plus the
-    # cotangents of the widest tensors (fp32 [b,s,f] x2 and the residual stream).
-    none = layer_residuals(lc, "none", attention)
-    working = sum(none.values()) if policy != "none" else 0
-    working += 2 * lc.b * lc.s_attn * lc.f * F32 + 2 * lc.b * lc.s * lc.d * F32
-    # Loss head: fp32 logits and their gradient [b, s, V/t], the dense cross-entropy.
-    head = 2 * lc.b * lc.s_attn * lc.v * F32 + lc.b * lc.s * lc.d * F32
-    return {"saved per layer": sum(per_layer.values()), "saved (all layers)": saved, "backward working set": working,
-            "loss head": head, "total": saved + working + head, "detail": per_layer}
+    """Peak activation bytes of one micro-batch on one device.
+
+    Saved: L x one layer's residuals under `policy` + the embedding/head residuals (fp32 logits
+    softmax etc.). Working set: the backward of one layer recomputes what the policy dropped
+    (residuals under `none` minus those under `policy`). A flash attention (cudnn, pallas) keeps
+    the [b,h,S] log-sum-exp instead of the [b,h,S,S] softmax: the S^2 arrays are replaced.
+    """
+    if policy not in ("none", "full", "save_dots", "save_dots_no_batch"):
+        raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch")
+    flash = attention not in ("xla",)
+    local = local_config(cfg, lc)
+    layer, head = _traced(local, policy, "xla")
+    layer_none, _ = _traced(local, "none", "xla")
+
+    def per_layer(entries):
+        quad = [e for e in entries if e[2] >= 2]
+        lin = [e for e in entries if e[2] < 2]
+        out = _scale(lin, lc.b, lc.s_attn)
+        if flash:
+            out += len(quad) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
+        else:
+            out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, _, p in quad))
+        return out
+    saved_layer = per_layer(layer)
+    recompute = max(per_layer(layer_none) - saved_layer, 0)
+    head_bytes = _scale(head, lc.b, lc.s_attn)
+    saved = cfg.n_layers * saved_layer
+    return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": recompute,
+            "loss head": head_bytes, "total": saved + recompute + head_bytes,
+            "detail": {"traced residual arrays per layer": len(layer), "head arrays": len(head)}}
 
 
 def gathered_weights(md, rules, mesh, policy: str) -> int:
@@ -171,17 +213,20 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
     lc = local_sizes(cfg, rules, mesh, global_batch, seq, microbatches)
     state = state_memory(md, rules, mesh)
     act = activation_memory(cfg, lc, policy, attention)
-    # Temporaries beside activations: the fp32 gradients of one micro-batch before they reach the
-    # accumulator (full layer size for ZeRO-0/1, reduce-scattered per layer for ZeRO-3), the accumulator
-    # itself when it is not the output, Adam's update tree, and the gathered weights of ZeRO-3.
-    grads_local = _grads_before_reduce(md, rules, mesh)
-    temps = {"micro-batch grads (fp32)": grads_local,
+    # Beside the activations, at the backward's peak: the fp32 gradient of one micro-batch as the
+    # backward writes it (full local size before the data-parallel reduction; ZeRO-3 reduce-scatters
+    # per layer), the accumulator when there are several micro-batches, ZeRO-3's gathered weights.
+    # After the backward the activations are gone; the optimizer's update tree (optimizer-spec
+    # size, fp32) is the other candidate peak.
+    temps = {"micro-batch grads (fp32)": _grads_before_reduce(md, rules, mesh),
              "accumulator": state["grads"] if microbatches > 1 else 0,
-             "optimizer update": state["optimizer"] // 2,
              "gathered weights": gathered_weights(md, rules, mesh, policy)}
     temps["total"] = sum(temps.values())
-    total = state["params"] + state["optimizer"] + act["total"] + temps["total"]
+    update_phase = state["grads"] + state["optimizer"] // 2
+    peak = max(act["total"] + temps["total"], update_phase)
+    total = state["params"] + state["optimizer"] + peak
     return {"state": state, "activations": act, "temporaries": temps, "local": lc, "total": total,
+            "estimate_temp": peak,
             "textbook": textbook_memory(account.param_count(md), zero_stage(rules), rules.data_parallel_size(mesh))}
 
 

@@ -1,0 +1,229 @@
+"""The planner: every mesh shape x shipped rule file x remat policy x micro-batch count, priced
+without compiling, the ones that do not fit dropped with a reason, the rest ranked by step time.
+
+A mesh here is only its axis sizes (`PlanMesh`), so a 512-device plan runs on a laptop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from pathlib import Path
+
+from meshlab.mesh import AXES, format_sizes
+from meshlab.plan import account, comm, compute, memory
+from meshlab.rules import RulesError, load_rules, shipped_rules
+from meshlab.train.state import model_def
+
+POLICIES = ("none", "save_dots_no_batch", "save_dots", "full")
+USABLE = 0.92   # of device memory: the runtime, NCCL buffers and fragmentation take the rest (stated, not measured)
+
+
+class PlanMesh:
+    """Stands in for a jax Mesh where only `.shape` is read."""
+    def __init__(self, sizes: dict):
+        self.shape = {a: int(sizes.get(a, 1)) for a in AXES}
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape.values())
+
+
+@dataclasses.dataclass
+class Plan:
+    rules: str
+    mesh: dict
+    remat: str
+    microbatches: int
+    ok: bool = False
+    reason: str = ""
+    memory: dict = dataclasses.field(default_factory=dict)
+    mem_bytes: float = 0.0
+    flops: dict = dataclasses.field(default_factory=dict)
+    compute_s: float = 0.0
+    comm: dict = dataclasses.field(default_factory=dict)
+    comms: list = dataclasses.field(default_factory=list)
+    step_s: float = math.inf          # with overlap
+    step_s_serial: float = math.inf   # compute + every collective, nothing hidden
+    mfu: float = 0.0
+
+    @property
+    def mesh_string(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "data=1"
+
+
+def factorizations(n: int, k: int):
+    """Ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorizations(n // d, k - 1):
+                yield (d,) + rest
+
+
+def rule_axes(rules) -> list[str]:
+    used = set(rules.batch) | {a for axes in rules.rules.values() for a in axes}
+    return [a for a in AXES if a in used]
+
+
+def candidate_meshes(rules, devices: int) -> list[dict]:
+    axes = rule_axes(rules)
+    out = []
+    for sizes in factorizations(devices, len(axes)):
+        mesh = dict(zip(axes, sizes))
+        if rules.strategies.get("attention") in ("ring", "ulysses") and mesh.get("context", 1) == 1:
+            continue   # a context-parallel file without a context axis is plain dp: listed under dp
+        if any(s == 1 for a, s in mesh.items() if a != "data") and len(axes) > 1 and devices > 1:
+            continue   # the axis the file is about must be used; `data` may be 1
+        out.append(mesh)
+    return out
+
+
+def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k: int, hw, hosts: int = 1) -> Plan:
+    plan = Plan(rules.name, {a: s for a, s in sizes.items()}, remat, k)
+    mesh = PlanMesh(sizes)
+    try:
+        rules.check_batch(global_batch, mesh, k)
+        account.state_bytes(md, rules, mesh)   # every parameter spec checked for divisibility
+        for name, dim in (("act_heads", md.cfg.n_heads), ("act_kv_heads", md.cfg.n_kv_heads), ("act_mlp", md.cfg.mlp_dim),
+                          ("act_seq", seq), ("act_attn_seq", seq)):
+            n = math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
+            if dim % n:
+                raise RulesError(f"{name} ({dim}) is not divisible by its {n} shards")
+    except RulesError as e:
+        plan.reason = str(e).split(": ", 1)[-1][:160]
+        return plan
+    cfg = dataclasses.replace(md.cfg, remat=remat)
+    mem = memory.plan_memory(md, rules, mesh, global_batch, seq, k, remat)
+    plan.memory, plan.mem_bytes = mem, mem["total"]
+    plan.flops = compute.step_flops(cfg, global_batch, seq, remat)
+    bubble = compute.bubble_fraction(mesh.shape["stage"], k)
+    plan.compute_s = compute.compute_time(cfg, global_batch, seq, mesh.size, hw, remat, bubble)
+    plan.comms = comm.step_collectives(md, rules, mesh, global_batch, seq, k, remat)
+    plan.comm = comm.comm_time(plan.comms, mesh, hw, hosts)
+    plan.step_s = max(plan.compute_s, plan.comm["overlappable"]) + plan.comm["exposed"]
+    plan.step_s_serial = plan.compute_s + plan.comm["total"]
+    plan.mfu = compute.mfu(cfg, global_batch, seq, plan.step_s, mesh.size, hw.flops)
+    budget = hw.memory_bytes * USABLE
+    if plan.mem_bytes > budget:
+        plan.reason = f"needs {account.fmt_bytes(plan.mem_bytes)} per device > {account.fmt_bytes(budget)} budget"
+        return plan
+    plan.ok = True
+    return plan
+
+
+def search(model_cfg, devices: int, global_batch: int, seq: int, hw, hosts: int = 1, rule_names=None,
+           policies=POLICIES, max_microbatches: int = 8) -> tuple[list[Plan], list[Plan]]:
+    """(ranked plans that fit, rejected plans with reasons)."""
+    md = model_def(model_cfg)
+    names = rule_names or [n for n in shipped_rules()]
+    good, bad = [], []
+    for name in names:
+        rules = load_rules(name)
+        for sizes in candidate_meshes(rules, devices):
+            for remat, k in itertools.product(policies, [m for m in (1, 2, 4, 8, 16) if m <= max_microbatches]):
+                p = evaluate(md, rules, sizes, global_batch, seq, remat, k, hw, hosts)
+                (good if p.ok else bad).append(p)
+    good.sort(key=lambda p: (p.step_s, p.mem_bytes))
+    return good, bad
+
+
+def write_rule_file(plan: Plan, out_dir: Path, rank: int) -> Path:
+    """The plan's rule file: the shipped one with its mesh replaced and the estimate in the header."""
+    src = Path(load_rules(plan.rules).path).read_text()
+    mesh_line = "mesh: {" + ", ".join(f"{a}: {s}" for a, s in plan.mesh.items()) + "}"
+    body = re.sub(r"^mesh:.*$", mesh_line + "     # chosen by scripts/plan.py", src, count=1, flags=re.M)
+    head = (f"# plan {rank}: {plan.rules} on {plan.mesh_string}, remat={plan.remat}, microbatches={plan.microbatches}\n"
+            f"# estimated: {account.fmt_bytes(plan.mem_bytes)} per device, step {plan.step_s * 1e3:.1f} ms "
+            f"(no overlap {plan.step_s_serial * 1e3:.1f} ms), MFU {plan.mfu:.0%}\n"
+            f"# train: python scripts/train.py --rules {out_dir}/plan_{rank}_{plan.rules}.yaml --mesh {plan.mesh_string} "
+            f"model.remat={plan.remat} data.microbatches={plan.microbatches}\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"plan_{rank}_{plan.rules}.yaml"
+    path.write_text(head + body)
+    return path
+
+
+def best_per_rules(plans: list[Plan]) -> dict[str, Plan]:
+    out: dict[str, Plan] = {}
+    for p in plans:
+        if p.rules not in out or (p.step_s, p.mem_bytes) < (out[p.rules].step_s, out[p.rules].mem_bytes):
+            out[p.rules] = p
+    return out
+
+
+def plot(plans: list[Plan], path: Path, title: str = "") -> Path:
+    """Memory per device (stacked) and estimated step time of each strategy's best plan."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    best = list(best_per_rules(plans).values())
+    best.sort(key=lambda p: p.mem_bytes)
+    labels = [f"{p.rules}\n{p.mesh_string}\n{p.remat}, k={p.microbatches}" for p in best]
+    parts = [("params", lambda p: p.memory["state"]["params"]), ("grads", lambda p: p.memory["state"]["grads"]),
+             ("Adam mu+nu", lambda p: p.memory["state"]["optimizer"]),
+             ("activations", lambda p: p.memory["activations"]["total"]),
+             ("temporaries", lambda p: p.memory["temporaries"]["total"])]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(best) * 2), 5))
+    bottom = [0.0] * len(best)
+    for name, get in parts:
+        vals = [get(p) / 2 ** 30 for p in best]
+        ax1.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("GiB per device")
+    ax1.legend(fontsize=8)
+    ax1.set_title("memory per device (estimate)")
+    ax2.bar(labels, [p.step_s_serial * 1e3 for p in best], label="no overlap", color="0.7")
+    ax2.bar(labels, [p.step_s * 1e3 for p in best], label="with overlap")
+    ax2.set_ylabel("ms per step")
+    ax2.legend(fontsize=8)
+    ax2.set_title("estimated step time")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def explain(plan: Plan, model_cfg, hw) -> str:
+    """The arithmetic behind one plan, line by line."""
+    m, f = plan.memory, plan.flops
+    lc = m["local"]
+    fb = account.fmt_bytes
+    lines = [f"plan: {plan.rules} on {plan.mesh_string} ({format_sizes(plan.mesh)}), remat={plan.remat}, "
+             f"microbatches={plan.microbatches}, hardware {hw.name}",
+             f"per device and micro-batch: b={lc.b} rows, s={lc.s} (attention {lc.s_attn}), heads {lc.h}/{lc.kvh}, "
+             f"mlp {lc.f}, vocab {lc.v}",
+             "memory (meshlab stores fp32 params = master, fp32 grads, fp32 Adam mu/nu):"]
+    for k, v in m["state"].items():
+        lines.append(f"  {k:<12} {fb(v):>12}")
+    tb = m["textbook"]
+    lines.append(f"  textbook 16 B/param at ZeRO-{memory.zero_stage(load_rules(plan.rules))}: params {fb(tb['params'])}, "
+                 f"grads {fb(tb['grads'])}, optimizer {fb(tb['optimizer'])} = {fb(tb['total'])}")
+    for k, v in m["activations"]["detail"].items():
+        lines.append(f"  per layer  {k:<22} {fb(v):>12}")
+    for k in ("saved (all layers)", "backward working set", "loss head"):
+        lines.append(f"  activations {k:<21} {fb(m['activations'][k]):>12}")
+    for k, v in m["temporaries"].items():
+        lines.append(f"  temporaries {k:<21} {fb(v):>12}")
+    lines.append(f"  total {fb(plan.mem_bytes)} vs budget {fb(hw.memory_bytes * USABLE)} ({USABLE:.0%} of {fb(hw.memory_bytes)})")
+    lines.append(f"compute: {f['total'] / 1e12:.2f} TFLOP per step = S*H^2 {f['S*H^2 (projections, MLP, head)'] / 1e12:.2f} "
+                 f"+ S^2*H {f['S^2*H (attention)'] / 1e12:.2f} + remat {f['remat recompute'] / 1e12:.2f}; attention "
+                 f"dominates above S = {compute.crossover_seq(model_cfg):.0f} (textbook 3.5H = "
+                 f"{compute.textbook_crossover(model_cfg.d_model):.0f}); at {hw.efficiency:.0%} of "
+                 f"{hw.flops / 1e12:.0f} TFLOP/s: {plan.compute_s * 1e3:.2f} ms")
+    lines.append("communication (alpha-beta, per step):")
+    for c, t in plan.comm["rows"]:
+        lines.append(f"  {c.kind:<18} over {'x'.join(c.axes):<12} {fb(c.nbytes):>10} x {c.count:<4} "
+                     f"{t * 1e3:8.3f} ms  {'overlappable' if c.overlappable else 'exposed':<12} {c.what}")
+    lines.append(f"step: no overlap {plan.compute_s * 1e3:.2f} + {plan.comm['total'] * 1e3:.2f} = "
+                 f"{plan.step_s_serial * 1e3:.2f} ms; with overlap max({plan.compute_s * 1e3:.2f}, "
+                 f"{plan.comm['overlappable'] * 1e3:.2f}) + {plan.comm['exposed'] * 1e3:.2f} = {plan.step_s * 1e3:.2f} ms; "
+                 f"MFU {plan.mfu:.1%}")
+    return "\n".join(lines)

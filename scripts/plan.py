@@ -1,0 +1,78 @@
+"""Which mesh and rule file to train with: every plan priced without compiling, ranked by step time.
+
+    python scripts/plan.py --model llama3_8b --devices 16 --hosts 2 --batch 64 --seq 4096 --hardware h200
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # planning never touches an accelerator
+
+import models  # noqa: E402
+from meshlab.plan import account, compute, search  # noqa: E402
+from meshlab.plan.hardware import HardwareError, get_hardware  # noqa: E402
+from meshlab.rules import RulesError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="preset name (tiny, llama3_1b, llama3_3b, llama3_8b)")
+    ap.add_argument("--devices", type=int, required=True)
+    ap.add_argument("--hosts", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=0, help="global batch in sequences (default: 2 per device)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention", default="cudnn", help="xla keeps the [S,S] softmax; cudnn/pallas keep only the lse")
+    ap.add_argument("--hardware", default="h200", help="h200 | h100 | a100 | a profile .json from bench_collectives.py")
+    ap.add_argument("--rules", default="", help="comma-separated rule files to consider (default: all shipped)")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--explain", type=int, nargs="?", const=1, default=0, help="print the arithmetic of plan N")
+    ap.add_argument("--out", default="", help="write the top plans' rule files and plan.png here")
+    a = ap.parse_args(argv)
+    try:
+        if a.devices < 1 or a.hosts < 1 or a.devices % a.hosts:
+            raise ValueError(f"--devices {a.devices} must be a positive multiple of --hosts {a.hosts}")
+        cfg = models.preset(a.model)
+        cfg.dtype, cfg.attention = a.dtype, a.attention
+        hw = get_hardware(a.hardware)
+        batch = a.batch or 2 * a.devices
+        names = [n.strip() for n in a.rules.split(",") if n.strip()] or None
+        good, bad = search.search(cfg, a.devices, batch, a.seq, hw, a.hosts, names)
+    except (KeyError, ValueError, HardwareError, RulesError) as e:
+        print(f"plan.py: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(f"{cfg.name}: {account.matmul_param_count(cfg) / 1e9:.2f}B matmul params, batch {batch} x {a.seq} tokens, "
+          f"{a.devices} devices on {a.hosts} host(s), {hw.name}")
+    print(f"attention FLOPs pass the projections+MLP above S = {compute.crossover_seq(cfg):.0f}\n")
+    head = f"{'#':>3} {'rules':<11} {'mesh':<26} {'remat':<19} {'k':>2} {'mem/dev':>10} {'compute':>9} {'comm':>9} {'step':>9} {'MFU':>5}"
+    print(head)
+    for i, p in enumerate(good[:a.top], 1):
+        print(f"{i:>3} {p.rules:<11} {p.mesh_string:<26} {p.remat:<19} {p.microbatches:>2} {account.fmt_bytes(p.mem_bytes):>10} "
+              f"{p.compute_s * 1e3:>7.1f}ms {p.comm['total'] * 1e3:>7.1f}ms {p.step_s * 1e3:>7.1f}ms {p.mfu:>5.0%}")
+    if not good:
+        print("  (no plan fits: more devices, a smaller batch or sequence, or a larger --hardware)")
+    print(f"\n{len(bad)} rejected; one per rule file and reason:")
+    seen = set()
+    for p in bad:
+        key = (p.rules, p.reason.split(" per device")[0][:40] if "needs" not in p.reason else "memory")
+        if key in seen:
+            continue
+        seen.add(key)
+        print(f"  {p.rules:<11} {p.mesh_string:<26} {p.remat:<19} k={p.microbatches}: {p.reason}")
+    if a.explain and good:
+        print("\n" + search.explain(good[min(a.explain, len(good)) - 1], cfg, hw))
+    if a.out and good:
+        out = Path(a.out)
+        for i, p in enumerate(good[:3], 1):
+            path = search.write_rule_file(p, out, i)
+            print(f"\nwrote {path}  (--mesh {p.mesh_string} model.remat={p.remat} data.microbatches={p.microbatches})")
+        print(f"wrote {search.plot(good, out / 'plan.png', f'{cfg.name}, {a.devices} devices, batch {batch}x{a.seq}')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
