@@ -1,0 +1,47 @@
+"""What a rule file does to a model, without allocating it: per parameter its shape, PartitionSpec
+and bytes per device; totals for params, grads and Adam state; the main activations' specs."""
+from __future__ import annotations
+
+import numpy as np
+
+from meshlab.plan import account, memory
+
+ACTIVATIONS = {
+    "tokens / labels [B, S]": ("act_batch", "act_seq"),
+    "residual stream [B, S, d]": ("act_batch", "act_seq", "act_embed"),
+    "q [B, S, h, hd]": ("act_batch", "act_attn_seq", "act_heads", None),
+    "k, v [B, S, kvh, hd]": ("act_batch", "act_attn_seq", "act_kv_heads", None),
+    "MLP hidden [B, S, f]": ("act_batch", "act_attn_seq", "act_mlp"),
+    "logits [B, S, V]": ("act_batch", "act_attn_seq", "act_vocab"),
+}
+
+
+def describe(md, rules, mesh) -> str:
+    fb = account.fmt_bytes
+    sizes = {a: s for a, s in mesh.shape.items() if s > 1}
+    lines = [f"rules {rules.name} ({rules.path}), mesh {sizes or 'single device'}, ZeRO stage "
+             f"{memory.zero_stage(rules)} (state: {rules.state})",
+             f"{'parameter':<34} {'shape':<22} {'params spec':<28} {'params/dev':>10} {'grads spec':<28} {'opt spec':<28}"]
+    params = account.param_table(md, rules, mesh, "params")
+    grads = account.param_table(md, rules, mesh, "grads")
+    opt = account.param_table(md, rules, mesh, "optimizer")
+    for p, g, o in zip(params, grads, opt):
+        lines.append(f"{p.path:<34} {str(p.shape):<22} {str(tuple(p.spec)):<28} {fb(p.bytes_per_device):>10} "
+                     f"{str(tuple(g.spec)):<28} {str(tuple(o.spec)):<28}")
+    st = memory.state_memory(md, rules, mesh)
+    n = account.param_count(md)
+    lines.append(f"\n{n:,} parameters; per device: params (fp32, = master) {fb(st['params'])}, grads (fp32 accumulator) "
+                 f"{fb(st['grads'])}, optimizer (Adam mu+nu fp32) {fb(st['optimizer'])}, total {fb(st['total'])} "
+                 f"({st['total'] / max(n, 1):.2f} B/param vs 16 B/param unsharded)")
+    lines.append("\nactivations (logical names -> PartitionSpec):")
+    for what, names in ACTIVATIONS.items():
+        try:
+            spec = rules.spec(names, None, mesh)
+        except Exception as e:   # a rule missing for an activation name is worth seeing, not fatal here
+            spec = f"error: {e}"
+        lines.append(f"  {what:<28} {str(names):<56} {spec}")
+    return "\n".join(lines)
+
+
+def dtype_bytes(name: str) -> int:
+    return np.dtype(name).itemsize

@@ -1,0 +1,44 @@
+"""Per parameter: shape, PartitionSpec, bytes per device under a rule file; totals; activation specs.
+
+    python scripts/explain.py --rules fsdp_tp --model llama3_8b --mesh data=1,fsdp=-1,tensor=8 --devices 64
+
+Nothing is allocated and no device is needed: the mesh is sizes only (--devices fills a -1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import models  # noqa: E402
+from meshlab.mesh import MeshError, resolve_sizes  # noqa: E402
+from meshlab.plan.explain import describe  # noqa: E402
+from meshlab.plan.search import PlanMesh  # noqa: E402
+from meshlab.rules import RulesError, load_rules  # noqa: E402
+from meshlab.train.state import model_def  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rules", required=True, help="shipped rule file name or path to a .yaml")
+    ap.add_argument("--model", required=True, help="preset name (tiny, llama3_1b, llama3_3b, llama3_8b)")
+    ap.add_argument("--mesh", default="", help="e.g. data=1,fsdp=-1,tensor=2 (default: the rule file's)")
+    ap.add_argument("--devices", type=int, default=8, help="device count a -1 axis fills (default 8)")
+    a = ap.parse_args(argv)
+    try:
+        rules = load_rules(a.rules)
+        cfg = models.preset(a.model)
+        mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices))
+        print(describe(model_def(cfg), rules, mesh))
+    except (RulesError, MeshError, KeyError) as e:
+        print(f"explain.py: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
