@@ -1,0 +1,112 @@
+"""KV caches, contiguous and paged, and the `attend` functions the model's cached path calls.
+
+The model (`Llama.cached`) knows nothing about the layout: it hands each layer's new q/k/v to
+`attend(layer, q, k, v, cache)`, which writes k/v into the cache and attends over it. Both
+layouts keep KV heads only (GQA: a group of query heads reads one cached head), stacked over
+layers in one array per k/v so the layer scan updates only the new tokens in place (the cache is
+the scan carry and is donated, so XLA writes into the same buffer).
+
+  contiguous  k/v [layers, batch, max_len, kv_heads, head_dim]   names cache_batch, cache_seq, cache_kv_heads
+              a row per sequence; reads need no gather; memory is batch * max_len even for short ones.
+  paged       k/v [layers, pages, page_size, kv_heads, head_dim] names cache_pages, cache_kv_heads
+              fixed-size pages from a shared pool; a page table [batch, max_pages] maps a sequence's
+              position p to page_table[b, p // page_size], slot p % page_size. Memory follows the
+              tokens actually held; the price is a gather of the sequence's pages per read.
+
+Writes of padding tokens (valid=False) go to an out-of-range index and are dropped (`mode="drop"`),
+so one compiled program serves any mix of prompt chunks and decode tokens.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from meshlab.rules import constrain
+
+CONTIGUOUS_NAMES = (None, "cache_batch", "cache_seq", "cache_kv_heads", None)
+PAGED_NAMES = (None, "cache_pages", None, "cache_kv_heads", None)
+
+
+def _zeros(shape, dtype, names, rules=None, mesh=None):
+    """A zero cache created directly in its rule-file sharding (never whole on one device)."""
+    if rules is None or mesh is None:
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    sharding = NamedSharding(mesh, rules.spec(names, shape, mesh, path="kv_cache"))
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return {"k": make(), "v": make()}
+
+
+def init_contiguous(cfg, batch: int, max_len: int, dtype=None, rules=None, mesh=None) -> dict:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return _zeros(shape, dtype, CONTIGUOUS_NAMES, rules, mesh)
+
+
+def init_paged(cfg, num_pages: int, page_size: int, dtype=None, rules=None, mesh=None) -> dict:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    return _zeros(shape, dtype, PAGED_NAMES, rules, mesh)
+
+
+def cache_bytes(cfg, tokens: int, dtype=None) -> int:
+    """Bytes of K and V for `tokens` cached tokens over all layers."""
+    return 2 * cfg.n_layers * tokens * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype or cfg.dtype).itemsize
+
+
+def dense_attention(q, k, v, q_pos):
+    """q [b, t, h, d] at positions q_pos [b, t]; k/v [b, s, kvh, d] where index == position.
+    Key j is visible to a query at position p iff j <= p (everything up to p is already written)."""
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)                                              # [b, t, kvh, g, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]                           # [b, t, s]
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+def contiguous_attend(positions, valid):
+    """attend() for the contiguous layout; positions/valid [b, t] for this step's tokens."""
+    def attend(layer, q, k, v, cache):
+        b, t = positions.shape
+        max_len = cache["k"].shape[2]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        pos = jnp.where(valid, positions, max_len)                   # padding -> out of range -> dropped
+        new = {name: constrain(cache[name].at[layer, rows, pos].set(x.astype(cache[name].dtype), mode="drop"),
+                               CONTIGUOUS_NAMES)
+               for name, x in (("k", k), ("v", v))}
+        o = dense_attention(q, new["k"][layer], new["v"][layer], positions)
+        return o, new
+    return attend
+
+
+def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False):
+    """attend() for the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
+
+    impl="xla" gathers the sequence's pages and runs dense attention (any t); impl="pallas" uses
+    the paged decode kernel for t == 1 (reads pages in place through the table, no gather).
+    """
+    def attend(layer, q, k, v, cache):
+        num_pages, page_size = cache["k"].shape[1:3]
+        logical_page = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+        page = jnp.take_along_axis(page_table, logical_page, axis=1)                  # [b, t]
+        page = jnp.where(valid, page, num_pages)                                     # padding -> dropped
+        offset = positions % page_size
+        new = {name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype), mode="drop"),
+                               PAGED_NAMES)
+               for name, x in (("k", k), ("v", v))}
+        if impl == "pallas" and q.shape[1] == 1:
+            from pallas_kernels.paged_attention import paged_attention
+            lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
+            o = paged_attention(q[:, 0], new["k"][layer], new["v"][layer], page_table, lengths,
+                                interpret=interpret)
+            return o[:, None], new
+        b, max_pages = page_table.shape
+        kvh, d = k.shape[2], k.shape[3]
+        seq_k = new["k"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)  # [b, s, kvh, d]
+        seq_v = new["v"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)
+        return dense_attention(q, seq_k, seq_v, positions), new
+    return attend

@@ -1,0 +1,104 @@
+"""Sampling on device: greedy, temperature, top-k, top-p, repetition penalty, seeded per request.
+
+Every row carries its own settings (arrays [b]), so one compiled program serves a batch that mixes
+greedy and sampled requests. The random key of a row is fold_in(key(seed), n) where n counts the
+tokens that request has generated: a request draws the same tokens alone or batched, and again
+after a preemption recomputes it. When no row samples or penalises (all greedy), `lax.cond` skips
+the vocabulary sort (the expensive part: O(V log V) per row per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0            # 0 = greedy
+    top_k: int = 0                      # 0 = whole vocabulary
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0     # > 1 discourages tokens already in prompt or output (CTRL rule)
+    seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()            # stop strings, checked on the detokenized output
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(msg):
+            raise ValueError(msg)
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            bad(f"temperature={self.temperature!r} must be a number in [0, 100] (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            bad(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 10]")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
+            bad(f"seed={self.seed!r} must be an integer in [0, 2**31)")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad(f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad(f"stop={list(self.stop)!r} must be a list of non-empty strings")
+        return self
+
+
+def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
+    """Per-row sampler settings as numpy arrays (rows without a request: greedy, no penalty)."""
+    p = [q or SamplingParams() for q in params]
+    return {"temperature": np.array([q.temperature for q in p], np.float32),
+            "top_k": np.array([q.top_k for q in p], np.int32),
+            "top_p": np.array([q.top_p for q in p], np.float32),
+            "penalty": np.array([q.repetition_penalty for q in p], np.float32),
+            "seed": np.array([q.seed for q in p], np.int32)}
+
+
+def _penalise(logits, seen, penalty):
+    """CTRL/HF repetition penalty: divide positive logits, multiply negative ones, for seen tokens."""
+    pen = penalty[:, None]
+    hit = jnp.where(logits > 0, logits / pen, logits * pen)
+    return jnp.where(seen, hit, logits)
+
+
+def _draw(logits, rows, counters):
+    """Temperature, top-k, top-p over a descending sort, then one categorical draw per row."""
+    v = logits.shape[-1]
+    temp = jnp.maximum(rows["temperature"], 1e-6)[:, None]
+    neg_sorted, order = jax.lax.sort_key_val(-logits / temp, jnp.broadcast_to(jnp.arange(v), logits.shape))
+    sorted_l = -neg_sorted                                                         # [b, V] descending
+    rank = jnp.arange(v)[None, :]
+    k = jnp.where(rows["top_k"] > 0, rows["top_k"], v)[:, None]
+    sorted_l = jnp.where(rank < k, sorted_l, -jnp.inf)
+    probs = jax.nn.softmax(sorted_l, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                                   # mass strictly above
+    sorted_l = jnp.where(before < rows["top_p"][:, None], sorted_l, -jnp.inf)     # keeps the first always
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(rows["seed"], counters)
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_l)                     # [b]
+    return jnp.take_along_axis(order, choice[:, None], axis=1)[:, 0]
+
+
+def sample(logits, rows: dict, counters, seen):
+    """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
+    seen [b, V] bool (prompt and output tokens). Returns tokens [b] int32."""
+    def full(_):
+        pen = _penalise(logits, seen, rows["penalty"])
+        return jnp.where(rows["temperature"] > 0, _draw(pen, rows, counters), jnp.argmax(pen, axis=-1))
+
+    needs_full = jnp.any(rows["temperature"] > 0) | jnp.any(rows["penalty"] != 1.0)
+    greedy = lambda _: jnp.argmax(logits, axis=-1)
+    return jax.lax.cond(needs_full, full, greedy, None).astype(jnp.int32)
+
+
+def mark_seen(seen, tokens, active=None):
+    """Record tokens [b] as seen (for the repetition penalty); rows not active are left alone."""
+    b, v = seen.shape
+    cols = tokens if active is None else jnp.where(active, tokens, v)
+    return seen.at[jnp.arange(b), cols].set(True, mode="drop")

@@ -1,0 +1,95 @@
+"""Serving engine on CPU: cached greedy == uncached argmax; continuous batching == each request alone."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from meshlab.infer.engine import ContiguousGenerator, Engine
+from meshlab.infer.sampler import SamplingParams
+from meshlab.infer.scheduler import AdmissionError
+from meshlab.train.state import model_def
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # init_std 0.2 spreads the logits: a random model at 0.02 is near-uniform and argmax ties
+    # would make the equality tests hinge on rounding.
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
+    md = model_def(cfg)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    fwd = jax.jit(lambda p, x: md.bind(p)(x)[..., :cfg.vocab_size])
+    return md, params, fwd
+
+
+def assert_greedy_matches(fwd, params, prompt, output):
+    """Every generated token is the argmax of the full no-cache forward over what preceded it."""
+    seq = list(prompt) + list(output)
+    logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0]
+    expect = logits[len(prompt) - 1:len(seq) - 1].argmax(-1).tolist()
+    assert output == expect
+
+
+def test_contiguous_greedy_equals_uncached(tiny):
+    md, params, fwd = tiny
+    gen = ContiguousGenerator(md, params, batch=2, max_len=64, chunk=16, steps_per_call=4)
+    prompts = [[5, 6, 7], list(range(40, 60))]                      # second prompt spans two chunks
+    outs = gen.generate(prompts, SamplingParams(max_tokens=9))
+    for p, o in zip(prompts, outs):
+        assert len(o) == 9
+        assert_greedy_matches(fwd, params, p, o)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    md, params, _ = tiny
+    # 13 usable pages of 4 tokens for 4 rows of up to 64 tokens: forces queueing and preemption.
+    return Engine(md, params, max_len=64, max_seqs=4, page_size=4, num_pages=14, chunk=8, steps_per_call=4)
+
+
+def test_paged_greedy_equals_uncached(tiny, engine):
+    _, params, fwd = tiny
+    prompts = [[1, 2, 3], list(range(100, 119))]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    for r in reqs:
+        assert r.finish_reason == "length" and len(r.output) == 12
+        assert_greedy_matches(fwd, params, r.prompt, r.output)
+
+
+def test_continuous_batching_equals_alone(tiny, engine):
+    _, params, fwd = tiny
+    rng = np.random.default_rng(1)
+    lens, maxt = [3, 17, 9, 30, 5, 12, 2], [10, 5, 20, 7, 12, 9, 6]
+    prompts = [rng.integers(0, 257, size=n).tolist() for n in lens]
+    sps = [SamplingParams(max_tokens=m) for m in maxt]
+    sps[2] = SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    sps[4] = SamplingParams(max_tokens=12, temperature=1.2, repetition_penalty=1.3, seed=3)
+    alone = [engine.generate([p], sp)[0].output for p, sp in zip(prompts, sps)]
+    reqs, arrive = [], {0: [0, 1], 1: [2], 3: [3, 4], 4: [5], 9: [6]}     # step -> requests arriving
+    step = 0
+    while step <= max(arrive) or engine.has_work():
+        for i in arrive.get(step, []):
+            reqs.append(engine.add_request(prompts[i], sps[i]))
+        engine.step()
+        step += 1
+    assert [r.output for r in reqs] == alone
+    assert sum(r.preemptions for r in reqs) > 0, "the small page pool should have forced a preemption"
+    for r, sp in zip(reqs, sps):
+        if sp.temperature == 0:
+            assert_greedy_matches(fwd, params, r.prompt, r.output)
+    assert not engine.sched.running() and len(engine.sched.pool.free) == engine.sched.pool.total
+
+
+def test_stop_token_and_bad_requests(tiny, engine):
+    first = engine.generate([[9, 9, 9]], SamplingParams(max_tokens=8))[0].output
+    stopped = engine.generate([[9, 9, 9]], SamplingParams(max_tokens=8, stop_token_ids=[first[2]]))[0]
+    assert stopped.output == first[:first.index(first[2]) + 1] and stopped.finish_reason == "stop"
+    with pytest.raises(AdmissionError, match="exceeds the context of 64"):
+        engine.add_request(list(range(60)), SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request([1], SamplingParams(top_p=0.0))
+    with pytest.raises(AdmissionError, match="empty"):
+        engine.add_request([], SamplingParams())
