@@ -60,7 +60,8 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
     """A profile JSON from bench_collectives.py: {"device", "flops"?, "memory_bytes"?, "axes": {axis: {alpha_s, bw_Bps}}}."""
     try:
         raw = json.loads(Path(path).read_text())
-        axes = {a: Link(float(v["alpha_s"]), float(v["bw_Bps"])) for a, v in raw["axes"].items()}
+        # An axis of size 1 (one GPU) measured only dispatch and copy overheads, not a link: skipped.
+        axes = {a: Link(float(v["alpha_s"]), float(v["bw_Bps"])) for a, v in raw["axes"].items() if v.get("p", 2) > 1}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HardwareError(f"hardware profile {path}: unreadable ({e}); write one with scripts/bench_collectives.py") from None
     base = base or HARDWARE["h200"]
