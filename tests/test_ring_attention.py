@@ -55,9 +55,10 @@ def check_against_reference(attn, q, k, v, sid, w, causal, n, sm_scale=None, zig
 
 # Pairwise cover of context size x causal x GQA x segment ids (every pair of values appears).
 # zigzag=False (plain contiguous shards, exact but unbalanced) and a custom scale ride along on
-# one causal case; block_k 4/8 makes the jnp block tile its keys (the scan path).
+# one causal case; block_k 4/8 makes the jnp block tile its keys (the scan path) and, with
+# block_k 4 at n=2, split its causal diagonal blocks (_split_diagonal).
 PAIRWISE = [  # n, causal, kv heads (of 4), segment ids, block_k, zigzag, sm_scale
-    (2, True, 2, True, 8, True, None),
+    (2, True, 2, True, 4, True, None),
     (2, False, 4, False, 8, True, None),
     (4, True, 4, True, 4, False, 0.3),
     (4, False, 2, False, 512, True, None),
@@ -168,7 +169,7 @@ def _compiled_grad(mesh, s, block_k, b=1, h=2, kvh=2, d=16):
 def test_ring_compiled_collectives_and_temp_memory():
     """From the compiled forward+backward: k/v move only by collective-permute (never an
     all-gather or all-to-all), and per-device temp bytes grow ~ (S / context) x block_k, not S^2."""
-    n, block_k = 4, 64
+    n, block_k = 4, 128
     mesh = make_mesh((n,), ("context",))
     temps = {}
     for s in (512, 2048):

@@ -146,10 +146,30 @@ def _split_kv(x, nt, bk):
     return jnp.moveaxis(x.reshape(x.shape[0], nt, bk, *x.shape[2:]), 1, 0)
 
 
-def jnp_block_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_k=512):
+MAX_SPLITS = 2  # diagonal waste c^2/2 -> c^2/8; deeper costs more calls and compile time than it saves
+
+
+def _split_diagonal(causal, cq, ck, block_k, depth):
+    """A square causal block is split in two along the queries: the first half is again a square
+    causal block (recursing), the second half sees all keys up to its diagonal. Without this a
+    jnp causal block computes (and throws away) its whole upper triangle; each split halves that."""
+    return causal and cq == ck and cq % 2 == 0 and cq // 2 >= block_k and depth < MAX_SPLITS
+
+
+def _seg_half(seg, lo, hi):
+    return None if seg is None else seg[:, lo:hi]
+
+
+def jnp_block_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_k=512, _depth=0):
     """Attention of one query block against one k/v block, tiled over keys with an online
     softmax. Returns (out fp32 [b, cq, h, d], lse fp32 [b, h, cq]); rows with no visible key get
     out 0 and lse NEG. `causal` is aligned to the bottom-right (queries are the last cq keys)."""
+    if _split_diagonal(causal, q.shape[1], k.shape[1], block_k, _depth):
+        hq = q.shape[1] // 2
+        kw = dict(causal=True, scale=scale, block_k=block_k, _depth=_depth + 1)
+        o0, l0 = jnp_block_fwd(q[:, :hq], k[:, :hq], v[:, :hq], _seg_half(q_seg, 0, hq), _seg_half(kv_seg, 0, hq), **kw)
+        o1, l1 = jnp_block_fwd(q[:, hq:], k, v, _seg_half(q_seg, hq, None), kv_seg, **kw)
+        return jnp.concatenate([o0, o1], 1), jnp.concatenate([l0, l1], 2)
     b, cq, h, d = q.shape
     ck, kvh = k.shape[1], k.shape[2]
     g, bk = h // kvh, _tile(ck, block_k)
@@ -185,9 +205,17 @@ def jnp_block_fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_k=512):
     return o.transpose(0, 3, 1, 2, 4).reshape(b, cq, h, d), lse.reshape(b, h, cq)
 
 
-def jnp_block_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, causal, scale, block_k=512):
+def jnp_block_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, causal, scale, block_k=512, _depth=0):
     """Gradients of one block from the *global* lse and delta = rowsum(dO * O).
     Returns fp32 (dq [b, cq, h, d], dk, dv [b, ck, kvh, d]); tiled over keys like the forward."""
+    if _split_diagonal(causal, q.shape[1], k.shape[1], block_k, _depth):
+        hq = q.shape[1] // 2
+        kw = dict(causal=True, scale=scale, block_k=block_k, _depth=_depth + 1)
+        dq0, dk0, dv0 = jnp_block_bwd(q[:, :hq], k[:, :hq], v[:, :hq], do[:, :hq], lse[..., :hq], delta[..., :hq],
+                                      _seg_half(q_seg, 0, hq), _seg_half(kv_seg, 0, hq), **kw)
+        dq1, dk1, dv1 = jnp_block_bwd(q[:, hq:], k, v, do[:, hq:], lse[..., hq:], delta[..., hq:],
+                                      _seg_half(q_seg, hq, None), kv_seg, **kw)
+        return jnp.concatenate([dq0, dq1], 1), dk1.at[:, :hq].add(dk0), dv1.at[:, :hq].add(dv0)
     b, cq, h, d = q.shape
     ck, kvh = k.shape[1], k.shape[2]
     g, bk = h // kvh, _tile(ck, block_k)
