@@ -1,0 +1,154 @@
+"""Load and save Hugging Face Llama checkpoints (config.json + *.safetensors [+ tokenizer.json]).
+
+Loading never materialises the model on one device: each meshlab leaf is built with
+`jax.make_array_from_callback` in the rule file's sharding, and each device's callback converts
+only the HF tensors (layers) its shard covers, read through a memory map of the safetensors
+file. Host memory peaks at about one leaf (the converted layers of one stacked weight).
+The safetensors format is read and written here directly (an 8-byte header length, a JSON
+header, raw little-endian bytes) because numpy has no bfloat16 and safetensors' numpy API refuses it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import llama_hf
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "I64": np.int64}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+class SafetensorsDir:
+    """name -> lazily memory-mapped array over every *.safetensors file in a directory."""
+
+    def __init__(self, path: Path):
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files; expected a Hugging Face checkpoint directory")
+        self.entries = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                try:
+                    header = json.loads(fh.read(n))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise CheckpointError(f"{f}: corrupt safetensors header ({e})") from None
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    self.entries[name] = (f, 8 + n, meta)
+
+    def __contains__(self, name):
+        return name in self.entries
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.entries:
+            raise CheckpointError(f"checkpoint has no tensor {name!r} (it has {len(self.entries)} tensors)")
+        f, base, meta = self.entries[name]
+        if meta["dtype"] not in DTYPES:
+            raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        start, end = meta["data_offsets"]
+        dtype = np.dtype(DTYPES[meta["dtype"]])
+        if end - start != math.prod(meta["shape"]) * dtype.itemsize:
+            raise CheckpointError(f"{f}: tensor {name!r} size does not match its shape {meta['shape']}")
+        return np.memmap(f, dtype=dtype, mode="r", offset=base + start, shape=tuple(meta["shape"]))
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    header, offset = {}, 0
+    for name, arr in tensors.items():
+        nbytes = arr.size * arr.dtype.itemsize
+        header[name] = {"dtype": CODES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)                      # align the data start to 8 bytes
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for arr in tensors.values():
+            fh.write(np.ascontiguousarray(arr).tobytes())
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _leaf(km, cfg, st, shape, dtype, sharding):
+    """One meshlab leaf as a sharded jax.Array; each shard converts only the layers it covers."""
+    converted = {}                                      # layer -> converted array, shared by the shards
+
+    def layer(i):
+        if i not in converted:
+            name = km.hf.format(i=i)
+            w = km.to_meshlab(np.asarray(st.get(name), np.float32), cfg)
+            if w.shape != tuple(shape[1:] if km.stacked else shape):
+                raise CheckpointError(f"{name}: shape {st.get(name).shape} does not convert to meshlab "
+                                      f"{km.path} {tuple(shape)}; config.json and weights disagree")
+            converted[i] = w.astype(dtype)
+        return converted[i]
+
+    def shard(index):
+        if not km.stacked:
+            return layer(None)[index]
+        layers = range(cfg.n_layers)[index[0]]
+        return np.stack([layer(i)[index[1:]] for i in layers])
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
+    """(cfg, md, params) from a HF checkpoint directory; params sharded by `rules` on `mesh` when given.
+
+    param_dtype: storage dtype of the params (default: the compute dtype, as serving needs no fp32 master).
+    """
+    from meshlab.train.state import leaf_specs, model_def
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
+    cfg = llama_hf.config_from_hf(json.loads((path / "config.json").read_text()), **cfg_overrides)
+    md = model_def(cfg)
+    st = SafetensorsDir(path)
+    dtype_name = str(param_dtype or cfg.dtype)
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    specs = leaf_specs(md, rules, mesh, "params") if rules is not None else None
+    default = NamedSharding(mesh, P()) if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params: dict = {}
+    for km in llama_hf.key_map(cfg):
+        shape = _get(md.abstract, km.path).shape
+        sharding = NamedSharding(mesh, _get(specs, km.path)) if specs is not None else default
+        _set(params, km.path, _leaf(km, cfg, st, shape, dtype, sharding))
+    return cfg, md, params
+
+
+def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=None) -> None:
+    """Write config.json + model.safetensors (one file) in HF layout; dtype defaults to the params' own."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for km in llama_hf.key_map(cfg):
+        leaf = np.asarray(jax.device_get(_get(params, km.path)))
+        leaf = leaf.astype(dtype) if dtype is not None else leaf
+        for i in (range(cfg.n_layers) if km.stacked else [None]):
+            w = km.to_hf(leaf[i] if km.stacked else leaf, cfg)
+            tensors[km.hf.format(i=i)] = np.ascontiguousarray(w)
+    write_safetensors(path / "model.safetensors", tensors)
+    (path / "config.json").write_text(json.dumps(llama_hf.config_to_hf(cfg), indent=2))
+    if tokenizer_json is not None:
+        (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
