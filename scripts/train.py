@@ -26,7 +26,7 @@ def parse(argv):
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. optim.lr=1e-3")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)   # overrides may come before and after flags
 
 
 def main(argv=None):
