@@ -1,0 +1,59 @@
+"""Stream a completion to the terminal: python scripts/generate.py --checkpoint PATH --prompt TEXT.
+
+--checkpoint: a Hugging Face directory, a meshlab run directory, or random:<preset>.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    args = ap.parse_args(argv)
+    from meshlab.infer.engine import ContiguousGenerator
+    from meshlab.infer.loading import load_checkpoint
+    from meshlab.infer.sampler import SamplingParams
+    try:
+        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype)
+        ids = tok.encode(args.prompt)
+        stop = [tok.eod_id] if hasattr(tok, "eod_id") else []
+        sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop_token_ids=stop).validate(cfg.vocab_size)
+        need = len(ids) + args.max_new_tokens
+        chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
+        gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk)
+    except (ValueError, OSError) as e:
+        sys.exit(f"generate: {e}")
+    out: list[int] = []
+    shown = 0
+
+    def on_token(_row, t):          # print the text as it grows (whole UTF-8 characters only)
+        nonlocal shown
+        out.append(t)
+        text = tok.decode(out).rstrip("\ufffd")
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
+
+    sys.stdout.write(args.prompt)
+    gen.generate([ids], sp, on_token=on_token)
+    sys.stdout.write(tok.decode(out)[shown:] + "\n")
+
+
+if __name__ == "__main__":
+    main()

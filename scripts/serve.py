@@ -1,0 +1,57 @@
+"""OpenAI-compatible HTTP server: python scripts/serve.py --checkpoint PATH --port P.
+
+--checkpoint: a Hugging Face directory, a meshlab run directory, or random:<preset> (tests).
+Continuous batching over a paged KV cache; see meshlab/infer/server.py for the endpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import threading
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    ap.add_argument("--model-name", default="meshlab")
+    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
+    ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
+    ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
+    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
+    ap.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="paged decode attention")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
+    args = ap.parse_args(argv)
+    if args.cpu_devices:
+        from meshlab.compat import set_cpu_devices
+        set_cpu_devices(args.cpu_devices)
+    from meshlab.infer.engine import Engine
+    from meshlab.infer.loading import load_checkpoint
+    from meshlab.infer.server import Server
+    try:
+        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype)
+        engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
+                        num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
+                        impl=args.attention)
+        stop = [tok.eod_id] if hasattr(tok, "eod_id") else []
+        server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop).start()
+    except (ValueError, OSError) as e:
+        sys.exit(f"serve: {e}")
+    print(f"serving {args.model_name} on http://{args.host}:{server.port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()
