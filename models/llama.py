@@ -18,6 +18,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.rules import constrain, materialize
+from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
@@ -47,6 +48,11 @@ class LlamaConfig:
     attention: str = "xla"                # xla | cudnn | pallas | auto
     remat: str = "none"                   # none | full | save_dots | save_dots_no_batch
     loss_impl: str = "dense"              # dense | chunked | pallas (fused linear + cross-entropy)
+    # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
+    # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
+    fused_norm: bool = False              # RMSNorm fused with the residual add
+    fused_swiglu: bool = False            # gate/up matmuls + SiLU*up in one kernel, recomputed in backward
+    fused_rope: bool = False              # Q and K rotated in one kernel (XLA's fusion is faster on H200)
 
     @property
     def padded_vocab(self) -> int:
@@ -80,28 +86,25 @@ PRESETS = {
 
 
 # -- RoPE ------------------------------------------------------------------------------------
-def rope_frequencies(cfg: LlamaConfig):
-    """Inverse frequencies [head_dim/2], with Llama-3's smooth low-frequency scaling."""
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=F32) / cfg.head_dim))
+def rope_scaling(cfg: LlamaConfig):
+    """Llama-3 frequency scaling as the dict pallas_kernels.rope takes (None when off)."""
     if not cfg.rope_scaling_factor:
-        return inv
-    factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_position
-    low_wavelen = orig / cfg.rope_low_freq_factor
-    high_wavelen = orig / cfg.rope_high_freq_factor
-    wavelen = 2 * math.pi / inv
-    smooth = (orig / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-    medium = (1 - smooth) * inv / factor + smooth * inv
-    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
-    return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), medium, scaled)
+        return None
+    return {"factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position}
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE (Hugging Face layout). x [b, s, h, d], positions [b, s]."""
-    angles = positions[..., None].astype(F32) * inv_freq              # [b, s, d/2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # [b, s, 1, d/2]
-    x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)                     # [b, s, h, d/2] each
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [b, s, h, d]
-    return out.astype(x.dtype)
+def apply_rope(cfg: LlamaConfig, q, k, positions):
+    """Rotate-half RoPE (Hugging Face layout) of q [b, s, h, d] and k [b, s, kvh, d]."""
+    if cfg.fused_rope:
+        return rope_kernels.apply_rope(q, k, positions, theta=cfg.rope_theta, scaling=rope_scaling(cfg),
+                                       interpret=_interpret())
+    return rope_kernels.apply_rope_reference(q, k, positions, theta=cfg.rope_theta, scaling=rope_scaling(cfg))
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
 
 
 # -- layers ----------------------------------------------------------------------------------
@@ -118,10 +121,17 @@ class RMSNorm(nnx.Module):
     def __init__(self, cfg: LlamaConfig):
         self.scale = nnx.Param(jnp.ones((cfg.d_model,), F32), logical=("embed",))
         self.eps = cfg.norm_eps
+        self.fused = cfg.fused_norm
 
-    def __call__(self, x):  # x [b, s, d]; statistics in fp32 whatever the compute dtype
+    def __call__(self, x, residual=None):
+        """x [b, s, d] -> normed; with `residual`, (norm(x + residual), x + residual)."""
         scale = _w(self.scale, F32)
-        xf = x.astype(F32)
+        if self.fused:
+            return fused_rmsnorm.rms_norm(x, scale, eps=self.eps, residual=residual, interpret=_interpret())
+        if residual is not None:
+            x = x + residual
+            return self(x), x
+        xf = x.astype(F32)   # statistics in fp32 whatever the compute dtype
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * scale
         return y.astype(x.dtype)
 
@@ -136,7 +146,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
         self.cfg = cfg
 
-    def __call__(self, x, positions, segment_ids, inv_freq):
+    def __call__(self, x, positions, segment_ids):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, s, h, hd]
         k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, s, kvh, hd]
@@ -144,20 +154,20 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_attn_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_attn_seq", "act_kv_heads", None))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(cfg, q, k, positions)
         o = attention_op(q, k, v, impl=cfg.attention, causal=True, segment_ids=segment_ids)         # [b, s, h, hd]
         o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
         out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, inv_freq, attend, cache):
+    def cached(self, x, positions, attend, cache):
         """Serving path: this step's tokens only; `attend(q, k, v, cache) -> (o, cache)` writes k/v into the KV
         cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer)."""
-        dt = jnp.dtype(self.cfg.dtype)
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, t, h, hd]
         k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
         v = jnp.einsum("bsd,dhk->bshk", x, _w(self.wv, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
         out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, t, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
@@ -173,9 +183,15 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = jnp.dtype(self.cfg.dtype)
-        gate = jnp.einsum("bsd,df->bsf", x, _w(self.w_gate, dt), preferred_element_type=F32)  # [b, s, f]
-        up = jnp.einsum("bsd,df->bsf", x, _w(self.w_up, dt), preferred_element_type=F32)      # [b, s, f]
-        h = constrain((jax.nn.silu(gate) * up).astype(dt), ("act_batch", "act_attn_seq", "act_mlp"))
+        if self.cfg.fused_swiglu:
+            b, s, d = x.shape
+            h = swiglu_kernel.swiglu(x.reshape(b * s, d), _w(self.w_gate, dt), _w(self.w_up, dt),
+                                     interpret=_interpret()).reshape(b, s, -1).astype(dt)  # [b, s, f]
+        else:
+            gate = jnp.einsum("bsd,df->bsf", x, _w(self.w_gate, dt), preferred_element_type=F32)  # [b, s, f]
+            up = jnp.einsum("bsd,df->bsf", x, _w(self.w_up, dt), preferred_element_type=F32)      # [b, s, f]
+            h = (jax.nn.silu(gate) * up).astype(dt)
+        h = constrain(h, ("act_batch", "act_attn_seq", "act_mlp"))
         out = jnp.einsum("bsf,fd->bsd", h, _w(self.w_down, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
@@ -187,14 +203,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids, inv_freq):  # x [b, s, d], the residual stream
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, inv_freq)
+    def __call__(self, x, positions, segment_ids):  # x [b, s, d], the residual stream
+        attn_out = self.attn(self.attn_norm(x), positions, segment_ids)
+        normed, x = self.mlp_norm(attn_out, residual=x)       # the residual add fused into the norm
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
-        x = x + self.mlp(self.mlp_norm(x))
+        x = x + self.mlp(normed)
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, inv_freq, attend, cache):  # serving: the KV cache threads through
-        h, cache = self.attn.cached(self.attn_norm(x), positions, inv_freq, attend, cache)
+    def cached(self, x, positions, attend, cache):  # serving: the KV cache threads through
+        h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache)
         x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("act_batch", "act_seq", "act_embed")), cache
@@ -235,12 +252,11 @@ class Llama(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)  # [b, s]
         x = jnp.take(_w(self.embed, dt), tokens, axis=0)                 # [b, s, d]
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
-        inv_freq = rope_frequencies(cfg)
         block_def, block_state = nnx.split(self.layers)
 
         def layer(x, one_layer):  # scan body: one layer's parameters, [n_layers] axis removed
             block = nnx.merge(block_def, one_layer)
-            return block(x, positions, segment_ids, inv_freq), None
+            return block(x, positions, segment_ids), None
 
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
@@ -254,13 +270,12 @@ class Llama(nnx.Module):
         """
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
-        inv_freq = rope_frequencies(self.cfg)
         block_def, block_state = nnx.split(self.layers)
 
         def layer(carry, xs):
             (x, cache), (one_layer, i) = carry, xs
             block = nnx.merge(block_def, one_layer)
-            return block.cached(x, positions, inv_freq, lambda q, k, v, c: attend(i, q, k, v, c), cache), None
+            return block.cached(x, positions, lambda q, k, v, c: attend(i, q, k, v, c), cache), None
 
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(self.cfg.n_layers)))
         return self.final_norm(x), cache
@@ -292,10 +307,11 @@ class Llama(nnx.Module):
         b, s, d = h.shape
         flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]
         if self.cfg.loss_impl == "chunked":
-            from pallas_kernels.fused_cross_entropy import chunked_cross_entropy as ce
-        else:
-            from pallas_kernels.fused_cross_entropy import fused_cross_entropy as ce
-        return ce(flat_h, self.head_weight(), flat_y, ignore_index=-1).reshape(b, s)
+            losses = fused_ce.chunked_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1)
+        else:   # never holds the [b*s, V] logits (pallas_kernels/fused_cross_entropy.py)
+            losses = fused_ce.fused_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1,
+                                                  interpret=_interpret())
+        return losses.reshape(b, s)
 
 
 def param_names(state) -> dict:

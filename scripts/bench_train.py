@@ -1,0 +1,193 @@
+"""Training throughput on one GPU: bf16 matmul rate, `llama3_1b` at seq 4096 with xla / cudnn
+(/ pallas) attention, every remat policy, vocab 50257 vs 50304, and the torch peer (own process).
+
+    PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--quick]
+Appends dated rows to docs/benchmarks.md. The batch is chosen from the compiled memory analysis.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from meshlab import rules as R  # noqa: E402
+from meshlab.mesh import make_mesh  # noqa: E402
+from meshlab.plan import account  # noqa: E402
+from meshlab.train.optimizer import OptimConfig, make_optimizer  # noqa: E402
+from meshlab.train.peak import measured_matmul_flops  # noqa: E402
+from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings  # noqa: E402
+from meshlab.train.step import make_train_step  # noqa: E402
+
+DATASHEET = 989e12
+
+
+def build(cfg, rules, mesh, batch, seq):
+    md = model_def(cfg)
+    tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=2), 100, md.names)
+    sh = to_shardings(mesh, state_specs(md, rules, mesh, tx, False))
+    step = make_train_step(md, rules, mesh, tx, sh)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    b = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.zeros((batch, seq), np.int32),
+         "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
+    return md, tx, sh, step, {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def compiled_memory(cfg, rules, mesh, batch, seq):
+    md, tx, sh, step, b = build(cfg, rules, mesh, batch, seq)
+    c = step.lower(abstract_state(md, tx, sh, False), b).compile()
+    m = c.memory_analysis()
+    return m.argument_size_in_bytes, m.temp_size_in_bytes
+
+
+def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80):
+    """One compile at batch 2; its temporaries per row (an upper bound: they include fixed
+    buffers) set the largest batch that keeps arguments + temporaries under `budget` of HBM."""
+    args, temp = compiled_memory(cfg, rules, mesh, 2, seq)
+    per_row = max(temp / 2, 1)
+    batch = int((budget * hbm_bytes - args) // per_row)
+    return max(1, min(batch, 64)), (args, temp, per_row)
+
+
+def time_steps(cfg, rules, mesh, batch, seq, steps):
+    md, tx, sh, step, b = build(cfg, rules, mesh, batch, seq)
+    with R.use_rules(rules, mesh):
+        state = init_state(md, tx, sh, 0, False)
+        state, m = step(state, b)           # compile + first step
+        float(m["loss"])
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, m = step(state, b)
+            loss = float(m["loss"])         # sync each step: a clean per-step time
+            times.append(time.perf_counter() - t)
+    if not np.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {loss}")
+    dt = float(np.median(times))
+    peak_mem = jax.devices()[0].memory_stats().get("peak_bytes_in_use", 0) if jax.devices()[0].platform == "gpu" else 0
+    del state
+    return batch * seq / dt, dt, loss, peak_mem
+
+
+def run_peer(batch, seq, steps):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_train_torch.py"), "--batch", str(batch), "--seq", str(seq),
+           "--steps", str(steps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+        return json.loads(line[-1]) if line else {"error": (out.stderr or out.stdout)[-400:]}
+    except Exception as e:  # the peer failing must not hide our numbers
+        return {"error": str(e)[:400]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama3_1b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=0, help="0: choose from the compiled memory analysis")
+    p.add_argument("--attention", default="xla,cudnn,pallas")
+    p.add_argument("--remat", default="none,save_dots_no_batch,full")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
+    args = p.parse_args()
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    rules = R.load_rules("dp")
+    dev = jax.devices()[0]
+    hbm = dev.memory_stats().get("bytes_limit", 80e9) if dev.platform == "gpu" else 8e9
+    peak = measured_matmul_flops(mesh)
+    print(f"device {dev.device_kind}; bf16 matmul {peak / 1e12:.0f} TFLOP/s measured; HBM {hbm / 2**30:.0f} GiB")
+    base = models.preset(args.model)
+    base.dtype = "bfloat16"
+    rows = []
+
+    def record(label, cfg, batch, seq):
+        try:
+            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps)
+        except Exception as e:  # an unavailable or failing variant is reported, not fatal
+            rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            print(rows[-1], flush=True)
+            return
+        f = account.train_flops_per_token(cfg, seq)
+        rows.append({"variant": label, "batch": batch, "seq": seq, "tokens_per_s": round(tok_s),
+                     "step_ms": round(dt * 1e3, 1), "mfu_measured": round(tok_s * f / peak, 4),
+                     "mfu_989": round(tok_s * f / DATASHEET, 4), "peak_mem_gib": round(mem / 2**30, 1),
+                     "loss": round(loss, 3)})
+        print(rows[-1], flush=True)
+
+    def variant(attention="cudnn", remat="save_dots_no_batch", **over):
+        cfg = models.preset(args.model)
+        cfg.dtype, cfg.attention, cfg.remat = "bfloat16", attention, remat
+        for k, v in over.items():
+            setattr(cfg, k, v)
+        return cfg
+
+    batch, mem_fit = (args.batch, None) if args.batch else pick_batch(variant(), rules, mesh, args.seq, hbm)
+    print(f"batch {batch} (compiled at batch 2: args {mem_fit[0] / 2**30:.1f} GiB, temp/row <= "
+          f"{mem_fit[2] / 2**30:.2f} GiB)" if mem_fit else f"batch {batch}", flush=True)
+    # Most important first: a call that runs out of time still reports these.
+    plan = [(f"attention={a} remat=save_dots_no_batch", variant(attention=a)) for a in args.attention.split(",")]
+    plan.append(("cudnn + fused CE/SwiGLU/RMSNorm (pallas)",
+                 variant(loss_impl="pallas", fused_swiglu=True, fused_norm=True)))
+    plan += [(f"attention=cudnn remat={r}", variant(remat=r)) for r in args.remat.split(",") if r != "save_dots_no_batch"]
+    plan += [(f"vocab={v} (unpadded)", variant(vocab_size=v, vocab_multiple=1)) for v in (50257, 50304)]
+    peer = {}
+    start = time.perf_counter()
+    for i, (label, cfg) in enumerate(plan):
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"variant": label, "error": f"not run: past the {args.budget_s}s budget of this call"})
+            continue
+        record(label, cfg, batch, args.seq)
+        if i == len(args.attention.split(",")) and not args.no_peer:
+            peer = run_peer(min(batch, 8), args.seq, args.steps)
+            print("peer:", peer, flush=True)
+    write_rows(dev, peak, rows, peer, args)
+
+
+def write_rows(dev, peak, rows, peer, args):
+    ok = [r for r in rows if "tokens_per_s" in r]
+    best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+    date = datetime.date.today().isoformat()
+    lines = [f"\n### Training, {args.model}, seq {args.seq} ({date}, {dev.device_kind}, jax {jax.__version__})\n",
+             f"bf16 matmul measured: {peak / 1e12:.0f} TFLOP/s. MFU = tokens/s x (6N + 6 L S d) / peak.\n",
+             "| variant | batch | tokens/s | step ms | MFU (measured peak) | MFU (989) | peak mem GiB | loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | - | FAILED: {r['error']} | | | | | |")
+        else:
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:,} | {r['step_ms']} | "
+                         f"{100 * r['mfu_measured']:.1f}% | {100 * r['mfu_989']:.1f}% | {r['peak_mem_gib']} | {r['loss']} |")
+    if peer.get("tokens_per_s"):
+        lines.append(f"| peer: transformers Llama, torch.compile + AMP bf16 + fused AdamW | {peer['batch']} | "
+                     f"{peer['tokens_per_s']:,.0f} | {peer['step_ms']:.1f} | | {100 * peer['mfu_989']:.1f}% | "
+                     f"{peer['peak_mem_gib']:.1f} | {peer['loss']:.3f} |")
+        if best:
+            lines.append(f"\nBest meshlab / peer: {best['tokens_per_s'] / peer['tokens_per_s']:.2f}x ({best['variant']}).")
+    else:
+        lines.append(f"\npeer: not measured ({peer.get('error', 'skipped')[:200]})")
+    text = "\n".join(lines) + "\n"
+    path = ROOT / "docs" / "benchmarks.md"
+    if not path.exists():
+        path.write_text("# Benchmarks\n")
+    with path.open("a") as f:
+        f.write(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_train.json").write_text(json.dumps({"rows": rows, "peer": peer}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
