@@ -100,6 +100,7 @@ def main():
     p.add_argument("--attention", default="xla,cudnn,pallas")
     p.add_argument("--remat", default="none,save_dots_no_batch,full")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--peer-json", help="the peer's JSON line, measured before this process took the GPU")
     p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
@@ -149,9 +150,12 @@ def main():
             rows.append({"variant": label, "error": f"not run: past the {args.budget_s}s budget of this call"})
             continue
         record(label, cfg, batch, args.seq)
-        if i == len(args.attention.split(",")) and not args.no_peer:
+        if i == len(args.attention.split(",")) and not args.no_peer and not args.peer_json:
             peer = run_peer(min(batch, 8), args.seq, args.steps)
             print("peer:", peer, flush=True)
+    if args.peer_json:
+        lines = [x for x in Path(args.peer_json).read_text().splitlines() if x.startswith("{")]
+        peer = json.loads(lines[-1]) if lines else {"error": Path(args.peer_json).read_text()[-300:]}
     write_rows(dev, peak, rows, peer, args)
 
 
