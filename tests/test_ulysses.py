@@ -7,7 +7,7 @@ import pytest
 from test_ring_attention import check_against_reference, collectives, in_manual_region, inputs, make_mesh
 
 from meshlab.parallel.context import context_attention
-from meshlab.parallel.ring_attention import jnp_flash_attention
+from meshlab.parallel.attention_blocks import jnp_flash_attention
 from meshlab.parallel.ulysses import kv_head_repeats, ulysses_attention
 
 # Pairwise cover of context size x causal x GQA x segment ids; 8 query heads. kv heads 2 with
