@@ -29,7 +29,7 @@ RULES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
 GRADS_READ = ("zero1", "zero2", "fsdp_tp")   # one compile more each: replicated, zero-2, zero-3 + tensor
 GSPMD_EXTRA = ("fsdp_tp", "fsdp_tp_sp")
 MID = ["model.n_layers=4", "model.d_model=512", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
-       "model.mlp_dim=1536", "model.vocab_size=8192", "model.dtype=bfloat16", "data.seq_len=256",
+       "model.mlp_dim=1536", "model.vocab_size=8192", "model.dtype=float32", "data.seq_len=256",
        "data.global_batch=16"]
 
 
@@ -122,8 +122,9 @@ def test_collective_placement():
 
 
 def test_mid_size_config_abstract():
-    """A 4-layer d=512 bf16 model (17M params), compiled on abstract inputs only: state exact, temp
-    within 20%, collective bytes within 10%."""
+    """A 4-layer d=512 model (17M params), compiled on abstract inputs only: state exact, temp within
+    20%, collective bytes within 10%. fp32: in bf16 this program aborts XLA's CPU compiler (jax 0.10.2,
+    `hlo_instruction.cc: Invalid binary instruction opcode copy`), so bf16 is checked on GPU only."""
     cfg = _cfg("fsdp", MID)
     m = compiled.measure(cfg, grads=False)
     _, mem, comms = _plan(cfg)
