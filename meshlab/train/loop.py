@@ -7,6 +7,7 @@ val.bin, an optional profiler window, metrics.jsonl appended across resumes."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -92,7 +93,7 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     shardings = to_shardings(mesh, state_specs(md, rules, mesh, tx, fp16))   # validates every spec
     loss_scale = LossScaleConfig(growth_interval=cfg.loss_scale_growth) if fp16 else None
     step_fn = make_train_step(md, rules, mesh, tx, shardings, microbatches=cfg.data.microbatches,
-                              loss_scale=loss_scale)
+                              loss_scale=loss_scale, packed=cfg.data.segment_docs)
     # This process's rows of each global batch (all of them in a single-process run).
     per_proc = cfg.data.global_batch // jax.process_count()
     rows = range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
@@ -182,6 +183,19 @@ def _checkpointer(cfg: TrainConfig, run_dir: Path) -> Checkpointer:
                         keep_every=c.keep_every, async_save=c.async_save)
 
 
+def set_aside(directory: Path) -> None:
+    """A fresh run into a directory that holds checkpoints: keep them (renamed), never mix steps
+    of two runs in one directory and never overwrite them."""
+    if jax.process_index() == 0 and directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir()):
+        dst = directory.with_name(f"{directory.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(directory, dst)
+        print(f"meshlab: {directory} held checkpoints of an earlier run; kept as {dst} "
+              "(pass --resume to continue a run instead)", file=sys.stderr)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("meshlab_set_aside")
+
+
 def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
     """(state, start step): fresh, or restored into this run's shardings."""
     cfg = tr.cfg
@@ -220,6 +234,8 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
+    if write and not cfg.checkpoint.resume:
+        set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     ckpt = _checkpointer(cfg, run_dir) if write else None
     fp16 = cfg.model.dtype == "float16"
     watchdog = distributed.Watchdog(cfg.heartbeat_timeout).start()
@@ -254,8 +270,8 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         print(f"  peak = measured matmul rate {peak / 1e12:.3f} TFLOP/s (all devices); datasheet {DATASHEET_PEAK / 1e12:.0f}")
         if start:
             print(f"  resumed from step {start} ({ckpt.directory})")
-    if start:
-        writer.write({"event": "resume", "step": start, "time": time.time()})
+    writer.write({"event": "resume" if start else "start", "step": start, "time": time.time(),
+                  "rules": tr.rules.name, "mesh": format_sizes(dict(tr.mesh.shape))})
     losses, rows_out = [], []
     bar = Progress(cfg.steps, enabled=progress)
     batches = tr.batches.iterator(start, cfg.steps - start, tr.rows)

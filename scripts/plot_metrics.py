@@ -1,0 +1,81 @@
+"""Plot loss, learning rate, throughput and MFU of one or several runs into one PNG:
+python scripts/plot_metrics.py RUN_DIR [RUN_DIR...] [--out FILE.png]
+
+Each run's metrics.jsonl is read as written (appended across resumes): rows after the last
+fresh start, and for a step logged twice (a resume from an earlier checkpoint) the later row.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
+          ("mfu", "MFU (measured peak)"))
+
+
+def load_run(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} not found; pass run directories written by scripts/train.py")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {path}:{n} is not JSON (a line cut by a crash?); skipped", file=sys.stderr)
+    starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
+    rows = rows[starts[-1]:] if starts else rows
+    by_step = {r["step"]: r for r in rows if "loss" in r}   # later rows win
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def label_of(run_dir: Path) -> str:
+    cfg = run_dir / "config.yaml"
+    rules = ""
+    if cfg.is_file():
+        for line in cfg.read_text().splitlines():
+            if line.startswith("rules:"):
+                rules = f" ({line.split(':', 1)[1].strip()})"
+    return run_dir.name + rules
+
+
+def plot(run_dirs: list[Path], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for run in run_dirs:
+        rows, label = load_run(run), label_of(run)
+        for ax, (key, title) in zip(axes.flat, PANELS):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+            if key == "loss":
+                val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+                if val:
+                    ax.plot(*zip(*val), "o--", label=f"{label} val")
+    for ax, (_, title) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (holding metrics.jsonl)")
+    p.add_argument("--out", type=Path, help="PNG path (default: metrics.png in the first run directory)")
+    args = p.parse_args(argv)
+    out = plot(args.runs, args.out or args.runs[0] / "metrics.png")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
