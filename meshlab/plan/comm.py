@@ -3,7 +3,9 @@
 Time follows the alpha-beta model T = alpha + n/BW per message. For a group of p devices:
   ring all-reduce            2(p-1) alpha + 2(p-1)/p n/BW   (reduce-scatter then all-gather)
   ring all-gather / r-scatter (p-1) alpha +  (p-1)/p n/BW   (n = the full buffer)
-  tree all-reduce            2 log2(p) alpha + 2 n/BW       (fewer start-ups: wins for small n)
+  tree all-reduce            2 log2(p) (alpha + n/BW)       (reduce then broadcast, whole message per level:
+                                                             few start-ups win for small n, the root's
+                                                             log2(p) full copies lose for large n)
   all-to-all (pairwise)      (p-1) alpha +  (p-1)/p n/BW
   point-to-point             alpha + n/BW
 `algorithm="auto"` takes the cheaper of ring and tree, as NCCL does by message size.
@@ -61,10 +63,11 @@ def collective_time(kind: str, n: float, p: int, alpha: float, bw: float, algori
     frac = (p - 1) / p
     if kind == "all-reduce":
         ring = 2 * (p - 1) * alpha + 2 * frac * n / bw
-        tree = 2 * math.ceil(math.log2(p)) * alpha + 2 * n / bw
+        tree = 2 * math.ceil(math.log2(p)) * (alpha + n / bw)
         return {"ring": ring, "tree": tree}.get(algorithm, min(ring, tree))
     if kind in ("all-gather", "reduce-scatter", "all-to-all"):
         ring = (p - 1) * alpha + frac * n / bw
+        # recursive doubling: log2(p) start-ups, the same bytes (p a power of two)
         direct = math.ceil(math.log2(p)) * alpha + frac * n / bw if kind != "all-to-all" else ring
         return {"ring": ring, "tree": direct}.get(algorithm, min(ring, direct))
     raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")

@@ -1,0 +1,128 @@
+"""The planner: FLOP split, alpha-beta arithmetic, search and ranking, rule files it writes, plot,
+and the ranking checked against the compiler (a rejected plan exceeds the budget, the chosen fits)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import models
+from helpers import MESH_FOR, small_config
+from meshlab.plan import account, comm, compiled, compute, memory, search
+from meshlab.plan.hardware import HARDWARE, HardwareError, get_hardware
+from meshlab.rules import load_rules
+from meshlab.train.state import model_def
+
+
+def test_flop_split_matches_the_6n_rule_and_crossover():
+    cfg = models.preset("llama3_8b")
+    f = compute.step_flops(cfg, 1, 4096, "none")
+    assert f["model"] == pytest.approx(account.train_flops_per_token(cfg, 4096) * 4096, rel=1e-9)
+    s = compute.crossover_seq(cfg)
+    per = compute.layer_flops_per_token(cfg, int(s))
+    assert per["attention"] == pytest.approx(per["projections"] + per["mlp"], rel=1e-3)
+    assert compute.textbook_crossover(4096) == 3.5 * 4096
+    full = compute.step_flops(cfg, 1, 4096, "full")
+    head = 3 * 4096 * 2 * cfg.d_model * cfg.padded_vocab   # not under remat: not recomputed
+    assert full["total"] - f["model"] == pytest.approx((f["model"] - head) / 3, rel=1e-9)   # one more forward
+
+
+def test_alpha_beta_ring_and_tree():
+    a, bw = 5e-6, 100e9
+    n = 1 << 30
+    ring = comm.collective_time("all-reduce", n, 8, a, bw, "ring")
+    assert ring == pytest.approx(14 * a + 2 * 7 / 8 * n / bw)
+    assert comm.collective_time("all-gather", n, 8, a, bw, "ring") == pytest.approx(7 * a + 7 / 8 * n / bw)
+    # small messages: the tree's log2(p) start-ups win; large: the ring's bandwidth term wins
+    small = 4096
+    assert comm.collective_time("all-reduce", small, 64, a, bw) == comm.collective_time("all-reduce", small, 64, a, bw, "tree")
+    assert comm.collective_time("all-reduce", n, 64, a, bw) == comm.collective_time("all-reduce", n, 64, a, bw, "ring")
+    assert comm.collective_time("collective-permute", n, 2, a, bw) == pytest.approx(a + n / bw)
+    assert comm.wire_bytes("all-reduce", n, 4) == 1.5 * n
+    assert comm.collective_time("all-reduce", n, 1, a, bw) == 0.0
+
+
+def test_crosses_hosts_by_mesh_order():
+    shape = {"data": 2, "stage": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 2}
+    assert not comm.crosses_hosts(shape, "tensor", 8)
+    assert not comm.crosses_hosts(shape, "fsdp", 8)
+    assert comm.crosses_hosts(shape, "data", 8)
+
+
+def test_textbook_sixteen_bytes_by_stage():
+    t = [memory.textbook_memory(1000, s, 4)["total"] for s in range(4)]
+    assert t[0] == 16000 and t[1] == 4000 + 3000 and t[2] == 2000 + 3500 and t[3] == 4000
+
+
+def test_search_ranks_rejects_and_writes(tmp_path):
+    cfg = models.preset("llama3_1b")
+    good, bad = search.search(cfg, 16, 32, 8192, HARDWARE["h100"], hosts=2,
+                              rule_names=["dp", "zero2", "fsdp", "fsdp_tp"], policies=("none", "full"), max_microbatches=2)
+    assert good and bad
+    assert [p.step_s for p in good] == sorted(p.step_s for p in good)
+    assert all(p.mem_bytes <= HARDWARE["h100"].memory_bytes * search.USABLE for p in good)
+    assert any("needs" in p.reason for p in bad) and all(p.reason for p in bad)
+    best = good[0]
+    assert best.step_s <= best.step_s_serial and best.mfu > 0
+    path = search.write_rule_file(best, tmp_path, 1)
+    rules = load_rules(path)   # the written file is a valid rule file with the chosen mesh
+    assert {a: s for a, s in rules.mesh.items() if s > 1} == {a: s for a, s in best.mesh.items() if s > 1}
+    text = search.explain(best, cfg, HARDWARE["h100"])
+    assert "alpha-beta" in text and "MFU" in text and "textbook 16 B/param" in text
+    png = search.plot(good, tmp_path / "plan.png", "test")
+    assert png.stat().st_size > 1000
+
+
+def test_hardware_errors(tmp_path):
+    with pytest.raises(HardwareError, match="unknown hardware"):
+        get_hardware("tpu9")
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    with pytest.raises(HardwareError, match="bench_collectives"):
+        get_hardware(str(bad))
+
+
+def test_plan_script(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("plan_script", Path(__file__).parents[1] / "scripts" / "plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model", "llama3_1b", "--devices", "8", "--batch", "16", "--seq", "2048", "--rules", "fsdp,tp",
+                     "--explain", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rejected" in out and "communication (alpha-beta" in out
+    assert list(tmp_path.glob("plan_1_*.yaml")) and (tmp_path / "plan.png").exists()
+    assert mod.main(["--model", "nope", "--devices", "8"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def _compiled_total(m) -> int:
+    return m.argument + m.temp + m.output - m.alias
+
+
+def test_ranking_agrees_with_the_compiler():
+    """A budget between two plans: the one the planner rejects exceeds it by the compiler's memory
+    analysis, the one it chooses stays under it (tiny, 8 CPU devices)."""
+    cfg = small_config("dp")
+    md = model_def(cfg.model)
+    n = cfg.data.global_batch
+    seq = cfg.data.seq_len
+    hw = dataclasses.replace(HARDWARE["h200"])
+    big = search.evaluate(md, load_rules("dp"), {"data": 8}, n, seq, "none", 1, hw)
+    small = search.evaluate(md, load_rules("fsdp"), {"fsdp": 8}, n, seq, "full", 1, hw)
+    assert big.mem_bytes > 1.5 * small.mem_bytes
+    budget = (big.mem_bytes * small.mem_bytes) ** 0.5
+    hw = hw.with_memory(budget / search.USABLE)
+    good, bad = search.search(cfg.model, 8, n, seq, hw, rule_names=["dp", "fsdp"], policies=("none", "full"),
+                              max_microbatches=1)
+    chosen = good[0]
+    rejected = next(p for p in bad if p.rules == "dp" and p.remat == "none" and p.mesh.get("data") == 8)
+    assert "needs" in rejected.reason
+    m_bad = compiled.measure(small_config("dp", MESH_FOR["dp"]), grads=False)
+    mesh = chosen.mesh_string
+    m_good = compiled.measure(small_config(chosen.rules, mesh, extra=[f"model.remat={chosen.remat}"]), grads=False)
+    print(f"\nbudget {budget:.0f} B: rejected dp/none compiles to {_compiled_total(m_bad)} B; chosen "
+          f"{chosen.rules}/{chosen.remat} on {mesh} to {_compiled_total(m_good)} B (planner {chosen.mem_bytes:.0f})")
+    assert _compiled_total(m_bad) > budget
+    assert _compiled_total(m_good) <= budget
