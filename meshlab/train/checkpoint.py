@@ -88,7 +88,11 @@ class Checkpointer:
         """Complete steps. A step directory without orbax's commit marker (a save cut short
         on a file system without atomic rename, or a copy gone wrong) is moved aside first."""
         self.mgr.reload()
-        partial = [s for s in self.mgr.all_steps() if not (self.directory / str(s) / COMMIT_MARKER).exists()]
+        steps = self.mgr.all_steps()
+        marked = {s for s in steps if (self.directory / str(s) / COMMIT_MARKER).exists()}
+        # Only where this orbax writes markers at all (some step has one): an orbax version
+        # without them must not have every step declared partial.
+        partial = [s for s in steps if s not in marked] if marked else []
         for s in partial:
             _log(f"step {s} has no {COMMIT_MARKER} (its save never finished); moving it aside")
             self._quarantine(s, "partial")

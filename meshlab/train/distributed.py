@@ -66,7 +66,10 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     if "cpu" in os.environ.get("JAX_PLATFORMS", "") or os.environ.get("MESHLAB_CPU_COLLECTIVES"):
         # CPU devices of several processes talk through gloo (TCP); without it CPU
         # computations that span processes fail to compile.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except (AttributeError, KeyError, ValueError):  # a jax where gloo is the default or the flag moved
+            pass
     kw = dict(heartbeat_timeout_seconds=heartbeat_timeout)
     if explicit:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
