@@ -1,6 +1,9 @@
 """Decode attention over a paged KV cache: one query token per sequence, pages read through a table.
 
-Layout: q [b, h, d]; k_pages/v_pages [num_pages, page_size, kv_heads, d] (one layer of the cache);
+Layout: q [b, h, d]; k_pages/v_pages [num_pages, page_size, kv_heads, d] (one layer of the cache),
+or the whole stacked cache [layers, num_pages, page_size, kv_heads, d] with `layer` (a traced
+scalar): then the kernel reads the layer in place, where slicing it out first would copy the
+whole layer's cache every decode step (a custom call needs its operand materialised);
 page_table [b, max_pages] int32 (logical page i of sequence b lives in page_table[b, i]);
 lengths [b] int32 (tokens cached, the query's own included; 0 = inactive row -> zeros).
 
@@ -33,9 +36,10 @@ class BlockSizes:
     pages_per_split: int = 16       # 16 pages of 16 tokens: 256 tokens per program
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_split,
-            sm_scale):
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size,
+            pages_per_split, sm_scale):
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     length = lengths_ref[b]
     q = q_ref[...].astype(jnp.float32) * sm_scale                                 # [g, d]
     first = s * pages_per_split
@@ -44,8 +48,8 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     def body(p, carry):
         m, l, acc = carry
         page = table_ref[b, first + p]
-        k = k_ref[page, :, kh, :].astype(jnp.float32)                             # [ps, d]
-        v = v_ref[page, :, kh, :].astype(jnp.float32)                             # [ps, d]
+        k = k_ref[layer, page, :, kh, :].astype(jnp.float32)                      # [ps, d]
+        v = v_ref[layer, page, :, kh, :].astype(jnp.float32)                      # [ps, d]
         scores = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)                  # [g, ps]
         pos = (first + p) * page_size + jnp.arange(page_size)
         scores = jnp.where(pos[None, :] < length, scores, NEG)                   # part-filled last page
@@ -76,11 +80,16 @@ def merge_splits(acc, m, l, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "sm_scale", "interpret"))
-def paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes: BlockSizes = BlockSizes(),
-                    sm_scale: float | None = None, interpret: bool = False):
+def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
+                    block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None, interpret: bool = False):
     """q [b, h, d] -> [b, h, d], attending to the first lengths[b] cached tokens of each sequence."""
+    if k_pages.ndim == 4:                      # one layer: view it as a stack of one (free reshape)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    elif layer is None:
+        raise ValueError("paged_attention: stacked k/v pages [layers, ...] need `layer`")
     b, h, d = q.shape
-    num_pages, page_size, kvh, d_k = k_pages.shape
+    k_pages_4d_shape = k_pages.shape[1:]
+    num_pages, page_size, kvh, d_k = k_pages_4d_shape
     if h % kvh or d_k != d or v_pages.shape != k_pages.shape:
         raise ValueError(f"paged_attention: q {q.shape} does not match k/v pages {k_pages.shape}/{v_pages.shape}")
     g, max_pages = h // kvh, page_table.shape[1]
@@ -93,7 +102,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes: Bl
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
-        in_specs=[whole((b,)), whole(table.shape), pl.BlockSpec((None, None, g, d), lambda i, j, s: (i, j, 0, 0)),
+        in_specs=[whole((1,)), whole((b,)), whole(table.shape), pl.BlockSpec((None, None, g, d), lambda i, j, s: (i, j, 0, 0)),
                   whole(k_pages.shape), whole(v_pages.shape)],
         out_specs=[pl.BlockSpec((None, None, None, g, d), lambda i, j, s: (i, j, s, 0, 0)),
                    pl.BlockSpec((None, None, None, g), lambda i, j, s: (i, j, s, 0)),
@@ -102,7 +111,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes: Bl
                    jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32),
                    jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)],
         interpret=interpret,
-    )(lengths.astype(jnp.int32), table, q.reshape(b, kvh, g, d), k_pages, v_pages)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), table, q.reshape(b, kvh, g, d),
+      k_pages, v_pages)
     return merge_splits(acc, m, l, q.dtype)
 
 

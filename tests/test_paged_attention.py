@@ -63,3 +63,11 @@ def test_engine_with_kernel_matches_uncached():
         seq = r.prompt + r.output
         logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :cfg.vocab_size]
         assert r.output == logits[len(r.prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_stacked_layers_read_in_place():
+    q, k, v, table, lengths = make_case(3, lengths=(2, 11, 24))
+    k5, v5 = jnp.stack([k * 0, k, k * 2]), jnp.stack([v * 0, v, v * 2])       # layer 1 is the real one
+    got = paged_attention(q, k5, v5, table, lengths, jnp.int32(1), block_sizes=BlockSizes(2), interpret=True)
+    want = paged_attention_reference(q, k, v, table, lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -101,7 +101,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         if impl == "pallas" and q.shape[1] == 1:
             from pallas_kernels.paged_attention import paged_attention
             lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-            o = paged_attention(q[:, 0], new["k"][layer], new["v"][layer], page_table, lengths,
+            o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths, layer,   # layer read in place
                                 interpret=interpret)
             return o[:, None], new
         b, max_pages = page_table.shape
