@@ -241,20 +241,20 @@ def main():
         ctx, max_len, chunk, peer_b = 2048, 8192 + 256, 512, (1, 64)
     md, params = model_def(cfg), random_params(cfg)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    sections = [
-        ("decode, xla paged", lambda: bench_decode(md, params, weight_bytes, bw, batches, ctx, "xla")),
-        ("decode, pallas paged", lambda: bench_decode(md, params, weight_bytes, bw, list(peer_b), ctx, "pallas")),
-        ("kernel peers", lambda: kernel_peers(cfg, bw, peer_b, ctx)),
-    ]
     engine = {}
 
     def make_engine():
         engine["e"] = Engine(md, params, max_len=max_len, max_seqs=1, page_size=16, chunk=chunk, steps_per_call=16)
         bench_ttft(engine["e"], lengths, "engine")
         engine_tpot(engine["e"], "engine", ctx=min(512, ctx), n=min(256, max_len - 512) if not args.cpu_smoke else 32)
-    sections += [("ttft + engine tpot", make_engine),
-                 ("http server", lambda: bench_server(engine["e"], lengths[-1] // 2 if args.cpu_smoke else 2048,
-                                                      n=32 if args.cpu_smoke else 256, ctx=min(512, ctx)))]
+    # Most important first: a section past --budget-s is skipped, not half-run.
+    sections = [("decode, xla paged", lambda: bench_decode(md, params, weight_bytes, bw, batches, ctx, "xla")),
+                ("ttft + engine tpot", make_engine),
+                ("http server", lambda: bench_server(engine["e"], lengths[-1] // 2 if args.cpu_smoke else 2048,
+                                                     n=32 if args.cpu_smoke else 256, ctx=min(512, ctx))),
+                ("decode, pallas paged", lambda: bench_decode(md, params, weight_bytes, bw, list(peer_b), ctx,
+                                                              "pallas")),
+                ("kernel peers", lambda: kernel_peers(cfg, bw, peer_b, ctx))]
     for name, run in sections:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"skipped {name}: past the {args.budget_s:.0f} s budget")
