@@ -51,7 +51,7 @@ def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
-def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scaling: bool):
+def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scaling: bool, packed: bool = False):
     """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens)."""
     manual = rules.batch_axes(mesh)
     store = leaf_specs(md, rules, mesh, "params")
@@ -66,7 +66,8 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scali
 
         def loss_fn(params, mb):
             model = md.bind(params)
-            h = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"])
+            # Unpacked data: no segment mask at all (cheaper, and cuDNN takes none).
+            h = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"] if packed else None)
             loss_sum = jnp.sum(model.token_losses(h, mb["labels"]))
             return loss_sum / jnp.maximum(n_valid, 1.0) * scale
 
@@ -124,9 +125,10 @@ def _local_shape(shape, spec, mesh):
 
 
 def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatches: int = 1,
-                    loss_scale: LossScaleConfig | None = None, nonfinite: str = "skip"):
-    """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling."""
-    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, loss_scale is not None)
+                    loss_scale: LossScaleConfig | None = None, packed: bool = False):
+    """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling; `packed` applies the
+    batch's segment ids (documents packed into one row) to attention."""
+    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, loss_scale is not None, packed)
     acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
 
     def step(state, batch):
