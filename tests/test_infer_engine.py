@@ -93,3 +93,22 @@ def test_stop_token_and_bad_requests(tiny, engine):
         engine.add_request([1], SamplingParams(top_p=0.0))
     with pytest.raises(AdmissionError, match="empty"):
         engine.add_request([], SamplingParams())
+
+
+def test_sharded_cache_and_params_give_the_same_tokens(tiny):
+    """fsdp_tp on 8 devices: params and cache placed by the rule file; same greedy tokens as one device."""
+    from jax.sharding import NamedSharding
+    from meshlab.mesh import make_mesh
+    from meshlab.rules import load_rules
+    from meshlab.train.state import leaf_specs
+    md, params, _ = tiny
+    rules, mesh = load_rules("fsdp_tp"), make_mesh("data=1,fsdp=4,tensor=2")
+    specs = leaf_specs(md, rules, mesh, "params")
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
+                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    sp = SamplingParams(max_tokens=5)
+    gen = ContiguousGenerator(md, sharded, batch=4, max_len=32, chunk=8, steps_per_call=4, rules=rules, mesh=mesh)
+    assert gen.cache["k"].sharding.spec[1:4] == ("fsdp", None, "tensor")     # cache_batch, cache_seq, cache_kv_heads
+    alone = ContiguousGenerator(md, params, batch=4, max_len=32, chunk=8, steps_per_call=4)
+    assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
