@@ -261,12 +261,14 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
 
-    def cached(self, tokens, positions, cache, attend):
+    def cached(self, tokens, positions, cache, attend, unroll: bool = False):
         """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
 
         tokens/positions [b, t]; `cache` is any pytree (meshlab/infer owns its layout) carried through
         the layer scan, so each layer updates only its new tokens in place; `attend(layer, q, k, v,
         cache) -> (o, cache)`. Returns (final-normed hidden [b, t, d], cache). No remat: no backward.
+        unroll=True unrolls the layer loop: static per-layer weight slices instead of dynamic ones
+        (a GPU gemm may copy a dynamic slice of the stacked weights; decode is bandwidth-bound).
         """
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
@@ -277,7 +279,7 @@ class Llama(nnx.Module):
             block = nnx.merge(block_def, one_layer)
             return block.cached(x, positions, lambda q, k, v, c: attend(i, q, k, v, c), cache), None
 
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(self.cfg.n_layers)))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(self.cfg.n_layers)), unroll=unroll)
         return self.final_norm(x), cache
 
     def head_weight(self):

@@ -81,9 +81,10 @@ def decode_state(cfg, batch, ctx, page_size=16):
     return cache, jnp.asarray(table)
 
 
-def bench_decode(md, params, weight_bytes, bw, batches, ctx, impl, n=16):
+def bench_decode(md, params, weight_bytes, bw, batches, ctx, impl, n=16, unroll=False):
     cfg = md.cfg
-    _, loop = make_programs(md, "paged", impl, interpret=jax.default_backend() != "gpu")
+    _, loop = make_programs(md, "paged", impl, interpret=jax.default_backend() != "gpu", unroll=unroll)
+    impl += "+unrolled" if unroll else ""
     kv_tok = kv_cache.cache_bytes(cfg, 1)
     tpot1 = None
     for b in batches:
@@ -252,6 +253,8 @@ def main():
                 ("ttft + engine tpot", make_engine),
                 ("http server", lambda: bench_server(engine["e"], lengths[-1] // 2 if args.cpu_smoke else 2048,
                                                      n=32 if args.cpu_smoke else 256, ctx=min(512, ctx))),
+                ("decode, unrolled layers", lambda: bench_decode(md, params, weight_bytes, bw, [1], ctx, "xla",
+                                                                 unroll=True)),
                 ("decode, pallas paged", lambda: bench_decode(md, params, weight_bytes, bw, list(peer_b), ctx,
                                                               "pallas")),
                 ("kernel peers", lambda: kernel_peers(cfg, bw, peer_b, ctx))]

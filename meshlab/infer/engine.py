@@ -25,7 +25,7 @@ from meshlab.infer.sampler import SamplingParams, row_arrays, sample
 from meshlab.rules import use_rules
 
 
-def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False):
+def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, unroll: bool = False):
     """The un-jitted step: (params, cache, seen, tokens, positions, valid, last, table, rows, counters)
     -> (next token [b], cache, seen). `seen` marks every fed token for the repetition penalty."""
     vocab = md.cfg.vocab_size
@@ -36,7 +36,7 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False):
             attend = kv_cache.contiguous_attend(positions, valid)
         else:
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
-        h, cache = model.cached(tokens, positions, cache, attend)                  # [b, t, d]
+        h, cache = model.cached(tokens, positions, cache, attend, unroll=unroll)   # [b, t, d]
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
         logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
         b = tokens.shape[0]
@@ -45,9 +45,9 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False):
     return step
 
 
-def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False):
+def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, unroll: bool = False):
     """(step, decode_loop) jitted, cache and seen donated (updated in place)."""
-    step = _step_fn(md, layout, impl, interpret)
+    step = _step_fn(md, layout, impl, interpret, unroll)
 
     def decode_loop(params, cache, seen, tok, pos, active, table, rows, counters, n):
         def body(carry, _):
@@ -163,7 +163,7 @@ class Engine:
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "xla", interpret: bool = False,
-                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None):
+                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, unroll: bool = False):
         import queue
         from meshlab.infer.scheduler import Scheduler
         if max_len % page_size:
@@ -172,7 +172,7 @@ class Engine:
         self.chunk, self.steps_per_call, self.detokenize = chunk, steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, chunk, max_step_tokens)
-        self.step_fn, self.loop_fn = make_programs(md, "paged", impl, interpret)
+        self.step_fn, self.loop_fn = make_programs(md, "paged", impl, interpret, unroll)
         with placement(rules, mesh):
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
