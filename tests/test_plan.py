@@ -49,6 +49,12 @@ def test_crosses_hosts_by_mesh_order():
     assert comm.crosses_hosts(shape, "data", 8)
 
 
+def test_kv_cache_llama3_8b():
+    # 32 layers x 8 kv heads x 128 x (K and V) x bf16 = 128 KiB per token
+    assert memory.kv_cache_bytes(models.preset("llama3_8b"), 1, 8192) == 8192 * 128 * 1024
+    assert memory.kv_cache_bytes(models.preset("llama3_8b"), 1, 8192, tensor=8) == 8192 * 16 * 1024
+
+
 def test_textbook_sixteen_bytes_by_stage():
     t = [memory.textbook_memory(1000, s, 4)["total"] for s in range(4)]
     assert t[0] == 16000 and t[1] == 4000 + 3000 and t[2] == 2000 + 3500 and t[3] == 4000
@@ -68,7 +74,7 @@ def test_search_ranks_rejects_and_writes(tmp_path):
     rules = load_rules(path)   # the written file is a valid rule file with the chosen mesh
     assert {a: s for a, s in rules.mesh.items() if s > 1} == {a: s for a, s in best.mesh.items() if s > 1}
     text = search.explain(best, cfg, HARDWARE["h100"])
-    assert "alpha-beta" in text and "MFU" in text and "textbook 16 B/param" in text
+    assert "alpha-beta" in text and "MFU" in text and "textbook 16 B/param" in text and "KV cache" in text
     png = search.plot(good, tmp_path / "plan.png", "test")
     assert png.stat().st_size > 1000
 

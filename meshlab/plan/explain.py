@@ -2,8 +2,6 @@
 and bytes per device; totals for params, grads and Adam state; the main activations' specs."""
 from __future__ import annotations
 
-import numpy as np
-
 from meshlab.plan import account, memory
 
 ACTIVATIONS = {
@@ -41,7 +39,3 @@ def describe(md, rules, mesh) -> str:
             spec = f"error: {e}"
         lines.append(f"  {what:<28} {str(names):<56} {spec}")
     return "\n".join(lines)
-
-
-def dtype_bytes(name: str) -> int:
-    return np.dtype(name).itemsize

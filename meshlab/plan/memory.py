@@ -227,7 +227,15 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
     total = state["params"] + state["optimizer"] + peak
     return {"state": state, "activations": act, "temporaries": temps, "local": lc, "total": total,
             "estimate_temp": peak,
-            "textbook": textbook_memory(account.param_count(md), zero_stage(rules), rules.data_parallel_size(mesh))}
+            "textbook": textbook_memory(_model_parallel_params(md, rules, mesh), zero_stage(rules),
+                                        rules.data_parallel_size(mesh))}
+
+
+def _model_parallel_params(md, rules, mesh) -> int:
+    """Parameters one device holds before ZeRO splits them (tensor/context shards only)."""
+    batch = rules.batch_axes(mesh)
+    return sum(account.bytes_per_device(r.shape, np.float32, _drop(r.spec, batch), mesh)
+               for r in account.param_table(md, rules, mesh, "params")) // F32
 
 
 def _grads_before_reduce(md, rules, mesh) -> int:

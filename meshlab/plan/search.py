@@ -11,6 +11,8 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
+
 from meshlab.mesh import AXES, format_sizes
 from meshlab.plan import account, comm, compute, memory
 from meshlab.rules import RulesError, load_rules, shipped_rules
@@ -70,6 +72,8 @@ def rule_axes(rules) -> list[str]:
 
 
 def candidate_meshes(rules, devices: int) -> list[dict]:
+    """Every split of the devices over the axes the rule file names. An axis the file never names
+    would only replicate work (no shipped file pipelines over `stage` yet), so it stays 1."""
     axes = rule_axes(rules)
     out = []
     for sizes in factorizations(devices, len(axes)):
@@ -213,6 +217,10 @@ def explain(plan: Plan, model_cfg, hw) -> str:
     for k, v in m["temporaries"].items():
         lines.append(f"  temporaries {k:<21} {fb(v):>12}")
     lines.append(f"  total {fb(plan.mem_bytes)} vs budget {fb(hw.memory_bytes * USABLE)} ({USABLE:.0%} of {fb(hw.memory_bytes)})")
+    kv = memory.kv_cache_bytes(model_cfg, lc.b * plan.microbatches, lc.s_attn * lc.t if lc.sp else lc.s_attn,
+                               lc.t, np.dtype(model_cfg.dtype).itemsize)
+    lines.append(f"  serving instead: KV cache for {lc.b * plan.microbatches} sequences x {lc.s_attn} tokens "
+                 f"{fb(kv)} per device beside {fb(m['state']['params'] // 2)} of bf16 weights")
     lines.append(f"compute: {f['total'] / 1e12:.2f} TFLOP per step = S*H^2 {f['S*H^2 (projections, MLP, head)'] / 1e12:.2f} "
                  f"+ S^2*H {f['S^2*H (attention)'] / 1e12:.2f} + remat {f['remat recompute'] / 1e12:.2f}; attention "
                  f"dominates above S = {compute.crossover_seq(model_cfg):.0f} (textbook 3.5H = "
