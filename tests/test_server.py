@@ -122,3 +122,16 @@ def test_generate_script_streams(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--checkpoint", str(tmp_path / "nope"),
                           "--prompt", "x"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_stop_string_truncates(server):
+    body = {"prompt": "while True:", "max_tokens": 16}
+    text = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    i = next((i for i in range(2, len(text)) if text[i] not in "\ufffd"), None)
+    if i is None:
+        pytest.skip("no plain character in this model's output to stop on")
+    stop = text[i]
+    got = call(server, "POST", "/v1/completions", dict(body, stop=[stop]))[1]["choices"][0]
+    assert got["text"] == text[:text.index(stop)] and got["finish_reason"] == "stop"
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stop=stop, stream=True))
+    assert sse_text(payload, chat=False) == (got["text"], "stop")
