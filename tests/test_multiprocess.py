@@ -113,3 +113,43 @@ def test_dead_process_stops_the_other(tmp_path):
     assert waited < 60, f"process 0 took {waited:.0f} s to notice"
     print(err[-1500:])
     assert "process 1" in err, err[-2000:]
+
+
+class FakeKV:
+    """The coordination service's key-value calls the watchdog uses."""
+
+    def __init__(self):
+        self.d = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.d[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in list(self.d.items()) if k.startswith(prefix)]
+
+
+@pytest.mark.parametrize("peer", ["dead", "hung"])
+def test_watchdog_names_the_peer(peer, monkeypatch, capsys):
+    """Dead: its heartbeat stops. Hung: its heartbeat goes on (thread alive) but its step does
+    not, and neither does ours (blocked in a collective with it)."""
+    from meshlab.train import distributed
+    kv = FakeKV()
+    monkeypatch.setattr(distributed, "_client", lambda: kv)
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    exits = []
+    wd = distributed.Watchdog(timeout=0.6, interval=0.05, exit_fn=exits.append)
+    wd.beat(4)
+    wd.start()
+    t0 = time.time()
+    while not exits and time.time() - t0 < 10:
+        if peer == "hung" or time.time() - t0 < 0.2:
+            kv.key_value_set("meshlab/hb/1", f"3 {time.time()}")   # alive, stuck at step 3
+        if peer == "dead":
+            wd.beat(4)      # our own loop is not blocked: only the peer's silence can fire
+        time.sleep(0.05)
+    wd._stop.set()
+    wd.thread.join(2)
+    err = capsys.readouterr().err
+    assert exits == [3] or exits[:1] == [3]
+    assert ("process 1 has not reported" if peer == "dead" else "process 1 is at step 3 (hung?)") in err, err

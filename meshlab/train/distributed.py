@@ -15,6 +15,7 @@ exits, instead of waiting forever inside a collective.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -151,6 +152,15 @@ class Watchdog:
         self.step = step
         self._my_progress = time.monotonic()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """A blocking checkpoint write or validation is not a hang (peers' deaths still count)."""
+        self._my_progress = None
+        try:
+            yield
+        finally:
+            self._my_progress = time.monotonic()
+
     def _loop(self) -> None:
         client, me, beat = _client(), jax.process_index(), 0
         while not self._stop.wait(self.interval):
@@ -174,6 +184,7 @@ class Watchdog:
                     continue
                 since = now - (last[1] if last else self._start_time(now))
                 if since > self.timeout:
+                    self._stop.set()
                     return self._fail(f"process {p} has not reported for {since:.0f} s (dead or stuck outside "
                                       f"the loop); stopping process {me} at step {self.step}")
             self._check_hung(now, peers, me)
@@ -191,6 +202,7 @@ class Watchdog:
         slowest = min(steps, key=lambda p: steps[p]) if steps else None
         self._fail(f"no step finished for {now - self._my_progress:.0f} s; process {slowest} is at step "
                    f"{steps.get(slowest)} (hung?); stopping process {me} at step {self.step}")
+        self._stop.set()
 
     def _fail(self, msg: str) -> None:
         print(f"meshlab watchdog: {msg}. Restart the run with --resume once all hosts are healthy.",

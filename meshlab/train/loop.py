@@ -310,7 +310,10 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         pending, done = metrics, i + 1
         watchdog.beat(done)
         profiler.after(i, state)
-        extra = {"val_loss": validate(state["params"])} if validate and done % cfg.val.every == 0 else None
+        extra = None
+        if validate and done % cfg.val.every == 0:
+            with watchdog.paused():
+                extra = {"val_loss": validate(state["params"])}
         stopping = stop.requested()
         if extra or stopping or (ckpt and ckpt.should_save(done)) or done == cfg.steps:
             # A checkpoint (or a val row) only after this step's own numbers are checked finite.
@@ -318,7 +321,8 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             record(done, pending, (now - t_prev) * 1e3, extra)
             pending, t_prev = None, now
         if ckpt and (ckpt.should_save(done) or stopping or done == cfg.steps):
-            ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
+            with watchdog.paused():
+                ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
         if stopping:
             interrupted = done
             break
