@@ -26,7 +26,11 @@ def parse(argv):
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. optim.lr=1e-3")
-    return p.parse_intermixed_args(argv)   # overrides may come before and after flags
+    args = p.parse_intermixed_args(argv)   # overrides may come before and after flags
+    if args.resume not in (None, "latest") and not args.resume.isdigit():
+        args.overrides.append(args.resume)    # `--resume key=value`: the flag took an override
+        args.resume = "latest"
+    return args
 
 
 def main(argv=None):
