@@ -67,9 +67,10 @@ def main(argv=None) -> int:
         print("\n" + search.explain(good[min(a.explain, len(good)) - 1], cfg, hw))
     if a.out and good:
         out = Path(a.out)
+        print()
         for i, p in enumerate(good[:3], 1):
             path = search.write_rule_file(p, out, i)
-            print(f"\nwrote {path}  (--mesh {p.mesh_string} model.remat={p.remat} data.microbatches={p.microbatches})")
+            print(f"wrote {path}  (--mesh {p.mesh_string} model.remat={p.remat} data.microbatches={p.microbatches})")
         print(f"wrote {search.plot(good, out / 'plan.png', f'{cfg.name}, {a.devices} devices, batch {batch}x{a.seq}')}")
     return 0
 

@@ -131,7 +131,9 @@ def search(model_cfg, devices: int, global_batch: int, seq: int, hw, hosts: int 
             for remat, k in itertools.product(policies, [m for m in (1, 2, 4, 8, 16) if m <= max_microbatches]):
                 p = evaluate(md, rules, sizes, global_batch, seq, remat, k, hw, hosts)
                 (good if p.ok else bad).append(p)
-    good.sort(key=lambda p: (p.step_s, p.mem_bytes))
+    # Ties in overlapped time (compute-bound plans) go to the one with less communication: it has
+    # more slack when the overlap is imperfect; then to the smaller memory.
+    good.sort(key=lambda p: (round(p.step_s, 6), p.step_s_serial, p.mem_bytes))
     return good, bad
 
 
