@@ -133,7 +133,7 @@ def search(model_cfg, devices: int, global_batch: int, seq: int, hw, hosts: int 
                 (good if p.ok else bad).append(p)
     # Ties in overlapped time (compute-bound plans) go to the one with less communication: it has
     # more slack when the overlap is imperfect; then to the smaller memory.
-    good.sort(key=lambda p: (round(p.step_s, 6), p.step_s_serial, p.mem_bytes))
+    good.sort(key=lambda p: (p.step_s, p.step_s_serial, p.mem_bytes))
     return good, bad
 
 
