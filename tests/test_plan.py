@@ -132,3 +132,18 @@ def test_ranking_agrees_with_the_compiler():
           f"{chosen.rules}/{chosen.remat} on {mesh} to {_compiled_total(m_good)} B (planner {chosen.mem_bytes:.0f})")
     assert _compiled_total(m_bad) > budget
     assert _compiled_total(m_good) <= budget
+
+
+def test_residuals_read_the_same_through_the_public_printer():
+    """The activation estimate reads autodiff's saved residuals; where the private function is gone
+    (a later jax), the public print_saved_residuals is parsed instead: both must agree."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def f(x, w):
+        return jnp.sum(jnp.sin(x @ w) * 2)
+    args = (jax.ShapeDtypeStruct((3, 5), jnp.float32), jax.ShapeDtypeStruct((5, 7), jnp.bfloat16))
+    a = [(tuple(v.shape), np.dtype(v.dtype).itemsize, d) for v, d in memory._saved_residuals(f, *args)]
+    b = [(tuple(v.shape), v.dtype.itemsize, d) for v, d in memory._from_printed(f, *args)]
+    assert a == b and ((3, 7), 4) in [x[:2] for x in a]

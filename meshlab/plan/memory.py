@@ -126,11 +126,33 @@ def _trace(cfg, policy: str, attention: str) -> tuple:
 
 
 def _saved_residuals(f, *args):
-    try:   # private in jax 0.10/0.11 (only the printing form is public); kept in one place
+    """[(aval-like with .shape/.dtype, description)]: the private function where it exists, else the
+    public `print_saved_residuals` parsed (lines like `f32[2,32,64] output of mul from ...`)."""
+    try:
         from jax._src.ad_checkpoint import saved_residuals
-    except ImportError as e:   # pragma: no cover
-        raise RuntimeError("this jax has no saved_residuals; the activation estimate needs it") from e
-    return saved_residuals(f, *args)
+        return saved_residuals(f, *args)
+    except ImportError:
+        return _from_printed(f, *args)
+
+
+def _from_printed(f, *args):
+    import contextlib
+    import io
+    import re
+    from types import SimpleNamespace
+    from jax.ad_checkpoint import print_saved_residuals
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(f, *args)
+    names = {"f32": np.float32, "bf16": np.float16, "f16": np.float16, "s32": np.int32, "i32": np.int32,
+             "pred": np.bool_, "bool": np.bool_, "f64": np.float64, "u32": np.uint32, "s8": np.int8, "u8": np.uint8}
+    out = []
+    for line in buf.getvalue().splitlines():
+        m = re.match(r"\s*(\w+)\[([\d,]*)\]\s+(.*)", line)
+        if m and m.group(1) in names:
+            shape = tuple(int(d) for d in m.group(2).split(",") if d)
+            out.append((SimpleNamespace(shape=shape, dtype=np.dtype(names[m.group(1)])), m.group(3)))
+    return out
 
 
 def _scale(entries, rows: int, seq: int) -> int:
