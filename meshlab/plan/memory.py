@@ -194,7 +194,8 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     saved = cfg.n_layers * saved_layer
     return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": recompute,
             "loss head": head_bytes, "total": saved + recompute + head_bytes,
-            "detail": {"traced residual arrays per layer": len(layer), "head arrays": len(head)}}
+            "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
+                      f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
 
 
 def gathered_weights(md, rules, mesh, policy: str) -> int:
@@ -249,8 +250,15 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
     total = state["params"] + state["optimizer"] + peak
     return {"state": state, "activations": act, "temporaries": temps, "local": lc, "total": total,
             "estimate_temp": peak,
-            "textbook": textbook_memory(_model_parallel_params(md, rules, mesh), zero_stage(rules),
-                                        rules.data_parallel_size(mesh))}
+            "textbook": _textbook(md, rules, mesh, state)}
+
+
+def _textbook(md, rules, mesh, state) -> dict:
+    """16 B/param on this device's model-parallel shard, split over as many devices as the rule file
+    actually shards Adam over (fsdp alone in HSDP-style meshes, not every data-parallel device)."""
+    n = _model_parallel_params(md, rules, mesh)
+    p = max(round(8 * n / state["optimizer"]), 1) if state["optimizer"] else 1
+    return textbook_memory(n, zero_stage(rules), p)
 
 
 def _model_parallel_params(md, rules, mesh) -> int:

@@ -212,8 +212,8 @@ def explain(plan: Plan, model_cfg, hw) -> str:
     tb = m["textbook"]
     lines.append(f"  textbook 16 B/param at ZeRO-{memory.zero_stage(load_rules(plan.rules))}: params {fb(tb['params'])}, "
                  f"grads {fb(tb['grads'])}, optimizer {fb(tb['optimizer'])} = {fb(tb['total'])}")
-    for k, v in m["activations"]["detail"].items():
-        lines.append(f"  per layer  {k:<22} {fb(v):>12}")
+    lines.append(f"  activations: {m['activations']['detail']}")
+    lines.append(f"  activations saved per layer            {fb(m['activations']['saved per layer']):>12}")
     for k in ("saved (all layers)", "backward working set", "loss head"):
         lines.append(f"  activations {k:<21} {fb(m['activations'][k]):>12}")
     for k, v in m["temporaries"].items():
