@@ -7,9 +7,13 @@ accumulator with the rule file's grads spec and Adam's mu/nu in fp32 with the op
 4 + 4 + 8 = 16 bytes per parameter, the same total as the source material's
 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master, mu, nu), split differently by ZeRO stage.
 
-Activations and temporaries are an estimate, built from the tensors the backward pass keeps
-(the residuals autodiff saves, after XLA fuses elementwise chains) for each remat policy of
-models/llama.py `_remat`; the test suite holds it to the compiler's memory analysis.
+Activations are an estimate read from the model itself: autodiff's saved residuals of a 2-layer
+copy of the device-local model (heads, MLP, vocab divided by their tensor split), traced under
+each remat policy of models/llama.py with a probe sequence length, then scaled to the real batch
+and sequence (S and S^2 terms told apart by shape). Tracing is abstract: no compile, no
+allocation, and it follows the model when its layers change (fused kernels, new norms). The
+temporaries beside them are a stated allowance (see `plan_memory`). tests/test_memory_comm.py
+holds both to the compiler's memory analysis.
 """
 from __future__ import annotations
 
