@@ -102,6 +102,7 @@ def main():
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer-json", help="the peer's JSON line, measured before this process took the GPU")
     p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
+    p.add_argument("--variants", nargs="*", help="only these, e.g. 'remat=none,loss_impl=pallas,fused_swiglu=1'")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = R.load_rules("dp")
@@ -143,6 +144,12 @@ def main():
                  variant(loss_impl="pallas", fused_swiglu=True, fused_norm=True)))
     plan += [(f"attention=cudnn remat={r}", variant(remat=r)) for r in args.remat.split(",") if r != "save_dots_no_batch"]
     plan += [(f"vocab={v} (unpadded)", variant(vocab_size=v, vocab_multiple=1)) for v in (50257, 50304)]
+    if args.variants:   # explicit model-config variants instead of the default sweep
+        def parse(spec):
+            kv = dict(item.split("=", 1) for item in spec.split(",") if item)
+            typed = {k: (v in ("1", "true") if k.startswith("fused") else v) for k, v in kv.items()}
+            return variant(**typed)
+        plan = [(f"{spec} {os.environ.get('XLA_FLAGS', '')}".strip(), parse(spec)) for spec in args.variants]
     peer = {}
     start = time.perf_counter()
     for i, (label, cfg) in enumerate(plan):

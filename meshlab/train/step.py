@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshlab import compat
 from meshlab import rules as rules_mod
+from meshlab.parallel.context import zigzag_batch
 from meshlab.train.state import ModelDef, leaf_specs, only_axes, to_shardings
 
 BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids")
@@ -131,7 +132,15 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
     loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, loss_scale is not None, packed)
     acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
 
+    n_context = mesh.shape["context"]
+    zigzag = rules.strategies["attention"] == "ring" and n_context > 1
+
     def step(state, batch):
+        if zigzag:
+            # Ring attention's causal load balance: device i holds sequence chunks i and 2n-1-i.
+            # Tokens, labels, positions and segment ids move together, so RoPE and the loss
+            # (a sum over tokens) are unchanged; only int32 [B, S] arrays are permuted.
+            batch = zigzag_batch(batch, n_context)
         scale = state["loss_scale"]["scale"] if loss_scale else jnp.float32(1.0)
         loss, grads, n_valid = loss_and_grads(state["params"], batch, scale)
         grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
