@@ -13,7 +13,6 @@ import os
 import sysconfig
 from pathlib import Path
 
-import grain
 import numpy as np
 
 EOD = 256          # end of document
@@ -113,6 +112,7 @@ class GlobalBatches:
     def __init__(self, source: TokenWindows, global_batch: int, seed: int, segment_docs: bool = False):
         self.global_batch = global_batch
         self.segment_docs = segment_docs
+        import grain  # here, not at import: the tokenizer and windows are used where grain is absent
         # A seeded permutation per epoch, repeated: sample j of the run is dataset[j].
         self.dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
 
@@ -123,6 +123,7 @@ class GlobalBatches:
 
     def iterator(self, start_step: int, num_steps: int, rows=None, prefetch: int = 2):
         """A grain iterator over steps (checkpointable: get_state/set_state) with host prefetch."""
+        import grain
         steps = grain.MapDataset.range(start_step, start_step + num_steps)
         ds = steps.map(lambda s: self.batch(int(s), rows))
         return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))
