@@ -1,7 +1,6 @@
 """Paged decode-attention kernel (interpret mode) == its jnp reference == dense attention."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

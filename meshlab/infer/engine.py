@@ -14,6 +14,8 @@ continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engi
 from __future__ import annotations
 
 import contextlib
+import queue
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -22,6 +24,7 @@ import numpy as np
 
 from meshlab.infer import kv_cache
 from meshlab.infer.sampler import SamplingParams, row_arrays, sample
+from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
 
 
@@ -164,8 +167,6 @@ class Engine:
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "xla", interpret: bool = False,
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, unroll: bool = False):
-        import queue
-        from meshlab.infer.scheduler import Scheduler
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         self.md, self.params, self.rules, self.mesh = md, params, rules, mesh
@@ -176,15 +177,13 @@ class Engine:
         with placement(rules, mesh):
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
-        self.inbox: "queue.Queue" = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue()
         self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "device_calls": 0, "preemptions": 0, "busy_s": 0.0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
         """Validate and queue a request (any thread). Raises ValueError/AdmissionError on bad input."""
-        from meshlab.infer.scheduler import AdmissionError, Request
-        import time
         params.validate(self.md.cfg.vocab_size)
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -204,7 +203,6 @@ class Engine:
 
     def _emit(self, req, tokens) -> bool:
         """Append sampled tokens until a stop; True when the request finished."""
-        import time
         new, cut = [], False
         for t in tokens:
             if not req.output:
@@ -269,7 +267,6 @@ class Engine:
 
     def step(self) -> None:
         """Admit, feed one planned step (or n decode steps in one call), emit tokens, free finished rows."""
-        import time
         t0 = time.perf_counter()
         self._admit()
         if not self.sched.running():
