@@ -6,7 +6,6 @@ Axis order in the mesh puts the fast-changing axes last, so that neighbouring de
 from __future__ import annotations
 
 import math
-import os
 from typing import Mapping
 
 import jax
@@ -116,16 +115,3 @@ def axis_size(mesh, axes) -> int:
         axes = (axes,)
     return math.prod(mesh.shape[a] for a in axes)
 
-
-def maybe_initialize_distributed() -> bool:
-    """Join a multi-process run when the environment says so (Slurm, Open MPI, or explicit vars)."""
-    env = os.environ
-    if env.get("MESHLAB_COORDINATOR") and env.get("MESHLAB_NUM_PROCESSES"):
-        jax.distributed.initialize(coordinator_address=env["MESHLAB_COORDINATOR"],
-                                   num_processes=int(env["MESHLAB_NUM_PROCESSES"]),
-                                   process_id=int(env["MESHLAB_PROCESS_ID"]))
-        return True
-    if int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        jax.distributed.initialize()
-        return True
-    return False

@@ -74,8 +74,8 @@ def prepare_stdlib(out_dir: str | os.PathLike, max_bytes: int = 8_000_000, val_f
 class TokenWindows:
     """Random-access source of [seq_len + 1] windows of a memory-mapped token file."""
 
-    def __init__(self, path: str | os.PathLike, seq_len: int):
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint16"):
+        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         n = (len(self.tokens) - 1) // seq_len
         if n < 1:
@@ -90,7 +90,7 @@ class TokenWindows:
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
 
 
-def make_example(window: np.ndarray, segment_docs: bool) -> dict:
+def make_example(window: np.ndarray, segment_docs: bool, eod_id: int = EOD) -> dict:
     """One row: inputs, next-token labels, positions, segment ids (documents split at EOD)."""
     tokens, labels = window[:-1], window[1:].copy()
     s = len(tokens)
@@ -98,27 +98,30 @@ def make_example(window: np.ndarray, segment_docs: bool) -> dict:
         return {"tokens": tokens, "labels": labels, "positions": np.arange(s, dtype=np.int32),
                 "segment_ids": np.zeros(s, np.int32)}
     # A new document starts after each EOD; its first position is 0 again.
-    starts = np.concatenate([[True], tokens[:-1] == EOD])
+    starts = np.concatenate([[True], tokens[:-1] == eod_id])
     segment_ids = np.cumsum(starts).astype(np.int32) - 1
     start_pos = np.maximum.accumulate(np.where(starts, np.arange(s), 0))
     positions = (np.arange(s) - start_pos).astype(np.int32)
-    labels = np.where(tokens == EOD, PAD_LABEL, labels).astype(np.int32)  # no loss across a boundary
+    labels = np.where(tokens == eod_id, PAD_LABEL, labels).astype(np.int32)  # no loss across a boundary
     return {"tokens": tokens, "labels": labels, "positions": positions, "segment_ids": segment_ids}
 
 
 class GlobalBatches:
     """Batches by global sample index; `rows` selects this process's rows of each batch."""
 
-    def __init__(self, source: TokenWindows, global_batch: int, seed: int, segment_docs: bool = False):
+    def __init__(self, source: TokenWindows, global_batch: int, seed: int, segment_docs: bool = False,
+                 eod_id: int = EOD):
         self.global_batch = global_batch
         self.segment_docs = segment_docs
+        self.eod_id = eod_id
         import grain  # here, not at import: the tokenizer and windows are used where grain is absent
         # A seeded permutation per epoch, repeated: sample j of the run is dataset[j].
         self.dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
 
     def batch(self, step: int, rows=None) -> dict:
         rows = range(self.global_batch) if rows is None else rows
-        examples = [make_example(self.dataset[step * self.global_batch + r], self.segment_docs) for r in rows]
+        examples = [make_example(self.dataset[step * self.global_batch + r], self.segment_docs, self.eod_id)
+                    for r in rows]
         return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
     def iterator(self, start_step: int, num_steps: int, rows=None, prefetch: int = 2):

@@ -60,27 +60,25 @@ def load_batches(cfg: TrainConfig, split: str = "train"):
     path = Path(data_dir) / f"{split}.bin"
     if not path.exists():
         raise FileNotFoundError(f"token file {path} not found; prepare the data first (scripts/prepare_data.py)")
-    check_corpus(cfg, Path(data_dir))
-    windows = data_mod.TokenWindows(path, cfg.data.seq_len)
-    return data_mod.GlobalBatches(windows, cfg.data.global_batch, cfg.data.seed, cfg.data.segment_docs)
+    meta = check_corpus(cfg, Path(data_dir))
+    windows = data_mod.TokenWindows(path, cfg.data.seq_len, dtype=meta.get("dtype", "uint16"))
+    return data_mod.GlobalBatches(windows, cfg.data.global_batch, cfg.data.seed, cfg.data.segment_docs,
+                                  eod_id=meta.get("eod_id", data_mod.EOD))
 
 
-def check_corpus(cfg: TrainConfig, data_dir: Path) -> None:
-    """The prepared corpus must fit the model's vocabulary and what the batch reader handles."""
+def check_corpus(cfg: TrainConfig, data_dir: Path) -> dict:
+    """The prepared corpus must fit the model's vocabulary; returns its metadata ({} if none)."""
     meta_path = data_dir / "meta.json"
     if not meta_path.exists():
-        return
+        return {}
     import json
     meta = json.loads(meta_path.read_text())
     if meta.get("vocab_size", 0) > cfg.model.vocab_size:
         raise ValueError(f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']} tokens) but "
                          f"the model has vocab_size={cfg.model.vocab_size}; set model.vocab_size={meta['vocab_size']}")
-    if meta.get("dtype", "uint16") != "uint16":
-        raise ValueError(f"{data_dir}: {meta['dtype']} token files are not readable yet (TokenWindows reads "
-                         "uint16); use a tokenizer of at most 65536 tokens")
-    if cfg.data.segment_docs and meta.get("eod_id", data_mod.EOD) != data_mod.EOD:
-        raise ValueError(f"{data_dir}: data.segment_docs splits documents at token {data_mod.EOD}, but this "
-                         f"corpus ends documents with {meta['eod_id']}; set data.segment_docs=false")
+    if meta.get("dtype", "uint16") not in ("uint16", "uint32"):
+        raise ValueError(f"{data_dir}/meta.json: token dtype {meta['dtype']!r} must be uint16 or uint32")
+    return meta
 
 
 def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
