@@ -109,7 +109,7 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scali
         out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), acc, is_leaf=is_p), P())
 
         def body(params, batch, scale):
-            with rules_mod.manual_axes(manual):
+            with rules_mod.manual_axes(manual, rules, mesh):
                 return local(params, batch, scale)
         return compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)(
             params, batch, scale)
