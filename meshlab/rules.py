@@ -267,7 +267,8 @@ def materialize(w, names: Sequence[str | None], dtype=None):
     for dim, name in enumerate(names):
         axes = tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual)
         if axes:
-            w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+            with jax.named_scope("collectives"):
+                w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
     return w
 
 

@@ -204,10 +204,12 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, segment_ids):  # x [b, s, d], the residual stream
-        attn_out = self.attn(self.attn_norm(x), positions, segment_ids)
+        with jax.named_scope("attention"):   # named for profiles (profile.start_step)
+            attn_out = self.attn(self.attn_norm(x), positions, segment_ids)
         normed, x = self.mlp_norm(attn_out, residual=x)       # the residual add fused into the norm
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
-        x = x + self.mlp(normed)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(normed)
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
     def cached(self, x, positions, attend, cache):  # serving: the KV cache threads through

@@ -82,7 +82,9 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scali
 
         def micro(carry, mb):
             loss, g = jax.value_and_grad(loss_fn)(params, mb)
-            g = jax.tree.map(scatter, g, store, acc, is_leaf=is_p) if manual else g
+            if manual:
+                with jax.named_scope("collectives"):
+                    g = jax.tree.map(scatter, g, store, acc, is_leaf=is_p)
             return jax.tree.map(jnp.add, carry, g), loss
 
         zeros = jax.tree.map(lambda s, a: jnp.zeros(_local_shape(a.shape, only_axes(s, manual), mesh), jnp.float32),
@@ -95,7 +97,8 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scali
             return jax.lax.psum(g, rest) if rest else g
 
         if manual:
-            grads = jax.tree.map(finish, grads, acc, is_leaf=is_p)
+            with jax.named_scope("collectives"):
+                grads = jax.tree.map(finish, grads, acc, is_leaf=is_p)
         loss = jnp.sum(losses)
         loss = jax.lax.psum(loss, manual) if manual else loss
         return loss / scale, grads, n_valid
@@ -148,8 +151,9 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
             grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, new_opt = tx.update(grads, state["opt"], state["params"])
-        new_params = optax.apply_updates(state["params"], updates)
+        with jax.named_scope("optimizer"):
+            updates, new_opt = tx.update(grads, state["opt"], state["params"])
+            new_params = optax.apply_updates(state["params"], updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = dict(state, step=state["step"] + 1, params=keep(new_params, state["params"]),
                          opt=keep(new_opt, state["opt"]))
