@@ -12,13 +12,13 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab.benchtime import median_time  # noqa: E402
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 
 VARIANTS = {  # every variant tried is recorded; "def" is BlockSizes.default (C at d=128 since run 2)
@@ -69,14 +69,7 @@ def rel(a, b):
 
 
 def timeit(f, *args, warmup=2, reps=10):
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return median_time(f, *args, warmup=warmup, reps=reps)
 
 
 def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):

@@ -14,13 +14,13 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab.benchtime import median_time  # noqa: E402
 from pallas_kernels import fused_cross_entropy as ce
 from pallas_kernels import fused_rmsnorm as rn
 from pallas_kernels import rope
@@ -30,14 +30,7 @@ GB = 1e9
 
 
 def timeit(f, args, reps):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return median_time(f, *args, warmup=2, reps=reps) * 1e3
 
 
 def mem(f, args):

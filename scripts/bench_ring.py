@@ -10,7 +10,6 @@ Usage: PYTHONPATH=$PWD python3 scripts/bench_ring.py [--budget-s 400] [--out $OU
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
@@ -20,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from meshlab.benchtime import median_time  # noqa: E402
 from meshlab.parallel.ring_attention import ring_attention  # noqa: E402
 from pallas_kernels.attention import xla_attention  # noqa: E402
 
@@ -48,14 +48,7 @@ def rel(a, b):
 
 
 def timeit(f, *args, warmup=2, reps=5):
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return median_time(f, *args, warmup=warmup, reps=reps)
 
 
 def reference(q, k, v, do_chk):
