@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VPY) scripts/train.py --config default --rules fsdp_tp --cpu-devices 8 $(ARGS)
 
+# Two workers: the suite is compile-bound and single-threaded per test (about 11 min on 2 cores).
 test: $(STAMP)
-	$(VPY) -m pytest $(ARGS)
+	$(VPY) -m pytest -n 2 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,6 +2,7 @@
 (interpret mode on CPU) equals the unfused step, on 2 data-parallel devices."""
 import jax
 import numpy as np
+import pytest
 
 from meshlab.train.loop import train
 from tests.helpers import small_config
@@ -15,15 +16,20 @@ def run(extra):
     return out["losses"], jax.device_get(out["state"]["params"])
 
 
-def test_fused_step_matches_unfused():
-    ref_losses, ref_params = run([])
+@pytest.fixture(scope="module")
+def unfused():
+    return run([])
+
+
+def test_fused_step_matches_unfused(unfused):
+    ref_losses, ref_params = unfused
     losses, params = run(FUSED)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, ref_params)))
     assert diff < 2e-5, diff
 
 
-def test_chunked_loss_matches_dense():
-    ref_losses, _ = run([])
+def test_chunked_loss_matches_dense(unfused):
+    ref_losses, _ = unfused
     losses, _ = run(["model.loss_impl=chunked"])
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

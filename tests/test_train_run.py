@@ -16,6 +16,8 @@ def test_short_default_run_learns_and_writes_run_dir(tmp_path):
     # Byte-level loss starts near ln(384) = 5.95; 60 steps of Python source get well under 3.5.
     assert losses[0] > 5.0 and losses[-1] < 3.5, (losses[0], losses[-1])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["event"] == "start"
+    rows = [r for r in rows if "event" not in r]
     assert [r["step"] for r in rows] == [1, 20, 40, 60]          # first and final step always logged
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_ms"):
         assert all(key in r for r in rows), key
