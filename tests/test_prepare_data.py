@@ -105,3 +105,22 @@ def test_tokenizer_json_path_and_training_on_it(inputs, tokenizer_json, tmp_path
                 devices=one_device(), progress=False, write=False)
     assert len(res["losses"]) == 2 and all(np.isfinite(res["losses"]))
     assert res["losses"][0] == pytest.approx(np.log(meta["vocab_size"]), rel=0.2)
+
+
+def test_parquet_gives_the_same_tokens_as_jsonl(inputs, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    _, _, texts = inputs
+    jsonl, parquet = tmp_path / "t.jsonl", tmp_path / "t.parquet"
+    with jsonl.open("w") as f:
+        for t in texts:
+            f.write(json.dumps({"body": t}) + "\n")
+    pq.write_table(pa.table({"body": texts, "n": list(range(len(texts)))}), parquet)
+    a = pd.prepare([str(jsonl)], "byte", tmp_path / "a", val_fraction=0.25, progress=False, text_field="body")
+    b = pd.prepare([str(parquet)], "byte", tmp_path / "b", val_fraction=0.25, progress=False, text_field="body")
+    assert a["documents"] == b["documents"] == len(texts)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(np.fromfile(tmp_path / "a" / f"{split}.bin", np.uint16),
+                                      np.fromfile(tmp_path / "b" / f"{split}.bin", np.uint16))
+    with pytest.raises(pd.PrepareError, match="no column 'text'"):
+        pd.prepare([str(parquet)], "byte", tmp_path / "c", progress=False)
