@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshlab import compat
 from meshlab.mesh import AXES
 
 PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers")
@@ -261,15 +262,30 @@ def materialize(w, names: Sequence[str | None], dtype=None):
         return w
     if a.rules.state["params"] != "sharded":
         return w
-    # Known cost (tests/test_memory_comm.py, xfail): with tensor as an Auto axis beside manual
-    # fsdp, XLA also gathers these weights over `tensor`; constraints inside the region did not
-    # stop it. The fix is to make tensor manual in the region too (explicit Megatron collectives).
-    for dim, name in enumerate(names):
-        axes = tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual)
-        if axes:
-            with jax.named_scope("collectives"):
-                w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
-    return w
+    gathered = [(dim, tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual))
+                for dim, name in enumerate(names)]
+    gathered = [(dim, axes) for dim, axes in gathered if axes]
+    if not gathered:
+        return w
+
+    def gather(w):
+        for dim, axes in gathered:
+            w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        return w
+
+    # Auto axes (e.g. tensor) on other dims: gather inside a nested shard_map that makes them
+    # manual too, so each device gathers only its tensor slice. Left to propagation, XLA
+    # gathered the whole weight over `tensor` as well (5x the bytes under fsdp_tp, and no TP
+    # saving in the gathered weights). A dim split over manual and auto axes at once keeps the
+    # plain path: its gathered order would not be the auto axis' contiguous split.
+    auto_spec = a.rules.spec(names, None, a.mesh, drop=a.manual)
+    auto_axes = {ax for entry in auto_spec if entry for ax in ((entry,) if isinstance(entry, str) else entry)}
+    mixed = any(auto_spec[dim] if dim < len(auto_spec) else None for dim, _ in gathered)
+    if auto_axes and not mixed:
+        gather = compat.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=auto_spec,
+                                  out_specs=auto_spec, axis_names=auto_axes)
+    with jax.named_scope("collectives"):
+        return gather(w)
 
 
 def named_sharding(mesh, spec: P) -> NamedSharding:
