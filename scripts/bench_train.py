@@ -17,70 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
-from meshlab.train.optimizer import OptimConfig, make_optimizer  # noqa: E402
+from meshlab.train.bench import pick_batch, time_steps  # noqa: E402
 from meshlab.train.peak import measured_matmul_flops  # noqa: E402
-from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings  # noqa: E402
-from meshlab.train.step import make_train_step  # noqa: E402
 
 DATASHEET = 989e12
-
-
-def build(cfg, rules, mesh, batch, seq):
-    md = model_def(cfg)
-    tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=2), 100, md.names)
-    sh = to_shardings(mesh, state_specs(md, rules, mesh, tx, False))
-    step = make_train_step(md, rules, mesh, tx, sh)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
-    b = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.zeros((batch, seq), np.int32),
-         "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
-    return md, tx, sh, step, {k: jnp.asarray(v) for k, v in b.items()}
-
-
-def compiled_memory(cfg, rules, mesh, batch, seq):
-    md, tx, sh, step, b = build(cfg, rules, mesh, batch, seq)
-    c = step.lower(abstract_state(md, tx, sh, False), b).compile()
-    m = c.memory_analysis()
-    return m.argument_size_in_bytes, m.temp_size_in_bytes
-
-
-def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80):
-    """One compile at batch 2; its temporaries per row (an upper bound: they include fixed
-    buffers) set the largest batch that keeps arguments + temporaries under `budget` of HBM."""
-    args, temp = compiled_memory(cfg, rules, mesh, 2, seq)
-    per_row = max(temp / 2, 1)
-    batch = int((budget * hbm_bytes - args) // per_row)
-    return max(1, min(batch, 64)), (args, temp, per_row)
-
-
-def time_steps(cfg, rules, mesh, batch, seq, steps):
-    md, tx, sh, step, b = build(cfg, rules, mesh, batch, seq)
-    with R.use_rules(rules, mesh):
-        # This program's own footprint (the allocator's peak is process-wide across variants).
-        mem = step.lower(abstract_state(md, tx, sh, False), b).compile().memory_analysis()
-        program_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes \
-            + mem.temp_size_in_bytes
-        state = init_state(md, tx, sh, 0, False)
-        state, m = step(state, b)           # compile + first step
-        float(m["loss"])
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            state, m = step(state, b)
-            loss = float(m["loss"])         # sync each step: a clean per-step time
-            times.append(time.perf_counter() - t)
-    if not np.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss}")
-    dt = float(np.median(times))
-    del state
-    return batch * seq / dt, dt, loss, program_bytes
 
 
 def run_peer(batch, seq, steps):
