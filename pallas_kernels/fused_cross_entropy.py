@@ -139,33 +139,32 @@ def chunked_cross_entropy(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0
 
 # --------------------------------------------------------------------------- kernels
 
-def _load(ref, r0, nr, rlim, c0, nc, clim, *, mask_r, mask_c, other=0):
-    """2-D tile load; masks only the dims whose size is not a multiple of the tile (masks cost
-    registers and predicate the load, so skip them when they are statically unneeded)."""
+def _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c):
+    """[nr, nc] in-bounds mask of a tile, or None when both dims are statically whole (masks
+    cost registers and predicate the access, so they are built only where needed)."""
     mask = None
     if mask_r:
         mask = ((r0 + jnp.arange(nr)) < rlim)[:, None]
     if mask_c:
         mc = ((c0 + jnp.arange(nc)) < clim)[None, :]
         mask = mc if mask is None else mask & mc
+    return None if mask is None else jnp.broadcast_to(mask, (nr, nc))
+
+
+def _load(ref, r0, nr, rlim, c0, nc, clim, *, mask_r, mask_c, other=0):
+    """2-D tile load, masked only along dims that are not a multiple of the tile."""
+    mask = _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c)
     view = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
-    if mask is None:
-        return plgpu.load(view)
-    return plgpu.load(view, mask=jnp.broadcast_to(mask, (nr, nc)), other=other)
+    return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=other)
 
 
 def _store(ref, r0, nr, rlim, c0, nc, clim, val, *, mask_r, mask_c):
-    mask = None
-    if mask_r:
-        mask = ((r0 + jnp.arange(nr)) < rlim)[:, None]
-    if mask_c:
-        mc = ((c0 + jnp.arange(nc)) < clim)[None, :]
-        mask = mc if mask is None else mask & mc
+    mask = _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c)
     view = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
     if mask is None:
         plgpu.store(view, val)
     else:
-        plgpu.store(view, val, mask=jnp.broadcast_to(mask, (nr, nc)))
+        plgpu.store(view, val, mask=mask)
 
 
 def _load_vec(ref, r0, n, lim, other, mask_r):
