@@ -69,6 +69,7 @@ class TrainConfig:
     sample_tokens: int = 200      # text sample at the end (0: none)
     sample_prompt: str = "def "
     loss_scale_growth: int = 200  # fp16: steps of finite grads before the loss scale doubles
+    loss_scale_init: float = 32768.0  # fp16: the first loss scale (halved on every overflow)
     on_nonfinite: str = "stop"    # stop | skip: a NaN/Inf loss or gradient
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     val: ValConfig = dataclasses.field(default_factory=ValConfig)

@@ -198,7 +198,7 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
     """(state, start step): fresh, or restored into this run's shardings."""
     cfg = tr.cfg
     if not cfg.checkpoint.resume:
-        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16), 0
+        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16, initial_scale=cfg.loss_scale_init), 0
     if ckpt is None:
         raise ValueError("checkpoint.resume needs a run that writes its run directory (write=True)")
     step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
@@ -282,7 +282,12 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
                "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / peak,
                "mfu_datasheet": tok_s * flops_tok / (DATASHEET_PEAK * tr.mesh.devices.size),
                "step_ms": step_ms, **(extra or {})}
-        if not m["finite"]:
+        # fp16: an overflow of the scaled loss is routine (the step skips it and halves the scale);
+        # only once the scale is down to 1 is a non-finite step the model's own.
+        overflow = not m["finite"] and m.get("loss_scale", 0.0) > 1.0
+        if overflow:
+            row["skipped"] = "fp16 overflow"
+        elif not m["finite"]:
             if cfg.on_nonfinite == "stop":
                 raise FloatingPointError(f"non-finite loss or gradient at step {step_done}; the update was not "
                                          "applied and no checkpoint of it was written. Lower optim.lr, or set "
