@@ -31,12 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # the Triton params class moved/was renamed across jax versions; one place for that
-    from jax.experimental.pallas import triton as _pltriton
-    _TritonParams = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams")
-except ImportError:  # pragma: no cover - only a jax without the Triton backend
-    from jax.experimental.pallas import gpu as _pltriton  # type: ignore
-    _TritonParams = getattr(_pltriton, "TritonCompilerParams")
+from pallas_kernels._compat import TritonCompilerParams as _TritonParams
 
 
 

@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fused_cross_entropy import _load, _store
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
