@@ -149,7 +149,7 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
         grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
         if loss_scale:
             grads = jax.tree.map(lambda g: g / scale, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         with jax.named_scope("optimizer"):
             updates, new_opt = tx.update(grads, state["opt"], state["params"])
