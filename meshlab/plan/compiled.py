@@ -54,7 +54,7 @@ def grads_bytes(tr) -> int:
     shardings (the train step consumes them internally, so its own signature does not show them)."""
     from meshlab.train.step import make_loss_and_grads
     from meshlab.train.state import abstract_state
-    fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches, False)
+    fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches)
     st = abstract_state(tr.md, tr.tx, tr.shardings, False)
     with rules_mod.use_rules(tr.rules, tr.mesh):
         compiled = jax.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()

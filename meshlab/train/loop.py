@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from meshlab import rules as rules_mod
 from meshlab.mesh import make_mesh, format_sizes
@@ -30,7 +31,7 @@ from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
 from meshlab.train.peak import measured_matmul_flops
 from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
-from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
+from meshlab.train.step import BATCH_KEYS, LossScaleConfig, batch_spec, make_train_step
 
 DATASHEET_PEAK = 989e12  # H100/H200 dense bf16, the datasheet figure MFU is also reported against
 
@@ -100,8 +101,6 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
 
 def device_batch(tr: Trainer, host_batch: dict) -> dict:
     """Host rows -> global sharded arrays (each process contributes its own rows)."""
-    from meshlab.train.step import batch_spec
-    from jax.sharding import NamedSharding
     sharding = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in host_batch.items()}
@@ -142,9 +141,12 @@ class Validator:
 
 class StopRequest:
     """SIGTERM / Ctrl-C set a flag; the loop finishes the step in flight, saves and exits.
-    In a multi-process run the flag is agreed on by all processes each step (one tiny
-    host all-gather per step), so every process stops after the same step and the final
-    checkpoint is collective."""
+    In a multi-process run the flag is agreed on by all processes every AGREE_EVERY steps
+    (a tiny all-gather, which waits for the device: done every step it would stall the loop's
+    one-step-ahead dispatch), so every process stops after the same step and the final
+    checkpoint is collective. A signal is honoured within AGREE_EVERY steps."""
+
+    AGREE_EVERY = 10
 
     def __init__(self):
         self.signal = None
@@ -162,10 +164,12 @@ class StopRequest:
         self.signal = signal.Signals(signum).name
         print(f"\nmeshlab: {self.signal} received; finishing this step and saving a checkpoint", flush=True)
 
-    def requested(self) -> bool:
+    def requested(self, step: int) -> bool:
         local = self.signal is not None
         if jax.process_count() == 1:
             return local
+        if step % self.AGREE_EVERY:
+            return False
         from jax.experimental import multihost_utils
         return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
@@ -317,7 +321,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         if validate and done % cfg.val.every == 0:
             with watchdog.paused():
                 extra = {"val_loss": validate(state["params"])}
-        stopping = stop.requested()
+        stopping = stop.requested(done)
         if extra or stopping or (ckpt and ckpt.should_save(done)) or done == cfg.steps:
             # A checkpoint (or a val row) only after this step's own numbers are checked finite.
             now = time.perf_counter()

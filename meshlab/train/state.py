@@ -93,8 +93,8 @@ def to_shardings(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def init_state(md: ModelDef, tx, shardings, seed: int, loss_scaling: bool, initial_scale: float = 2.0 ** 15):
-    """Initialise directly into the target shardings (no host copy of the whole model)."""
+def _init_fn(md: ModelDef, tx, loss_scaling: bool, initial_scale: float):
+    """key -> the whole train state; one definition for the real and the abstract state."""
     def init(key):
         params = nnx.to_pure_dict(nnx.state(models.build(md.cfg, nnx.Rngs(key)), nnx.Param))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": tx.init(params)}
@@ -102,13 +102,16 @@ def init_state(md: ModelDef, tx, shardings, seed: int, loss_scaling: bool, initi
             state["loss_scale"] = {"scale": jnp.asarray(initial_scale, jnp.float32),
                                    "good_steps": jnp.zeros((), jnp.int32)}
         return state
+    return init
+
+
+def init_state(md: ModelDef, tx, shardings, seed: int, loss_scaling: bool, initial_scale: float = 2.0 ** 15):
+    """Initialise directly into the target shardings (no host copy of the whole model)."""
+    init = _init_fn(md, tx, loss_scaling, initial_scale)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
 def abstract_state(md: ModelDef, tx, shardings, loss_scaling: bool):
-    params = md.abstract
-    state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt": jax.eval_shape(tx.init, params)}
-    if loss_scaling:
-        state["loss_scale"] = {"scale": jax.ShapeDtypeStruct((), jnp.float32),
-                               "good_steps": jax.ShapeDtypeStruct((), jnp.int32)}
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+    """ShapeDtypeStructs carrying `shardings`: what compiling and orbax's resharding restore need."""
+    shapes = jax.eval_shape(_init_fn(md, tx, loss_scaling, 1.0), jax.random.key(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)

@@ -52,7 +52,7 @@ def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
-def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, loss_scaling: bool, packed: bool = False):
+def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False):
     """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens)."""
     manual = rules.batch_axes(mesh)
     store = leaf_specs(md, rules, mesh, "params")
@@ -132,7 +132,7 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
                     loss_scale: LossScaleConfig | None = None, packed: bool = False):
     """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling; `packed` applies the
     batch's segment ids (documents packed into one row) to attention."""
-    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, loss_scale is not None, packed)
+    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed)
     acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
 
     n_context = mesh.shape["context"]
