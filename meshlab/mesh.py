@@ -77,7 +77,6 @@ def make_mesh(spec=None, devices=None) -> jax.sharding.Mesh:
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_sizes(spec, len(devices))
     shape = tuple(sizes[a] for a in AXES)
-    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
     num_hosts = len({d.process_index for d in devices})
     if num_hosts > 1 and devices[0].platform != "cpu":
         dev_array = _hybrid_device_array(sizes, devices, num_hosts)
@@ -87,7 +86,6 @@ def make_mesh(spec=None, devices=None) -> jax.sharding.Mesh:
             dev_array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
         except Exception:  # CPU and unknown topologies: process-major order is already host-local
             dev_array = np.asarray(devices, dtype=object).reshape(shape)
-    del num_slices
     return compat.make_mesh(dev_array, AXES)
 
 

@@ -11,13 +11,9 @@ import math
 import jax
 import numpy as np
 
-from meshlab.train.state import ModelDef, leaf_specs, make_optimizer_specs, tree_paths
+from meshlab.train.state import ModelDef, is_names, leaf_specs, make_optimizer_specs, tree_paths
 
 DATASHEET_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
-
-
-def _is_names(x):
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
 def shard_count(spec, mesh) -> int:
@@ -46,7 +42,7 @@ class ParamRow:
 def param_table(md: ModelDef, rules, mesh, kind: str = "params") -> list[ParamRow]:
     specs = leaf_specs(md, rules, mesh, kind)
     rows = []
-    flat_names = jax.tree.leaves(md.names, is_leaf=_is_names)
+    flat_names = jax.tree.leaves(md.names, is_leaf=is_names)
     flat_abs = jax.tree.leaves(md.abstract)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: x.__class__.__name__ == "PartitionSpec")
     flat_paths = jax.tree.leaves(tree_paths(md.abstract))

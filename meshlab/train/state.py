@@ -48,7 +48,7 @@ def model_def(cfg) -> ModelDef:
     return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), names)
 
 
-def _is_names(x):
+def is_names(x):
     return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
@@ -60,7 +60,7 @@ def leaf_specs(md: ModelDef, rules: Rules, mesh, kind: str) -> dict:
     """PartitionSpec per parameter leaf for `kind` in params | grads | optimizer."""
     return jax.tree.map(
         lambda names, a, path: rules.state_spec(kind, names, a.shape, mesh, path=f"params{path}"),
-        md.names, md.abstract, tree_paths(md.abstract), is_leaf=_is_names)
+        md.names, md.abstract, tree_paths(md.abstract), is_leaf=is_names)
 
 
 def only_axes(spec: P, axes) -> P:
