@@ -3,12 +3,13 @@
 Parameters carry logical axis names only (`logical=` metadata); activations are placed with
 `meshlab.rules.constrain`; every weight goes through `materialize` (cast to the compute dtype,
 gathered when stored sharded) right where it is used, so FSDP's gather happens per layer inside
-the layer scan. Matmuls take bf16 (or fp16/fp32) operands and accumulate in fp32
-(`preferred_element_type`); the fp32 master weights live in the train state.
+the layer scan. Matmuls take bf16 (or fp16/fp32) operands, accumulate in fp32 inside the GEMM and write the
+compute dtype (`_mm`); the fp32 master weights live in the train state.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -112,6 +113,34 @@ def _param(rngs, shape, names, std):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32), logical=names)
 
 
+def _mm(spec, x, w):
+    """einsum with its output in the operands' compute dtype. The GEMM accumulates in fp32 either
+    way (cuBLAS / Triton); an fp32 *output* would cost twice the bytes, and JAX transposes it with
+    an fp32 cotangent, so every backward GEMM became fp32 x fp32 (upcast operands, TF32 rate)."""
+    return jnp.einsum(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def mm_f32_out(spec, x, w):
+    """einsum with an fp32 output (logits feeding a softmax) whose backward GEMMs still run in the
+    operands' dtype: the fp32 cotangent is rounded once, as torch autocast does, instead of JAX's
+    default transpose upcasting both [T, V]-sized GEMMs to fp32."""
+    return jnp.einsum(spec, x, w, preferred_element_type=F32)
+
+
+def _mm_f32_fwd(spec, x, w):
+    return mm_f32_out(spec, x, w), (x, w)
+
+
+def _mm_f32_bwd(spec, res, g):
+    x, w = res
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
+    return vjp(g.astype(x.dtype))
+
+
+mm_f32_out.defvjp(_mm_f32_fwd, _mm_f32_bwd)
+
+
 def _w(var, dtype):
     """The compute-ready value of a parameter (cast, gathered if stored sharded)."""
     return materialize(var[...], var.get_metadata()["logical"], dtype)
@@ -148,28 +177,28 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, s, h, hd]
-        k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, s, kvh, hd]
-        v = jnp.einsum("bsd,dhk->bshk", x, _w(self.wv, dt), preferred_element_type=F32).astype(dt)   # [b, s, kvh, hd]
+        q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, s, h, hd]
+        k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, s, kvh, hd]
+        v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, s, kvh, hd]
         q = constrain(q, ("act_batch", "act_attn_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         q, k = apply_rope(cfg, q, k, positions)
         o = attention_op(q, k, v, impl=cfg.attention, causal=True, segment_ids=segment_ids)         # [b, s, h, hd]
         o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
-        out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
+        out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
     def cached(self, x, positions, attend, cache):
         """Serving path: this step's tokens only; `attend(q, k, v, cache) -> (o, cache)` writes k/v into the KV
         cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = jnp.einsum("bsd,dhk->bshk", x, _w(self.wq, dt), preferred_element_type=F32).astype(dt)   # [b, t, h, hd]
-        k = jnp.einsum("bsd,dhk->bshk", x, _w(self.wk, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
-        v = jnp.einsum("bsd,dhk->bshk", x, _w(self.wv, dt), preferred_element_type=F32).astype(dt)   # [b, t, kvh, hd]
+        q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
+        k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
+        v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
-        out = jnp.einsum("bshk,hkd->bsd", o, _w(self.wo, dt), preferred_element_type=F32).astype(dt)  # [b, t, d]
+        out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, t, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
 
 
@@ -188,11 +217,11 @@ class MLP(nnx.Module):
             h = swiglu_kernel.swiglu(x.reshape(b * s, d), _w(self.w_gate, dt), _w(self.w_up, dt),
                                      interpret=_interpret()).reshape(b, s, -1).astype(dt)  # [b, s, f]
         else:
-            gate = jnp.einsum("bsd,df->bsf", x, _w(self.w_gate, dt), preferred_element_type=F32)  # [b, s, f]
-            up = jnp.einsum("bsd,df->bsf", x, _w(self.w_up, dt), preferred_element_type=F32)      # [b, s, f]
-            h = (jax.nn.silu(gate) * up).astype(dt)
+            gate = _mm("bsd,df->bsf", x, _w(self.w_gate, dt))   # [b, s, f]
+            up = _mm("bsd,df->bsf", x, _w(self.w_up, dt))       # [b, s, f]
+            h = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)   # one fusion; fp32 math
         h = constrain(h, ("act_batch", "act_attn_seq", "act_mlp"))
-        out = jnp.einsum("bsf,fd->bsd", h, _w(self.w_down, dt), preferred_element_type=F32).astype(dt)  # [b, s, d]
+        out = _mm("bsf,fd->bsd", h, _w(self.w_down, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
 
@@ -293,7 +322,7 @@ class Llama(nnx.Module):
 
     def logits(self, h):
         """h [b, s, d] -> fp32 logits [b, s, V_padded]."""
-        logits = jnp.einsum("bsd,dv->bsv", h, self.head_weight(), preferred_element_type=F32)
+        logits = mm_f32_out("bsd,dv->bsv", h, self.head_weight())         # fp32 out for the softmax
         return constrain(logits, ("act_batch", "act_attn_seq", "act_vocab"))  # sequence gathered, as in the MLP
 
     def __call__(self, tokens, positions=None, segment_ids=None):
