@@ -50,6 +50,7 @@ def main():
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer-json", help="the peer's JSON line, measured before this process took the GPU")
     p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
+    p.add_argument("--profile", action="store_true", help="trace 2 extra steps per variant; kernel table to $OUT")
     p.add_argument("--variants", nargs="*", help="only these, e.g. 'remat=none,loss_impl=pallas,fused_swiglu=1'")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
@@ -62,9 +63,12 @@ def main():
     base.dtype = "bfloat16"
     rows = []
 
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+
     def record(label, cfg, batch, seq):
+        prof = Path("/tmp/meshlab_traces") / f"v{len(rows)}" if args.profile else None
         try:
-            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps)
+            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps, profile_dir=prof)
         except Exception as e:  # an unavailable or failing variant is reported, not fatal
             rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(rows[-1], flush=True)
@@ -75,6 +79,8 @@ def main():
                      "mfu_989": round(tok_s * f / DATASHEET, 4), "program_gib": round(mem / 2**30, 1),
                      "loss": round(loss, 3)})
         print(rows[-1], flush=True)
+        if prof:
+            write_profile(prof, label, dt, out_dir / "profiles.md")
 
     def variant(attention="cudnn", remat="save_dots_no_batch", **over):
         cfg = models.preset(args.model)
@@ -112,6 +118,18 @@ def main():
         lines = [x for x in Path(args.peer_json).read_text().splitlines() if x.startswith("{")]
         peer = json.loads(lines[-1]) if lines else {"error": Path(args.peer_json).read_text()[-300:]}
     write_rows(dev, peak, rows, peer, args)
+
+
+def write_profile(trace_dir, label, step_s, dest):
+    """Kernel-time table of the traced steps (the trace itself stays on the device machine)."""
+    from meshlab.train.profile_summary import format_summary, summarize
+    try:
+        text = format_summary(summarize(trace_dir, steps=2), label, step_s * 1e3)
+    except Exception as e:  # a profile that fails must not lose the timing rows
+        text = f"profile of {label} failed: {type(e).__name__}: {str(e)[:300]}\n"
+    with dest.open("a") as f:
+        f.write(text + "\n")
+    print(text, flush=True)
 
 
 def write_rows(dev, peak, rows, peer, args):

@@ -47,8 +47,9 @@ def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80, multiple=1):
     return max(multiple, min(batch, 64 * multiple)), (args, temp, per_row)
 
 
-def time_steps(cfg, rules, mesh, batch, seq, steps):
-    """(tokens/s, median step s, last loss, program bytes per device)."""
+def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2):
+    """(tokens/s, median step s, last loss, program bytes per device). With `profile_dir`, a
+    Perfetto trace of `profile_steps` more steps is written there after the timed ones."""
     with R.use_rules(rules, mesh):
         md, tx, sh, step, b = build(cfg, rules, mesh, batch, seq)
         # This program's own footprint (the allocator's peak is process-wide across variants).
@@ -62,6 +63,11 @@ def time_steps(cfg, rules, mesh, batch, seq, steps):
             state, m = step(state, b)
             loss = float(m["loss"])         # sync each step: a clean per-step time
             times.append(time.perf_counter() - t)
+        if profile_dir:
+            with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+                for _ in range(profile_steps):
+                    state, m = step(state, b)
+                float(m["loss"])
     if not np.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss}")
     dt = float(np.median(times))

@@ -1,0 +1,105 @@
+"""Where a step's device time goes, read from the profiler's Perfetto trace (no TensorBoard or
+xprof needed, so it runs on a bare GPU image and in notebooks).
+
+`jax.profiler.trace(dir, create_perfetto_trace=True)` writes `perfetto_trace.json.gz`; its GPU
+processes hold one track per CUDA stream with every kernel as a complete ('X') event. We sum the
+kernel time per name and per class (GEMM, attention, collectives, Pallas/Triton, other fusions),
+per traced step, which is what decides the next optimisation: e.g. GEMMs at 60% of the step and
+their TFLOP/s, or elementwise fusions taking more time than they should.
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+# Ordered: the first pattern that matches a kernel's (lower-cased) name decides its class.
+CLASSES = (
+    ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "all_to_all")),
+    ("attention", ("fmha", "flash", "cudnn", "sdpa", "attention", "mha")),
+    ("gemm", ("gemm", "xmma", "cutlass", "cublas", "sm90_", "sm80_", "wgmma", "matmul", "dot")),
+    ("pallas/triton", ("triton", "pallas", "swiglu", "rms_norm", "cross_entropy", "rope")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+    ("reduce/fusion", ("reduce", "fusion", "loop_", "input_", "scatter", "gather", "convert")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def _short(name: str, width: int = 90) -> str:
+    """Template arguments and long numeric suffixes collapsed, so instances of one kernel group."""
+    name = re.sub(r"<.*>", "<...>", name)
+    name = re.sub(r"\.\d+$", "", name)
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def find_trace(log_dir: str | Path) -> Path:
+    found = sorted(Path(log_dir).rglob("perfetto_trace.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}; trace with "
+                                "jax.profiler.trace(dir, create_perfetto_trace=True)")
+    return found[-1]
+
+
+def device_kernels(trace: dict | list) -> tuple[list[tuple[str, float]], dict]:
+    """(kernel name, duration us) of every event on a GPU stream track, and event counts per GPU
+    track (to see what a trace holds when the track names change between versions)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    gpu_pids = {pid for pid, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+    tracks: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            tracks[tname.get((e["pid"], e.get("tid")), "?")].append((e["name"], float(e.get("dur", 0.0))))
+    # Only the stream tracks carry kernels; 'XLA Ops' / 'XLA Modules' tracks repeat the same time
+    # at the HLO level and would double-count. Without stream tracks, fall back to 'XLA Ops'.
+    streams = [t for t in tracks if "stream" in t.lower()] or [t for t in tracks if "xla ops" in t.lower()]
+    return [k for t in streams for k in tracks[t]], {t: len(v) for t, v in tracks.items()}
+
+
+def summarize(log_dir: str | Path, steps: int, top: int = 25) -> dict:
+    """Per-step device time (ms) by class and by kernel from a trace of `steps` steps."""
+    trace = json.load(gzip.open(find_trace(log_dir)))
+    kernels, tracks = device_kernels(trace)
+    if not kernels:
+        raise ValueError(f"the trace under {log_dir} has no GPU kernel events (a CPU run, or profiling "
+                         f"failed); GPU tracks seen: {tracks}")
+    by_name, by_class = collections.Counter(), collections.Counter()
+    counts = collections.Counter()
+    for name, dur in kernels:
+        short = _short(name)
+        by_name[short] += dur
+        counts[short] += 1
+        by_class[kernel_class(name)] += dur
+    total = sum(by_class.values())
+    ms = 1e-3 / steps
+    return {
+        "busy_ms_per_step": total * ms,
+        "tracks": tracks,
+        "classes": [(c, t * ms, t / total) for c, t in by_class.most_common()],
+        "kernels": [(n, t * ms, counts[n] / steps, t / total) for n, t in by_name.most_common(top)],
+    }
+
+
+def format_summary(summary: dict, label: str = "", step_ms: float | None = None) -> str:
+    lines = [f"#### Device time per step{f' - {label}' if label else ''}",
+             f"GPU busy {summary['busy_ms_per_step']:.1f} ms/step" +
+             (f" of {step_ms:.1f} ms wall ({summary['busy_ms_per_step'] / step_ms:.0%} busy)" if step_ms else ""),
+             "", "| class | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {c} | {t:.2f} | {s:.1%} |" for c, t, s in summary["classes"]]
+    lines += ["", "| kernel | ms/step | calls/step | share |", "|---|---|---|---|"]
+    lines += [f"| `{n}` | {t:.2f} | {k:.0f} | {s:.1%} |" for n, t, k, s in summary["kernels"]]
+    return "\n".join(lines) + "\n"
