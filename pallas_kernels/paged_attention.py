@@ -28,12 +28,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._compat import TritonCompilerParams as _CompilerParams
+
 NEG = -1e30       # a finite "minus infinity": exp(NEG - NEG) stays finite for empty splits
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     pages_per_split: int = 16       # 16 pages of 16 tokens: 256 tokens per program
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size,
@@ -111,6 +115,10 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
                    jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32),
                    jax.ShapeDtypeStruct((b, kvh, splits, g), jnp.float32)],
         interpret=interpret,
+        # Triton params pick the Triton backend: jax's GPU default is Mosaic GPU, which would stage
+        # every whole-array block (the entire KV cache) in shared memory and fails to lower.
+        compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+        name="paged_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), table, q.reshape(b, kvh, g, d),
       k_pages, v_pages)
     return merge_splits(acc, m, l, q.dtype)
