@@ -292,18 +292,27 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
 
-    def cached(self, tokens, positions, cache, attend, unroll: bool = False):
+    def cached(self, tokens, positions, cache, attend, unroll: bool = False, layers=None):
         """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
 
         tokens/positions [b, t]; `cache` is any pytree (meshlab/infer owns its layout) carried through
         the layer scan, so each layer updates only its new tokens in place; `attend(layer, q, k, v,
         cache) -> (o, cache)`. Returns (final-normed hidden [b, t, d], cache). No remat: no backward.
-        unroll=True unrolls the layer loop: static per-layer weight slices instead of dynamic ones
-        (a GPU gemm may copy a dynamic slice of the stacked weights; decode is bandwidth-bound).
+        unroll=True unrolls the layer loop: static per-layer weight slices instead of dynamic ones.
+        layers: the per-layer params as a list of pure dicts, each its own buffers (meshlab.infer.engine
+        splits them once at load); the layers then run as a Python loop with no slicing at all, and
+        `self.layers` gives only the block structure. Why: XLA copies a slice of a stacked weight,
+        static or dynamic, into a temporary before the GEMM reads it (seen in CPU-compiled HLO), which
+        triples the weight bytes of a bandwidth-bound decode step.
         """
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
         block_def, block_state = nnx.split(self.layers)
+        if layers is not None:
+            for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
+                block = nnx.merge(block_def, one_layer)
+                x, cache = block.cached(x, positions, functools.partial(attend, i), cache)
+            return self.final_norm(x), cache
 
         def layer(carry, xs):
             (x, cache), (one_layer, i) = carry, xs

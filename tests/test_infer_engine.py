@@ -112,3 +112,41 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.cache["k"].sharding.spec[1:4] == ("fsdp", None, "tensor")     # cache_batch, cache_seq, cache_kv_heads
     alone = ContiguousGenerator(md, params, batch=4, max_len=32, chunk=8, steps_per_call=4)
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
+
+
+@pytest.mark.parametrize("layers", ["scan", "unroll"])
+def test_layer_modes_give_the_same_tokens(tiny, layers):
+    """The default per-layer split (no weight slicing) against the stacked scan and unrolled paths."""
+    md, params, _ = tiny
+    prompts = [[5, 6, 7], list(range(40, 60))]
+    sps = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, temperature=0.8, repetition_penalty=1.2, seed=5)]
+    for make in (lambda m: ContiguousGenerator(md, params, batch=2, max_len=64, chunk=16, steps_per_call=4, layers=m),
+                 lambda m: Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=m)):
+        outs = []
+        for mode in ("split", layers):
+            gen = make(mode)
+            for sp in (sps[0], sps):                   # all greedy (the greedy program), then mixed
+                got = gen.generate(prompts, sp)
+                outs.append([r.output for r in got] if isinstance(gen, Engine) else got)
+        assert outs[:2] == outs[2:]
+
+
+def test_serving_params_cast_once_split_per_layer(tiny):
+    """fp32 masters served in bf16: matrices stored in bf16 once (not cast per step), per-layer buffers,
+    and the same tokens as a model handed bf16 matrices up front."""
+    from meshlab.infer.engine import serving_params
+    md, params, _ = tiny
+    bf = dataclasses.replace(md.cfg, dtype="bfloat16")
+    md_bf = model_def(bf)
+    served = serving_params(md_bf, params)
+    assert len(served["layers"]) == bf.n_layers
+    assert served["layers"][1]["mlp"]["w_up"].dtype == jnp.bfloat16
+    assert served["layers"][1]["mlp"]["w_up"].shape == params["layers"]["mlp"]["w_up"].shape[1:]
+    assert served["final_norm"]["scale"].dtype == jnp.float32        # norm scales read in fp32, kept
+    np.testing.assert_array_equal(np.asarray(served["layers"][1]["attn"]["wq"], np.float32),
+                                  np.asarray(params["layers"]["attn"]["wq"][1].astype(jnp.bfloat16), np.float32))
+    pre = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim >= 2 else a, params)
+    prompts = [[5, 6, 7], list(range(40, 60))]
+    a = Engine(md_bf, params, max_len=64, max_seqs=2, page_size=4, chunk=8, layers="scan").generate(prompts)
+    b = Engine(md_bf, pre, max_len=64, max_seqs=2, page_size=4, chunk=8).generate(prompts)
+    assert [r.output for r in a] == [r.output for r in b]

@@ -6,7 +6,16 @@ each row. Prefill is that step over prompt chunks of `chunk` tokens (so a long p
 several steps of bounded size, never a program per length); decode is t = 1. `decode_loop` runs
 n decode steps inside one device call (a `lax.scan`, sampling on device) so that host
 round-trips do not set the speed. Compiled shapes (the buckets): t in {1, chunk}, decode n in
-{steps_per_call}; the batch is fixed per engine. Nothing recompiles per request.
+{steps_per_call}, and greedy-only or not (the host knows whether any row samples, so the decode
+program holds no device-side branch); the batch is fixed per engine. Nothing recompiles per request.
+
+Serving weights (`serving_params`, once at load): matrices in the compute dtype (a training
+checkpoint's fp32 masters would otherwise be cast inside every step: 4 bytes read + 2 written + 2
+read per weight per token), and with layers="split" (the default) the stacked [n_layers, ...]
+weights become one buffer per layer, run by a Python loop over the layers. A decode step at small
+batch reads every weight once and is limited by HBM bandwidth; XLA copies a slice of a stacked
+weight into a temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's
+static slice alike), tripling those bytes. layers="scan" | "unroll" keep the stacked params.
 
 `ContiguousGenerator` is the simple path: a fixed batch of prompts, a contiguous cache. The
 continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engine`.
@@ -23,46 +32,76 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import kv_cache
-from meshlab.infer.sampler import SamplingParams, row_arrays, sample
+from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays, sample
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
 
 
-def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, unroll: bool = False):
-    """The un-jitted step: (params, cache, seen, tokens, positions, valid, last, table, rows, counters)
-    -> (next token [b], cache, seen). `seen` marks every fed token for the repetition penalty."""
+LAYER_MODES = ("split", "scan", "unroll")
+
+
+def serving_params(md, params, layers: str = "split"):
+    """Params as the programs of `make_programs(..., layers=layers)` take them (see the module doc).
+
+    Matrices (ndim >= 2) are cast to the compute dtype, which the model would do per step anyway:
+    the tokens are the same. 1-D leaves (norm scales, read in fp32) stay as stored. Under a rule
+    file, each slice keeps its weight's sharding (propagated from the stacked array). The caller
+    may drop its own `params` afterwards: split weights are new buffers.
+    """
+    if layers not in LAYER_MODES:
+        raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
+    dt = jnp.dtype(md.cfg.dtype)
+    cast = lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    def prepare(p):
+        p = jax.tree.map(cast, p)
+        if layers == "split":
+            p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
+        return p
+    return jax.jit(prepare)(params)
+
+
+def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+    """The un-jitted step: (params, cache, seen, tokens, positions, valid, last, table, rows, counters,
+    greedy) -> (next token [b], cache, seen). `seen` marks every fed token for the repetition penalty;
+    params come from `serving_params(md, ., layers)`."""
     vocab = md.cfg.vocab_size
 
-    def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters):
-        model = md.bind(params)
+    def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
+        if layers == "split":   # the stacked layers are only a structure here: bind abstract ones
+            model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
+        else:
+            model, per_layer = md.bind(params), None
         if layout == "contiguous":
             attend = kv_cache.contiguous_attend(positions, valid)
         else:
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
-        h, cache = model.cached(tokens, positions, cache, attend, unroll=unroll)   # [b, t, d]
+        h, cache = model.cached(tokens, positions, cache, attend, unroll=layers == "unroll",
+                                layers=per_layer)                                  # [b, t, d]
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
         logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
         b = tokens.shape[0]
         seen = seen.at[jnp.arange(b)[:, None], jnp.where(valid, tokens, vocab)].set(True, mode="drop")
-        return sample(logits, rows, counters, seen), cache, seen
+        return sample(logits, rows, counters, seen, greedy), cache, seen
     return step
 
 
-def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, unroll: bool = False):
-    """(step, decode_loop) jitted, cache and seen donated (updated in place)."""
-    step = _step_fn(md, layout, impl, interpret, unroll)
+def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+    """(step, decode_loop) jitted, cache and seen donated (updated in place). Both take a static
+    `greedy=all_greedy(rows)` (None: decide on device)."""
+    step = _step_fn(md, layout, impl, interpret, layers)
 
-    def decode_loop(params, cache, seen, tok, pos, active, table, rows, counters, n):
+    def decode_loop(params, cache, seen, tok, pos, active, table, rows, counters, n, greedy=None):
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
             nxt, cache, seen = step(params, cache, seen, tok[:, None], pos[:, None], active[:, None],
-                                    jnp.zeros_like(pos), table, rows, counters)
+                                    jnp.zeros_like(pos), table, rows, counters, greedy)
             return (cache, seen, nxt, pos + 1, counters + 1), nxt
         (cache, seen, *_), toks = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
         return toks, cache, seen                                                    # toks [n, b]
 
-    return (jax.jit(step, donate_argnums=(1, 2)),
-            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n",)))
+    return (jax.jit(step, donate_argnums=(1, 2), static_argnames=("greedy",)),
+            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
 def reset_rows(seen, rows_mask):
@@ -79,13 +118,14 @@ class ContiguousGenerator:
     """Generate for a fixed batch of prompts with a contiguous KV cache [layers, batch, max_len, ...]."""
 
     def __init__(self, md, params, batch: int, max_len: int, chunk: int = 256, steps_per_call: int = 8,
-                 rules=None, mesh=None):
+                 rules=None, mesh=None, layers: str = "split"):
         if max_len % chunk and chunk < max_len:
             raise ValueError(f"max_len={max_len} must be a multiple of chunk={chunk}")
-        self.md, self.params, self.batch, self.max_len = md, params, batch, max_len
+        self.md, self.batch, self.max_len = md, batch, max_len
         self.chunk, self.steps_per_call, self.rules, self.mesh = min(chunk, max_len), steps_per_call, rules, mesh
-        self.step, self.decode_loop = make_programs(md, "contiguous")
+        self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)
         with placement(rules, mesh):
+            self.params = serving_params(md, params, layers)
             self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, rules=rules, mesh=mesh)
 
     def _check(self, prompts, params):
@@ -99,7 +139,7 @@ class ContiguousGenerator:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens={sp.max_tokens} exceed the context "
                                  f"of {self.max_len}; shorten the prompt or lower max_tokens")
 
-    def prefill(self, prompts: Sequence[Sequence[int]], rows: dict, seen):
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: dict, seen, greedy: bool | None = None):
         """Prompts through the cache in chunks; returns (first sampled token per row [b], seen)."""
         b, c = self.batch, self.chunk
         lens = np.array([len(p) for p in prompts] + [1] * (b - len(prompts)), np.int32)
@@ -111,7 +151,8 @@ class ContiguousGenerator:
             pos = np.broadcast_to(np.arange(start, start + c, dtype=np.int32), (b, c))
             last = np.clip(lens - 1 - start, 0, c - 1).astype(np.int32)
             tok, self.cache, seen = self.step(self.params, self.cache, seen, padded[:, start:start + c], pos,
-                                              pos < lens[:, None], last, None, rows, np.zeros(b, np.int32))
+                                              pos < lens[:, None], last, None, rows, np.zeros(b, np.int32),
+                                              greedy=greedy)
             done_here = (lens - 1 >= start) & (lens - 1 < start + c)
             first = np.where(done_here, np.asarray(tok), first)
         return first, seen
@@ -123,6 +164,7 @@ class ContiguousGenerator:
         self._check(prompts, params)
         b, n = self.batch, len(prompts)
         rows = row_arrays(params + [None] * (b - n))
+        greedy = all_greedy(rows)
         out: list[list[int]] = [[] for _ in range(n)]
         done = [False] * n
 
@@ -136,7 +178,7 @@ class ContiguousGenerator:
 
         with placement(self.rules, self.mesh):
             seen = jnp.zeros((b, self.md.cfg.vocab_size), bool)
-            tok, seen = self.prefill(prompts, rows, seen)
+            tok, seen = self.prefill(prompts, rows, seen, greedy)
             for i in range(n):
                 emit(i, tok[i])
             pos = np.array([len(p) for p in prompts] + [0] * (b - n), np.int32)
@@ -146,7 +188,7 @@ class ContiguousGenerator:
                 steps = self.steps_per_call if left >= self.steps_per_call else 1
                 counters = np.array([len(o) for o in out] + [0] * (b - n), np.int32)
                 toks, self.cache, seen = self.decode_loop(self.params, self.cache, seen, tok, pos, active, None,
-                                                          rows, counters, n=steps)
+                                                          rows, counters, n=steps, greedy=greedy)
                 toks = np.asarray(toks)
                 for s in range(steps):
                     for i in range(n):
@@ -166,15 +208,16 @@ class Engine:
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "xla", interpret: bool = False,
-                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, unroll: bool = False):
+                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "split"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
-        self.md, self.params, self.rules, self.mesh = md, params, rules, mesh
+        self.md, self.rules, self.mesh = md, rules, mesh
         self.chunk, self.steps_per_call, self.detokenize = chunk, steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, chunk, max_step_tokens)
-        self.step_fn, self.loop_fn = make_programs(md, "paged", impl, interpret, unroll)
+        self.step_fn, self.loop_fn = make_programs(md, "paged", impl, interpret, layers)
         with placement(rules, mesh):
+            self.params = serving_params(md, params, layers)
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         self.inbox: queue.Queue = queue.Queue()
@@ -287,7 +330,7 @@ class Engine:
         active = np.array([r is not None for r in s.rows])
         rows, counters = self._rows()
         toks, self.cache, self.seen = self.loop_fn(self.params, self.cache, self.seen, tok, pos, active,
-                                                   s.page_table(), rows, counters, n=n)
+                                                   s.page_table(), rows, counters, n=n, greedy=all_greedy(rows))
         toks = np.asarray(toks)
         self.stats["steps"] += n
         self.stats["device_calls"] += 1
@@ -312,7 +355,7 @@ class Engine:
             valid[slot, :n], last[slot] = True, n - 1
         rows, counters = self._rows()
         tok, self.cache, self.seen = self.step_fn(self.params, self.cache, self.seen, tokens, positions, valid,
-                                                  last, s.page_table(), rows, counters)
+                                                  last, s.page_table(), rows, counters, greedy=all_greedy(rows))
         tok = np.asarray(tok)
         self.stats["steps"] += 1
         self.stats["device_calls"] += 1

@@ -3,8 +3,10 @@
 Every row carries its own settings (arrays [b]), so one compiled program serves a batch that mixes
 greedy and sampled requests. The random key of a row is fold_in(key(seed), n) where n counts the
 tokens that request has generated: a request draws the same tokens alone or batched, and again
-after a preemption recomputes it. When no row samples or penalises (all greedy), `lax.cond` skips
-the vocabulary sort (the expensive part: O(V log V) per row per step).
+after a preemption recomputes it. When no row samples or penalises (all greedy), the vocabulary
+sort (the expensive part: O(V log V) per row per step) is skipped: the engines know that on the
+host (`all_greedy`) and compile a greedy program; `sample(..., greedy=None)` decides on device
+with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every step (a sync).
 """
 from __future__ import annotations
 
@@ -85,16 +87,24 @@ def _draw(logits, rows, counters):
     return jnp.take_along_axis(order, choice[:, None], axis=1)[:, 0]
 
 
-def sample(logits, rows: dict, counters, seen):
+def all_greedy(rows: dict) -> bool:
+    """True when no row samples or penalises (host arrays from row_arrays): argmax is the whole sampler."""
+    return not (np.any(np.asarray(rows["temperature"]) > 0) or np.any(np.asarray(rows["penalty"]) != 1.0))
+
+
+def sample(logits, rows: dict, counters, seen, greedy: bool | None = None):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
-    seen [b, V] bool (prompt and output tokens). Returns tokens [b] int32."""
+    seen [b, V] bool (prompt and output tokens). Returns tokens [b] int32.
+    greedy: a static promise that `all_greedy(rows)` (True) or not (False); None decides on device."""
     def full(_):
         pen = _penalise(logits, seen, rows["penalty"])
         return jnp.where(rows["temperature"] > 0, _draw(pen, rows, counters), jnp.argmax(pen, axis=-1))
 
+    argmax = lambda _: jnp.argmax(logits, axis=-1)
+    if greedy is not None:
+        return (argmax if greedy else full)(None).astype(jnp.int32)
     needs_full = jnp.any(rows["temperature"] > 0) | jnp.any(rows["penalty"] != 1.0)
-    greedy = lambda _: jnp.argmax(logits, axis=-1)
-    return jax.lax.cond(needs_full, full, greedy, None).astype(jnp.int32)
+    return jax.lax.cond(needs_full, full, argmax, None).astype(jnp.int32)
 
 
 def mark_seen(seen, tokens, active=None):
