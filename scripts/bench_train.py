@@ -1,7 +1,8 @@
-"""Training throughput on one GPU: bf16 matmul rate, `llama3_1b` at seq 4096 with xla / cudnn
-(/ pallas) attention, every remat policy, vocab 50257 vs 50304, and the torch peer (own process).
+"""Training throughput on one GPU: bf16 matmul rate, `llama3_1b` at seq 4096 with cudnn / xla /
+pallas attention, fused ops on and off, every remat policy, vocab 50257 vs 50304, and the torch
+peer (own process; `--peer-json` takes its line when it ran before JAX took the GPU).
 
-    PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--quick]
+    PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--profile] [--variants ...]
 Appends dated rows to docs/benchmarks.md. The batch is chosen from the compiled memory analysis.
 """
 import argparse
@@ -45,8 +46,8 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=0, help="0: choose from the compiled memory analysis")
-    p.add_argument("--attention", default="xla,cudnn,pallas")
-    p.add_argument("--remat", default="none,save_dots_no_batch,full")
+    p.add_argument("--attention", default="cudnn,xla,pallas")
+    p.add_argument("--remat", default="none,save_dots_no_batch,full", help="policies timed with cudnn attention")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer-json", help="the peer's JSON line, measured before this process took the GPU")
     p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
@@ -82,21 +83,25 @@ def main():
         if prof:
             write_profile(prof, label, dt, out_dir / "profiles.md")
 
-    def variant(attention="cudnn", remat="save_dots_no_batch", **over):
+    def variant(attention="cudnn", remat="none", **over):
         cfg = models.preset(args.model)
         cfg.dtype, cfg.attention, cfg.remat = "bfloat16", attention, remat
         for k, v in over.items():
             setattr(cfg, k, v)
         return cfg
 
-    batch, mem_fit = (args.batch, None) if args.batch else pick_batch(variant(), rules, mesh, args.seq, hbm)
+    # The batch is sized for remat=none (the fastest policy when it fits), so every variant runs
+    # at one batch and the remat rows show what recomputation costs and saves at equal work.
+    batch, mem_fit = (args.batch, None) if args.batch else pick_batch(variant(attention=args.attention.split(",")[0]), rules, mesh, args.seq, hbm)
     print(f"batch {batch} (compiled at batch 2: args {mem_fit[0] / 2**30:.1f} GiB, temp/row <= "
           f"{mem_fit[2] / 2**30:.2f} GiB)" if mem_fit else f"batch {batch}", flush=True)
     # Most important first: a call that runs out of time still reports these.
-    plan = [(f"attention={a} remat=save_dots_no_batch", variant(attention=a)) for a in args.attention.split(",")]
-    plan.append(("cudnn + fused CE/SwiGLU/RMSNorm (pallas)",
-                 variant(loss_impl="pallas", fused_swiglu=True, fused_norm=True)))
-    plan += [(f"attention=cudnn remat={r}", variant(remat=r)) for r in args.remat.split(",") if r != "save_dots_no_batch"]
+    attns = args.attention.split(",")
+    plan = [(f"attention={attns[0]} remat=none", variant(attention=attns[0])),
+            ("cudnn + fused CE (pallas)", variant(loss_impl="pallas")),
+            ("cudnn + fused CE/SwiGLU/RMSNorm (pallas)", variant(loss_impl="pallas", fused_swiglu=True, fused_norm=True))]
+    plan += [(f"attention={a} remat=none", variant(attention=a)) for a in attns[1:]]
+    plan += [(f"attention=cudnn remat={r}", variant(remat=r)) for r in args.remat.split(",") if r != "none"]
     plan += [(f"vocab={v} (unpadded)", variant(vocab_size=v, vocab_multiple=1)) for v in (50257, 50304)]
     if args.variants:   # explicit model-config variants instead of the default sweep
         def parse(spec):
@@ -111,7 +116,7 @@ def main():
             rows.append({"variant": label, "error": f"not run: past the {args.budget_s}s budget of this call"})
             continue
         record(label, cfg, batch, args.seq)
-        if i == len(args.attention.split(",")) and not args.no_peer and not args.peer_json:
+        if i == 0 and not args.no_peer and not args.peer_json:
             peer = run_peer(min(batch, 8), args.seq, args.steps)
             print("peer:", peer, flush=True)
     if args.peer_json:
