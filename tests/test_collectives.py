@@ -59,3 +59,36 @@ def test_single_device_axis_is_not_a_link(bench, tmp_path):
 def test_bad_sizes(bench, capsys):
     assert bench.main(["--max-bytes", "lots"]) == 2
     assert "4KiB" in capsys.readouterr().err
+
+
+def test_fit_uses_the_planners_formulas(bench):
+    """Synthetic times from the planner's ring model come back as the alpha and BW that made them."""
+    from meshlab.plan.comm import collective_time
+    alpha, bw, p = 7e-6, 300e9, 2
+    rows = []
+    for op, kind in (("all-reduce", "all-reduce"), ("all-gather", "all-gather"), ("reduce-scatter", "reduce-scatter")):
+        for n in (2**20, 2**24, 2**28, 2**30):
+            full = n * p if op == "all-gather" else n   # the planner's n: all-gather output, reduce-scatter input
+            t = collective_time(kind, full, p, alpha, bw, "ring")
+            rows.append({"axis": "data", "p": p, "op": op, "bytes": n, "time_s": t})
+    got = bench.fit(rows)["data"]
+    assert got["fitted_on"].startswith("all-reduce")
+    assert got["alpha_s"] == pytest.approx(alpha, rel=1e-6) and got["bw_Bps"] == pytest.approx(bw, rel=1e-6)
+    assert set(got["per_op"]) == {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+def test_variants_each_in_a_process_and_a_bad_flag_is_a_row(bench, tmp_path):
+    """Sweep in a child, then variants: one that runs (one process per device, gloo) and one whose XLA
+    flag does not exist (XLA aborts that process: an error row, the rest goes on)."""
+    out, md = tmp_path / "prof.json", tmp_path / "bench.md"
+    rc = bench.main(["--cpu-devices", "2", "--min-bytes", "64KiB", "--max-bytes", "64KiB", "--ops", "all-reduce,ppermute",
+                     "--variants", "multiprocess,bad@XLA_FLAGS=--xla_no_such_flag_here=1", "--variant-sizes", "64KiB",
+                     "--out", str(out), "--markdown", str(md), "--variant-timeout-s", "120", "--variants-budget-s", "300"])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert {r["op"] for r in prof["rows"]} == {"all-reduce", "ppermute"} and prof["device"] == "2x cpu"
+    ok = [v for v in prof["variants"] if v["variant"] == "multiprocess" and "error" not in v]
+    assert {v["mode"] for v in ok} == set(bench.MODES) and all(v["busbw_GBps"] > 0 for v in ok)
+    bad = [v for v in prof["variants"] if v["variant"].startswith("bad@")]
+    assert len(bad) == 1 and "error" in bad[0]
+    assert "variant multiprocess" in md.read_text()
