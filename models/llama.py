@@ -189,13 +189,19 @@ class Attention(nnx.Module):
         out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, attend, cache):
+    def cached(self, x, positions, attend, cache, wqkv=None):
         """Serving path: this step's tokens only; `attend(q, k, v, cache) -> (o, cache)` writes k/v into the KV
-        cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer)."""
+        cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer).
+        wqkv [d, h + 2 kvh, hd]: wq|wk|wv concatenated once at load (serving layers="fused"): one GEMM
+        launch and one pass over x instead of three small ones; then self.wq/wk/wv are not read."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
-        k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
-        v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
+        if wqkv is None:
+            q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
+            k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
+            v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
+        else:
+            qkv = _mm("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+            q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
         out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, t, d]
@@ -241,10 +247,19 @@ class Block(nnx.Module):
             x = x + self.mlp(normed)
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, attend, cache):  # serving: the KV cache threads through
-        h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache)
+    def cached(self, x, positions, attend, cache, fused=None):  # serving: the KV cache threads through
+        """fused: {"wqkv", "w_gate_up" [d, 2f]}, weights concatenated once at load (see Attention.cached);
+        gate and up then come from one GEMM, followed by the MLP's own fp32 SiLU * up and down GEMM."""
+        h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache,
+                                    wqkv=None if fused is None else fused["wqkv"])
         x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
-        x = x + self.mlp(self.mlp_norm(x))
+        if fused is None:
+            x = x + self.mlp(self.mlp_norm(x))
+        else:
+            dt = jnp.dtype(self.mlp.cfg.dtype)
+            gate, up = jnp.split(_mm("bsd,df->bsf", self.mlp_norm(x), fused["w_gate_up"]), 2, axis=-1)
+            act = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)
+            x = x + _mm("bsf,fd->bsd", act, _w(self.mlp.w_down, dt))
         return constrain(x, ("act_batch", "act_seq", "act_embed")), cache
 
 
@@ -303,15 +318,17 @@ class Llama(nnx.Module):
         splits them once at load); the layers then run as a Python loop with no slicing at all, and
         `self.layers` gives only the block structure. Why: XLA copies a slice of a stacked weight,
         static or dynamic, into a temporary before the GEMM reads it (seen in CPU-compiled HLO), which
-        triples the weight bytes of a bandwidth-bound decode step.
+        triples the weight bytes of a bandwidth-bound decode step. An entry may be a pair (params,
+        fused) with concatenated projection weights (Block.cached).
         """
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
         block_def, block_state = nnx.split(self.layers)
         if layers is not None:
             for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
+                one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
                 block = nnx.merge(block_def, one_layer)
-                x, cache = block.cached(x, positions, functools.partial(attend, i), cache)
+                x, cache = block.cached(x, positions, functools.partial(attend, i), cache, fused=fused)
             return self.final_norm(x), cache
 
         def layer(carry, xs):

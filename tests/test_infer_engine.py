@@ -114,9 +114,10 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
 
 
-@pytest.mark.parametrize("layers", ["scan", "unroll"])
+@pytest.mark.parametrize("layers", ["scan", "unroll", "fused"])
 def test_layer_modes_give_the_same_tokens(tiny, layers):
-    """The default per-layer split (no weight slicing) against the stacked scan and unrolled paths."""
+    """The default per-layer split (no weight slicing) against the stacked scan, the unrolled scan and
+    the split with concatenated projections."""
     md, params, _ = tiny
     prompts = [[5, 6, 7], list(range(40, 60))]
     sps = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, temperature=0.8, repetition_penalty=1.2, seed=5)]

@@ -15,7 +15,10 @@ read per weight per token), and with layers="split" (the default) the stacked [n
 weights become one buffer per layer, run by a Python loop over the layers. A decode step at small
 batch reads every weight once and is limited by HBM bandwidth; XLA copies a slice of a stacked
 weight into a temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's
-static slice alike), tripling those bytes. layers="scan" | "unroll" keep the stacked params.
+static slice alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and
+w_gate|w_up per layer (two GEMM launches instead of five; XLA's own dot merger would concatenate
+them at run time); it assumes those weights are not tensor-sharded. layers="scan" | "unroll" keep
+the stacked params.
 
 `ContiguousGenerator` is the simple path: a fixed batch of prompts, a contiguous cache. The
 continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engine`.
@@ -37,7 +40,22 @@ from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
 
 
-LAYER_MODES = ("split", "scan", "unroll")
+LAYER_MODES = ("split", "fused", "scan", "unroll")
+FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
+
+
+def _fuse(layer: dict):
+    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer."""
+    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
+    rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
+            for k, v in layer.items()}
+    return rest, fused
+
+
+def _unfused_placeholders(md, rest: dict) -> dict:
+    """Fill the fused-away leaves with abstract values: nnx.merge needs every parameter, none is read."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), md.abstract["layers"])
+    return {k: ({**abstract[k], **v} if isinstance(v, dict) else v) for k, v in rest.items()}
 
 
 def serving_params(md, params, layers: str = "split"):
@@ -55,8 +73,10 @@ def serving_params(md, params, layers: str = "split"):
 
     def prepare(p):
         p = jax.tree.map(cast, p)
-        if layers == "split":
+        if layers in ("split", "fused"):
             p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
+        if layers == "fused":
+            p["layers"] = [_fuse(one) for one in p["layers"]]
         return p
     return jax.jit(prepare)(params)
 
@@ -68,8 +88,10 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers
     vocab = md.cfg.vocab_size
 
     def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
-        if layers == "split":   # the stacked layers are only a structure here: bind abstract ones
+        if layers in ("split", "fused"):   # the stacked layers are only a structure here: bind abstract ones
             model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
+            if layers == "fused":
+                per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in per_layer]
         else:
             model, per_layer = md.bind(params), None
         if layout == "contiguous":
