@@ -1,13 +1,27 @@
-"""Decode benchmark (llama3_1b shape, bf16): batch-1 tokens/s against the HBM roofline, batch
-1..256 throughput at 2k context, TTFT for 512..8k prompts, engine alone and through HTTP.
+"""Decode benchmark for issue 7 (llama3_1b shape, bf16, random weights), sized for one GPU call.
 
-    PYTHONPATH=$PWD python3 scripts/bench_decode.py [--quick]
+    PYTHONPATH=$PWD python3 scripts/bench_decode.py [--budget-s 440] [--jobs base,pallas] [--quick] [--cpu-smoke]
 
-First a correctness gate: llama3_1b widths with 2 layers in fp32 (highest matmul precision),
-cached greedy decode (contiguous, paged, paged + Pallas kernel) must equal the argmax of the
-uncached forward at every step, or nothing is timed. The roofline is the bytes of weights plus
-KV read per decode step over the copy bandwidth measured in this call. Prints a table and
-appends dated rows to docs/benchmarks.md under "## Decode". Random weights: speed only.
+The parent never touches the GPU. It runs each job below as a child process of this script
+(`--job NAME`) because XLA reads XLA_FLAGS once per process; each child prints `ROW {json}` lines
+as it measures, so one killed at its time limit still hands back its rows. Jobs run most
+important first; each is promised `reserve` seconds and gets the slack earlier jobs left, so
+the whole call ends inside --budget-s. Children share a compilation and autotune cache.
+
+  base          the copy bandwidth reference; batch-1 decode at ctx 2048 with the layers as
+                scan (the old path) / split (per-layer buffers) / fused (split + concatenated
+                q|k|v and gate|up weights) / unroll (static slices), each with the HLO traffic,
+                the first three with a kernel profile; then batch 64 fused and scan
+  cmdbuf_while  XLA command buffers (CUDA graphs) that also capture while loops
+  dsfusion      XLA dynamic-slice fusion (a GEMM reads a stacked weight's slice in place)
+  no_cmdbuf     command buffers off: what CUDA graphs buy at batch 1
+  pallas        fp32 correctness gate (contiguous, paged xla, paged Pallas) on the GPU, then
+                decode with the paged Pallas kernel, and the kernel against its peers
+  engine        TTFT for 512..8k prompts, engine decode, the same engine through HTTP (fused layers)
+
+Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
+/tmp/bench_decode); on a GPU also appends dated rows to docs/benchmarks.md and writes that block
+to $OUT/benchmarks_append.md (the device machine's checkout does not come back).
 """
 from __future__ import annotations
 
@@ -15,263 +29,217 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import models  # noqa: E402
-from meshlab.infer import kv_cache  # noqa: E402
-from meshlab.infer.engine import ContiguousGenerator, Engine, make_programs  # noqa: E402
-from meshlab.infer.loading import random_params  # noqa: E402
-from meshlab.infer.sampler import SamplingParams, row_arrays  # noqa: E402
-from meshlab.train.state import model_def  # noqa: E402
-
-ROWS: list[tuple] = []      # (section, setting, value, unit, note)
+# name: (XLA_FLAGS, reserve seconds, tag added to settings)
+JOBS = {
+    "base": ("", 165, ""),
+    "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 50, " [cmdbuf+while]"),
+    "dsfusion": ("--xla_gpu_enable_dynamic_slice_fusion=true", 40, " [ds-fusion]"),
+    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 30, " [no cmdbuf]"),
+    "pallas": ("", 80, ""),
+    "engine": ("", 65, ""),
+}
 
 
-def timeit(fn, reps=5):
-    fn()                                                          # compile + warm
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+# -- child side -------------------------------------------------------------------------------
+def setup(args):
+    import jax
+    import models
+    from meshlab.infer import bench
+    from meshlab.infer.loading import random_params
+    from meshlab.train.state import model_def
+    bench.emit({"section": "meta", "setting": args.job, "value": 0.0, "unit": "", "backend": jax.default_backend(),
+                "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""), "note": ""})
+    name, dtype = ("tiny", "float32") if args.cpu_smoke else ("llama3_1b", "bfloat16")
+    cfg = dataclasses.replace(models.preset(name), dtype=dtype)
+    sizes = dict(ctx=64, big=2, n=8, lengths=[32, 64], max_len=256, chunk=32, tpot_n=32) if args.cpu_smoke else \
+        dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
+             max_len=8192 + 256, chunk=512, tpot_n=256)
+    bw = args.bw or bench.copy_bandwidth(1 << 24 if args.cpu_smoke else 1 << 30)
+    return cfg, model_def(cfg), random_params(cfg), bw, sizes
 
 
-def copy_bandwidth():
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)               # 1 GiB
-    f = jax.jit(lambda a: a * 1.000001)
-    return 2 * x.nbytes / timeit(lambda: f(x), reps=10)           # read + write
+def run_child(args):
+    from meshlab.infer import bench
+    cfg, md, params, bw, sz = setup(args)
+    out, tag = Path(args.out_dir), JOBS[args.job][2]
 
+    def decode(batch, layers, impl="xla", detail=False, profile=False):
+        label = f"{layers}{tag}"
+        try:
+            slug = f"{args.job}_{layers}_{impl}_b{batch}"
+            bench.emit(bench.measure_decode(
+                md, params, bw, batch, sz["ctx"], impl=impl, layers=layers, n=sz["n"], label=label,
+                hlo_file=out / "hlo" / f"{slug}.hlo.txt.gz" if detail else None,
+                profile_dir=Path("/tmp/bench_decode_traces") / slug if profile else None))
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            bench.fail_row("decode", f"{label} {impl} b={batch}", e)
 
-def correctness_gate(interpret: bool):
-    cfg = dataclasses.replace(models.preset("llama3_1b"), n_layers=2, dtype="float32", init_std=0.05)
-    md, params = model_def(cfg), random_params(cfg, seed=1)
-    prompts = [list(range(1000, 1013)), list(range(5, 40))]
-    with jax.default_matmul_precision("highest"):
-        fwd = jax.jit(lambda p, x: md.bind(p)(x)[..., :cfg.vocab_size])
-        gen = ContiguousGenerator(md, params, batch=2, max_len=64, chunk=32, steps_per_call=4)
-        outs = {"contiguous": gen.generate(prompts, SamplingParams(max_tokens=12))}
-        for impl in ("xla", "pallas"):
-            eng = Engine(md, params, max_len=64, max_seqs=2, page_size=16, chunk=32, steps_per_call=4, impl=impl,
-                         interpret=interpret)
-            outs[f"paged-{impl}"] = [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=12))]
-        for name, out in outs.items():
-            for p, o in zip(prompts, out):
-                ref = np.asarray(fwd(params, jnp.asarray([p + o])))[0, len(p) - 1:-1].argmax(-1).tolist()
-                if ref != o:
-                    sys.exit(f"bench_decode: {name} cached greedy != uncached argmax ({o} vs {ref}); not timing")
-    print("correctness: cached greedy == uncached argmax (contiguous, paged-xla, paged-pallas), fp32")
-
-
-def decode_state(cfg, batch, ctx, page_size=16):
-    """A paged cache where every row already holds ctx - n tokens (values irrelevant for timing)."""
-    pages = ctx // page_size
-    cache = kv_cache.init_paged(cfg, batch * pages + 1, page_size)
-    table = (1 + np.arange(batch * pages, dtype=np.int32)).reshape(batch, pages)
-    return cache, jnp.asarray(table)
-
-
-def bench_decode(md, params, weight_bytes, bw, batches, ctx, impl, n=16, unroll=False):
-    cfg = md.cfg
-    _, loop = make_programs(md, "paged", impl, interpret=jax.default_backend() != "gpu", unroll=unroll)
-    impl += "+unrolled" if unroll else ""
-    kv_tok = kv_cache.cache_bytes(cfg, 1)
-    tpot1 = None
-    for b in batches:
-        cache, table = decode_state(cfg, b, ctx)
-        seen = jnp.zeros((b, cfg.vocab_size), bool)
-        rows = row_arrays([SamplingParams()] * b)
-        tok, pos = np.ones(b, np.int32), np.full(b, ctx - n, np.int32)
-        active, counters = np.ones(b, bool), np.zeros(b, np.int32)
-        state = {"cache": cache, "seen": seen}
-
-        def run():
-            toks, state["cache"], state["seen"] = loop(params, state["cache"], state["seen"], tok, pos, active,
-                                                       table, rows, counters, n=n)
-            return toks
-        step = timeit(run, reps=3) / n
-        tpot1 = tpot1 or step
-        moved = weight_bytes + b * ctx * kv_tok
-        roof = bw / moved * b
-        ROWS.append(("decode", f"{impl} b={b} ctx={ctx}", b / step, "tok/s",
-                     f"TPOT {step * 1e3:.2f} ms ({step / tpot1:.2f}x b=1), {moved / step / 1e9:.0f} GB/s = "
-                     f"{moved / step / bw:.0%} of copy bw, roofline {roof:.0f} tok/s"))
-        print(ROWS[-1])
-        del cache, state
-
-
-def bench_ttft(engine, lengths, label):
-    rng = np.random.default_rng(0)
-    for n in lengths:
-        prompt = rng.integers(0, engine.md.cfg.vocab_size, size=n).tolist()
-        engine.generate([prompt], SamplingParams(max_tokens=1))              # warm (compiles once)
-        t = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1))
-        ROWS.append(("ttft", f"{label} prompt={n}", (time.perf_counter() - t) * 1e3, "ms", ""))
-        print(ROWS[-1])
-
-
-def engine_tpot(engine, label, ctx=512, n=256):
-    prompt = list(range(1, ctx))
-    engine.generate([prompt], SamplingParams(max_tokens=n))
-    t = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=1))
-    t1 = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=n))
-    tpot = (time.perf_counter() - t1 - (t1 - t)) / (n - 1)
-    ROWS.append(("decode", f"{label} b=1 ctx={ctx}", 1 / tpot, "tok/s", f"TPOT {tpot * 1e3:.2f} ms incl. host"))
-    print(ROWS[-1])
-
-
-def http_post(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        out = json.loads(resp.read())
-    return time.perf_counter() - t, out
-
-
-def bench_server(engine, ttft_len=2048, n=256, ctx=512):
-    from meshlab.infer.server import Server
-    from meshlab.train.data import ByteTokenizer
-    srv = Server(engine, ByteTokenizer(), "bench", "127.0.0.1", 0).start()
-    try:
-        prompt = "x" * (ctx - 1)
-        http_post(srv.port, {"prompt": prompt, "max_tokens": n})                 # warm
-        t1, _ = http_post(srv.port, {"prompt": prompt, "max_tokens": 1})
-        tn, out = http_post(srv.port, {"prompt": prompt, "max_tokens": n})
-        got = out["usage"]["completion_tokens"]
-        tpot = (tn - t1) / max(got - 1, 1)
-        ROWS.append(("decode", f"http b=1 ctx={ctx}", 1 / tpot, "tok/s", f"TPOT {tpot * 1e3:.2f} ms, {got} tokens"))
-        print(ROWS[-1])
-        t, _ = http_post(srv.port, {"prompt": "y" * ttft_len, "max_tokens": 1})
-        ROWS.append(("ttft", f"http prompt={ttft_len}", t * 1e3, "ms", ""))
-        print(ROWS[-1])
-    finally:
-        srv.stop()
-
-
-def kernel_peers(cfg, bw, batches=(1, 64), ctx=2048, page_size=16):
-    interpret = jax.default_backend() != "gpu"
-    """One layer's decode attention: ours (Pallas), the gather + dense XLA path, JAX's paged_attention."""
-    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
-    for b in batches:
-        pages = ctx // page_size
-        rng = np.random.default_rng(0)
-        shape = (b * pages, page_size, cfg.n_kv_heads, cfg.head_dim)
-        k = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-        v = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-        q = jnp.asarray(rng.normal(size=(b, cfg.n_heads, cfg.head_dim)), jnp.bfloat16)
-        table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-        lengths = jnp.full((b,), ctx, jnp.int32)
-        ref = paged_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                                        table, lengths)
-        kt, vt = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
-        impls = {"ours_pallas": jax.jit(lambda: paged_attention(q, k, v, table, lengths, interpret=interpret)),
-                 "xla_gather": jax.jit(lambda: paged_attention_reference(q, k, v, table, lengths)),
-                 "jax_paged_attention": jax.jit(lambda: jax_pa.paged_attention(q, kt, vt, table, lengths,
-                                                                               pages_per_compute_block=8))}
-        for name, f in impls.items():
+    if args.job == "base":
+        bench.emit({"section": "copy", "setting": "elementwise, read + write", "value": bw / 1e9, "unit": "GB/s",
+                    "note": "the roofline's bandwidth"})
+        for layers in ("scan", "split", "fused", "unroll"):
+            decode(1, layers, detail=True, profile=layers != "unroll")
+        for layers in ("fused", "scan"):
+            decode(sz["big"], layers, detail=layers == "fused")
+    elif args.job == "cmdbuf_while":
+        decode(1, "fused", detail=True)
+        decode(1, "scan")
+    elif args.job == "dsfusion":
+        decode(1, "scan", detail=True)
+        decode(1, "unroll")
+    elif args.job == "no_cmdbuf":
+        decode(1, "fused")
+    elif args.job == "pallas":
+        gate = bench.correctness_gate(preset="tiny" if args.cpu_smoke else "llama3_1b")
+        for path, result in gate.items():
+            bench.emit({"section": "gate", "setting": path, "value": float(result == "ok"), "unit": "ok",
+                        "note": result})
+        for batch in (1, sz["big"]):
+            if gate.get("paged-pallas") == "ok":
+                decode(batch, "fused", impl="pallas", detail=batch == 1)
             try:
-                err = float(jnp.max(jnp.abs(f().astype(jnp.float32) - ref)))
-                if err > 5e-2:
-                    ROWS.append(("kernel", f"{name} b={b} ctx={ctx}", float("nan"), "us", f"WRONG err {err:.1e}"))
-                    continue
-                t = timeit(f, reps=10)
-                ROWS.append(("kernel", f"{name} b={b} ctx={ctx}", t * 1e6, "us",
-                             f"{2 * k.nbytes / t / bw:.0%} of copy bw, err {err:.1e}"))
-            except Exception as e:  # noqa: BLE001 - a peer that fails here is reported, not fatal
-                ROWS.append(("kernel", f"{name} b={b} ctx={ctx}", float("nan"), "us", f"FAILED {str(e)[:80]}"))
-            print(ROWS[-1])
+                bench.kernel_peers(cfg, bw, batch, sz["ctx"])
+            except Exception as e:  # noqa: BLE001
+                bench.fail_row("kernel", f"peers b={batch}", e)
+    elif args.job == "engine":
+        from meshlab.infer.engine import Engine
+        eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
+                     steps_per_call=16, layers="fused")
+        for section, fn in (("ttft", lambda: bench.ttft(eng, sz["lengths"])),
+                            ("decode", lambda: bench.engine_tpot(eng, ctx=min(512, sz["ctx"]), n=sz["tpot_n"])),
+                            ("http", lambda: bench.server_rows(eng, ttft_len=min(2048, sz["lengths"][-1]),
+                                                               n=sz["tpot_n"], ctx=min(512, sz["ctx"])))):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                bench.fail_row(section, "engine", e)
 
 
-def write_rows(device, bw, path):
-    path.parent.mkdir(exist_ok=True)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    add = "" if text.endswith("\n") else "\n"
-    if not heads or heads[-1].strip() != "## Decode":              # append only; never edit earlier lines
-        add += "\n## Decode\n\nllama3_1b shape, bf16, random weights; scripts/bench_decode.py.\n"
-    add += ("\n| date | device | jax | section | setting | value | unit | note |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+# -- parent side ------------------------------------------------------------------------------
+def run_job(name, args, deadline, out: Path, bw):
+    """Run one job as a child until it ends or `deadline`; returns its rows (those printed so far)."""
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), JOBS[name][0]) if f)
+    cache = Path("/tmp/bench_decode_cache")
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    cmd = [sys.executable, __file__, "--job", name, "--out-dir", str(out)] + (["--bw", str(bw)] if bw else []) \
+        + (["--quick"] if args.quick else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
+    rows_path, log_path = out / "logs" / f"{name}.rows", out / "logs" / f"{name}.log"
+    with open(rows_path, "w") as rows_fh, open(log_path, "w") as log_fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=rows_fh, stderr=log_fh, start_new_session=True)
+        rows, done = [], 0
+        while True:
+            finished = proc.poll() is not None
+            lines = rows_path.read_text().splitlines(keepends=True)
+            for line in lines[done:]:
+                if not line.endswith("\n") and not finished:
+                    break                                   # a line still being written
+                done += 1
+                if line.startswith("ROW "):
+                    row = dict(json.loads(line[4:]), job=name)
+                    rows.append(row)
+                    if row["section"] != "meta":
+                        print(f"[{name}] {row['section']:7} {row['setting']:36} {row['value']:10.1f} "
+                              f"{row['unit']:5} {row.get('note', '')}"[:230], flush=True)
+            if finished:
+                break
+            if time.perf_counter() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rows.append({"section": name, "setting": "TIMEOUT", "value": float("nan"), "unit": "", "job": name,
+                             "note": "job stopped at its time limit; rows before this are complete"})
+                print(f"[{name}] stopped at its time limit", flush=True)
+                break
+            time.sleep(0.5)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        tail = log_path.read_text().splitlines()[-12:]
+        rows.append({"section": name, "setting": "FAILED", "value": float("nan"), "unit": "", "job": name,
+                     "note": f"exit {proc.returncode}: " + " | ".join(tail)[-300:]})
+        print(f"[{name}] exit {proc.returncode}; log tail:\n  " + "\n  ".join(tail), flush=True)
+    return rows
+
+
+def markdown(rows, meta) -> str:
     day = datetime.date.today().isoformat()
-    add += f"| {day} | {device} | {jax.__version__} | copy | 1 GiB | {bw / 1e9:.0f} | GB/s | measured |\n"
-    for sec, setting, val, unit, note in ROWS:
-        add += f"| {day} | {device} | {jax.__version__} | {sec} | {setting} | {val:.1f} | {unit} | {note} |\n"
-    with open(path, "a") as fh:
-        fh.write(add)
-    print(f"appended {len(ROWS) + 1} rows to {path}")
+    dev, jv = meta.get("device", "?"), meta.get("jax", "?")
+    lines = ["| date | device | jax | section | setting | value | unit | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["section"] != "meta":
+            lines.append(f"| {day} | {dev} | {jv} | {r['section']} | {r['setting']} | {r['value']:.1f} | {r['unit']} | "
+                         f"{str(r.get('note', '')).replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def details(rows) -> str:
+    """HLO traffic and kernel profiles per decode variant (the evidence behind the numbers), and
+    whether its greedy tokens equal the scan path's (bf16: a different fusion may round differently)."""
+    out = ["\n## HLO traffic and profiles per decode variant\n"]
+    ref = {r["batch"]: r["tokens"] for r in rows if r["section"] == "decode" and r.get("layers") == "scan"
+           and r.get("impl") == "xla" and r["job"] == "base" and "tokens" in r}
+    for r in rows:
+        if r["section"] == "decode" and "hlo" in r:
+            same = {True: "same greedy tokens as scan", False: "greedy tokens differ from scan"}.get(
+                r["tokens"] == ref[r["batch"]] if r["batch"] in ref else None, "")
+            out.append(f"### {r['setting']}: {r['value']:.0f} tok/s, compile {r.get('compile_s')} s; {same}\n")
+            out.append("```\n" + json.dumps(r["hlo"], indent=1) + "\n```")
+            if "profile" in r:
+                out.append("profile: ```" + json.dumps(r["profile"]) + "```\n")
+    return "\n".join(out) + "\n"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer batch sizes and prompt lengths")
-    ap.add_argument("--budget-s", type=float, default=200, help="skip later sections after this many seconds")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run every section on CPU with the tiny model (checks the script, numbers meaningless)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--budget-s", type=float, default=440, help="the whole call ends within this")
+    ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, in order; of {','.join(JOBS)}")
+    ap.add_argument("--quick", action="store_true", help="fewer prompt lengths")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the mechanics only")
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--bw", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.job:
+        return run_child(args)
     t0 = time.perf_counter()
-    gpu = jax.default_backend() == "gpu"
-    device = jax.devices()[0].device_kind
-    if not args.cpu_smoke:
-        correctness_gate(interpret=not gpu)
-        if not gpu:
-            sys.exit("bench_decode: correctness passed; timing needs a GPU (the numbers are for the H200)")
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {device}")
-    if args.cpu_smoke:
-        cfg = dataclasses.replace(models.preset("tiny"), dtype="float32")
-        batches, ctx, lengths, max_len, chunk, peer_b = [1, 2], 64, [32, 64], 256, 32, (1, 2)
-    else:
-        cfg = dataclasses.replace(models.preset("llama3_1b"), dtype="bfloat16")
-        batches = [1, 64] if args.quick else [1, 8, 32, 64, 128, 256]
-        lengths = [512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192]
-        ctx, max_len, chunk, peer_b = 2048, 8192 + 256, 512, (1, 64)
-    md, params = model_def(cfg), random_params(cfg)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    engine = {}
-
-    def make_engine():
-        engine["e"] = Engine(md, params, max_len=max_len, max_seqs=1, page_size=16, chunk=chunk, steps_per_call=16)
-        bench_ttft(engine["e"], lengths, "engine")
-        engine_tpot(engine["e"], "engine", ctx=min(512, ctx), n=min(256, max_len - 512) if not args.cpu_smoke else 32)
-    # Most important first: a section past --budget-s is skipped, not half-run.
-    sections = [("decode, xla paged", lambda: bench_decode(md, params, weight_bytes, bw, batches, ctx, "xla")),
-                ("ttft + engine tpot", make_engine),
-                ("http server", lambda: bench_server(engine["e"], lengths[-1] // 2 if args.cpu_smoke else 2048,
-                                                     n=32 if args.cpu_smoke else 256, ctx=min(512, ctx))),
-                ("decode, unrolled layers", lambda: bench_decode(md, params, weight_bytes, bw, [1], ctx, "xla",
-                                                                 unroll=True)),
-                ("decode, pallas paged", lambda: bench_decode(md, params, weight_bytes, bw, list(peer_b), ctx,
-                                                              "pallas")),
-                ("kernel peers", lambda: kernel_peers(cfg, bw, peer_b, ctx))]
-    for name, run in sections:
-        if time.perf_counter() - t0 > args.budget_s:
-            print(f"skipped {name}: past the {args.budget_s:.0f} s budget")
+    out = Path(os.environ.get("OUT") or "/tmp/bench_decode")
+    for sub in ("logs", "hlo"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    jobs = [j for j in args.jobs.split(",") if j]
+    rows, bw = [], 0.0
+    for i, name in enumerate(jobs):
+        later = sum(JOBS[j][1] for j in jobs[i + 1:])
+        deadline = t0 + args.budget_s - 5 - later            # later jobs keep their reserve; slack goes here
+        if deadline - time.perf_counter() < 20:
+            rows.append({"section": name, "setting": "SKIPPED", "value": float("nan"), "unit": "", "job": name,
+                         "note": "no time left in the budget"})
+            print(f"[{name}] skipped: no time left", flush=True)
             continue
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others' rows
-            print(f"section {name} failed: {type(e).__name__}: {str(e)[:300]}")
-            ROWS.append((name, "FAILED", float("nan"), "", f"{type(e).__name__}: {str(e)[:100]}"))
-    print(f"\n{'section':8} {'setting':32} {'value':>10} unit   note")
-    for sec, setting, val, unit, note in ROWS:
-        print(f"{sec:8} {setting:32} {val:10.1f} {unit:6} {note}")
-    write_rows(device, bw, Path(args.out))
-    print(f"total {time.perf_counter() - t0:.0f} s")
+        rows += run_job(name, args, deadline, out, bw)
+        bw = bw or next((r["value"] * 1e9 for r in rows if r["section"] == "copy"), 0.0)
+    meta = next((r for r in rows if r["section"] == "meta"), {})
+    table = markdown(rows, meta)
+    (out / "bench_decode.json").write_text(json.dumps(rows, indent=1, default=float))
+    (out / "bench_decode.md").write_text(table + details(rows))
+    print("\n" + table)
+    if meta.get("backend") == "gpu":                        # real measurements only
+        block = ("\n### bench_decode.py, one call (" + f"{time.perf_counter() - t0:.0f} s; jobs {','.join(jobs)})\n\n"
+                 + table)
+        (out / "benchmarks_append.md").write_text(block)
+        with open(args.docs, "a") as fh:
+            fh.write(block)
+        print(f"appended {table.count(chr(10)) - 2} rows to {args.docs} and {out / 'benchmarks_append.md'}")
+    print(f"total {time.perf_counter() - t0:.0f} s; files in {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,354 @@
+"""Decode measurements that scripts/bench_decode.py runs, one process per XLA flag set.
+
+Each function returns rows (dicts: section, setting, value, unit, note, plus details) and the
+script's child process prints each as a `ROW {json}` line as soon as it exists, so a process
+killed at its time limit still hands back everything measured before.
+
+`hlo_traffic` reads the optimized HLO of a compiled decode program and counts, per generated
+token, the bytes written by instructions with a large result (copies of weight slices, KV
+gathers, transposes) and the number of kernel-launching instructions. For a bandwidth-bound
+decode step those bytes are the waste: a weight slice copied before its GEMM is read, written
+and read again (3x the bytes the step needs).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlab.infer import kv_cache
+from meshlab.infer.engine import ContiguousGenerator, Engine, make_programs, serving_params
+from meshlab.infer.sampler import SamplingParams, row_arrays
+
+ROW_PREFIX = "ROW "
+
+
+def emit(row: dict) -> dict:
+    print(ROW_PREFIX + json.dumps(row, default=float), flush=True)
+    return row
+
+
+def timeit(fn, reps=5) -> float:
+    """Median seconds of `reps` calls after one warm call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of an elementwise pass over `nbytes` (read + write): the card's usable HBM rate."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.000001)
+    return 2 * x.nbytes / timeit(lambda: f(x), reps=10)
+
+
+# -- HLO traffic ------------------------------------------------------------------------------
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+                "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
+_SHAPE = re.compile(r"\b(\w+)\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+              "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier", "optimization-barrier"}
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+def _bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(shape_text):
+        n = 1
+        for d in dims.split(","):
+            n *= int(d) if d else 1
+        total += n * _DTYPE_BYTES.get(dtype, 0)
+    return total
+
+
+def _category(ops: set) -> str:
+    if any(o in ops for o in _IN_PLACE):
+        return "in-place update"
+    for cat, keys in (("gemm", ("dot", "custom-call", "convolution")), ("gather", ("gather",)),
+                      ("slice copy", ("dynamic-slice", "slice")), ("copy/transpose", ("copy", "transpose")),
+                      ("reduce", ("reduce", "reduce-window", "sort"))):
+        if any(k in ops for k in keys):
+            return cat
+    return "elementwise"
+
+
+def hlo_traffic(text: str, tokens: int, min_bytes: int = 1 << 20, top: int = 8) -> dict:
+    """Per token: MB written by instructions whose result is >= min_bytes (in-place updates
+    excluded), split by category, the largest ones, and kernel-launching instructions."""
+    comps: dict[str, list] = {}       # computation -> [(name, op, shape text, line)]
+    entry, comp = None, None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            comp = m.group(1)
+            comps[comp] = []
+            if line.lstrip().startswith("ENTRY"):
+                entry = comp
+            continue
+        i = _INSTR.match(line)
+        if i and comp is not None:
+            comps[comp].append((i.group(1), i.group(3), i.group(2), line))
+    ops_of = {c: {op for _, op, _, _ in instrs} for c, instrs in comps.items()}
+    mult = collections.Counter({entry: 1})
+    order, seen = [entry], {entry}
+    for c in order:                    # breadth-first: while bodies x trip count, branches/calls x 1
+        for name, op, _, line in comps.get(c, ()):
+            callees = []
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line)
+                trip = _TRIP.search(line)
+                callees = [(body.group(1), int(trip.group(1)) if trip else 1)] if body else []
+            elif op in ("conditional", "call") or (op.startswith("async") and "calls=" in line):
+                names = re.findall(r"(?:branch_computations=\{|to_apply=|calls=|true_computation=|"
+                                   r"false_computation=)([^}\s]+)", line)
+                callees = [(n.strip("%,"), 1) for group in names for n in group.split(",")]
+            for callee, k in callees:
+                mult[callee] += mult[c] * k
+                if callee not in seen:
+                    seen.add(callee)
+                    order.append(callee)
+    by_cat, big, kernels = collections.Counter(), [], 0
+    for c in order:
+        for name, op, shape, line in comps.get(c, ()):
+            if op in _NO_KERNEL or op.startswith("async") and "calls=" in line:
+                continue
+            kernels += mult[c]
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            cat = _category(ops_of.get(called.group(1), set()) if called and op == "fusion" else {op})
+            nbytes = _bytes(shape)
+            if cat == "in-place update" or nbytes < min_bytes:
+                continue
+            by_cat[cat] += nbytes * mult[c]
+            big.append((nbytes * mult[c], name, shape.split("{")[0], cat, mult[c]))
+    big.sort(reverse=True)
+    mb = lambda b: round(b / tokens / 1e6, 2)
+    return {"written_mb_per_token": mb(sum(by_cat.values())), "kernels_per_token": round(kernels / tokens, 1),
+            "by_category_mb": {k: mb(v) for k, v in by_cat.most_common()},
+            "top": [f"{n} {s} {cat} x{m / tokens:g}/token = {mb(b)} MB" for b, n, s, cat, m in big[:top]]}
+
+
+# -- decode steps -----------------------------------------------------------------------------
+def decode_state(cfg, batch, ctx, page_size=16):
+    """A paged cache where every row holds ctx tokens' pages (values irrelevant for timing)."""
+    pages = ctx // page_size
+    cache = kv_cache.init_paged(cfg, batch * pages + 1, page_size)
+    table = (1 + np.arange(batch * pages, dtype=np.int32)).reshape(batch, pages)
+    return cache, jnp.asarray(table)
+
+
+def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=32, reps=3, label="",
+                   hlo_file=None, profile_dir=None) -> dict:
+    """Tokens/s of `n` greedy decode steps per call at context `ctx` (paged cache), against the
+    roofline: bytes of weights + KV read per step over the copy bandwidth `bw`."""
+    cfg = md.cfg
+    served = serving_params(md, params, layers)
+    _, loop = make_programs(md, "paged", impl, interpret=jax.default_backend() != "gpu", layers=layers)
+    cache, table = decode_state(cfg, batch, ctx)
+    seen = jnp.zeros((batch, cfg.vocab_size), bool)
+    rows = row_arrays([SamplingParams()] * batch)
+    tok, pos = np.ones(batch, np.int32), np.full(batch, ctx - n, np.int32)
+    active, counters = np.ones(batch, bool), np.zeros(batch, np.int32)
+    t0 = time.perf_counter()
+    compiled = loop.lower(served, cache, seen, tok, pos, active, table, rows, counters, n=n, greedy=True).compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    traffic = hlo_traffic(text, n)
+    if hlo_file:
+        import gzip
+        with gzip.open(hlo_file, "wt") as fh:
+            fh.write(text)
+    state = {"cache": cache, "seen": seen}
+
+    def run():
+        toks, state["cache"], state["seen"] = compiled(served, state["cache"], state["seen"], tok, pos, active,
+                                                       table, rows, counters)
+        return toks
+    first = np.asarray(run())[:, 0].tolist()                                      # greedy tokens of row 0
+    step = timeit(run, reps=reps) / n
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(served))
+    moved = weight_bytes + batch * ctx * kv_cache.cache_bytes(cfg, 1)
+    row = {"section": "decode", "setting": f"{label or layers} {impl} b={batch} ctx={ctx}",
+           "value": batch / step, "unit": "tok/s", "batch": batch, "ctx": ctx, "layers": layers, "impl": impl,
+           "tpot_ms": step * 1e3, "gbps": moved / step / 1e9, "frac_copy_bw": moved / step / bw,
+           "roofline_tok_s": bw / moved * batch, "compile_s": round(compile_s, 1), "hlo": traffic,
+           "tokens": first,
+           "note": f"TPOT {step * 1e3:.2f} ms, {moved / step / 1e9:.0f} GB/s = {moved / step / bw:.0%} of copy bw "
+                   f"(roofline {bw / moved * batch:.0f} tok/s); HLO: {traffic['written_mb_per_token']} MB of "
+                   f"large writes, {traffic['kernels_per_token']} kernels per token"}
+    if profile_dir:
+        row["profile"] = profile(run, profile_dir, n, step)
+    del served, state, cache
+    return row
+
+
+def profile(run, trace_dir, n, step_s) -> dict:
+    """Device time per token by kernel class from a Perfetto trace of one call (XLA replaces
+    command buffers by op-by-op launches while profiling, so busy% is a lower bound)."""
+    from meshlab.train.profile_summary import summarize
+    try:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        s = summarize(trace_dir, steps=n, top=8)
+    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
+        return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    return {"busy_ms_per_token": round(s["busy_ms_per_step"], 3), "tpot_ms": round(step_s * 1e3, 3),
+            "classes": [(c, round(t, 3)) for c, t, _ in s["classes"]],
+            "kernels": [(k, round(t, 3), c) for k, t, c, _ in s["kernels"]]}
+
+
+def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b") -> dict:
+    """`preset` widths, 2 layers, fp32 (highest matmul precision): cached greedy decode
+    (contiguous, paged per impl) must equal the argmax of the uncached forward at every step.
+    Returns path -> "ok" or the failure."""
+    import dataclasses
+    import models
+    from meshlab.infer.loading import random_params
+    from meshlab.train.state import model_def
+    cfg = dataclasses.replace(models.preset(preset), n_layers=2, dtype="float32",
+                              init_std=0.05 if preset == "llama3_1b" else 0.2)   # spread logits: no argmax ties
+    md, params = model_def(cfg), random_params(cfg, seed=1)
+    prompts = [list(range(200, 213)), list(range(5, 40))]        # inside any vocabulary (tiny: 257)
+    interpret = jax.default_backend() != "gpu"
+    result = {}
+    with jax.default_matmul_precision("highest"):
+        fwd = jax.jit(lambda p, x: md.bind(p)(x)[..., :cfg.vocab_size])
+        makers = {"contiguous": lambda: ContiguousGenerator(md, params, batch=2, max_len=64, chunk=32,
+                                                            steps_per_call=4, layers=layers).generate(
+                                                                prompts, SamplingParams(max_tokens=12))}
+        for impl in impls:
+            makers[f"paged-{impl}"] = lambda impl=impl: [r.output for r in Engine(
+                md, params, max_len=64, max_seqs=2, page_size=16, chunk=32, steps_per_call=4, impl=impl,
+                interpret=interpret, layers=layers).generate(prompts, SamplingParams(max_tokens=12))]
+        for name, make in makers.items():
+            try:
+                out = make()
+                bad = []
+                for p, o in zip(prompts, out):
+                    ref = np.asarray(fwd(params, jnp.asarray([p + o])))[0, len(p) - 1:-1].argmax(-1).tolist()
+                    if ref != o:
+                        bad.append(f"{o} vs {ref}")
+                result[name] = "ok" if not bad else "cached greedy != uncached argmax: " + "; ".join(bad)[:200]
+            except Exception as e:  # noqa: BLE001 - a path that fails to compile is reported
+                result[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    return result
+
+
+def kernel_peers(cfg, bw, batch, ctx=2048, page_size=16) -> list[dict]:
+    """One layer's decode attention: ours (Pallas), the gather + dense XLA path, JAX's paged_attention."""
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+    interpret = jax.default_backend() != "gpu"
+    pages = ctx // page_size
+    rng = np.random.default_rng(0)
+    shape = (batch * pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    k = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(batch, cfg.n_heads, cfg.head_dim)), jnp.bfloat16)
+    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    ref = paged_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                    table, lengths)
+
+    def jax_peer():
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+        kt, vt = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        return jax.jit(lambda: jax_pa.paged_attention(q, kt, vt, table, lengths, pages_per_compute_block=8))
+    impls = {"ours_pallas": lambda: jax.jit(lambda: paged_attention(q, k, v, table, lengths, interpret=interpret)),
+             "xla_gather": lambda: jax.jit(lambda: paged_attention_reference(q, k, v, table, lengths)),
+             "jax_paged_attention": jax_peer}
+    out = []
+    for name, make in impls.items():
+        setting = f"{name} b={batch} ctx={ctx}"
+        try:
+            f = make()
+            err = float(jnp.max(jnp.abs(f().astype(jnp.float32) - ref)))
+            if err > 5e-2:
+                out.append(emit({"section": "kernel", "setting": setting, "value": float("nan"), "unit": "us",
+                                 "note": f"WRONG: max error {err:.1e}"}))
+                continue
+            t = timeit(f, reps=10)
+            out.append(emit({"section": "kernel", "setting": setting, "value": t * 1e6, "unit": "us",
+                             "note": f"{2 * k.nbytes / t / bw:.0%} of copy bw, max error {err:.1e}"}))
+        except Exception as e:  # noqa: BLE001 - a peer that fails here is reported, not fatal
+            out.append(emit({"section": "kernel", "setting": setting, "value": float("nan"), "unit": "us",
+                             "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"}))
+    return out
+
+
+# -- engine and server ------------------------------------------------------------------------
+def ttft(engine, lengths) -> list[dict]:
+    """Time to first token of one prompt per length (prefill in chunks + the first sample)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in lengths:
+        prompt = rng.integers(0, engine.md.cfg.vocab_size, size=n).tolist()
+        engine.generate([prompt], SamplingParams(max_tokens=1))              # warm (compiles once)
+        t = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}", "value": (time.perf_counter() - t) * 1e3,
+                         "unit": "ms", "note": f"chunk {engine.chunk}"}))
+    return out
+
+
+def engine_tpot(engine, ctx=512, n=256) -> dict:
+    """Decode tokens/s of one request through the engine (host loop included)."""
+    prompt = list(range(1, ctx))
+    engine.generate([prompt], SamplingParams(max_tokens=n))                  # warm
+    t = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    t1 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=n))
+    tpot = (time.perf_counter() - t1 - (t1 - t)) / (n - 1)
+    return emit({"section": "decode", "setting": f"engine b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
+                 "note": f"TPOT {tpot * 1e3:.2f} ms incl. host, {engine.steps_per_call} steps per call"})
+
+
+def _post(port, body):
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    return time.perf_counter() - t, out
+
+
+def server_rows(engine, ttft_len=2048, n=256, ctx=512) -> list[dict]:
+    """The same engine behind the HTTP server: b=1 decode tokens/s and one TTFT."""
+    from meshlab.infer.server import Server
+    from meshlab.train.data import ByteTokenizer
+    srv = Server(engine, ByteTokenizer(), "bench", "127.0.0.1", 0).start()
+    out = []
+    try:
+        prompt = "x" * (ctx - 1)
+        _post(srv.port, {"prompt": prompt, "max_tokens": n})                  # warm
+        t1, _ = _post(srv.port, {"prompt": prompt, "max_tokens": 1})
+        tn, body = _post(srv.port, {"prompt": prompt, "max_tokens": n})
+        got = body["usage"]["completion_tokens"]
+        tpot = (tn - t1) / max(got - 1, 1)
+        out.append(emit({"section": "decode", "setting": f"http b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
+                         "note": f"TPOT {tpot * 1e3:.2f} ms, {got} tokens"}))
+        t, _ = _post(srv.port, {"prompt": "y" * ttft_len, "max_tokens": 1})
+        out.append(emit({"section": "ttft", "setting": f"http prompt={ttft_len}", "value": t * 1e3, "unit": "ms",
+                         "note": ""}))
+    finally:
+        srv.stop()
+    return out
+
+
+def fail_row(section: str, setting: str, e: BaseException) -> dict:
+    print(f"{section} {setting} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return emit({"section": section, "setting": setting, "value": float("nan"), "unit": "",
+                 "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"})
