@@ -28,6 +28,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="paged decode attention")
+    ap.add_argument("--layers", default="split", choices=("split", "fused", "scan", "unroll"),
+                    help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
+                         "GEMMs (meant for one device); split keeps each weight's tensor sharding")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
     args = ap.parse_args(argv)
     if args.cpu_devices:
@@ -40,7 +43,7 @@ def main(argv=None):
         cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype)
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
-                        impl=args.attention)
+                        impl=args.attention, layers=args.layers)
         stop = [tok.eod_id] if hasattr(tok, "eod_id") else []
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop).start()
     except (ValueError, OSError) as e:
