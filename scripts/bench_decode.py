@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 # name: (XLA_FLAGS, reserve seconds, tag added to settings)
 JOBS = {
-    "base": ("", 165, ""),
-    "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 50, " [cmdbuf+while]"),
+    "base": ("", 160, ""),
+    "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 45, " [cmdbuf+while]"),
     "dsfusion": ("--xla_gpu_enable_dynamic_slice_fusion=true", 40, " [ds-fusion]"),
     "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 30, " [no cmdbuf]"),
-    "pallas": ("", 80, ""),
+    "pallas": ("", 95, ""),
     "engine": ("", 65, ""),
 }
 
