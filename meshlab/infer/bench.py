@@ -86,8 +86,8 @@ def _category(ops: set) -> str:
 
 
 def hlo_traffic(text: str, tokens: int, min_bytes: int = 1 << 20, top: int = 8) -> dict:
-    """Per token: MB written by instructions whose result is >= min_bytes (in-place updates
-    excluded), split by category, the largest ones, and kernel-launching instructions."""
+    """Per token: MB written by instructions whose result is >= min_bytes (in-place updates and
+    GEMMs excluded), split by category, the largest ones, and kernel-launching instructions."""
     comps: dict[str, list] = {}       # computation -> [(name, op, shape text, line)]
     entry, comp = None, None
     for line in text.splitlines():
@@ -129,7 +129,8 @@ def hlo_traffic(text: str, tokens: int, min_bytes: int = 1 << 20, top: int = 8) 
             called = re.search(r"calls=%?([\w.\-]+)", line)
             cat = _category(ops_of.get(called.group(1), set()) if called and op == "fusion" else {op})
             nbytes = _bytes(shape)
-            if cat == "in-place update" or nbytes < min_bytes:
+            # GEMM results are the step's activations (and a cuBLAS call's tuple holds its workspace)
+            if cat in ("in-place update", "gemm") or nbytes < min_bytes:
                 continue
             by_cat[cat] += nbytes * mult[c]
             big.append((nbytes * mult[c], name, shape.split("{")[0], cat, mult[c]))
