@@ -114,22 +114,32 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
 
 
+LAYER_PROMPTS = [[5, 6, 7], list(range(40, 60))]
+# one greedy and one sampled + penalised row (the all-greedy program is exercised by the other tests)
+LAYER_SAMPLING = [[SamplingParams(max_tokens=9),
+                   SamplingParams(max_tokens=9, temperature=0.8, repetition_penalty=1.2, seed=5)]]
+
+
+def layer_mode_outputs(md, params, layers):
+    """Tokens of the contiguous generator and the paged engine with `layers`."""
+    gen = ContiguousGenerator(md, params, batch=2, max_len=64, chunk=16, steps_per_call=4, layers=layers)
+    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=layers)
+    return ([gen.generate(LAYER_PROMPTS, sp) for sp in LAYER_SAMPLING],
+            [[r.output for r in eng.generate(LAYER_PROMPTS, sp)] for sp in LAYER_SAMPLING])
+
+
+@pytest.fixture(scope="module")
+def split_outputs(tiny):
+    md, params, _ = tiny
+    return layer_mode_outputs(md, params, "split")
+
+
 @pytest.mark.parametrize("layers", ["scan", "unroll", "fused"])
-def test_layer_modes_give_the_same_tokens(tiny, layers):
+def test_layer_modes_give_the_same_tokens(tiny, split_outputs, layers):
     """The default per-layer split (no weight slicing) against the stacked scan, the unrolled scan and
     the split with concatenated projections."""
     md, params, _ = tiny
-    prompts = [[5, 6, 7], list(range(40, 60))]
-    sps = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, temperature=0.8, repetition_penalty=1.2, seed=5)]
-    for make in (lambda m: ContiguousGenerator(md, params, batch=2, max_len=64, chunk=16, steps_per_call=4, layers=m),
-                 lambda m: Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=m)):
-        outs = []
-        for mode in ("split", layers):
-            gen = make(mode)
-            for sp in (sps[0], sps):                   # all greedy (the greedy program), then mixed
-                got = gen.generate(prompts, sp)
-                outs.append([r.output for r in got] if isinstance(gen, Engine) else got)
-        assert outs[:2] == outs[2:]
+    assert layer_mode_outputs(md, params, layers) == split_outputs
 
 
 def test_serving_params_cast_once_split_per_layer(tiny):
