@@ -1,0 +1,78 @@
+"""scripts/bench_scaling.py and scripts/bench_scaling_torch.py planning logic (no training here: the
+CPU run of bench_scaling is in its docstring, the torch peers need torch and run on the device)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import models
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bs():
+    return _load("bench_scaling")
+
+
+def test_overrides_are_typed_and_selected(bs):
+    overs = bs.parse_over(["attention=cudnn,remat=none,fused_norm=1", "llama3_8b:remat=full,per_device_batch=2",
+                           "tp/x2:loss_impl=dense", "seq65536:remat=save_dots"])
+    cfg = models.preset("llama3_8b")
+    rest = {}
+    for sel, kv in overs:
+        if bs.selected(sel, "llama3_8b", "fsdp", 2, 4096):
+            rest.update(bs.apply_over(cfg, kv))
+    assert (cfg.attention, cfg.remat, cfg.fused_norm, cfg.loss_impl) == ("cudnn", "full", True, "dense")
+    assert rest == {"per_device_batch": "2"}
+    assert bs.selected("tp/x2", "llama3_1b", "tp", 2, 4096) and not bs.selected("tp/x2", "llama3_1b", "tp", 4, 4096)
+    assert bs.selected("seq65536", "llama3_1b", "cp_ring", 2, 65536)
+    off = models.preset("llama3_1b")
+    bs.apply_over(off, bs.parse_over([bs.FUSED])[0][1])
+    assert not (off.fused_swiglu or off.fused_norm) and off.loss_impl == "dense"
+
+
+def test_run_list(bs):
+    a = argparse.Namespace(runs="llama3_1b:dp:1,llama3_1b:cp_ring:2:32768", seq=4096, models="", rules="", gpus="",
+                           cp_seqs="")
+    assert bs.plan_runs(a) == [("llama3_1b", "dp", 1, 4096), ("llama3_1b", "cp_ring", 2, 32768)]
+    a = argparse.Namespace(runs="", seq=4096, models="llama3_1b,llama3_8b", rules="dp,fsdp", gpus="1,2", cp_seqs="32768")
+    runs = bs.plan_runs(a)
+    assert runs[0] == ("llama3_1b", "dp", 1, 4096) and ("llama3_1b", "fsdp", 1, 4096) not in runs   # one baseline
+    assert not any(m == "llama3_8b" and n == 1 for m, _, n, _ in runs)
+    assert runs[-1] == ("llama3_1b", "cp_ring", 2, 32768)
+
+
+def test_rule_files_that_are_one_program_on_two_devices(bs):
+    """fsdp_tp with an fsdp axis of size 1 is tp: measured once, reported twice."""
+    import jax
+    from meshlab import rules as R
+    from meshlab.mesh import make_mesh
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    sig = {}
+    for name in ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp", "fsdp_cp", "cp_ring"):
+        rules = R.load_rules(name)
+        sig.setdefault(bs.signature(rules, make_mesh(rules.mesh, jax.devices()[:2])), []).append(name)
+    assert sorted(sig.values(), key=len)[-1] == ["tp", "fsdp_tp"]
+    assert all(len(v) == 1 for v in sig.values() if v != ["tp", "fsdp_tp"])
+
+
+def test_torch_peer_phases():
+    bt = _load("bench_scaling_torch")
+    assert bt._bytes("1GiB") == 2**30 and bt._bytes("64MiB") == 2**26
+    phases = bt.plan_phases([2, 1], ["ddp", "fsdp2"], ngpu=2, concurrent=True, collectives=True)
+    assert phases[0] == [("x2", 2, [0, 1], ["collectives", "ddp", "fsdp2"])]
+    assert phases[1] == [("x1-ddp", 1, [0], ["ddp"]), ("x1-fsdp2", 1, [1], ["fsdp2"])]   # one GPU each, at once
+    one = bt.plan_phases([1, 4], ["ddp", "fsdp2"], ngpu=2, concurrent=False, collectives=True)
+    assert one[0] == [("x1", 1, [0], ["ddp", "fsdp2"])] and one[1] == [("x4", 4, [], [])]   # 4: reported as not run
