@@ -17,7 +17,8 @@ Times: `time` is k calls issued back to back over k (device time, as nccl-tests 
 is the median single call waited for. The profile's alpha/BW per axis are fitted with the planner's
 own formulas on all-reduce/all-gather/reduce-scatter (ppermute when those were not run).
 --variants re-times the all-reduce in fresh processes, one change each (NCCL protocol/algorithm,
-XLA user/symmetric buffers, XLA's own all-reduce kernel, one process per GPU, combining, in place).
+XLA user/symmetric buffers, XLA's one-shot all-reduce kernel, one process per GPU, combining, in
+place). Flags checked to parse in jax 0.10.2; the GPU's jax may differ: an unknown one is an error row.
 """
 from __future__ import annotations
 
@@ -306,7 +307,7 @@ VARIANTS = {
     "nccl_proto_simple": {"NCCL_PROTO": "Simple"},
     "nccl_algo_ring": {"NCCL_ALGO": "Ring"},
     "xla_user_buffers": {_X: "--xla_gpu_enable_nccl_user_buffers=true"},
-    "xla_no_all_reduce_kernel": {_X: "--xla_gpu_allow_all_reduce_kernel=false"},
+    "xla_one_shot_kernel": {_X: "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},   # XLA's own kernel
     "xla_symmetric_buffers": {_X: "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true"},
     "nccl_min_channels_32": {"NCCL_MIN_NCHANNELS": "32"},
     "nccl_algo_tree": {"NCCL_ALGO": "Tree"},

@@ -213,7 +213,8 @@ def worker(rank: int, world: int, gpu: int, port: int, jobs: list[str], a, q, gr
             else:
                 out = train(job, dev, world, a)
             if rank == 0:
-                q.put({"group": group, "job": job, "gpus": world, **out})
+                name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+                q.put({"group": group, "job": job, "gpus": world, "device": name, **out})
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             dist.barrier()
@@ -274,26 +275,40 @@ def run_phase(phase, a, deadline: float, emit) -> None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
-    failed = set()
-    while expected and time.time() < deadline:
+    done, failed = set(), {}
+
+    def take(msg):
+        key = (msg["group"], msg["job"])
+        if "error" in msg:
+            if msg["group"] in failed:      # the first error of a group is the one that says why
+                return
+            failed[msg["group"]] = msg["job"]
+        elif key in done:
+            return
+        done.add(key)
+        emit(msg)
+
+    pending = lambda: {k for k in expected if k not in done and k[0] not in failed}  # noqa: E731
+    while pending() and time.time() < deadline:
         try:
-            msg = q.get(timeout=1.0)
+            take(q.get(timeout=1.0))
         except queue_mod.Empty:
             if not any(p.is_alive() for p in procs):
                 break
-            continue
-        key = (msg["group"], msg["job"])
-        if "error" in msg:
-            failed.add(msg["group"])   # the group's later jobs will not come: its peers are stuck or gone
-            expected -= {k for k in expected if k[0] == msg["group"]}
-        expected.discard(key)
-        emit(msg)
+    while True:   # messages from several processes need not arrive in order: drain what was sent
+        try:
+            take(q.get(timeout=0.5))
+        except queue_mod.Empty:
+            break
     for p in procs:
-        p.join(timeout=5 if not expected and not failed else 0.1)
+        p.join(timeout=5 if not pending() and not failed else 0.1)
         if p.is_alive():
             p.kill()
-    why = "timeout: past this phase's deadline" if time.time() >= deadline else "process ended without a result"
-    for group, job in sorted(expected):
+    for group, job in sorted(k for k in expected if k not in done):
+        if group in failed:
+            why = f"not run: {failed[group]} failed first in this group"
+        else:
+            why = "timeout: past this phase's deadline" if time.time() >= deadline else "process ended without a result"
         emit({"group": group, "job": job, "error": why})
 
 
@@ -314,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ar-sizes", default="64MiB,256MiB,1GiB,4GiB")
     ap.add_argument("--ar-iters", type=int, default=20)
     ap.add_argument("--deadline-s", type=float, default=200, help="the whole script, all phases")
+    ap.add_argument("--phase-reserve-s", type=float, default=45, help="kept for each later phase")
     ap.add_argument("--nccl-timeout-s", type=float, default=120)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true")
@@ -339,8 +355,7 @@ def main(argv=None) -> int:
         info = {"event": "start", "torch": torch.__version__, "transformers": transformers.__version__,
                 "gpus_present": ngpu, NVLS: os.environ[NVLS], "date": datetime.datetime.now().isoformat(timespec="seconds")}
         if a.device == "cuda":
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-            info["device"] = torch.cuda.get_device_name(0) if ngpu else None
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))   # no CUDA context in this process
         emit(info)
         modes = [m for m in a.modes.split(",") if m]
         bad = [m for m in modes if m not in ("ddp", "fsdp2")]
@@ -348,8 +363,8 @@ def main(argv=None) -> int:
             emit({"error": f"unknown mode(s) {bad}: use ddp, fsdp2"})
             return 2
         phases = plan_phases([int(g) for g in a.gpus.split(",")], modes, ngpu, not a.no_concurrent, not a.no_collectives)
-        for phase in phases:
-            run_phase(phase, a, start + a.deadline_s, emit)
+        for i, phase in enumerate(phases):   # a hung phase leaves the later ones their reserve
+            run_phase(phase, a, start + a.deadline_s - a.phase_reserve_s * (len(phases) - 1 - i), emit)
     except Exception as e:  # noqa: BLE001 - the line the driver greps for
         emit({"error": f"{type(e).__name__}: {str(e)[:300]}"})
         return 1
