@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -143,6 +144,11 @@ def wire_bytes(op: str, n: int, p: int) -> float:
 
 def _input(mesh, axis: str, elems: int):
     """This device's [elems] float32 block, made on the devices (a host array of p x 4 GiB would not do)."""
+    return _input_fn(mesh, axis, elems)()
+
+
+@functools.lru_cache(maxsize=None)
+def _input_fn(mesh, axis: str, elems: int):
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -151,7 +157,7 @@ def _input(mesh, axis: str, elems: int):
     def gen():
         i = lax.axis_index(axis)
         return ((lax.iota(jnp.int32, elems) + i * 7) % 251).astype(jnp.float32) / 251
-    return jax.jit(jax.shard_map(gen, mesh=mesh, in_specs=(), out_specs=P(axis), axis_names={axis}, check_vma=False))()
+    return jax.jit(jax.shard_map(gen, mesh=mesh, in_specs=(), out_specs=P(axis), axis_names={axis}, check_vma=False))
 
 
 def _timed(f, x, reps: int, k: int = 10) -> tuple[float, float]:
@@ -186,14 +192,14 @@ def run(mesh_spec: str, sizes: list[int], reps: int = 5, ops=OPS, check_only: bo
     for axis in axes:
         p = mesh.shape[axis]
         table, _ = make_ops(axis, p)
-        for op in ops:
-            ours, ref = table[op]
-            for n in sizes:
-                elems = max(n // 4 // p * p, p)
+        for n in sizes:                      # one input per size, shared by every op
+            elems = max(n // 4 // p * p, p)
+            x = _input(mesh, axis, elems)
+            for op in ops:
+                ours, ref = table[op]
                 spec = P(axis)
                 wrap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,  # noqa: E731
                                                        axis_names={axis}, check_vma=False))
-                x = _input(mesh, axis, elems)
                 f = wrap(ours)
                 checked = ref is not None and elems * 4 <= check_max_bytes
                 if checked:
@@ -210,8 +216,10 @@ def run(mesh_spec: str, sizes: list[int], reps: int = 5, ops=OPS, check_only: bo
                              "checked": checked, "algbw_GBps": nb / t / 1e9, "busbw_GBps": wire_bytes(op, nb, p) / t / 1e9})
                 if emit:
                     emit(rows[-1])
-                del x, f
-    return rows
+                del f
+            del x
+    order = {op: i for i, op in enumerate(ops)}
+    return sorted(rows, key=lambda r: (axes.index(r["axis"]), order[r["op"]], r["bytes"]))
 
 
 # The planner's cost of one call over p devices, T = c alpha + wire / BW (meshlab/plan/comm.py, ring).
@@ -284,7 +292,7 @@ def append_markdown(rows: list[dict], prof: dict, path: Path):
             add += (f"{head} {r['axis']} | {r['p']} | {r['op']} | {r['bytes']} | "
                     f"{r['time_s'] * 1e6:.1f} | {r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} |\n")
     for axis, v in prof["axes"].items():
-        for op, f in v.get("per_op", {}).items():
+        for op, f in ({} if v["note"].startswith("copied") else v.get("per_op", {})).items():
             add += (f"{head} {axis} | {v['p']} | fit ({op}) | | alpha {f['alpha_s'] * 1e6:.1f} | BW {f['bw_Bps'] / 1e9:.2f} | |\n")
         add += (f"{head} {axis} | {v['p']} | profile (fitted on {v.get('fitted_on', 'ppermute')}) | | "
                 f"alpha {v['alpha_s'] * 1e6:.1f} | BW {v['bw_Bps'] / 1e9:.2f} | {v['note']} |\n")
@@ -494,7 +502,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-sizes", default="256MiB,1GiB")
     ap.add_argument("--variants-budget-s", type=float, default=60)
     ap.add_argument("--variant-timeout-s", type=float, default=30)
+    ap.add_argument("--total-s", type=float, default=0, help="with --variants: the variants get what the sweep left "
+                    "of this (replaces --variants-budget-s)")
     ap.add_argument("--sweep-timeout-s", type=float, default=120)
+    ap.add_argument("--copy-axes", default="", help="mesh axes that share the measured axis's devices and link "
+                    "(e.g. fsdp,tensor,context on one host): the profile gives them the same fit")
     ap.add_argument("--child-variant", default="", help=argparse.SUPPRESS)
     ap.add_argument("--variant-op", default="all-reduce", help=argparse.SUPPRESS)
     ap.add_argument("--mp-rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -538,7 +550,7 @@ def main(argv=None) -> int:
     if emit:
         emit({"_meta": meta})
     rows = run(a.mesh, sizes, a.reps, ops, check_max_bytes=check_max, emit=emit)
-    prof = profile(rows, meta)
+    prof = profile(rows, meta, a.copy_axes)
     report(rows, prof, a)
     return 0
 
@@ -553,8 +565,16 @@ def device_meta(jax) -> dict:
     return meta
 
 
-def profile(rows, meta: dict) -> dict:
-    return {**meta, "date": datetime.datetime.now().isoformat(timespec="seconds"), "axes": fit(rows), "rows": rows}
+def profile(rows, meta: dict, copy_axes: str = "") -> dict:
+    """`copy_axes`: other mesh axes laid over the same devices (one host, one link kind) get the first
+    measured axis's fit, so the planner prices fsdp/tensor/context collectives on the measured link too."""
+    axes = fit(rows)
+    if axes and copy_axes:
+        src = next(iter(axes))
+        for name in copy_axes.split(","):
+            if name and name not in axes:
+                axes[name] = {**axes[src], "note": f"copied from {src} (same devices)"}
+    return {**meta, "date": datetime.datetime.now().isoformat(timespec="seconds"), "axes": axes, "rows": rows}
 
 
 def report(rows, prof, a):
@@ -576,6 +596,7 @@ def sweep_then_variants(a, argv: list[str], names: list[str]) -> int:
     then the variants; this process never starts a JAX backend of its own on the GPUs."""
     import subprocess
     import tempfile
+    t_start = time.time()
     tmp = Path(tempfile.mkdtemp()) / "sweep.jsonl"
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--sweep-json", str(tmp), "--out", str(tmp) + ".prof",
            "--markdown", str(tmp) + ".md"]
@@ -591,8 +612,9 @@ def sweep_then_variants(a, argv: list[str], names: list[str]) -> int:
     rows = [ln for ln in lines if "_meta" not in ln]
     if note:
         print(f"bench_collectives.py: {note}", flush=True)
-    variants = run_variants(a, names, a.variants_budget_s, a.variant_timeout_s)
-    prof = profile(rows, meta)
+    budget = a.variants_budget_s if not a.total_s else a.total_s - (time.time() - t_start) - 6
+    variants = run_variants(a, names, budget, a.variant_timeout_s)
+    prof = profile(rows, meta, a.copy_axes)
     prof["variants"], prof["note"] = variants, note
     report(rows, prof, a)
     return 0 if rows else 1

@@ -92,3 +92,15 @@ def test_variants_each_in_a_process_and_a_bad_flag_is_a_row(bench, tmp_path):
     bad = [v for v in prof["variants"] if v["variant"].startswith("bad@")]
     assert len(bad) == 1 and "error" in bad[0]
     assert "variant multiprocess" in md.read_text()
+
+
+def test_profile_copies_the_link_to_axes_on_the_same_devices(bench, tmp_path):
+    rows = [{"axis": "data", "p": 2, "op": "all-reduce", "bytes": n, "time_s": 1e-5 + n / 3e11, "algbw_GBps": 1.0,
+             "busbw_GBps": 1.0} for n in (2**20, 2**30)]
+    prof = bench.profile(rows, {"device": "2x test", "jax": "t"}, "fsdp,tensor")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    hw = hardware.load_profile(path)
+    assert hw.link("tensor", False) == hw.link("fsdp", True) == hw.link("data", False) != hardware.HARDWARE["h200"].intra
+    bench.append_markdown(rows, prof, tmp_path / "b.md")
+    assert (tmp_path / "b.md").read_text().count("fit (all-reduce)") == 1
