@@ -223,7 +223,7 @@ def main():
         flops = account.train_flops_per_token(cfg, seq)
         row = {"run": label, "batch": batch, "tok_s_gpu": per_gpu, "mfu": per_gpu * flops / peak,
                "mfu_989": per_gpu * flops / 989e12, "gib": mem / 2**30, "eff": per_gpu / ref if ref else None,
-               "step_ms": dt * 1e3, "plan_ms": plan.step_s * 1e3 if plan.ok else None,
+               "step_ms": dt * 1e3, "plan_ms": plan.step_s * 1e3 if plan.step_s else None,
                "plan_note": "" if plan.ok else plan.reason, "loss": loss, "run_s": time.perf_counter() - t_run,
                "settings": setting, **({"note": note} if note else {})}
         seen[sig] = row
@@ -245,7 +245,7 @@ def write(rows, devices, peak):
             lines.append(f"| {r['run']} | | FAILED: {r['error']} | | | | | | | |")
             continue
         eff = f"{100 * r['eff']:.0f}%" if r["eff"] else "-"
-        plan = f"{r['plan_ms']:.0f}" if r["plan_ms"] else f"no fit: {r['plan_note'][:40]}"
+        plan = (f"{r['plan_ms']:.0f}" if r["plan_ms"] else "-") + (f" (planner: {r['plan_note'][:50]})" if r["plan_note"] else "")
         s = r["settings"]
         note = (f"attn {s['attention']}, remat {s['remat']}, loss {s['loss_impl']}"
                 + "".join(f", {k}" for k in ("fused_swiglu", "fused_norm", "fused_rope") if s[k])

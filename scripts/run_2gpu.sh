@@ -6,7 +6,7 @@
 # Every stage runs under `timeout` (its whole process group is killed past the limit); logs, JSON and
 # tables go to $OUT; a short summary prints last.
 #     bash scripts/run_2gpu.sh
-# Knobs (environment): TOTAL_S TORCH_S COLL_S RUNS MODEL_OVER (';' between --model-over groups) CP_OVER
+# Knobs (environment): TOTAL_S TORCH_S COLL_S RUNS MODEL_OVER (';' between --model-over groups)
 #   TORCH_ARGS COLL_ARGS SCALING_ARGS SKIP_TORCH=1 SKIP_COLL=1 SKIP_SCALING=1
 set -u
 cd "$(dirname "$0")/.."
@@ -53,8 +53,8 @@ stage() {      # stage NAME LIMIT_S CMD...: output to $OUT/NAME.log, status line
 [ -z "${SKIP_COLL:-}" ] && stage collectives "$COLL_S" $PY scripts/bench_collectives.py --mesh data=-1 \
   --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB \
   --variants base,multiprocess,nccl_proto_simple,xla_user_buffers,nccl_algo_ring,xla_symmetric_buffers,nccl_min_channels_32,xla_one_shot_kernel,nccl_algo_tree,combine_default,combine_off --variant-sizes 64MiB,1GiB \
-  --sweep-timeout-s $(( COLL_S * 55 / 100 )) --variants-budget-s $(( COLL_S * 40 / 100 )) --variant-timeout-s 25 \
-  --out "$OUT/collectives.json" --markdown "$OUT/collectives.md" ${COLL_ARGS:-}
+  --sweep-timeout-s $(( COLL_S * 55 / 100 )) --total-s $(( COLL_S - 8 )) --variant-timeout-s 25 \
+  --copy-axes fsdp,tensor,context,expert --out "$OUT/collectives.json" --markdown "$OUT/collectives.md" ${COLL_ARGS:-}
 
 OVERS=()
 IFS=';' read -ra groups <<< "$MODEL_OVER"
