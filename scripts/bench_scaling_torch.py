@@ -286,6 +286,8 @@ def run_phase(phase, a, deadline: float, emit) -> None:
         elif key in done:
             return
         done.add(key)
+        if len(phase) > 1:   # 1-GPU runs side by side on separate GPUs: said in the row
+            msg["ran_beside"] = [g for g, *_ in phase if g != msg["group"]]
         emit(msg)
 
     pending = lambda: {k for k in expected if k not in done and k[0] not in failed}  # noqa: E731

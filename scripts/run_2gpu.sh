@@ -17,8 +17,8 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 PY_TORCH=${PY_TORCH:-$PY}
 TOTAL_S=${TOTAL_S:-555}
-TORCH_S=${TORCH_S:-185}
-COLL_S=${COLL_S:-110}
+TORCH_S=${TORCH_S:-190}
+COLL_S=${COLL_S:-95}
 RUNS=${RUNS:-llama3_1b:dp:1,llama3_1b:fsdp:2,llama3_1b:dp:2,llama3_1b:tp:2,llama3_1b:fsdp_tp:2,llama3_8b:fsdp:2,llama3_1b:cp_ring:2:32768,llama3_1b:zero2:2,llama3_1b:zero1:2,llama3_1b:fsdp_tp_sp:2,llama3_1b:fsdp_cp:2,llama3_1b:cp_ring:2:65536,llama3_8b:fsdp_tp:2}
 # Best single-GPU setting measured (2026-11-30): cuDNN attention, no remat, unfused ops (50,872 tok/s at batch 4).
 MODEL_OVER=${MODEL_OVER:-attention=cudnn,remat=none;llama3_8b:remat=save_dots_no_batch,per_device_batch=2;seq65536:remat=full}
@@ -48,7 +48,7 @@ stage() {      # stage NAME LIMIT_S CMD...: output to $OUT/NAME.log, status line
   > "$OUT/env.txt" 2>&1
 
 [ -z "${SKIP_TORCH:-}" ] && stage torch_peers "$TORCH_S" $PY_TORCH scripts/bench_scaling_torch.py \
-  --gpus 2,1 --deadline-s $(( TORCH_S - 10 )) --out "$OUT/torch_peers.jsonl" ${TORCH_ARGS:-}
+  --gpus 2,1 --deadline-s $(( TORCH_S - 10 )) --phase-reserve-s 35 --out "$OUT/torch_peers.jsonl" ${TORCH_ARGS:-}
 
 [ -z "${SKIP_COLL:-}" ] && stage collectives "$COLL_S" $PY scripts/bench_collectives.py --mesh data=-1 \
   --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB \
