@@ -1,6 +1,9 @@
 """shard_map strategies: the model calls `attention`, the active rule file decides how it runs."""
 from __future__ import annotations
 
+import jax
+
+from meshlab import compat
 from meshlab import rules as _rules
 from pallas_kernels.attention import dot_product_attention
 
@@ -9,9 +12,34 @@ def attention(q, k, v, *, impl: str, causal: bool = True, segment_ids=None):
     """q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h, d]; ring/ulysses when the rules say so."""
     strategy = _rules.strategy("attention") or "plain"
     if strategy == "plain":
+        act = _rules.active()
+        if act is not None and act.manual:
+            return _per_device(act, q, k, v, impl, causal, segment_ids)
         return dot_product_attention(q, k, v, impl=impl, causal=causal, segment_ids=segment_ids)
     from meshlab.parallel.context import context_attention  # shard_map over `context`
     act = _rules.active()
     return context_attention(q, k, v, strategy=strategy, mesh=act.mesh, causal=causal, segment_ids=segment_ids,
                              batch_axes=act.rules.axes("act_batch", act.mesh),
                              head_axes=act.rules.axes("act_heads", act.mesh))
+
+
+def _per_device(act, q, k, v, impl, causal, segment_ids):
+    """Plain attention inside the step's shard_map (manual over the batch axes): a nested
+    shard_map makes the remaining axes manual too, so each device attends over its own heads.
+    Why: cuDNN attention is a custom_partitioning op, and XLA's partitioner callback fails in a
+    partially manual region (seen on 2 H200s under dp/fsdp, jax 0.11.2); a Pallas call there
+    would be replicated over `tensor` instead of split by heads."""
+    auto = tuple(a for a in act.mesh.axis_names if a not in act.manual)
+    spec = lambda names, x: act.rules.spec(names, x.shape, act.mesh, drop=act.manual)  # noqa: E731
+    q_spec = spec(("act_batch", "act_attn_seq", "act_heads", None), q)
+    kv_spec = spec(("act_batch", "act_attn_seq", "act_kv_heads", None), k)
+    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if segment_ids is not None:
+        args.append(segment_ids)
+        specs.append(spec(("act_batch", "act_attn_seq"), segment_ids))
+
+    def local(q, k, v, seg=None):
+        return dot_product_attention(q, k, v, impl=impl, causal=causal, segment_ids=seg)
+
+    return compat.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=tuple(specs),
+                            out_specs=q_spec, axis_names=set(auto))(*args)
