@@ -126,14 +126,17 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
             out.append(Comm("all-reduce", t_ax, account.bytes_per_device(s.shape, np.float32, s.spec, mesh) //
                             (L if layered else 1), (L if layered else 1) * k, f"{s.path} grads (tensor partial)",
                             True, propagated=True))
-    out += _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c)
+    out += _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy)
     for x in out:
         x.group = group_size(mesh, x.axes)
     return [x for x in out if x.group > 1 and x.count > 0]
 
 
-def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c) -> list[Comm]:
-    """Megatron tensor parallelism (and its sequence-parallel form) on the residual stream."""
+def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = "none") -> list[Comm]:
+    """Megatron tensor parallelism (and its sequence-parallel form) on the residual stream. Under full
+    remat the backward recomputes each layer's forward up to what its backward needs: the attention
+    output's row-parallel collective again (the MLP input is built from it), not the MLP's (the layer
+    output is not needed). The dots policies save that projection's output, collective included."""
     lc = local_sizes(cfg, rules, mesh, global_batch, seq, k)
     L = cfg.n_layers
     t_ax = tuple(a for a in rules.axes("act_heads", mesh))
@@ -141,16 +144,40 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c) -> list[C
     if t_ax:
         x = lc.b * (lc.s * lc.t if lc.sp else lc.s) * lc.d * c   # the full residual stream of one micro-batch
         if lc.sp:   # all-gather before each block, reduce-scatter after; mirrored in the backward
-            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (fwd)", False, True))
+            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (fwd: attention, MLP input)",
+                            False, True))
             out.append(Comm("reduce-scatter", t_ax, x // lc.t, 2 * L * k, "sequence-parallel scatter (fwd)", False, True))
-            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (bwd)", False, True))
+            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (bwd: o, down output grads)",
+                            False, True))
+            # The backward gathers each block's sequence-split input a second time for its weight-gradient
+            # GEMMs (dWq,k,v = x^T dq.. and dWgate,up): autodiff saved the split input, not the gathered one,
+            # so an extra all-gather replaces a full [b, S, d] residual per block. Megatron's sequence
+            # parallelism makes the same trade (Korthikanti et al. 2022, 4.2.2) and the compiled HLO has it:
+            # 6 sequence all-gathers per layer, not 4. Saving the gathered input instead (norm outputs
+            # constrained to the whole sequence; tried on tiny, 8 CPU devices) drops 2 gathers but adds 2
+            # reduce-scatters and 4% temp: not cheaper. Under remat the recomputed forward's gathers serve.
+            out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel re-gather (bwd: weight grads)",
+                            False, True))
             out.append(Comm("reduce-scatter", t_ax, x // lc.t, 5 * L * k, "sequence-parallel scatter (bwd: q,k,v,gate,up)",
                             False, True))
+            if policy == "full":
+                out.append(Comm("reduce-scatter", t_ax, x // lc.t, L * k, "sequence-parallel scatter (remat: o)", False,
+                                True))
         else:       # row-parallel outputs in the forward (o, down); input grads of q,k,v,gate,up in the backward
             out.append(Comm("all-reduce", t_ax, x, 2 * L * k, "row-parallel outputs (fwd)", False, True))
             out.append(Comm("all-reduce", t_ax, x, 5 * L * k, "column-parallel input grads (bwd)", False, True))
-        if rules.axes("vocab", mesh):   # vocab-split embedding lookup (fwd) and LM-head input grad (bwd)
+            if policy == "full":
+                out.append(Comm("all-reduce", t_ax, x, L * k, "row-parallel output (remat: o)", False, True))
+        if rules.axes("vocab", mesh) and lc.sp:
+            # Vocab-split embedding and head around a sequence-split stream: the lookup's partial sums are
+            # reduce-scattered onto the sequence split and its transpose gathers the output grad for the
+            # scatter-add into the vocab shard; the head gathers its input (the backward's dW_head reuses it:
+            # one computation, CSE) and reduce-scatters the input grad.
+            out.append(Comm("reduce-scatter", t_ax, x // lc.t, 2 * k, "embedding lookup + head input grad", False, True))
+            out.append(Comm("all-gather", t_ax, x, 2 * k, "head input (fwd) + embedding output grad (bwd)", False, True))
+        elif rules.axes("vocab", mesh):   # vocab-split embedding lookup (fwd) and LM-head input grad (bwd)
             out.append(Comm("all-reduce", t_ax, x, 2 * k, "embedding lookup + head input grad", False, True))
+        if rules.axes("vocab", mesh):
             out.append(Comm("all-reduce", t_ax, 3 * lc.b * lc.s_attn * F32, k, "softmax max/sum/label over vocab",
                             False, True))
     if rules.strategies.get("attention") == "ring" and "context" in rules.axes("act_attn_seq", mesh):
