@@ -2,6 +2,9 @@
 
 Matched line by line (a regex over the whole text can run for minutes: JAX-NOTES). The
 result shape before the op name gives the bytes; tuple results (combined collectives) add up.
+A collective whose replica groups hold one device each (`{{0},{1},..}`, `[8,1]<=[8]`) moves
+nothing and is left out: XLA on CPU keeps such no-op all-reduces, e.g. the transpose of a
+shard_map over mesh axes of size 1.
 """
 from __future__ import annotations
 
@@ -16,6 +19,17 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _WHILE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
 _CALLS = re.compile(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+_GROUPS = re.compile(r"replica_groups=(\{[{}\d,\s]*\}|\[\d+,(\d+)\]<=)")
+
+
+def _single_device_groups(line: str) -> bool:
+    m = _GROUPS.search(line)
+    if not m:
+        return False
+    if m.group(2) is not None:             # iota form [groups, size]<=[...]
+        return m.group(2) == "1"
+    groups = re.findall(r"\{([\d,\s]*)\}", m.group(1)[1:-1])   # `{}`: one group of every device
+    return bool(groups) and all(g.strip() and "," not in g for g in groups)
 
 
 @dataclasses.dataclass
@@ -56,7 +70,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         for callee in _CALLS.findall(line):
             calls.setdefault(comp, set()).add(callee)
         op = _OP.search(line)
-        if op and "-done" not in line:
+        if op and "-done" not in line and not _single_device_groups(line):
             found.append((op.group(2), _shape_bytes(op.group(1)), comp, line.strip()))
     # Anything reachable from a loop body runs inside the loop.
     inside = set()
