@@ -12,8 +12,9 @@ copy of the device-local model (heads, MLP, vocab divided by their tensor split)
 each remat policy of models/llama.py with a probe sequence length, then scaled to the real batch
 and sequence (S and S^2 terms told apart by shape). Tracing is abstract: no compile, no
 allocation, and it follows the model when its layers change (fused kernels, new norms). The
-temporaries beside them are a stated allowance (see `plan_memory`). tests/test_memory_comm.py
-holds both to the compiler's memory analysis.
+peak is taken per phase of the step (loss head, one layer's backward, optimizer update) with the
+temporaries live in that phase (see `plan_memory`). tests/test_memory_comm.py holds both to the
+compiler's memory analysis.
 """
 from __future__ import annotations
 
@@ -129,6 +130,44 @@ def _trace(cfg, policy: str, attention: str) -> tuple:
     return tuple(layer), tuple(head)
 
 
+_STREAM: dict = {}
+
+
+def _stream_flags(cfg, policy: str, attention: str) -> tuple:
+    """Per traced residual (same order as `_traced`): is it a residual-stream array, [.., S, d_model]?
+    Sequence parallelism splits those over `tensor` (x, the norms' outputs, the row-parallel outputs
+    after their reduce-scatter) while q/k/v, the MLP hidden and the logits keep the whole sequence.
+    Read from a second trace with d_model set to a size no other dimension has, so an MLP or vocab
+    shard that happens to equal d_model is not mistaken for it."""
+    key = (repr(cfg), policy, attention)
+    if key not in _STREAM:
+        dims = {cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab, *_PROBES}
+        d = next(x for x in (101, 103, 107, 109, 113, 127, 131) if x not in dims)
+        probe = dataclasses.replace(cfg, d_model=d)
+        shapes = _trace_shapes(probe, policy, attention)
+        _STREAM[key] = tuple(tuple(bool(sh) and sh[-1] == d for sh in part) for part in shapes)
+    return _STREAM[key]
+
+
+def _trace_shapes(cfg, policy: str, attention: str) -> tuple:
+    """(per-layer, head) residual shapes, in the order `_trace` lists them."""
+    import jax
+    import jax.numpy as jnp
+    from meshlab.train.state import model_def
+    local = dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention)
+    md = model_def(local)
+    tok = jax.ShapeDtypeStruct((1, _PROBES[-1]), jnp.int32)
+
+    def loss(params, tok):
+        m = md.bind(params)
+        return jnp.sum(m.token_losses(m.hidden(tok, tok, None), tok))
+    layer, head = [], []
+    for aval, why in _saved_residuals(loss, md.abstract, tok):
+        if "argument" not in why:
+            (layer if "output of scan" in why else head).append(tuple(aval.shape))
+    return tuple(layer), tuple(head)
+
+
 def _saved_residuals(f, *args):
     """[(aval-like with .shape/.dtype, description)]: the private function where it exists, else the
     public `print_saved_residuals` parsed (lines like `f32[2,32,64] output of mul from ...`)."""
@@ -159,8 +198,12 @@ def _from_printed(f, *args):
     return out
 
 
-def _scale(entries, rows: int, seq: int) -> int:
-    return int(sum(n * size * rows * (seq / p) ** k for n, size, k, p in entries))
+def _scale(entries, rows: int, seq: int, stream=None, stream_seq: int = 0) -> int:
+    """Bytes of `entries` at `rows` x `seq`; the residual-stream ones (flags in `stream`) at `stream_seq`."""
+    if stream is None:
+        return int(sum(n * size * rows * (seq / p) ** k for n, size, k, p in entries))
+    return int(sum(n * size * rows * ((stream_seq if st else seq) / p) ** k
+                   for (n, size, k, p), st in zip(entries, stream)))
 
 
 def local_config(cfg, lc: "Local"):
@@ -169,12 +212,19 @@ def local_config(cfg, lc: "Local"):
 
 
 def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> dict:
-    """Peak activation bytes of one micro-batch on one device.
+    """Activation bytes of one micro-batch on one device, by phase of the step.
 
-    Saved: L x one layer's residuals under `policy` + the embedding/head residuals (fp32 logits
-    softmax etc.). Working set: the backward of one layer recomputes what the policy dropped
-    (residuals under `none` minus those under `policy`). A flash attention (cudnn, pallas) keeps
-    the [b,h,S] log-sum-exp instead of the [b,h,S,S] softmax: the S^2 arrays are replaced.
+    Saved: L x one layer's residuals under `policy`, live from the forward to that layer's backward.
+    Beside them, never at the same time (the compiled step frees the loss head's buffers before the
+    first layer's backward starts, and recomputes one layer at a time):
+      loss head phase       the embedding/head residuals (fp32 logits, softmax) and the head's backward;
+      layer backward phase  one layer's recompute: what the policy dropped (residuals under `none`
+                            minus those under `policy`; 0 under `none`).
+    `total` is the larger phase. (Summing the two over-counted full remat by 40% on fsdp: the peak
+    of the compiled step is one or the other, as its buffer assignment shows.) A flash attention
+    (cudnn, pallas) keeps the [b,h,S] log-sum-exp instead of the [b,h,S,S] softmax: the S^2 arrays
+    are replaced. Under sequence parallelism the residual-stream arrays are split over `tensor`
+    (scaled with the whole sequence they were +16% on fsdp_tp_sp).
     """
     if policy not in ("none", "full", "save_dots", "save_dots_no_batch"):
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch")
@@ -182,42 +232,47 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     local = local_config(cfg, lc)
     layer, head = _traced(local, policy, "xla")
     layer_none, _ = _traced(local, "none", "xla")
+    split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
+    stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
-    def per_layer(entries):
+    def per_layer(entries, flags):
+        flags = flags if flags is not None else (False,) * len(entries)
         quad = [e for e in entries if e[2] >= 2]
-        lin = [e for e in entries if e[2] < 2]
-        out = _scale(lin, lc.b, lc.s_attn)
+        lin = [(e, f) for e, f in zip(entries, flags) if e[2] < 2]
+        out = _scale([e for e, _ in lin], lc.b, lc.s_attn, [f for _, f in lin], lc.s)
         if flash:
             out += len(quad) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
         else:
             out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, _, p in quad))
         return out
-    saved_layer = per_layer(layer)
-    recompute = max(per_layer(layer_none) - saved_layer, 0)
-    head_bytes = _scale(head, lc.b, lc.s_attn)
+    saved_layer = per_layer(layer, stream[policy][0])
+    recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
+    head_bytes = _scale(head, lc.b, lc.s_attn, stream[policy][1], lc.s)
     saved = cfg.n_layers * saved_layer
     return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": recompute,
-            "loss head": head_bytes, "total": saved + recompute + head_bytes,
+            "loss head": head_bytes, "total": saved + max(recompute, head_bytes),
             "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
                       f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
 
 
-def gathered_weights(md, rules, mesh, policy: str) -> int:
-    """ZeRO-3: the all-gathered compute-dtype copy of each layer's weights. Under `none` autodiff saves
-    every layer's gathered copy for the backward (the gather is not recomputed); otherwise one layer's."""
+def gathered_weights(md, rules, mesh, policy: str) -> dict:
+    """ZeRO-3: the all-gathered compute-dtype copies of the weights, per phase of the step. The embedding
+    and head weights are gathered for the lookup and the loss head and freed after the head's backward.
+    Under `none` autodiff saves every layer's gathered copy for its backward (the gather is not
+    recomputed); under remat each layer's backward gathers its weights again, one layer at a time."""
     if rules.state["params"] != "sharded" or not rules.batch_axes(mesh):
-        return 0
+        return {"loss head": 0, "layer backward": 0}
     c = np.dtype(md.cfg.dtype).itemsize
     rows = account.param_table(md, rules, mesh, "params")
-    gathered = 0
-    layer = 0
+    other = layer = 0
     for r in rows:
         full = account.bytes_per_device(r.shape, np.float32, _drop(r.spec, rules.batch_axes(mesh)), mesh) // F32 * c
         if r.names and r.names[0] == "layers":
             layer += full // r.shape[0]
         else:
-            gathered += full
-    return gathered + (md.cfg.n_layers * layer if policy == "none" else 2 * layer)
+            other += full
+    saved = md.cfg.n_layers * layer if policy == "none" else 0
+    return {"loss head": other + saved, "layer backward": saved + (layer if policy != "none" else 0)}
 
 
 def _drop(spec, axes):
@@ -233,28 +288,62 @@ def kv_cache_bytes(cfg, batch: int, seq: int, tensor: int = 1, dtype_bytes: int 
 
 def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int = 1, policy: str | None = None,
                 attention: str | None = None) -> dict:
-    """Everything per device for one training step; `temporaries` is the stated allowance beside activations."""
+    """Everything per device for one training step. The peak is the largest of three phases, each
+    activations + the temporaries live beside them (`temporaries` lists the peak phase's):
+      loss head       saved residuals + the head's buffers; the gradient buffers (fp32: non-layer
+                      leaves at their full local size until the data-parallel reduction, layer
+                      leaves as the backward scan's stacked gradient, reduce-scattered per layer
+                      under ZeRO-3), the accumulator when there are several micro-batches, ZeRO-3's
+                      gathered embedding/head (and, under `none`, every layer's gathered weights);
+      layer backward  saved residuals + one layer's recompute; the same gradient buffers plus the
+                      layer's own fp32 weight gradients before they are reduced/stored, and under
+                      remat that layer's re-gathered weights;
+      update          the gradients + Adam's update tree (optimizer-spec, fp32).
+    In every phase: the step's copy of Adam's moments. The step keeps the old state where the update
+    is not finite (meshlab/train/step.py, jnp.where(finite, new, old)), so XLA copies mu and nu at
+    the start of the step (the old values are read after the new ones are written in place) and the
+    copies stay live to the end (every compiled step on CPU has them: `copy(param)` of each mu/nu
+    leaf). The donated moment buffers are then free and take temporaries that fit them; counted as
+    taking back as much as the gradient buffers where the rule file stores gradients like the
+    moments (their shapes), nothing under ZeRO-1. Measured on 8 CPU devices for every shipped rule
+    file but the context-parallel ones, every remat policy, 2 and 4 layers, 2 and 4 rows per device:
+    within 15% of the compiler's temp (one case, fsdp_tp_sp at full remat, -18%); without this
+    term dp under remat was 16-27% under."""
     cfg = md.cfg
     policy = policy or cfg.remat
     attention = attention or cfg.attention
     lc = local_sizes(cfg, rules, mesh, global_batch, seq, microbatches)
     state = state_memory(md, rules, mesh)
     act = activation_memory(cfg, lc, policy, attention)
-    # Beside the activations, at the backward's peak: the fp32 gradient of one micro-batch as the
-    # backward writes it (full local size before the data-parallel reduction; ZeRO-3 reduce-scatters
-    # per layer), the accumulator when there are several micro-batches, ZeRO-3's gathered weights.
-    # After the backward the activations are gone; the optimizer's update tree (optimizer-spec
-    # size, fp32) is the other candidate peak.
-    temps = {"micro-batch grads (fp32)": _grads_before_reduce(md, rules, mesh),
-             "accumulator": state["grads"] if microbatches > 1 else 0,
-             "gathered weights": gathered_weights(md, rules, mesh, policy)}
-    temps["total"] = sum(temps.values())
-    update_phase = state["grads"] + state["optimizer"] // 2
-    peak = max(act["total"] + temps["total"], update_phase)
+    grads, layer_grads = _grads_before_reduce(md, rules, mesh)
+    gathered = gathered_weights(md, rules, mesh, policy)
+    shared = {"micro-batch grads (fp32)": grads, "accumulator": state["grads"] if microbatches > 1 else 0,
+              "optimizer copy (non-finite guard)": _moment_copy(rules, state)}
+    phases = {
+        "loss head": (act["saved (all layers)"] + act["loss head"],
+                      {**shared, "gathered weights": gathered["loss head"]}),
+        "layer backward": (act["saved (all layers)"] + act["backward working set"],
+                           {**shared, "one layer's weight grads (fp32)": layer_grads,
+                            "gathered weights": gathered["layer backward"]}),
+        "update": (0, {"grads": state["grads"], "Adam update": state["optimizer"] // 2,
+                       "optimizer copy (non-finite guard)": _moment_copy(rules, state)}),
+    }
+    totals = {k: a + sum(t.values()) for k, (a, t) in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    act_at_peak, temps = phases[peak_phase]
+    temps = dict(temps, total=sum(temps.values()))
+    act = dict(act, total=act_at_peak)
+    peak = totals[peak_phase]
     total = state["params"] + state["optimizer"] + peak
     return {"state": state, "activations": act, "temporaries": temps, "local": lc, "total": total,
-            "estimate_temp": peak,
+            "estimate_temp": peak, "peak phase": peak_phase, "phases": totals,
             "textbook": _textbook(md, rules, mesh, state)}
+
+
+def _moment_copy(rules, state) -> int:
+    """Net temp bytes of XLA's copy of Adam's mu and nu (see `plan_memory`)."""
+    same = rules.state["grads"] == rules.state["optimizer"]
+    return max(state["optimizer"] - (state["grads"] if same else 0), 0)
 
 
 def _textbook(md, rules, mesh, state) -> dict:
@@ -272,16 +361,21 @@ def _model_parallel_params(md, rules, mesh) -> int:
                for r in account.param_table(md, rules, mesh, "params")) // F32
 
 
-def _grads_before_reduce(md, rules, mesh) -> int:
-    """fp32 gradient of one micro-batch as the backward produces it: the params storage spec with the
-    data-parallel axes removed (each device holds the full local gradient until it is reduced). ZeRO-3
-    reduce-scatters per layer inside the loop, so only the non-layer leaves and one layer are full."""
+def _grads_before_reduce(md, rules, mesh) -> tuple[int, int]:
+    """(gradient buffers of one micro-batch's backward, one layer's fp32 weight gradients) per device.
+    Non-layer leaves: the params storage spec with the data-parallel axes removed (each device holds
+    the full local gradient until it is reduced). Layer leaves: the backward scan's stacked [L, ...]
+    gradient, full local size, except under ZeRO-3, which reduce-scatters each layer's gradient inside
+    the loop and stacks only the shards. The layer being differentiated adds its own full local fp32
+    gradients (the second number) until they are reduced or written into the stack."""
     batch = rules.batch_axes(mesh)
     rows = account.param_table(md, rules, mesh, "params")
-    total = 0
+    total = layer = 0
     for r in rows:
         full = account.bytes_per_device(r.shape, np.float32, _drop(r.spec, batch), mesh)
-        if rules.state["params"] == "sharded" and r.names and r.names[0] == "layers":
-            full = full // r.shape[0] + r.bytes_per_device
+        if r.names and r.names[0] == "layers":
+            layer += full // r.shape[0]
+            if rules.state["params"] == "sharded":
+                full = r.bytes_per_device
         total += full
-    return total
+    return total, layer

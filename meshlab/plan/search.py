@@ -216,6 +216,8 @@ def explain(plan: Plan, model_cfg, hw) -> str:
     lines.append(f"  activations saved per layer            {fb(m['activations']['saved per layer']):>12}")
     for k in ("saved (all layers)", "backward working set", "loss head"):
         lines.append(f"  activations {k:<21} {fb(m['activations'][k]):>12}")
+    phases = ", ".join(f"{k} {fb(v)}" for k, v in m["phases"].items())
+    lines.append(f"  peak phase: {m['peak phase']} (phases: {phases}); beside its activations:")
     for k, v in m["temporaries"].items():
         lines.append(f"  temporaries {k:<21} {fb(v):>12}")
     lines.append(f"  total {fb(plan.mem_bytes)} vs budget {fb(hw.memory_bytes * USABLE)} ({USABLE:.0%} of {fb(hw.memory_bytes)})")
