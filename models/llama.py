@@ -204,7 +204,12 @@ class Attention(nnx.Module):
             q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
-        out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, t, d]
+        # One contracting dim: with two (h, hd) and one token, XLA:GPU strength-reduced this GEMM to
+        # a multiply writing a weight-sized [h, hd, d] product, then a reduce (H200 decode HLO,
+        # 2026-11-30: 134 MB written + read again per token at llama3_1b, 16 layers).
+        b, t = o.shape[:2]
+        wo = _w(self.wo, dt)
+        out = _mm("bsf,fd->bsd", o.reshape(b, t, -1), wo.reshape(-1, wo.shape[-1]))  # [b, t, h*hd] @ [h*hd, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
 
 
