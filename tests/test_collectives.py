@@ -1,6 +1,8 @@
 """scripts/bench_collectives.py mechanics on 8 simulated CPU devices: every op (the source's table,
 ppermute, the hand-written rings) equals the library collective over each mesh axis; the alpha/BW
-fit, the profile the planner reads, and the append-only markdown. Times are never asserted."""
+fit, the profile the planner reads, and the append-only markdown. Times are never asserted.
+The logic is meshlab.plan.collectives_bench / collectives_variants; the script is loaded for its
+command line (main), which the variants' child processes go through too."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,20 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from meshlab.plan import collectives_bench as bench
+from meshlab.plan import collectives_variants as variants
 from meshlab.plan import hardware
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_collectives.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
+def cli():
     spec = importlib.util.spec_from_file_location("bench_collectives", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_every_collective_equals_the_library_on_each_axis(bench):
+def test_every_collective_equals_the_library_on_each_axis():
     rows = bench.run("data=2,tensor=4", [8192], check_only=True)   # raises on any mismatch
     assert {(r["axis"], r["p"]) for r in rows} == {("data", 2), ("tensor", 4)}
     assert {r["op"] for r in rows} == set(bench.OPS)
@@ -30,7 +34,7 @@ def test_every_collective_equals_the_library_on_each_axis(bench):
     assert {"broadcast", "reduce", "scatter", "gather", "ring all-gather", "ring all-reduce"} <= checked
 
 
-def test_timed_run_fit_profile_and_markdown(bench, tmp_path):
+def test_timed_run_fit_profile_and_markdown(tmp_path):
     rows = bench.run("data=8", [4096, 65536], reps=1, ops=("ppermute", "all-reduce", "ring all-reduce"))
     assert all(r["time_s"] > 0 and r["busbw_GBps"] > 0 for r in rows)
     prof = {"device": "8x cpu", "jax": "test", "axes": bench.fit(rows)}
@@ -49,19 +53,19 @@ def test_timed_run_fit_profile_and_markdown(bench, tmp_path):
     assert second.startswith(first) and second.count("## Collectives") == 1
 
 
-def test_single_device_axis_is_not_a_link(bench, tmp_path):
+def test_single_device_axis_is_not_a_link(tmp_path):
     path = tmp_path / "one.json"
     path.write_text(json.dumps({"device": "1x H200", "axes": {"data": {"alpha_s": 1e-5, "bw_Bps": 1e12, "p": 1}}}))
     hw = hardware.load_profile(path)
     assert hw.axes == {} and hw.link("data", False) == hardware.HARDWARE["h200"].intra
 
 
-def test_bad_sizes(bench, capsys):
-    assert bench.main(["--max-bytes", "lots"]) == 2
+def test_bad_sizes(cli, capsys):
+    assert cli.main(["--max-bytes", "lots"]) == 2
     assert "4KiB" in capsys.readouterr().err
 
 
-def test_fit_uses_the_planners_formulas(bench):
+def test_fit_uses_the_planners_formulas():
     """Synthetic times from the planner's ring model come back as the alpha and BW that made them."""
     from meshlab.plan.comm import collective_time
     alpha, bw, p = 7e-6, 300e9, 2
@@ -77,24 +81,24 @@ def test_fit_uses_the_planners_formulas(bench):
     assert set(got["per_op"]) == {"all-reduce", "all-gather", "reduce-scatter"}
 
 
-def test_variants_each_in_a_process_and_a_bad_flag_is_a_row(bench, tmp_path):
+def test_variants_each_in_a_process_and_a_bad_flag_is_a_row(cli, tmp_path):
     """Sweep in a child, then variants: one that runs (one process per device, gloo) and one whose XLA
     flag does not exist (XLA aborts that process: an error row, the rest goes on)."""
     out, md = tmp_path / "prof.json", tmp_path / "bench.md"
-    rc = bench.main(["--cpu-devices", "2", "--min-bytes", "64KiB", "--max-bytes", "64KiB", "--ops", "all-reduce,ppermute",
+    rc = cli.main(["--cpu-devices", "2", "--min-bytes", "64KiB", "--max-bytes", "64KiB", "--ops", "all-reduce,ppermute",
                      "--variants", "multiprocess,bad@XLA_FLAGS=--xla_no_such_flag_here=1", "--variant-sizes", "64KiB",
                      "--out", str(out), "--markdown", str(md), "--variant-timeout-s", "120", "--variants-budget-s", "300"])
     assert rc == 0
     prof = json.loads(out.read_text())
     assert {r["op"] for r in prof["rows"]} == {"all-reduce", "ppermute"} and prof["device"] == "2x cpu"
     ok = [v for v in prof["variants"] if v["variant"] == "multiprocess" and "error" not in v]
-    assert {v["mode"] for v in ok} == set(bench.MODES) and all(v["busbw_GBps"] > 0 for v in ok)
+    assert {v["mode"] for v in ok} == set(variants.MODES) and all(v["busbw_GBps"] > 0 for v in ok)
     bad = [v for v in prof["variants"] if v["variant"].startswith("bad@")]
     assert len(bad) == 1 and "error" in bad[0]
     assert "variant multiprocess" in md.read_text()
 
 
-def test_profile_copies_the_link_to_axes_on_the_same_devices(bench, tmp_path):
+def test_profile_copies_the_link_to_axes_on_the_same_devices(tmp_path):
     rows = [{"axis": "data", "p": 2, "op": "all-reduce", "bytes": n, "time_s": 1e-5 + n / 3e11, "algbw_GBps": 1.0,
              "busbw_GBps": 1.0} for n in (2**20, 2**30)]
     prof = bench.profile(rows, {"device": "2x test", "jax": "t"}, "fsdp,tensor")
