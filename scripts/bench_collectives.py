@@ -5,17 +5,8 @@
     # 2 GPUs, issue 9: the four NCCL collectives 1 MiB .. 4 GiB, then why psum trails torch
     ... --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB --variants all
 
-Every collective of the source material's table (broadcast, reduce, all-reduce, scatter, gather,
-all-gather, reduce-scatter, all-to-all) and ppermute, 4 KiB .. 1 GiB per device (smaller on CPU).
-Broadcast/reduce/scatter/gather have no lax primitive: they are written here from ppermute
-(binomial trees, direct sends), as are the teaching rings: all-gather in p-1 ppermute steps and
-all-reduce as ring reduce-scatter then ring all-gather. Each result is checked against the
-library collective before its time counts (up to --check-max-bytes). On one GPU every axis has
-size 1: only the single-device overheads (dispatch, copy) are measured, and the profile says so.
-
-Times: `time` is k calls issued back to back over k (device time, as nccl-tests counts it); `call`
-is the median single call waited for. The profile's alpha/BW per axis are fitted with the planner's
-own formulas on all-reduce/all-gather/reduce-scatter (ppermute when those were not run).
+What is measured and how (the collectives, the ppermute-built ones, the checks, the two times, the
+fit): meshlab/plan/collectives_bench.py.
 --variants re-times the all-reduce in fresh processes, one change each (NCCL protocol/algorithm,
 XLA user/symmetric buffers, XLA's one-shot all-reduce kernel, one process per GPU, combining, in
 place). Flags checked to parse in jax 0.10.2; the GPU's jax may differ: an unknown one is an error row.
