@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the variants' children run this file without PYTHONPATH
-from meshlab.plan.collectives_bench import OPS, _parse_bytes, sweep, use_cpu_devices  # noqa: E402
+from meshlab.plan.collectives_bench import OPS, parse_bytes, sweep, use_cpu_devices  # noqa: E402
 from meshlab.plan.collectives_variants import VARIANTS, child_variant, sweep_then_variants  # noqa: E402
 
 
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
     if a.cpu_devices:   # each process of a multi-process variant gets its share; jax.distributed joins them
         use_cpu_devices(a.cpu_devices, a.mp_size)
     try:
-        lo, hi = _parse_bytes(a.min_bytes), _parse_bytes(a.max_bytes) if a.max_bytes else None
-        check_max = _parse_bytes(a.check_max_bytes)
-        [_parse_bytes(s) for s in a.variant_sizes.split(",")]
+        lo, hi = parse_bytes(a.min_bytes), parse_bytes(a.max_bytes) if a.max_bytes else None
+        check_max = parse_bytes(a.check_max_bytes)
+        [parse_bytes(s) for s in a.variant_sizes.split(",")]
     except ValueError:
         print(f"bench_collectives.py: sizes must look like 4KiB, 64MiB, 1GiB (got {a.min_bytes!r}, {a.max_bytes!r}, "
               f"{a.variant_sizes!r})", file=sys.stderr)

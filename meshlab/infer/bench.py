@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab.benchtime import median_time
 from meshlab.infer import kv_cache
 from meshlab.infer.engine import ContiguousGenerator, Engine, make_programs, serving_params
 from meshlab.infer.sampler import SamplingParams, row_arrays
+from meshlab.plan.hlo import COMPUTATION, shape_bytes
 
 ROW_PREFIX = "ROW "
 
@@ -36,13 +38,7 @@ def emit(row: dict) -> dict:
 
 def timeit(fn, reps=5) -> float:
     """Median seconds of `reps` calls after one warm call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return median_time(fn, warmup=1, reps=reps)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -53,25 +49,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 # -- HLO traffic ------------------------------------------------------------------------------
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
-                "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
-_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
-_SHAPE = re.compile(r"\b(\w+)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
               "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier", "optimization-barrier"}
 _IN_PLACE = ("dynamic-update-slice", "scatter")
-
-
-def _bytes(shape_text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(shape_text):
-        n = 1
-        for d in dims.split(","):
-            n *= int(d) if d else 1
-        total += n * _DTYPE_BYTES.get(dtype, 0)
-    return total
 
 
 def _category(ops: set) -> str:
@@ -91,7 +73,7 @@ def hlo_traffic(text: str, tokens: int, min_bytes: int = 1 << 20, top: int = 8) 
     comps: dict[str, list] = {}       # computation -> [(name, op, shape text, line)]
     entry, comp = None, None
     for line in text.splitlines():
-        m = _COMP.match(line)
+        m = COMPUTATION.match(line)
         if m:
             comp = m.group(1)
             comps[comp] = []
@@ -128,7 +110,7 @@ def hlo_traffic(text: str, tokens: int, min_bytes: int = 1 << 20, top: int = 8) 
             kernels += mult[c]
             called = re.search(r"calls=%?([\w.\-]+)", line)
             cat = _category(ops_of.get(called.group(1), set()) if called and op == "fusion" else {op})
-            nbytes = _bytes(shape)
+            nbytes = shape_bytes(shape)
             # GEMM results are the step's activations (and a cuBLAS call's tuple holds its workspace)
             if cat in ("in-place update", "gemm") or nbytes < min_bytes:
                 continue

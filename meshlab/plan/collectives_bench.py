@@ -28,7 +28,7 @@ OPS = ("broadcast", "reduce", "all-reduce", "scatter", "gather", "all-gather", "
        "ppermute", "ring all-gather", "ring all-reduce")
 
 
-def _parse_bytes(s: str) -> int:
+def parse_bytes(s: str) -> int:
     units = {"kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "b": 1}
     low = s.strip().lower()
     for u, m in units.items():
@@ -307,7 +307,7 @@ def sweep(a, lo: int, hi: int | None, ops, check_max: int) -> int:
     """The sweep in this process: sizes lo, 4 lo, .. hi; with a.sweep_json (the child of sweep_then_variants)
     every row is streamed there as it is measured."""
     import jax
-    hi = hi or _parse_bytes("1GiB" if jax.default_backend() == "gpu" else "1MiB")
+    hi = hi or parse_bytes("1GiB" if jax.default_backend() == "gpu" else "1MiB")
     sizes = []
     n = lo
     while n <= hi:

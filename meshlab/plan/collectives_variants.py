@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshlab.plan.collectives_bench import _input, _parse_bytes, _timed, profile, report, wire_bytes
+from meshlab.plan.collectives_bench import _input, parse_bytes, _timed, profile, report, wire_bytes
 
 ENTRY = Path(__file__).resolve().parents[2] / "scripts" / "bench_collectives.py"
 
@@ -186,7 +186,7 @@ def child_variant(a) -> int:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.mp_port}", num_processes=a.mp_size,
                                    process_id=a.mp_rank, local_device_ids=[a.mp_rank] if not a.cpu_devices else None)
-    sizes = [_parse_bytes(s) for s in a.variant_sizes.split(",")]
+    sizes = [parse_bytes(s) for s in a.variant_sizes.split(",")]
     rows = variant_rows(a.child_variant, a.mesh, sizes, a.reps, 10, a.variant_op)
     if a.mp_rank == 0:
         for r in rows:

@@ -13,10 +13,10 @@ import re
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
-                "s64": 8, "u64": 8, "s16": 2, "u16": 2}
+                "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
 _OP = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _WHILE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
 _CALLS = re.compile(r"(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=(\{[{}\d,\s]*\}|\[\d+,(\d+)\]<=)")
@@ -41,7 +41,8 @@ class Collective:
     line: str
 
 
-def _shape_bytes(text: str) -> int:
+def shape_bytes(text: str) -> int:
+    """Bytes of the array shapes in `text` (`bf16[2,3]`, or a tuple of them); unknown dtypes are 0."""
     total = 0
     for dtype, dims in _SHAPE.findall(text):
         if dtype not in _DTYPE_BYTES:
@@ -60,7 +61,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     loop_bodies: set[str] = set()
     calls: dict[str, set[str]] = {}
     for line in hlo_text.splitlines():
-        m = _COMP.match(line)
+        m = COMPUTATION.match(line)
         if m:
             comp = m.group(1)
             continue
@@ -71,7 +72,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             calls.setdefault(comp, set()).add(callee)
         op = _OP.search(line)
         if op and "-done" not in line and not _single_device_groups(line):
-            found.append((op.group(2), _shape_bytes(op.group(1)), comp, line.strip()))
+            found.append((op.group(2), shape_bytes(op.group(1)), comp, line.strip()))
     # Anything reachable from a loop body runs inside the loop.
     inside = set()
     stack = list(loop_bodies)

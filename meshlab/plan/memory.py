@@ -105,29 +105,33 @@ def _trace(cfg, policy: str, attention: str) -> tuple:
     length P on one row: per array, its elements and how many of its dims are P (1: grows with S,
     2: S^2, e.g. XLA attention's [b,h,S,S] softmax). Returns (per-layer, head) lists of
     (elements per row at S=P, itemsize, P-dims). Tracing only: no compile, no allocation."""
+    dims = {cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab}
+    probe = next(p for p in _PROBES if p not in dims)
+    layer, head = _residuals(cfg, policy, attention, probe)
+
+    def entry(aval, per_layer):   # stacked [n_layers=2, ...]: one layer is half of it
+        n = int(np.prod(aval.shape)) // (2 if per_layer else 1)
+        return (n, aval.dtype.itemsize, sum(1 for x in aval.shape if x == probe), probe)
+    return tuple(entry(a, True) for a in layer), tuple(entry(a, False) for a in head)
+
+
+def _residuals(cfg, policy: str, attention: str, seq: int) -> tuple[list, list]:
+    """(per-layer, head) avals of the residuals autodiff saves for `cfg` at 2 layers, 1 row x `seq`;
+    the parameters and the batch (counted as state / input already) left out."""
     import jax
     import jax.numpy as jnp
     from meshlab.train.state import model_def
-    dims = {cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab}
-    probe = next(p for p in _PROBES if p not in dims)
-    local = dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention)
-    md = model_def(local)
-    tok = jax.ShapeDtypeStruct((1, probe), jnp.int32)
+    md = model_def(dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention))
+    tok = jax.ShapeDtypeStruct((1, seq), jnp.int32)
 
     def loss(params, tok):
         m = md.bind(params)
         return jnp.sum(m.token_losses(m.hidden(tok, tok, None), tok))
     layer, head = [], []
     for aval, why in _saved_residuals(loss, md.abstract, tok):
-        if "argument" in why:       # parameters and the batch: counted as state / input already
-            continue
-        n = int(np.prod(aval.shape))
-        entry = (n, aval.dtype.itemsize, sum(1 for x in aval.shape if x == probe), probe)
-        if "output of scan" in why:  # stacked [n_layers, ...]: one layer is half of it
-            layer.append((n // 2,) + entry[1:])
-        else:
-            head.append(entry)
-    return tuple(layer), tuple(head)
+        if "argument" not in why:
+            (layer if "output of scan" in why else head).append(aval)
+    return layer, head
 
 
 _STREAM: dict = {}
@@ -143,29 +147,9 @@ def _stream_flags(cfg, policy: str, attention: str) -> tuple:
     if key not in _STREAM:
         dims = {cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab, *_PROBES}
         d = next(x for x in (101, 103, 107, 109, 113, 127, 131) if x not in dims)
-        probe = dataclasses.replace(cfg, d_model=d)
-        shapes = _trace_shapes(probe, policy, attention)
-        _STREAM[key] = tuple(tuple(bool(sh) and sh[-1] == d for sh in part) for part in shapes)
+        parts = _residuals(dataclasses.replace(cfg, d_model=d), policy, attention, _PROBES[-1])
+        _STREAM[key] = tuple(tuple(bool(a.shape) and a.shape[-1] == d for a in part) for part in parts)
     return _STREAM[key]
-
-
-def _trace_shapes(cfg, policy: str, attention: str) -> tuple:
-    """(per-layer, head) residual shapes, in the order `_trace` lists them."""
-    import jax
-    import jax.numpy as jnp
-    from meshlab.train.state import model_def
-    local = dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention)
-    md = model_def(local)
-    tok = jax.ShapeDtypeStruct((1, _PROBES[-1]), jnp.int32)
-
-    def loss(params, tok):
-        m = md.bind(params)
-        return jnp.sum(m.token_losses(m.hidden(tok, tok, None), tok))
-    layer, head = [], []
-    for aval, why in _saved_residuals(loss, md.abstract, tok):
-        if "argument" not in why:
-            (layer if "output of scan" in why else head).append(tuple(aval.shape))
-    return tuple(layer), tuple(head)
 
 
 def _saved_residuals(f, *args):
