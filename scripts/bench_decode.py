@@ -8,10 +8,14 @@ as it measures, so one killed at its time limit still hands back its rows. Jobs 
 important first; each is promised `reserve` seconds and gets the slack earlier jobs left, so
 the whole call ends inside --budget-s. Children share a compilation and autotune cache.
 
-  base          the copy bandwidth reference; batch-1 decode at ctx 2048 with the layers as
-                scan (the old path) / split (per-layer buffers) / fused (split + concatenated
-                q|k|v and gate|up weights) / unroll (static slices), each with the HLO traffic,
-                the first three with a kernel profile; then batch 64 fused and scan
+  copy_torch    the copy bandwidth measured by torch (CUDA events; no JAX in that process)
+  base          the copy bandwidth in JAX (1 GiB, 4 GiB, donated); batch-1 decode at ctx 2048
+                with the layers split (per-layer buffers) / fused (split + concatenated q|k|v and
+                gate|up weights), each with the HLO traffic and a kernel profile; fused over a
+                contiguous cache (no page gather); batch 64 fused
+  sweep         fused, paged XLA attention, batch 1..256 at ctx 2048 (TPOT vs batch 1)
+  sweep_pallas  the same with the paged Pallas decode kernel
+  scan          the old stacked-weight paths (scan, unroll) at batch 1, for the record
   cmdbuf_while  XLA command buffers (CUDA graphs) that also capture while loops
   dsfusion      XLA dynamic-slice fusion (a GEMM reads a stacked weight's slice in place)
   no_cmdbuf     command buffers off: what CUDA graphs buy at batch 1
@@ -19,6 +23,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 decode with the paged Pallas kernel, and the kernel against its peers
   engine        TTFT for 512..8k prompts, engine decode, the same engine through HTTP (fused layers)
 
+The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
 /tmp/bench_decode); on a GPU also appends dated rows to docs/benchmarks.md and writes that block
 to $OUT/benchmarks_append.md (the device machine's checkout does not come back).
@@ -41,13 +46,18 @@ sys.path.insert(0, str(ROOT))
 
 # name: (XLA_FLAGS, reserve seconds, tag added to settings)
 JOBS = {
-    "base": ("", 160, ""),
+    "copy_torch": ("", 30, ""),
+    "base": ("", 120, ""),
+    "sweep": ("", 90, ""),
+    "sweep_pallas": ("", 90, ""),
+    "scan": ("", 40, ""),
     "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 45, " [cmdbuf+while]"),
     "dsfusion": ("--xla_gpu_enable_dynamic_slice_fusion=true", 40, " [ds-fusion]"),
     "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 30, " [no cmdbuf]"),
     "pallas": ("", 95, ""),
     "engine": ("", 65, ""),
 }
+SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 # -- child side -------------------------------------------------------------------------------
@@ -65,33 +75,56 @@ def setup(args):
     sizes = dict(ctx=64, big=2, n=8, lengths=[32, 64], max_len=256, chunk=32, tpot_n=32) if args.cpu_smoke else \
         dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
              max_len=8192 + 256, chunk=512, tpot_n=256)
-    bw = args.bw or bench.copy_bandwidth(1 << 24 if args.cpu_smoke else 1 << 30)
+    bw = args.bw
+    if args.job == "base" or not bw:          # base always measures: its rows are the JAX copy peers
+        gib = 1 << 24 if args.cpu_smoke else 1 << 30
+        for setting, nbytes, donate in (("1 GiB", gib, False), ("4 GiB", 4 * gib, False), ("1 GiB donated", gib, True)):
+            rate = bench.copy_bandwidth(nbytes, donate=donate)
+            bw = max(bw, rate)
+            if args.job == "base":
+                bench.emit({"section": "copy", "setting": f"jax elementwise {setting}, read + write",
+                            "value": rate / 1e9, "unit": "GB/s", "note": ""})
     return cfg, model_def(cfg), random_params(cfg), bw, sizes
 
 
+def run_torch_copy(args):
+    from meshlab.infer import bench      # imports jax, but torch alone touches the GPU here
+    if args.cpu_smoke:
+        return
+    for name, rate in bench.torch_copy_bandwidth().items():
+        bench.emit({"section": "copy", "setting": f"torch {name} 1 GiB bf16, read + write", "value": rate / 1e9,
+                    "unit": "GB/s", "note": "CUDA events"})
+
+
 def run_child(args):
+    if args.job == "copy_torch":
+        return run_torch_copy(args)
     from meshlab.infer import bench
     cfg, md, params, bw, sz = setup(args)
     out, tag = Path(args.out_dir), JOBS[args.job][2]
 
-    def decode(batch, layers, impl="xla", detail=False, profile=False):
+    def decode(batch, layers, impl="xla", detail=False, profile=False, layout="paged"):
         label = f"{layers}{tag}"
         try:
-            slug = f"{args.job}_{layers}_{impl}_b{batch}"
+            slug = f"{args.job}_{layers}_{layout}_{impl}_b{batch}"
             bench.emit(bench.measure_decode(
                 md, params, bw, batch, sz["ctx"], impl=impl, layers=layers, n=sz["n"], label=label,
                 hlo_file=out / "hlo" / f"{slug}.hlo.txt.gz" if detail else None,
-                profile_dir=Path("/tmp/bench_decode_traces") / slug if profile else None))
+                profile_dir=Path("/tmp/bench_decode_traces") / slug if profile else None, layout=layout))
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            bench.fail_row("decode", f"{label} {impl} b={batch}", e)
+            bench.fail_row("decode", f"{label} {layout} {impl} b={batch}", e)
 
     if args.job == "base":
-        bench.emit({"section": "copy", "setting": "elementwise, read + write", "value": bw / 1e9, "unit": "GB/s",
-                    "note": "the roofline's bandwidth"})
-        for layers in ("scan", "split", "fused", "unroll"):
-            decode(1, layers, detail=True, profile=layers != "unroll")
-        for layers in ("fused", "scan"):
-            decode(sz["big"], layers, detail=layers == "fused")
+        for layers in ("fused", "split"):
+            decode(1, layers, detail=layers == "fused", profile=True)
+        decode(1, "fused", layout="contiguous", profile=True)
+        decode(sz["big"], "fused", detail=True)
+    elif args.job in ("sweep", "sweep_pallas"):
+        for batch in (SWEEP[:3] if args.cpu_smoke else SWEEP):
+            decode(batch, "fused", impl="pallas" if args.job == "sweep_pallas" else "xla")
+    elif args.job == "scan":
+        for layers in ("scan", "unroll"):
+            decode(1, layers)
     elif args.job == "cmdbuf_while":
         decode(1, "fused", detail=True)
         decode(1, "scan")
@@ -182,14 +215,24 @@ def markdown(rows, meta) -> str:
 
 
 def details(rows) -> str:
-    """HLO traffic and kernel profiles per decode variant (the evidence behind the numbers), and
-    whether its greedy tokens equal the scan path's (bf16: a different fusion may round differently)."""
-    out = ["\n## HLO traffic and profiles per decode variant\n"]
-    ref = {r["batch"]: r["tokens"] for r in rows if r["section"] == "decode" and r.get("layers") == "scan"
-           and r.get("impl") == "xla" and r["job"] == "base" and "tokens" in r}
+    """The batch sweep's TPOT against batch 1, then HLO traffic and kernel profiles per decode
+    variant (the evidence behind the numbers), and whether its greedy tokens equal the paged fused
+    XLA path's (bf16: a different fusion may round differently)."""
+    out = []
+    for job in ("sweep", "sweep_pallas"):
+        sweep = {r["batch"]: r for r in rows if r["job"] == job and r["section"] == "decode" and "tpot_ms" in r}
+        if sweep:
+            one = sweep.get(1, {}).get("tpot_ms")
+            out += [f"\n## {job}: TPOT against batch 1 (ctx 2048)\n", "| batch | tok/s | TPOT ms | x b=1 | % copy bw |",
+                    "| --- | --- | --- | --- | --- |"]
+            out += [f"| {b} | {r['value']:.0f} | {r['tpot_ms']:.2f} | {r['tpot_ms'] / one if one else float('nan'):.2f} | "
+                    f"{r['frac_copy_bw']:.0%} |" for b, r in sorted(sweep.items())]
+    out.append("\n## HLO traffic and profiles per decode variant\n")
+    ref = {r["batch"]: r["tokens"] for r in rows if r["section"] == "decode" and r.get("layers") == "fused"
+           and r.get("impl") == "xla" and r.get("layout") == "paged" and r["job"] == "base" and "tokens" in r}
     for r in rows:
-        if r["section"] == "decode" and "hlo" in r:
-            same = {True: "same greedy tokens as scan", False: "greedy tokens differ from scan"}.get(
+        if r["section"] == "decode" and ("hlo" in r or "profile" in r):
+            same = {True: "same greedy tokens as paged fused xla", False: "greedy tokens differ from paged fused xla"}.get(
                 r["tokens"] == ref[r["batch"]] if r["batch"] in ref else None, "")
             out.append(f"### {r['setting']}: {r['value']:.0f} tok/s, compile {r.get('compile_s')} s; {same}\n")
             out.append("```\n" + json.dumps(r["hlo"], indent=1) + "\n```")
@@ -226,7 +269,7 @@ def main():
             print(f"[{name}] skipped: no time left", flush=True)
             continue
         rows += run_job(name, args, deadline, out, bw)
-        bw = bw or next((r["value"] * 1e9 for r in rows if r["section"] == "copy"), 0.0)
+        bw = max([bw] + [r["value"] * 1e9 for r in rows if r["section"] == "copy" and r["value"] == r["value"]])
     meta = next((r for r in rows if r["section"] == "meta"), {})
     table = markdown(rows, meta)
     (out / "bench_decode.json").write_text(json.dumps(rows, indent=1, default=float))

@@ -41,11 +41,41 @@ def timeit(fn, reps=5) -> float:
     return median_time(fn, warmup=1, reps=reps)
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of an elementwise pass over `nbytes` (read + write): the card's usable HBM rate."""
+def copy_bandwidth(nbytes: int = 1 << 30, donate: bool = False) -> float:
+    """Bytes/s of an elementwise pass over `nbytes` (read + write): the card's usable HBM rate.
+    donate=True updates the buffer in place (no fresh output allocation per call)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.000001)
-    return 2 * x.nbytes / timeit(lambda: f(x), reps=10)
+    if not donate:
+        f = jax.jit(lambda a: a * 1.000001)
+        return 2 * x.nbytes / timeit(lambda: f(x), reps=10)
+    f = jax.jit(lambda a: a * 1.000001, donate_argnums=0)
+    state = {"x": x}
+
+    def run():
+        state["x"] = f(state["x"])
+        return state["x"]
+    return 2 * x.nbytes / timeit(run, reps=10)
+
+
+def torch_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> dict:
+    """The same read + write rate measured by torch (CUDA events, no JAX in the process): a copy
+    into a second buffer and an in-place scale. The peer check on `copy_bandwidth`."""
+    import torch
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    out = {}
+    for name, op in (("copy_", lambda: y.copy_(x)), ("mul_", lambda: x.mul_(1.0))):
+        op()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = 2 * x.nbytes / sorted(times)[len(times) // 2]
+    return out
 
 
 # -- HLO traffic ------------------------------------------------------------------------------
@@ -133,13 +163,17 @@ def decode_state(cfg, batch, ctx, page_size=16):
 
 
 def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=32, reps=3, label="",
-                   hlo_file=None, profile_dir=None) -> dict:
-    """Tokens/s of `n` greedy decode steps per call at context `ctx` (paged cache), against the
+                   hlo_file=None, profile_dir=None, layout="paged") -> dict:
+    """Tokens/s of `n` greedy decode steps per call at context `ctx` (paged cache, or a contiguous
+    one of exactly ctx rows: the attention's reference cost without the page gather), against the
     roofline: bytes of weights + KV read per step over the copy bandwidth `bw`."""
     cfg = md.cfg
     served = serving_params(md, params, layers)
-    _, loop = make_programs(md, "paged", impl, interpret=jax.default_backend() != "gpu", layers=layers)
-    cache, table = decode_state(cfg, batch, ctx)
+    _, loop = make_programs(md, layout, impl, interpret=jax.default_backend() != "gpu", layers=layers)
+    if layout == "contiguous":
+        cache, table = kv_cache.init_contiguous(cfg, batch, ctx), jnp.zeros((batch, 1), jnp.int32)
+    else:
+        cache, table = decode_state(cfg, batch, ctx)
     seen = jnp.zeros((batch, cfg.vocab_size), bool)
     rows = row_arrays([SamplingParams()] * batch)
     tok, pos = np.ones(batch, np.int32), np.full(batch, ctx - n, np.int32)
@@ -163,8 +197,9 @@ def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=
     step = timeit(run, reps=reps) / n
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(served))
     moved = weight_bytes + batch * ctx * kv_cache.cache_bytes(cfg, 1)
-    row = {"section": "decode", "setting": f"{label or layers} {impl} b={batch} ctx={ctx}",
-           "value": batch / step, "unit": "tok/s", "batch": batch, "ctx": ctx, "layers": layers, "impl": impl,
+    where = "" if layout == "paged" else f" {layout}"
+    row = {"section": "decode", "setting": f"{label or layers}{where} {impl} b={batch} ctx={ctx}",
+           "value": batch / step, "unit": "tok/s", "batch": batch, "ctx": ctx, "layers": layers, "impl": impl, "layout": layout,
            "tpot_ms": step * 1e3, "gbps": moved / step / 1e9, "frac_copy_bw": moved / step / bw,
            "roofline_tok_s": bw / moved * batch, "compile_s": round(compile_s, 1), "hlo": traffic,
            "tokens": first,
@@ -184,7 +219,7 @@ def profile(run, trace_dir, n, step_s) -> dict:
     try:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             jax.block_until_ready(run())
-        s = summarize(trace_dir, steps=n, top=8)
+        s = summarize(trace_dir, steps=n, top=16)
     except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     return {"busy_ms_per_token": round(s["busy_ms_per_step"], 3), "tpot_ms": round(step_s * 1e3, 3),
