@@ -120,6 +120,18 @@ def _mm(spec, x, w):
     return jnp.einsum(spec, x, w)
 
 
+def _mm_decode(spec, x, w):
+    """_mm for the serving path, x [b, t, ...]. At one token (b*t == 1) XLA:GPU drops the unit dims,
+    sees a vector x matrix dot, and below ~10M elements rewrites it into a multiply + reduce
+    (its algebraic simplifier's dot strength reduction): for wo that wrote and re-read a
+    weight-sized product (8.4 MB per layer, 16 us instead of ~2; H200 decode HLO, 2026-11-30).
+    A second, zero row keeps it a GEMM; the weights are read once either way."""
+    if x.shape[0] * x.shape[1] != 1:
+        return _mm(spec, x, w)
+    two = jnp.concatenate([x, jnp.zeros_like(x)], axis=1)                  # [1, 2, ...]
+    return _mm(spec, two, w)[:, :1]                                        # [1, 1, ...]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def mm_f32_out(spec, x, w):
     """einsum with an fp32 output (logits feeding a softmax) whose backward GEMMs still run in the
@@ -196,20 +208,15 @@ class Attention(nnx.Module):
         launch and one pass over x instead of three small ones; then self.wq/wk/wv are not read."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if wqkv is None:
-            q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
-            k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
-            v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
+            q = _mm_decode("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
+            k = _mm_decode("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
+            v = _mm_decode("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
         else:
-            qkv = _mm("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+            qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
             q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
-        # One contracting dim: with two (h, hd) and one token, XLA:GPU strength-reduced this GEMM to
-        # a multiply writing a weight-sized [h, hd, d] product, then a reduce (H200 decode HLO,
-        # 2026-11-30: 134 MB written + read again per token at llama3_1b, 16 layers).
-        b, t = o.shape[:2]
-        wo = _w(self.wo, dt)
-        out = _mm("bsf,fd->bsd", o.reshape(b, t, -1), wo.reshape(-1, wo.shape[-1]))  # [b, t, h*hd] @ [h*hd, d]
+        out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                       # [b, t, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
 
 
