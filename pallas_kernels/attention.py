@@ -3,7 +3,12 @@
 `impl` is one of:
   xla     the reference: einsum + softmax in fp32, materialises [b, h, q, k] scores.
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only).
-  pallas  `pallas_kernels.flash_attention` (tiled, online softmax; Triton lowering, CUDA sm_80+).
+  pallas  Pallas FlashAttention. On Hopper (sm_90) the Mosaic GPU kernel
+          (`pallas_kernels.flash_attention_mgpu`: wgmma + TMA) for the shapes it takes (no segment
+          ids, q_len == kv_len, head_dim 64/128, bf16/fp16, seq a multiple of its 128-row blocks);
+          otherwise `pallas_kernels.flash_attention` (Triton lowering, CUDA sm_80+). Why: on the
+          H200 the Mosaic kernel ran fwd+bwd 0.87-1.32x cuDNN where the Triton one ran 0.45-0.87x
+          (docs/benchmarks.md, Attention).
   auto    the first available of pallas -> cudnn -> xla, logged once; a shape the kernel refuses
           (e.g. head_dim 96) steps down to cudnn/xla for that call.
 An explicit choice that cannot run here is an error, never a silent fallback.
@@ -74,6 +79,24 @@ def _triton_gpu_available() -> bool:
     return False
 
 
+def _hopper() -> bool:
+    try:
+        return any(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+                   for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def mgpu_supports(q, k, *, segment_ids=None) -> bool:
+    """Shapes the Mosaic GPU kernel takes (its _config errors), given a Hopper GPU."""
+    from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes
+    bs = MgpuBlockSizes()
+    blocks = (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dq, bs.block_kv_dkv, bs.block_q_dkv)
+    return (segment_ids is None and q.shape[1] == k.shape[1] and q.shape[-1] in (64, 128)
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k.dtype
+            and q.shape[2] % k.shape[2] == 0 and all(q.shape[1] % b == 0 for b in blocks))
+
+
 def pallas_supports(q, k, *, causal: bool) -> bool:
     """Shapes the kernel takes (see flash_attention's errors); `auto` steps past pallas otherwise."""
     d = q.shape[-1]
@@ -141,5 +164,8 @@ def dot_product_attention(q, k, v, *, impl: str = "xla", causal: bool = True, se
             raise NotImplementedError(f"cudnn causal attention here needs q_len == kv_len (got {q.shape[1]} "
                                       f"and {k.shape[1]}); use attention=pallas or xla for chunked prefill")
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn")
+    if _hopper() and mgpu_supports(q, k, segment_ids=segment_ids):
+        from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
+        return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
     from pallas_kernels.flash_attention import flash_attention
     return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)

@@ -45,6 +45,8 @@ def impls(d):
                                                                                         interpret=INTERPRET))
            for v in VARIANTS}
     out["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
+    from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu  # Mosaic GPU (wgmma/TMA), sm_90 only
+    out["ours_mgpu"] = lambda q, k, v, c: flash_attention_mgpu(q, k, v, causal=c)
     out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     out["pallas_mha"] = lambda q, k, v, c: jmha.mha(q, k, v, None, sm_scale=d ** -0.5, causal=c)
     try:
@@ -126,6 +128,13 @@ def plan(which):
         out = [(s, d, c, ["oursA", "oursB", "oursC"] + peers) for s, d, c in first]
         out += [(s, d, c, ["oursA", "oursB"] + peers) for s, d, c in second]
         return out + [(s, d, c, ["oursA"] + peers) for s, d, c in rest]
+    if which.startswith("full"):  # every shape of the issue with every peer; "full64"/"full128": one head dim
+        dims = {"full": (64, 128), "full64": (64,), "full128": (128,)}[which]
+        return [(s, d, c, ["ours_mgpu", "cudnn", "pallas_mha", "xla", "mgpu_fp16_fwd"])
+                for s in (2048, 4096, 8192, 16384, 1024) for d in dims for c in (True, False)]
+    if which == "mgpu":  # the Mosaic GPU kernel beside ours and cuDNN at the issue's headline shapes
+        shapes = [(2048, 64, True), (8192, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
+        return [(s, d, c, ["ours_mgpu", "oursdef", "cudnn"]) for s, d, c in shapes]
     if which == "third":  # run 3: the tiles runs 1-2 left untimed, then every shape not yet measured
         return [(8192, 128, True, ["oursE", "oursF", "oursdef", "cudnn"])] + [
             (s, d, c, ["oursdef", "cudnn", "pallas_mha", "xla"]) for s, d, c in _UNMEASURED]
@@ -146,7 +155,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="second", choices=("first", "second", "third"))
+    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "full", "full64", "full128"))
+    ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: CPU check of the script")
     args = ap.parse_args()
@@ -164,7 +174,7 @@ def main():
         for name in names:
             if time.time() - t0 > args.budget_s:
                 break
-            if name not in table:
+            if name not in table or (args.impls and name not in args.impls.split(",")):
                 continue
             row = bench_shape(name, table[name], s, d, causal, name == "mgpu_fp16_fwd", ref_cache)
             row.update(device=dev, jax=jax.__version__)
@@ -200,7 +210,7 @@ def write_md(rows, path, dev):
     for s, d, c in shapes:
         by = {r["impl"]: r for r in rows if (r["S"], r["D"], r["causal"]) == (s, d, c)}
         cells = [f"{_cell(by[n], 'fwd')} / {_cell(by[n], 'fwdbwd')}" if n in by else "" for n in names]
-        a, cu = by.get("oursdef", by.get("oursC", by.get("oursA", {}))), by.get("cudnn", {})
+        a, cu = by.get("ours_mgpu", by.get("oursdef", by.get("oursC", by.get("oursA", {})))), by.get("cudnn", {})
         ratio = lambda k: (f"{a[k] / cu[k]:.2f}" if a.get(k) and cu.get(k) else "-")  # noqa: E731
         lines.append(f"| {today} | {dev} | {jax.__version__} | {TOKENS // s}x{s}x{HD // d}x{d} | {c} | "
                      + " | ".join(cells) + f" | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |")

@@ -85,3 +85,21 @@ def test_gpu_auto_is_pallas_and_all_impls_agree():
     seg = jnp.zeros((2, 512), jnp.int32).at[:, 300:].set(1)
     out = attention.dot_product_attention(q, k, v, impl="pallas", causal=True, segment_ids=seg)
     assert _rel(out, flash_attention_reference(q, k, v, causal=True, segment_ids=seg)) < 1e-2
+
+
+def test_pallas_runs_the_mosaic_kernel_on_hopper_for_shapes_it_takes(monkeypatch):
+    import pallas_kernels.flash_attention_mgpu as mgpu
+    calls = []
+    monkeypatch.setattr(attention, "_hopper", lambda: True)
+    monkeypatch.setattr(attention, "available", lambda impl: True)
+    monkeypatch.setattr(mgpu, "flash_attention_mgpu", lambda q, k, v, **kw: calls.append(kw) or q)
+    q, k, v = _qkv(sq=256, sk=256)
+    attention.dot_product_attention(q, k, v, impl="pallas", causal=True)
+    assert calls == [{"causal": True, "sm_scale": None}]
+    assert attention.mgpu_supports(q, k)
+    # packed documents, chunked prefill, lengths off the 128-row blocks, fp32, head_dim 32: Triton kernel
+    assert not attention.mgpu_supports(q, k, segment_ids=jnp.zeros((2, 256), jnp.int32))
+    assert not attention.mgpu_supports(*_qkv(sq=128, sk=256)[:2])
+    assert not attention.mgpu_supports(*_qkv(sq=200, sk=200)[:2])
+    assert not attention.mgpu_supports(*_qkv(sq=256, sk=256, dtype=jnp.float32)[:2])
+    assert not attention.mgpu_supports(*_qkv(sq=256, sk=256, d=32)[:2])

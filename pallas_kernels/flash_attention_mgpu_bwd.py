@@ -1,0 +1,261 @@
+"""Backward kernels of the Mosaic GPU FlashAttention (dQ and dK/dV); the design is in
+flash_attention_mgpu.py's docstring, which owns the wrapper, the tiles and the helpers these use."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
+    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _kv_producer, _mm, _mma, _params,
+    _q_tile_index, _ring_producer, _tile_transforms, _zeros)
+
+# ----------------------------------------------------------------------------------------------
+# backward: dQ
+
+
+def _dq_call(q, k, v, do, lse, delta, cfg: _Cfg):
+    bs = cfg.bs
+    b_, s_, h_, d_ = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim
+    dtype = q.dtype
+    rows = bs.block_q_dq // _COMPUTE_WGS
+    bkv = bs.block_kv_dq
+    n_tiles = s_ // bs.block_q_dq
+    stages = min(bs.num_stages_bwd, s_ // bkv)
+    c = cfg.sm_scale * LOG2E
+    causal, group = cfg.causal, cfg.group
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+               q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready, k_free, v_free):
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_q0 = _q_tile_index(n_tiles, causal) * bs.block_q_dq
+        n_cta = _cdiv(cta_q0 + bs.block_q_dq, bkv) if causal else s_ // bkv
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
+            q0 = cta_q0 + wg * rows
+            qs, dos = q_smem.at[wg], do_smem.at[wg]
+            rows_src = (b, pl.ds(q0, rows), h)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows_src], qs, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows_src], dos, do_ready.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(q0, rows)], lse_smem.at[wg], lse_ready.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(q0, rows)], delta_smem.at[wg], delta_ready.at[wg])
+            for bar in (q_ready, do_ready, lse_ready, delta_ready):
+                plgpu.barrier_wait(bar.at[wg])
+            lse_r = plgpu.load(lse_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            delta_r = plgpu.load(delta_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def step(t, dq, masked):
+                slot = lax.rem(t, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def sdp(s_ref, dp_ref):  # both matmuls in flight before the first wait
+                    plgpu.wgmma(s_ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, dos, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    return s_ref[...], dp_ref[...]
+                s, dp = pl.run_scoped(sdp, plgpu.ACC((rows, bkv), jnp.float32), plgpu.ACC((rows, bkv), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                p = jnp.exp2(s * c - _bcast(lse_r, s.shape, 0))
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    p = jnp.where(r + q0 >= col + t * bkv, p, 0.0)
+                ds = p * (dp - _bcast(delta_r, dp.shape, 0))
+                dq = _mma(dq, ds.astype(dtype), k_smem.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            def idle_step(t, carry):
+                slot = lax.rem(t, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                return carry
+
+            dq = _zeros((rows, d_))
+            if causal:
+                n_full = lax.div(q0, jnp.int32(bkv))
+                n_wg = _cdiv(q0 + rows, bkv)
+                dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+                dq = lax.fori_loop(n_full, n_wg, functools.partial(step, masked=True), dq)
+                lax.fori_loop(n_wg, n_cta, idle_step, 0)
+            else:
+                dq = lax.fori_loop(0, n_cta, functools.partial(step, masked=False), dq)
+            qs[...] = (dq * cfg.sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows_src])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _producer():
+            _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                         b=b, kvh=lax.div(h, jnp.int32(group)), bkv=bkv, n_steps=n_cta, num_stages=stages)
+
+    tr = _tile_transforms()
+    scratch = [
+        plgpu.SMEM((_COMPUTE_WGS, rows, d_), dtype, transforms=tr),
+        plgpu.SMEM((_COMPUTE_WGS, rows, d_), dtype, transforms=tr),
+        plgpu.SMEM((_COMPUTE_WGS, rows), jnp.float32),
+        plgpu.SMEM((_COMPUTE_WGS, rows), jnp.float32),
+        plgpu.SMEM((stages, bkv, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bkv, d_), dtype, transforms=tr),
+        *[plgpu.Barrier(num_barriers=_COMPUTE_WGS)] * 4,
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+    ]
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=scratch,
+        grid=(h_, n_tiles, b_),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+    )(q, k, v, do, lse, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dK, dV
+
+
+def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
+    bs = cfg.bs
+    b_, s_, kvh_, d_ = cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim
+    dtype = q.dtype
+    rows = bs.block_kv_dkv // _COMPUTE_WGS  # kv rows per compute warpgroup
+    bq = bs.block_q_dkv
+    n_tiles = s_ // bs.block_kv_dkv
+    nq = s_ // bq
+    c = cfg.sm_scale * LOG2E
+    causal, group = cfg.causal, cfg.group
+    stages = bs.num_stages_bwd if causal else min(bs.num_stages_bwd, group * nq)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+               k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, free):
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_k0 = _q_tile_index(n_tiles, causal) * bs.block_kv_dkv
+        qs_cta = lax.div(cta_k0, jnp.int32(bq)) if causal else 0  # first q tile any of the CTA's kv rows sees
+        n_per_head = nq - qs_cta
+        n_cta = group * n_per_head
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
+            k0 = cta_k0 + wg * rows
+            ks, vs = k_smem.at[wg], v_smem.at[wg]
+            src = (b, pl.ds(k0, rows), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], ks, k_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], vs, v_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(v_ready.at[wg])
+
+            def step(qi, carry, g, masked):
+                dk, dv = carry
+                t = g * n_per_head + (qi - qs_cta)
+                slot = lax.rem(t, jnp.int32(stages))
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(lse_ready.at[slot])
+                st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
+                lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
+                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
+                    pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
+
+                def dv_dpt(refs):  # dV += P^T dO and dP^T = V dO^T, one wait for both
+                    dv_ref, dpt_ref = refs
+                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
+                delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                dst = pt * (dpt - _bcast(delta_c, dpt.shape, 1))
+                dk = _mma(dk, dst.astype(dtype), q_smem.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def idle_step(qi, carry, g):  # q tiles wholly above this warpgroup's kv rows
+                t = g * n_per_head + (qi - qs_cta)
+                slot = lax.rem(t, jnp.int32(stages))
+                for bar in (q_ready, lse_ready, do_ready, delta_ready):
+                    plgpu.barrier_wait(bar.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            def head(g, carry):
+                if causal:
+                    qi_first = lax.div(k0, jnp.int32(bq))
+                    qi_unmasked = _cdiv(k0 + rows, bq)
+                    lax.fori_loop(qs_cta, qi_first, functools.partial(idle_step, g=g), 0)
+                    carry = lax.fori_loop(qi_first, qi_unmasked, functools.partial(step, g=g, masked=True), carry)
+                    return lax.fori_loop(qi_unmasked, nq, functools.partial(step, g=g, masked=False), carry)
+                return lax.fori_loop(0, nq, functools.partial(step, g=g, masked=False), carry)
+
+            carry = (_zeros((rows, d_)), _zeros((rows, d_)))
+            if group == 1:
+                dk, dv = head(0, carry)
+            else:
+                dk, dv = lax.fori_loop(0, group, head, carry)
+            ks[...] = (dk * cfg.sm_scale).astype(dtype)
+            vs[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ks, dk_ref.at[src], commit_group=False)
+            plgpu.copy_smem_to_gmem(vs, dv_ref.at[src], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _producer():
+            def loads(t, slot):
+                g = _div(t, n_per_head)
+                qi = qs_cta + (t - g * n_per_head)
+                h = kvh * group + g
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qi * bq, bq), h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(qi * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(qi * bq, bq), h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(qi * bq, bq)], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+            _ring_producer(n_cta, stages, loads, (free,))
+
+    tr = _tile_transforms()
+    scratch = [
+        plgpu.SMEM((_COMPUTE_WGS, rows, d_), dtype, transforms=tr),
+        plgpu.SMEM((_COMPUTE_WGS, rows, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        *[plgpu.Barrier(num_barriers=stages)] * 4,
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+    ]
+    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+    return plgpu.kernel(
+        kernel,
+        out_type=(kv_type, kv_type),
+        scratch_types=scratch,
+        grid=(kvh_, n_tiles, b_),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+    )(q, k, v, do, lse, delta)
