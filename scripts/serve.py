@@ -27,7 +27,8 @@ def main(argv=None):
     ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
-    ap.add_argument("--attention", default="xla", choices=("xla", "pallas"), help="paged decode attention")
+    ap.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                    help="paged decode attention (auto: the Pallas kernel on one GPU, else XLA)")
     ap.add_argument("--layers", default="split", choices=("split", "fused", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding")

@@ -50,6 +50,13 @@ def engine(tiny):
     return Engine(md, params, max_len=64, max_seqs=4, page_size=4, num_pages=14, chunk=8, steps_per_call=4)
 
 
+def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
+    assert engine.impl == "xla"          # auto: the Pallas kernel only on one GPU (CPU would interpret it)
+    md, params, _ = tiny
+    with pytest.raises(ValueError, match="must be auto, xla or pallas"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, impl="cudnn")
+
+
 def test_paged_greedy_equals_uncached(tiny, engine):
     _, params, fwd = tiny
     prompts = [[1, 2, 3], list(range(100, 119))]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshlab.infer.kv_cache import dense_attention
-from pallas_kernels.paged_attention import BlockSizes, paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import CONFIGS, BlockSizes, paged_attention, paged_attention_reference, plan
 
 
 def make_case(seed, b=3, h=4, kvh=2, d=16, page_size=4, max_pages=6, num_pages=24, lengths=(1, 9, 24)):
@@ -26,6 +26,43 @@ def test_kernel_matches_reference(pages_per_split):
     want = paged_attention_reference(q, k, v, table, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert np.all(np.asarray(got)[3] == 0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_sweep_configs_match_reference(name):
+    # 10 pages of 4 per sequence: several page blocks and splits per config, a part-filled last page
+    # (37 = 9 pages + 1), a block running past the table's end, empty splits, an inactive row
+    q, k, v, table, lengths = make_case(4, b=4, max_pages=10, num_pages=48, lengths=(1, 37, 40, 0))
+    want = paged_attention_reference(q, k, v, table, lengths)
+    got = paged_attention(q, k, v, table, lengths, block_sizes=CONFIGS[name], interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.all(np.asarray(got)[3] == 0)
+    if name != "dot8":                 # bf16 for the default (dots in bf16); elementwise: test_bf16_and_gqa...
+        return
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))                     # bf16 cache, dots in bf16
+    got = paged_attention(qb, kb, vb, table, lengths, block_sizes=CONFIGS[name], interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("score", ["dot", "vpu"])
+def test_group_not_a_power_of_two(score):
+    # 6 query heads on 2 kv heads: a group of 3, padded to 16 (dot) or 4 (vpu) rows in the kernel
+    q, k, v, table, lengths = make_case(5, h=6, kvh=2, lengths=(2, 13, 24))
+    got = paged_attention(q, k, v, table, lengths, block_sizes=BlockSizes(score=score, pages_per_block=4),
+                          interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_reference(q, k, v, table, lengths)),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_plan_fills_the_gpu_at_batch_one():
+    # llama3_1b at ctx 2048: 8 kv heads, 128 pages of 16, group 4, d 64
+    one = plan(BlockSizes(pages_per_block=4), 1, 8, 128, 16, 4, 64)
+    assert one["splits"] == 32 and one["use_dot"] and one["rows"] == 16 and one["out_rows"] == 4
+    assert plan(BlockSizes(), 64, 8, 128, 16, 4, 64)["splits"] == 1               # 512 programs already
+    old = plan(CONFIGS["old"], 1, 8, 128, 16, 4, 64)
+    assert (old["pages_per_block"], old["pages_per_split"], old["use_dot"]) == (1, 16, False)
+    with pytest.raises(ValueError, match="power of two"):
+        plan(BlockSizes(pages_per_block=3), 1, 8, 128, 16, 4, 64)
 
 
 def test_reference_matches_dense_attention():
@@ -67,6 +104,7 @@ def test_engine_with_kernel_matches_uncached():
 def test_stacked_layers_read_in_place():
     q, k, v, table, lengths = make_case(3, lengths=(2, 11, 24))
     k5, v5 = jnp.stack([k * 0, k, k * 2]), jnp.stack([v * 0, v, v * 2])       # layer 1 is the real one
-    got = paged_attention(q, k5, v5, table, lengths, jnp.int32(1), block_sizes=BlockSizes(2), interpret=True)
     want = paged_attention_reference(q, k, v, table, lengths)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    for bs in (BlockSizes(2), BlockSizes()):                                     # one page per step; gathered blocks
+        got = paged_attention(q, k5, v5, table, lengths, jnp.int32(1), block_sizes=bs, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -13,6 +13,7 @@ and read again (3x the bytes the step needs).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import sys
@@ -264,44 +265,105 @@ def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b"
     return result
 
 
-def kernel_peers(cfg, bw, batch, ctx=2048, page_size=16) -> list[dict]:
-    """One layer's decode attention: ours (Pallas), the gather + dense XLA path, JAX's paged_attention."""
-    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-    interpret = jax.default_backend() != "gpu"
-    pages = ctx // page_size
-    rng = np.random.default_rng(0)
-    shape = (batch * pages, page_size, cfg.n_kv_heads, cfg.head_dim)
-    k = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-    q = jnp.asarray(rng.normal(size=(batch, cfg.n_heads, cfg.head_dim)), jnp.bfloat16)
-    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
-    lengths = jnp.full((batch,), ctx, jnp.int32)
-    ref = paged_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                                    table, lengths)
+def kernel_peers(cfg, bw, batch, ctx=2048, page_size=16, configs=None, layers=None) -> list[dict]:
+    """Decode attention of one layer at `batch` x `ctx` (bf16, scattered pages): ours (Pallas) in each
+    BlockSizes configuration, the gather + dense XLA path, JAX's Pallas paged_attention, and JAX's
+    decode_attention on the same K/V laid out contiguously. Each is jitted with the data as arguments,
+    checked against an fp32 reference, then timed (us per call; % of copy bandwidth for the K+V bytes).
 
-    def jax_peer():
-        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
-        kt, vt = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
-        return jax.jit(lambda: jax_pa.paged_attention(q, kt, vt, table, lengths, pages_per_compute_block=8))
-    impls = {"ours_pallas": lambda: jax.jit(lambda: paged_attention(q, k, v, table, lengths, interpret=interpret)),
-             "xla_gather": lambda: jax.jit(lambda: paged_attention_reference(q, k, v, table, lengths)),
-             "jax_paged_attention": jax_peer}
+    configs: {label: BlockSizes} for ours (default: the kernel's named CONFIGS on GPU; on CPU, where
+    interpret mode takes seconds per configuration, only the default "dot8").
+    layers: also time ours and XLA over a stacked [layers, ...] cache, one call per layer inside ONE jit
+    (a python loop over layer indices, the cache read in place), reported per layer: the time without
+    dispatch, and with the layers' K/V (67 MB at llama3_1b b=1) past the 50 MB L2 that a single layer's
+    4 MB sits in when one call is repeated. None: cfg.n_layers on GPU, none in CPU interpret mode."""
+    import importlib
+    import math
+
+    from pallas_kernels.paged_attention import CONFIGS, paged_attention, paged_attention_reference, plan
+    interpret = jax.default_backend() != "gpu"
+    if configs is None:
+        configs = CONFIGS if not interpret else {"dot8": CONFIGS["dot8"]}
+    n_layers = (0 if interpret else cfg.n_layers) if layers is None else layers
+    kvh, h, d, g = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    pages = ctx // page_size
+    kq, kk, kv_ = jax.random.split(jax.random.key(0), 3)
+    shape = (batch * pages, page_size, kvh, d)
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv_, shape, jnp.bfloat16)
+    q = jax.random.normal(kq, (batch, h, d), jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(0).permutation(batch * pages).reshape(batch, pages), jnp.int32)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = paged_attention_reference(f32(q), f32(k), f32(v), table, lengths)
+    kv_bytes = 2 * k.nbytes
+
+    # JAX's paged_attention: K/V [kv_heads, pages, page_size, d]; it applies no 1/sqrt(d) (q comes
+    # pre-scaled); lengths are token counts as ours. decode_attention: gqa takes K/V [b, seq, kv_heads, d]
+    # and transposes them to head-major inside its jit (a copy, timed with it); mqa over b*kv_heads rows
+    # on head-major K/V is the kernel gqa runs, without that copy.
+    qs = (f32(q) * d ** -0.5).astype(q.dtype)
+    kt, vt = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))
+    kc, vc = (x[table].reshape(batch, ctx, kvh, d) for x in (k, v))             # contiguous [b, s, kvh, d]
+    kh, vh = (jnp.transpose(x, (0, 2, 1, 3)).reshape(batch * kvh, ctx, d) for x in (kc, vc))
+    impls = {}                                                                    # label -> (fn, args, extra)
+    for name, bs in configs.items():
+        p = plan(bs, batch, kvh, pages, page_size, g, d)
+        impls[f"ours[{name}]"] = (functools.partial(paged_attention, block_sizes=bs, interpret=interpret),
+                                  (q, k, v, table, lengths),
+                                  {"config": name, "block_sizes": str(bs), "splits": p["splits"],
+                                   "pages_per_block": p["pages_per_block"], "dot": p["use_dot"]})
+    impls["xla_gather"] = (paged_attention_reference, (q, k, v, table, lengths), {})
+    splits = math.gcd(pages, 16)                  # JAX's kernels need the splits to divide the pages
+    ops = lambda name: importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")  # at trace: a missing
+    impls["jax_paged_attention"] = (                                                     # module is a FAILED row
+        lambda q, k, v, t, n: ops("paged_attention").paged_attention(
+            q, k, v, t, n, pages_per_compute_block=8, k_splits=splits, interpret=interpret),
+        (qs, kt, vt, table, lengths), {})
+    impls["jax_decode_gqa+transpose"] = (
+        lambda q, k, v, n: ops("decode_attention").gqa(q, k, v, kv_seq_len=n, k_splits=splits, interpret=interpret),
+        (q, kc, vc, lengths), {})
+    impls["jax_decode_mqa_headmajor"] = (
+        lambda q, k, v, n: ops("decode_attention").mqa(q.reshape(-1, g, d), k, v, kv_seq_len=jnp.repeat(n, kvh),
+                                                       k_splits=splits, interpret=interpret).reshape(q.shape),
+        (q, kh, vh, lengths), {})
+
+    if n_layers:
+        # layer l holds K and V * (l+1)/L: its output is (l+1)/L * ref, so a wrong layer shows as an error
+        scale = (jnp.arange(n_layers, dtype=jnp.float32) + 1) / n_layers
+        ks = jax.jit(lambda k: jnp.broadcast_to(k, (n_layers, *k.shape)) + jnp.zeros((), k.dtype))(k)
+        vs = jax.jit(lambda v: (f32(v)[None] * scale[:, None, None, None, None]).astype(v.dtype))(v)
+        ref_stack = ref[None] * scale[:, None, None, None]
+
+        def stacked(one):
+            return lambda q, ks, vs, t, n: jnp.stack([one(q, ks, vs, t, n, l) for l in range(n_layers)])
+        for name, bs in configs.items():
+            impls[f"ours[{name}] x{n_layers}L"] = (
+                stacked(lambda q, ks, vs, t, n, l, bs=bs: paged_attention(q, ks, vs, t, n, jnp.int32(l), block_sizes=bs,
+                                                                          interpret=interpret)),
+                (q, ks, vs, table, lengths), {"config": name, "block_sizes": str(bs), "layers": n_layers})
+        impls[f"xla_gather x{n_layers}L"] = (
+            stacked(lambda q, ks, vs, t, n, l: paged_attention_reference(q, ks[l], vs[l], t, n)),
+            (q, ks, vs, table, lengths), {"layers": n_layers})
+
     out = []
-    for name, make in impls.items():
+    for name, (fn, args, extra) in impls.items():
+        per = extra.get("layers", 1)
+        want = ref_stack if per > 1 else ref
         setting = f"{name} b={batch} ctx={ctx}"
+        base = {"section": "kernel", "setting": setting, "unit": "us", **extra}
         try:
-            f = make()
-            err = float(jnp.max(jnp.abs(f().astype(jnp.float32) - ref)))
-            if err > 5e-2:
-                out.append(emit({"section": "kernel", "setting": setting, "value": float("nan"), "unit": "us",
-                                 "note": f"WRONG: max error {err:.1e}"}))
+            f = jax.jit(fn)
+            err = float(jnp.max(jnp.abs(f32(f(*args)) - want)))
+            if not err <= 5e-2:                                                   # NaN is wrong too
+                out.append(emit({**base, "value": float("nan"), "note": f"WRONG: max error {err:.1e}"}))
                 continue
-            t = timeit(f, reps=10)
-            out.append(emit({"section": "kernel", "setting": setting, "value": t * 1e6, "unit": "us",
-                             "note": f"{2 * k.nbytes / t / bw:.0%} of copy bw, max error {err:.1e}"}))
+            t = timeit(lambda: f(*args), reps=10) / per
+            how = f"per layer, {per} layers in one jit; " if per > 1 else ""
+            out.append(emit({**base, "value": t * 1e6,
+                             "note": f"{how}{kv_bytes / t / bw:.0%} of copy bw, max error {err:.1e}"}))
         except Exception as e:  # noqa: BLE001 - a peer that fails here is reported, not fatal
-            out.append(emit({"section": "kernel", "setting": setting, "value": float("nan"), "unit": "us",
-                             "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"}))
+            out.append(emit({**base, "value": float("nan"), "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"}))
     return out
 
 
