@@ -19,6 +19,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.rules import constrain, materialize
+from pallas_kernels import cross_entropy_onepass as fused_ce_onepass
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
@@ -48,7 +49,10 @@ class LlamaConfig:
     dtype: str = "bfloat16"               # compute dtype: bfloat16 | float16 (loss scaling) | float32
     attention: str = "xla"                # xla | cudnn | pallas | auto
     remat: str = "none"                   # none | full | save_dots | save_dots_no_batch
-    loss_impl: str = "dense"              # dense | chunked | pallas (fused linear + cross-entropy)
+    # dense | chunked | pallas (fused linear + cross-entropy) | onepass (the loss sum's gradients
+    # computed in its forward: 3 logits-sized GEMMs as dense, one [2048, V] slab at a time; jnp, so
+    # it partitions under tensor-parallel rules too; token_losses gives the chunked values)
+    loss_impl: str = "dense"
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
@@ -68,8 +72,8 @@ class LlamaConfig:
             raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype={self.dtype!r} must be bfloat16, float16 or float32")
-        if self.loss_impl not in ("dense", "chunked", "pallas"):
-            raise ValueError(f"model.loss_impl={self.loss_impl!r} must be dense, chunked or pallas")
+        if self.loss_impl not in ("dense", "chunked", "pallas", "onepass"):
+            raise ValueError(f"model.loss_impl={self.loss_impl!r} must be dense, chunked, pallas or onepass")
 
 
 PRESETS = {
@@ -368,8 +372,29 @@ class Llama(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None):
         return self.logits(self.hidden(tokens, positions, segment_ids))
 
+    def loss_sum(self, h, labels):
+        """Sum of the token losses (fp32 scalar), what training and eval reduce to. loss_impl=onepass
+        computes its gradients in the forward (pallas_kernels/cross_entropy_onepass.py): one scalar
+        cotangent, so no logits recomputation in the backward; the others sum token_losses."""
+        if self.cfg.loss_impl != "onepass":
+            return jnp.sum(self.token_losses(h, labels))
+        # The sequence gathered where attention has it whole (tensor/sequence parallelism: the head
+        # is vocab-parallel) and split where attention splits it (context parallelism: each device
+        # its own tokens), as in `logits`. Sequence-major flattening keeps a sequence split on the
+        # flat token dimension, which the kernel's strided chunks keep on every chunk.
+        h = constrain(h, ("act_batch", "act_attn_seq", "act_embed"))
+        b, s, d = h.shape
+        flat_h = jnp.swapaxes(h, 0, 1).reshape(s * b, d)                                  # [s*b, d]
+        flat_y = jnp.swapaxes(jnp.where(labels >= 0, labels, -1), 0, 1).reshape(s * b)      # [s*b]
+        # 2048-token slabs: the fp32 logits slab + its bf16 dlogits are 1.6 GB at V=128256 (3.2 GB at
+        # 4096), which keeps the head's peak near the Pallas slab backward's; twice the chunks cost
+        # one more dW read-modify-write (2.1 GB) per 4096 tokens (bench_fused's onepass rows).
+        return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, self.head_weight(), flat_y, ignore_index=-1,
+                                                          chunk_size=2048)
+
     def token_losses(self, h, labels):
-        """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding)."""
+        """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding). loss_impl=onepass
+        has no per-token form: it gives the chunked values here (training goes through loss_sum)."""
         valid = labels >= 0
         safe = jnp.where(valid, labels, 0)
         if self.cfg.loss_impl == "dense":
@@ -379,7 +404,7 @@ class Llama(nnx.Module):
             return jnp.where(valid, lse - label_logit, 0.0)
         b, s, d = h.shape
         flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]
-        if self.cfg.loss_impl == "chunked":
+        if self.cfg.loss_impl in ("chunked", "onepass"):
             losses = fused_ce.chunked_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1)
         else:   # never holds the [b*s, V] logits (pallas_kernels/fused_cross_entropy.py)
             losses = fused_ce.fused_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1,

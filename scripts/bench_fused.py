@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.benchtime import median_time  # noqa: E402
+from pallas_kernels import cross_entropy_onepass as onepass
 from pallas_kernels import fused_cross_entropy as ce
 from pallas_kernels import fused_rmsnorm as rn
 from pallas_kernels import rope
@@ -125,9 +126,22 @@ def bench_ce(rows, a):
         case(rows, "ce", shape, tag,
              train_fn(lambda h, w, y, bs=bs: ce.fused_cross_entropy(h, w, y, block_sizes=bs, interpret=a.interpret)),
              (h, w, y), ref, a.reps, 2e-2, flops)
+    # One pass: gradients of the loss *sum* (its only output), made in the forward. The same GEMM
+    # work as the rows above (whose per-token cotangent costs nothing extra), so its time compares
+    # with them; its values are checked against the reference's sum and its gradients.
+    sum_grads = lambda loss: jax.jit(lambda h, w, y: jax.value_and_grad(loss, (0, 1))(h, w, y))  # noqa: E731
+    ref_sum = sum_grads(lambda h, w, y: jnp.sum(ce.cross_entropy_reference(h, w, y)))(h, w, y)
+    for cs in ((2048, 4096) if not a.small else (64, 100)):
+        case(rows, "ce", shape, f"onepass(chunk={cs})",
+             sum_grads(lambda h, w, y, cs=cs: onepass.onepass_cross_entropy_sum(h, w, y, chunk_size=cs)),
+             (h, w, y), ref_sum, a.reps, 2e-2, flops)
+    del ref_sum
     # forward only (inference / eval loss)
     f_ref = jax.jit(lambda h, w, y: ce.cross_entropy_reference(h, w, y))
     ref = case(rows, "ce_fwd", shape, "xla_reference", f_ref, (h, w, y), f_ref(h, w, y), a.reps, 1e-6)
+    case(rows, "ce_fwd", shape, "onepass(chunk=2048) sum, primal",
+         lambda h, w, y: onepass.onepass_cross_entropy_sum(h, w, y, chunk_size=2048), (h, w, y), jnp.sum(ref),
+         a.reps, 2e-2)
     case(rows, "ce_fwd", shape, "chunked_jnp(chunk=4096)",
          lambda h, w, y: ce.chunked_cross_entropy(h, w, y, chunk_size=4096), (h, w, y), ref, a.reps, 2e-2)
     for fv in (128, 256):

@@ -99,6 +99,8 @@ def main():
     attns = args.attention.split(",")
     plan = [(f"attention={attns[0]} remat=none", variant(attention=attns[0])),
             ("cudnn + fused CE (pallas)", variant(loss_impl="pallas")),
+            ("cudnn + onepass CE", variant(loss_impl="onepass")),
+            ("cudnn + onepass CE remat=save_dots_no_batch", variant(remat="save_dots_no_batch", loss_impl="onepass")),
             ("cudnn + fused CE/SwiGLU/RMSNorm (pallas)", variant(loss_impl="pallas", fused_swiglu=True, fused_norm=True))]
     plan += [(f"attention={a} remat=none", variant(attention=a)) for a in attns[1:]]
     plan += [(f"attention=cudnn remat={r}", variant(remat=r)) for r in args.remat.split(",") if r != "none"]

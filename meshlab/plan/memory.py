@@ -126,7 +126,7 @@ def _residuals(cfg, policy: str, attention: str, seq: int) -> tuple[list, list]:
 
     def loss(params, tok):
         m = md.bind(params)
-        return jnp.sum(m.token_losses(m.hidden(tok, tok, None), tok))
+        return m.loss_sum(m.hidden(tok, tok, None), tok)
     layer, head = [], []
     for aval, why in _saved_residuals(loss, md.abstract, tok):
         if "argument" not in why:

@@ -118,7 +118,7 @@ def make_eval(tr: Trainer):
     def loss_sums(params, batch):
         model = tr.md.bind(params)
         h = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-        return jnp.sum(model.token_losses(h, batch["labels"])), jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
+        return model.loss_sum(h, batch["labels"]), jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
     return jax.jit(loss_sums, in_shardings=(tr.shardings["params"], {k: data_sh for k in BATCH_KEYS}),
                    out_shardings=(rep, rep))
 

@@ -69,7 +69,7 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             model = md.bind(params)
             # Unpacked data: no segment mask at all (cheaper, and cuDNN takes none).
             h = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"] if packed else None)
-            loss_sum = jnp.sum(model.token_losses(h, mb["labels"]))
+            loss_sum = model.loss_sum(h, mb["labels"])
             return loss_sum / jnp.maximum(n_valid, 1.0) * scale
 
         def scatter(g, st, ac):  # zero2: the accumulator is sharded where storage is not

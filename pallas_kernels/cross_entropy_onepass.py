@@ -1,0 +1,159 @@
+"""Sum of softmax cross-entropy losses over tokens, with its gradients computed in the forward pass.
+
+    onepass_cross_entropy_sum(hidden [T, d], weight [d, V], labels [T]) -> scalar fp32
+        = sum_t loss_t,  loss_t = lse_t - logit_t[label_t] + z_loss * lse_t**2  (0 where ignored)
+
+Why one pass: the training loss is a *sum* of per-token losses (meshlab/train/step.py), so its
+cotangent is a single scalar g, and d(sum)/dlogits = softmax - onehot does not depend on g. The
+forward can therefore finish the whole gradient while each chunk's logits are in hand, save
+dh [T, d] and dW [d, V], and the backward only scales them by g. The fused kernel's slab mode
+(fused_cross_entropy.py) cannot do this: its per-token API needs the per-token cotangent, so it
+recomputes the logits in the backward.
+
+Design, per chunk of N tokens (a while loop over T // N chunks, one more call for a T % N tail):
+    logits = h_c @ W                  bf16 GEMM, fp32 output           [N, V]
+    lse, label logit, loss            fp32 reductions over V           [N]
+    dlogits = (1 + 2 z lse) softmax - onehot, 0 on ignored rows, in the weights' dtype (bf16):
+                                      the dense model rounds its fp32 dlogits to bf16 once as well
+                                      (models/llama.py mm_f32_out), so the GEMMs see the same operands
+    dh_c  = dlogits @ W^T             [N, d], written into dh
+    dW   += h_c^T @ dlogits           fp32 carry [d, V]; XLA can fuse the add into the GEMM (beta=1)
+FLOPs: 3 logits-sized GEMMs (2TdV each), the minimum and what XLA's dense loss does, against 4 for
+the slab mode (which recomputes h @ W in the backward). Memory: one [N, V] fp32 logits slab and its
+bf16 dlogits at a time (never [T, V]), the fp32 dW carry [d, V] and dh [T, d]. Cost beside the
+GEMMs: dW is read-modified-written once per chunk, 2*d*V*4 bytes (2.1 GB at d=2048, V=128256),
+so T/N chunks cost T/N of those; larger chunks trade that traffic for a larger slab.
+
+Saved for the backward: dh in h's dtype (as the dense path's dh GEMM writes it), and dW in fp32: it is the loop's carry, so saving it costs
+no extra buffer (a bf16 copy would coexist with the carry while converting), it lives only from
+the loss forward to the head's backward, which are adjacent in the step, and the scaled gradient
+g * dW is then rounded to the weights' dtype once. dh is rounded twice (at save, after scaling).
+
+This is jnp + cuBLAS on purpose, not a Pallas kernel: the three GEMMs are [N, d] x [d, V]-sized and
+run at cuBLAS speed, which a Triton GEMM with a softmax epilogue does not beat (the slab mode
+hands its dh and dW GEMMs to cuBLAS for that reason), and the epilogue cannot finish a tile
+before the full-vocab lse is known anyway, so fusing it would mean a second pass over the logits.
+Plain jnp also lets GSPMD partition it: with the head weight sharded over vocab (tensor-parallel
+rule files) the GEMMs split over V, the reductions over V become [N]-sized all-reduces and dh_c
+an [N, d] one (Megatron's vocab-parallel cross-entropy); W is never gathered.
+
+Chunks are strided: with n = T // N chunks, chunk j = tokens {j, j + n, j + 2n, ...}. A token
+dimension that is sharded (context parallelism) stays sharded inside every chunk, so each device
+works on its own tokens, where contiguous chunks would make the loop slice across shards. Its cost
+there: GSPMD keeps the dW carry replicated, so each chunk's partial dW is all-reduced over the
+token shards (T/N all-reduces of d*V*4 bytes where one at the end would do).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.fused_cross_entropy import _check, _finish
+
+F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a @ b^T
+_TN = (((0,), (0,)), ((), ()))  # a^T @ b
+
+
+def _chunk(h, w, y, ignore_index, z_loss, grads):
+    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32)."""
+    logits = jnp.dot(h, w, preferred_element_type=F32)                       # [n, V]
+    m = jnp.max(logits, axis=-1)                                             # [n]
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))        # [n]
+    # A compare with an iota, not a gather: it partitions over a vocab-sharded V and fuses into
+    # the reductions; the onehot is needed for dlogits anyway.
+    hit = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]     # [n, V]
+    label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)              # [n]
+    loss = jnp.sum(_finish(lse, label_logit, y, ignore_index, z_loss))
+    if not grads:
+        return loss
+    valid = y != ignore_index                                                # [n]
+    cp = jnp.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)                     # d(lse + z lse^2)/d lse
+    cy = valid.astype(F32)
+    dlogits = cp[:, None] * jnp.exp(logits - lse[:, None]) - jnp.where(hit, cy[:, None], 0.0)  # [n, V]
+    dlogits = dlogits.astype(w.dtype)
+    dh = lax.dot_general(dlogits, w, _NT, preferred_element_type=F32).astype(h.dtype)  # [n, V] x [d, V]^T -> [n, d]
+    dw = lax.dot_general(h, dlogits, _TN, preferred_element_type=F32)                  # [n, d]^T x [n, V] -> [d, V]
+    return loss, dh, dw
+
+
+def _loop(n, body, init):
+    """fori_loop(0, n, body, init) as a while loop: a static-trip fori_loop becomes a scan, and
+    meshlab/plan/memory.py counts a scan's outputs among the per-layer residuals (x n_layers)."""
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))[1]
+
+
+def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
+    """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32)."""
+    t, d = hidden.shape
+    c = min(chunk_size, t)
+    n = t // c
+    main = n * c
+    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads)
+    # [main, d] -> [c, n, d]: column j is chunk j (strided, see the module doc); no copy of h.
+    h3 = (hidden if main == t else hidden[:main]).reshape(c, n, d)           # [c, n, d]
+    y2 = (labels if main == t else labels[:main]).reshape(c, n)              # [c, n]
+
+    def take(i):
+        return (lax.dynamic_index_in_dim(h3, i, axis=1, keepdims=False),     # [c, d]
+                lax.dynamic_index_in_dim(y2, i, axis=1, keepdims=False))     # [c]
+
+    if not grads:
+        def add(i, acc):
+            hc, yc = take(i)
+            return acc + one(hc, weight, yc)
+        loss = _loop(n, add, jnp.zeros((), F32))
+        return loss + one(hidden[main:], weight, labels[main:]) if main < t else loss
+
+    def body(i, carry):
+        loss, dh3, dw = carry
+        hc, yc = take(i)
+        l, dh, dw_c = one(hc, weight, yc)
+        dh3 = lax.dynamic_update_index_in_dim(dh3, dh, i, axis=1)            # [c, n, d]
+        return loss + l, dh3, dw + dw_c
+
+    init = (jnp.zeros((), F32), jnp.zeros((c, n, d), hidden.dtype), jnp.zeros((d, weight.shape[1]), F32))
+    loss, dh3, dw = _loop(n, body, init)
+    dh = dh3.reshape(main, d)                                                # [main, d]
+    if main < t:  # the tail: one smaller chunk, so the whole [T, d] is never padded
+        l, dh_tail, dw_tail = one(hidden[main:], weight, labels[main:])
+        loss, dw = loss + l, dw + dw_tail
+        dh = jnp.concatenate([dh, dh_tail], axis=0)                          # [T, d]
+    return loss, dh, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype):
+    # Not differentiated (eval): the loss only, one GEMM per chunk.
+    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False)
+
+
+def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype):
+    loss, dh, dw = _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=True)
+    return loss, (dh, dw)
+
+
+def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, res, g):
+    dh, dw = res
+    g = g.astype(F32)
+    # Scaled in fp32 and rounded once to the operands' dtypes; labels are integers: no cotangent.
+    return (dh.astype(F32) * g).astype(dh.dtype), (dw * g).astype(weight_dtype), None
+
+
+_onepass.defvjp(_onepass_fwd, _onepass_bwd)
+
+
+def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, chunk_size=4096):
+    """Sum over tokens of the softmax cross-entropy of hidden [T, d] @ weight [d, V] against
+    labels [T] (0 for labels == ignore_index): a float32 scalar whose gradient the forward already
+    computed (module doc). hidden and weight may be bf16 (GEMM operands, fp32 accumulation) or fp32.
+    Differentiate the sum itself (any scalar multiple of it is fine): this has no per-token output.
+    """
+    _check(hidden, weight, labels, ignore_index, z_loss)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{chunk_size=} must be a positive int (tokens per [chunk_size, V] logits slab)")
+    return _onepass(hidden, weight, labels, int(ignore_index), float(z_loss), chunk_size,
+                    jnp.dtype(weight.dtype).name)
