@@ -194,6 +194,14 @@ def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
     _ring_producer(n_steps, num_stages, loads, (k_free, v_free))
 
 
+def _launch(kernel, out_type, scratch, grid, *args):
+    """plgpu.kernel with the layout every kernel here shares: grid (heads, q or kv tiles, batch),
+    two compute warpgroups plus the producer."""
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                        grid_names=("heads", "q_seq", "batch"), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+                        compiler_params=_params())(*args)
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
 
@@ -314,16 +322,8 @@ def _fwd_call(q, k, v, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
-    return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b_, h_, s_), jnp.float32)),
-        scratch_types=scratch,
-        grid=(h_, n_tiles, b_),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-    )(q, k, v)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b_, h_, s_), jnp.float32))   # O, lse
+    return _launch(kernel, out_type, scratch, (h_, n_tiles, b_), q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
-    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _kv_producer, _mm, _mma, _params,
+    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _kv_producer, _launch, _mm, _mma,
     _q_tile_index, _ring_producer, _tile_transforms, _zeros)
 
 # ----------------------------------------------------------------------------------------------
@@ -115,16 +115,8 @@ def _dq_call(q, k, v, do, lse, delta, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=scratch,
-        grid=(h_, n_tiles, b_),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-    )(q, k, v, do, lse, delta)
+    return _launch(kernel, jax.ShapeDtypeStruct(q.shape, dtype), scratch, (h_, n_tiles, b_),
+                   q, k, v, do, lse, delta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,13 +241,4 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    return plgpu.kernel(
-        kernel,
-        out_type=(kv_type, kv_type),
-        scratch_types=scratch,
-        grid=(kvh_, n_tiles, b_),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-    )(q, k, v, do, lse, delta)
+    return _launch(kernel, (kv_type, kv_type), scratch, (kvh_, n_tiles, b_), q, k, v, do, lse, delta)
