@@ -37,6 +37,7 @@ VARIANTS = {  # every variant tried is recorded; "def" is BlockSizes.default (C 
 }
 CHECK_ROWS, FWD_TOL, BWD_TOL = 256, 2e-2, 5e-2
 TOKENS, HD, INTERPRET = 16384, 2048, False  # --smoke shrinks these to check the script on CPU
+KV_GROUP = 1  # --kv-group: query heads per KV head (llama3_1b: 4), the model's GQA shape
 
 
 def impls(d):
@@ -76,8 +77,11 @@ def timeit(f, *args, warmup=2, reps=10):
 
 def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     b, h = TOKENS // s, HD // d
+    if h % KV_GROUP:
+        return dict(impl=name, S=s, D=d, B=b, H=h, causal=causal, error=f"{h} heads: not a multiple of --kv-group")
     ks = jax.random.split(jax.random.key(s + d + causal), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h // (KV_GROUP if i in (1, 2) else 1), d), jnp.float32)
+                   .astype(jnp.bfloat16) for i, kk in enumerate(ks))                # k, v: [b, s, h / group, d]
     # checking: only the checked rows carry a cotangent; timing uses the full random dO (never zeros)
     do_chk = do.at[:, : s - CHECK_ROWS].set(0)
     fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
@@ -94,7 +98,7 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
         ref_cache.clear()
         ref_cache[key] = (ro, vjp(f32(do_chk)[:, -CHECK_ROWS:]))
     ro, (rdq, rdk, rdv) = ref_cache[key]
-    row = dict(impl=name, S=s, D=d, B=b, H=h, causal=causal)
+    row = dict(impl=name, S=s, D=d, B=b, H=h, KVH=h // KV_GROUP, causal=causal)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     try:
         err = rel(fwd(q, k, v)[:1, -CHECK_ROWS:], ro)
@@ -157,10 +161,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "full", "full64", "full128"))
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
+    ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: CPU check of the script")
     args = ap.parse_args()
-    global TOKENS, HD, INTERPRET, CHECK_ROWS
+    global TOKENS, HD, INTERPRET, CHECK_ROWS, KV_GROUP
+    KV_GROUP = args.kv_group
     if args.smoke:
         TOKENS, HD, INTERPRET, CHECK_ROWS = 512, 256, True, 32
     t0 = time.time()
@@ -212,7 +218,8 @@ def write_md(rows, path, dev):
         cells = [f"{_cell(by[n], 'fwd')} / {_cell(by[n], 'fwdbwd')}" if n in by else "" for n in names]
         a, cu = by.get("ours_mgpu", by.get("oursdef", by.get("oursC", by.get("oursA", {})))), by.get("cudnn", {})
         ratio = lambda k: (f"{a[k] / cu[k]:.2f}" if a.get(k) and cu.get(k) else "-")  # noqa: E731
-        lines.append(f"| {today} | {dev} | {jax.__version__} | {TOKENS // s}x{s}x{HD // d}x{d} | {c} | "
+        heads = f"{HD // d}" if KV_GROUP == 1 else f"{HD // d}/{HD // d // KV_GROUP}kv"
+        lines.append(f"| {today} | {dev} | {jax.__version__} | {TOKENS // s}x{s}x{heads}x{d} | {c} | "
                      + " | ".join(cells) + f" | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
