@@ -10,7 +10,7 @@ dh [T, d] and dW [d, V], and the backward only scales them by g. The fused kerne
 (fused_cross_entropy.py) cannot do this: its per-token API needs the per-token cotangent, so it
 recomputes the logits in the backward.
 
-Design, per chunk of N tokens (a while loop over T // N chunks, one more call for a T % N tail):
+Design, per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
     logits = h_c @ W                  bf16 GEMM, fp32 output           [N, V]
     lse, label logit, loss            fp32 reductions over V           [N]
     dlogits = (1 + 2 z lse) softmax - onehot, 0 on ignored rows, in the weights' dtype (bf16):
@@ -80,12 +80,6 @@ def _chunk(h, w, y, ignore_index, z_loss, grads):
     return loss, dh, dw
 
 
-def _loop(n, body, init):
-    """fori_loop(0, n, body, init) as a while loop: a static-trip fori_loop becomes a scan, and
-    meshlab/plan/memory.py counts a scan's outputs among the per-layer residuals (x n_layers)."""
-    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))[1]
-
-
 def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
     """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32)."""
     t, d = hidden.shape
@@ -105,7 +99,7 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
         def add(i, acc):
             hc, yc = take(i)
             return acc + one(hc, weight, yc)
-        loss = _loop(n, add, jnp.zeros((), F32))
+        loss = lax.fori_loop(0, n, add, jnp.zeros((), F32))
         return loss + one(hidden[main:], weight, labels[main:]) if main < t else loss
 
     def body(i, carry):
@@ -116,7 +110,7 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
         return loss + l, dh3, dw + dw_c
 
     init = (jnp.zeros((), F32), jnp.zeros((c, n, d), hidden.dtype), jnp.zeros((d, weight.shape[1]), F32))
-    loss, dh3, dw = _loop(n, body, init)
+    loss, dh3, dw = lax.fori_loop(0, n, body, init)
     dh = dh3.reshape(main, d)                                                # [main, d]
     if main < t:  # the tail: one smaller chunk, so the whole [T, d] is never padded
         l, dh_tail, dw_tail = one(hidden[main:], weight, labels[main:])

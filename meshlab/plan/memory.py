@@ -130,7 +130,10 @@ def _residuals(cfg, policy: str, attention: str, seq: int) -> tuple[list, list]:
     layer, head = [], []
     for aval, why in _saved_residuals(loss, md.abstract, tok):
         if "argument" not in why:
-            (layer if "output of scan" in why else head).append(aval)
+            # The layer scan's residuals are stacked over the 2 traced layers; any other loop's
+            # (a chunked loss's) are not per-layer, whatever produced them.
+            per_layer = "output of scan" in why and len(aval.shape) > 0 and aval.shape[0] == 2
+            (layer if per_layer else head).append(aval)
     return layer, head
 
 
