@@ -1,7 +1,10 @@
-"""Shared set-up for the training tests: a very small model and config, built in-process."""
+"""Shared set-up for the tests: a very small model and config built in-process, and the random
+inputs and error measure of the attention kernel tests."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from meshlab.train.config import load_config
 
@@ -27,3 +30,20 @@ def small_config(rules="dp", mesh=None, steps=3, extra=(), tmp_path=None):
 
 def one_device():
     return [jax.devices()[0]]
+
+
+def attention_inputs(seed, b, sq, sk, h, kvh, d, dtype):
+    """Random q [b, sq, h, d], k/v [b, sk, kvh, d] and dO [b, sq, h, d] in `dtype`."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, kvh, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, kvh, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in fp32; a non-finite `a` fails (an element never written, or an overflow)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all(), "non-finite values: an element was never written (or overflowed)"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

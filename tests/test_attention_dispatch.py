@@ -4,11 +4,11 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels import attention
 from pallas_kernels.flash_attention import flash_attention_reference
+from tests.helpers import rel_err as _rel
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +24,6 @@ def _qkv(sq=32, sk=32, h=4, kvh=2, d=64, dtype=jnp.bfloat16):
             jax.random.normal(ks[2], (2, sk, kvh, d)).astype(dtype))
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_cpu_availability():

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels.flash_attention import (BlockSizes, flash_attention, flash_attention_block_bwd,
                                             flash_attention_block_fwd, flash_attention_reference)
+from tests.helpers import attention_inputs as _inputs, rel_err as _rel
 
 TINY = BlockSizes(block_q=32, block_k=16, num_warps=4, block_q_dq=16, block_k_dq=32,
                   block_q_dkv=16, block_k_dkv=32, num_warps_bwd=4)
@@ -33,19 +34,8 @@ def _scale_len(mode, n):
     return n if mode == "cpu" else n * 8
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all(), "non-finite values: an element was never written (or overflowed)"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _inputs(seed, b, sq, sk, h, kvh, d, dtype):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, sk, kvh, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, sk, kvh, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32).astype(dtype)
-    return q, k, v, do
 
 
 def _segments(seed, b, n, n_docs=3):

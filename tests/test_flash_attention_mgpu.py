@@ -8,26 +8,15 @@ layout and API errors without a GPU.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import flash_attention_reference
 from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes, flash_attention_mgpu
+from tests.helpers import attention_inputs, rel_err as _rel
 
 
-def _inputs(b, s, h, kvh, d, dtype=jnp.bfloat16, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, s, kvh, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, s, kvh, d), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, s, h, d), jnp.float32).astype(dtype)
-    return q, k, v, do
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all(), "non-finite values: an element was never written (or overflowed)"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _fwd_bwd(fn, q, k, v, do):
@@ -60,10 +49,10 @@ def test_lowers_fp16_and_other_tiles_on_cpu():
 
 
 def test_argument_errors():
-    q, k, v, _ = _inputs(1, 256, 4, 2, 64)
+    q, k, v, _ = attention_inputs(0, 1, 256, 256, 4, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="seq_len=200 must be a multiple of block_q=128"):
         flash_attention_mgpu(q[:, :200], k[:, :200], v[:, :200])
-    q2, k2, v2, _ = _inputs(1, 384, 4, 2, 64)
+    q2, k2, v2, _ = attention_inputs(0, 1, 384, 384, 4, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="seq_len=384 must be a multiple of block_kv=256"):
         flash_attention_mgpu(q2, k2, v2, block_sizes=MgpuBlockSizes(block_kv=256))
     with pytest.raises(ValueError, match="q_len must equal kv_len"):
@@ -94,7 +83,7 @@ GPU_CASES = [  # (b, s, h, kvh, d, causal)
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s,h,kvh,d,causal", GPU_CASES)
 def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal):
-    q, k, v, do = _inputs(b, s, h, kvh, d, seed=s + d + causal)
+    q, k, v, do = attention_inputs(s + d + causal, b, s, s, h, kvh, d, jnp.bfloat16)
     got = jax.jit(lambda *a: _fwd_bwd(lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal), *a))(
         q, k, v, do)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -110,7 +99,7 @@ def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal):
 def test_fp16_and_tile_variants_gpu(pingpong):
     bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=pingpong, block_q_dq=128, block_kv_dq=128,
                         block_kv_dkv=128, block_q_dkv=128, num_stages_bwd=2)
-    q, k, v, do = _inputs(1, 1024, 4, 2, 128, dtype=jnp.float16)
+    q, k, v, do = attention_inputs(0, 1, 1024, 1024, 4, 2, 128, jnp.float16)
     got = jax.jit(lambda *a: _fwd_bwd(
         lambda q, k, v: flash_attention_mgpu(q, k, v, causal=True, block_sizes=bs), *a))(q, k, v, do)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731

@@ -57,6 +57,18 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, impl="cudnn")
 
 
+@pytest.mark.parametrize("layers", ["split", "fused"])
+def test_batch_one_decode_equals_uncached(tiny, layers):
+    """One sequence, one token per step: the q|k|v and wo GEMMs take models/llama._mm_decode's
+    zero-second-row path (the shape the batch-1 GPU benchmark times)."""
+    md, params, fwd = tiny
+    prompt = [5, 6, 7]
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, layers=layers)
+    out = eng.generate([prompt], SamplingParams(max_tokens=9))[0].output
+    assert len(out) == 9
+    assert_greedy_matches(fwd, params, prompt, out)
+
+
 def test_paged_greedy_equals_uncached(tiny, engine):
     _, params, fwd = tiny
     prompts = [[1, 2, 3], list(range(100, 119))]
