@@ -53,6 +53,11 @@ class LlamaConfig:
     # computed in its forward: 3 logits-sized GEMMs as dense, one [2048, V] slab at a time; jnp, so
     # it partitions under tensor-parallel rules too; token_losses gives the chunked values)
     loss_impl: str = "dense"
+    # onepass's token slab. Each slab costs one dW read-modify-write (fp32 [d, V]: 2.1 GB at
+    # llama3_1b); a larger slab holds more logits (fp32 + bf16 dlogits: 3.2 GB at 4096, V=128256).
+    # In the llama3_1b step 4096 ran 0.995x dense against 0.984x for 2048, with the same program
+    # size (31.6 vs 31.4 GiB; dense 41.6), H200 2026-11-30/12-01, docs/benchmarks.md.
+    loss_chunk: int = 4096
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
@@ -72,6 +77,8 @@ class LlamaConfig:
             raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype={self.dtype!r} must be bfloat16, float16 or float32")
+        if self.loss_chunk < 1:
+            raise ValueError(f"model.loss_chunk={self.loss_chunk} must be a positive number of tokens")
         if self.loss_impl not in ("dense", "chunked", "pallas", "onepass"):
             raise ValueError(f"model.loss_impl={self.loss_impl!r} must be dense, chunked, pallas or onepass")
 
@@ -217,6 +224,12 @@ class Attention(nnx.Module):
             v = _mm_decode("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
         else:
             qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+            fused = getattr(attend, "fused", None)
+            if fused is not None:                                  # RoPE + cache write + attention: one kernel
+                inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+                o, cache = fused(qkv, inv_freq, cache)                                              # [b, t, h, hd]
+                out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                               # [b, t, d]
+                return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
             q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
@@ -346,7 +359,10 @@ class Llama(nnx.Module):
             for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
                 one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
                 block = nnx.merge(block_def, one_layer)
-                x, cache = block.cached(x, positions, functools.partial(attend, i), cache, fused=fused)
+                layer_attend = functools.partial(attend, i)
+                if getattr(attend, "fused", None) is not None:     # the one-kernel decode attention (kv_cache)
+                    layer_attend.fused = functools.partial(attend.fused, i)
+                x, cache = block.cached(x, positions, layer_attend, cache, fused=fused)
             return self.final_norm(x), cache
 
         def layer(carry, xs):
@@ -386,11 +402,8 @@ class Llama(nnx.Module):
         b, s, d = h.shape
         flat_h = jnp.swapaxes(h, 0, 1).reshape(s * b, d)                                  # [s*b, d]
         flat_y = jnp.swapaxes(jnp.where(labels >= 0, labels, -1), 0, 1).reshape(s * b)      # [s*b]
-        # 2048-token slabs: the fp32 logits slab + its bf16 dlogits are 1.6 GB at V=128256 (3.2 GB at
-        # 4096), which keeps the head's peak near the Pallas slab backward's; twice the chunks cost
-        # one more dW read-modify-write (2.1 GB) per 4096 tokens (bench_fused's onepass rows).
         return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, self.head_weight(), flat_y, ignore_index=-1,
-                                                          chunk_size=2048)
+                                                          chunk_size=self.cfg.loss_chunk)
 
     def token_losses(self, h, labels):
         """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding). loss_impl=onepass

@@ -99,23 +99,21 @@ def _first_rows(x, rows: int):
     return jnp.sum(jnp.where(keep, y, jnp.zeros_like(y)), axis=0)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size,
-            pages_per_split, pages_per_block, rows, sm_scale, use_dot):
-    b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    length = lengths_ref[b]
-    g, max_pages = q_ref.shape[0], table_ref.shape[1]
-    first = s * pages_per_split                                                   # first page of the split
-    ppb, tile = pages_per_block, pages_per_block * page_size
-    n_pages = jnp.clip((length + page_size - 1) // page_size - first, 0, pages_per_split)
-    n_blocks = (n_pages + ppb - 1) // ppb
-    # The group padded to `rows` (a power of two, 16 for the dots) by repeating its last head: a
-    # gather load, where padding q outside would cost one more XLA kernel per call.
-    q = q_ref[jnp.minimum(jnp.arange(rows), g - 1), :]                            # [rows, d]
-    if not use_dot:
-        q = q.astype(jnp.float32) * sm_scale
+def _page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks, visible, page_size, ppb,
+               sm_scale, use_dot):
+    """Online softmax of the query rows over page blocks [first, first + n_blocks) of one sequence's
+    kv head: (m [rows], l [rows], acc [rows, d]) unnormalised. Positions >= `visible` are masked.
+    qparts: (q,) [rows, d], or the two rotate-half halves of a RoPE'd q, ([rows, d/2],) * 2,
+    against which K is loaded in the same column halves (Triton has no concatenate)."""
+    rows, max_pages, tile = qparts[0].shape[0], table_ref.shape[1], ppb * page_size
+    d = sum(qp.shape[1] for qp in qparts)
+    col = [pl.ds(sum(qp.shape[1] for qp in qparts[:i]), qp.shape[1]) for i, qp in enumerate(qparts)]
     # fp32 caches: full-precision dots (Triton's default for fp32 operands would be tf32)
     precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    if use_dot:
+        qparts = tuple(qp.astype(k_ref.dtype) for qp in qparts)
+    else:
+        qparts = tuple(qp.astype(jnp.float32) * sm_scale for qp in qparts)
 
     def body(i, carry):
         m, l, acc = carry
@@ -124,15 +122,19 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         # positions are >= max_pages * page_size >= length, so masked), where padding the
         # table outside would cost one more XLA kernel per call
         ids = table_ref[b, jnp.minimum(start + jnp.arange(ppb), max_pages - 1)]
-        k = k_ref[layer, ids, :, kh, :].reshape(tile, -1)                         # gather: [tile, d]
-        v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)
+        scores = 0.0
+        for qp, c in zip(qparts, col):
+            k = k_ref[layer, ids, :, kh, c].reshape(tile, -1)                     # gather: [tile, d or d/2]
+            if use_dot:
+                scores = scores + jax.lax.dot_general(qp, k, (((1,), (1,)), ((), ())), precision=precision,
+                                                      preferred_element_type=jnp.float32)  # [rows, tile]
+            else:
+                scores = scores + jnp.sum(qp[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
         if use_dot:
-            scores = jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32) * sm_scale   # [rows, tile]
-        else:
-            scores = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+            scores = scores * sm_scale
+        v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)                         # [tile, d]
         pos = start * page_size + jnp.arange(tile)
-        scores = jnp.where(pos[None, :] < length, scores, NEG)                   # past the length
+        scores = jnp.where(pos[None, :] < visible, scores, NEG)                  # past the length
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         alpha = jnp.exp(m - m_new)
         probs = jnp.exp(scores - m_new[:, None])                                  # [rows, tile]
@@ -145,13 +147,89 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         acc = acc * alpha[:, None] + pv
         return m_new, l, acc
 
-    d = q.shape[1]
     init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    out_rows = o_ref.shape[0]                                                     # g, or rows when g does not divide it
-    o_ref[...] = _first_rows(acc, out_rows)
-    m_ref[...] = _first_rows(m, out_rows)
-    l_ref[...] = _first_rows(l, out_rows)
+    return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def _n_blocks(length, first, *, page_size, pages_per_split, ppb):
+    n_pages = jnp.clip((length + page_size - 1) // page_size - first, 0, pages_per_split)
+    return (n_pages + ppb - 1) // ppb
+
+
+def _write_partials(outs, m, l, acc):
+    """(acc, m, l) refs <- the first out_rows rows; or, with one output ref, the normalised result."""
+    out_rows = outs[0].shape[0]                                                   # g, or rows when g does not divide it
+    if len(outs) == 1:                                                            # one split: finish here
+        o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # inactive rows -> 0
+        outs[0][...] = _first_rows(o, out_rows).astype(outs[0].dtype)
+        return
+    for ref, x in zip(outs, (acc, m, l)):
+        ref[...] = _first_rows(x, out_rows)
+
+
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, pages_per_split,
+            pages_per_block, rows, sm_scale, use_dot):
+    b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+    first = s * pages_per_split                                                   # first page of the split
+    # The group padded to `rows` (a power of two, 16 for the dots) by repeating its last head: a
+    # gather load, where padding q outside would cost one more XLA kernel per call.
+    q = q_ref[jnp.minimum(jnp.arange(rows), q_ref.shape[0] - 1), :]               # [rows, d]
+    m, l, acc = _page_loop(table_ref, k_ref, v_ref, (q,), b=b, kh=kh, layer=layer_ref[0], first=first,
+                           n_blocks=_n_blocks(length, first, page_size=page_size, pages_per_split=pages_per_split,
+                                              ppb=pages_per_block),
+                           visible=length, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale,
+                           use_dot=use_dot)
+    _write_partials(outs, m, l, acc)
+
+
+def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *outs, page_size,
+                  pages_per_split, pages_per_block, rows, sm_scale, use_dot, group, n_heads):
+    """_kernel for one decode step with RoPE and the cache write folded in (paged_decode_attention).
+
+    The new token (position length - 1) is not read back from the cache: every program masks it,
+    and the program whose split holds it adds it to the online softmax from registers and writes
+    its rotated k and its v into the cache slot. No program reads that slot, so there is no race."""
+    *outs, k_out, v_out = outs
+    b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length, layer = lengths_ref[b], layer_ref[0]
+    new = length - 1                                                              # the new token's position
+    first = s * pages_per_split
+    d = qkv_ref.shape[-1]
+    half = d // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    cos, sin = cs_ref[b, 0, :], cs_ref[b, 1, :]                                   # [d/2] fp32
+
+    def rotate(x1, x2):  # rotate-half RoPE in fp32, rounded to the cache dtype as the model rounds it
+        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+        return ((x1 * cos - x2 * sin).astype(k_ref.dtype), (x2 * cos + x1 * sin).astype(k_ref.dtype))
+
+    heads = kh * group + jnp.minimum(jnp.arange(rows), group - 1)                # the group padded to `rows`
+    q1, q2 = rotate(qkv_ref[b, heads, lo], qkv_ref[b, heads, hi])                 # [rows, d/2] x2
+    k1, k2 = rotate(qkv_ref[b, n_heads + kh, lo], qkv_ref[b, n_heads + kh, hi])   # [d/2] x2
+    v_new = qkv_ref[b, n_heads + v_ref.shape[3] + kh, :]                         # [d]
+    m, l, acc = _page_loop(table_ref, k_ref, v_ref, (q1, q2), b=b, kh=kh, layer=layer, first=first,
+                           n_blocks=_n_blocks(length, first, page_size=page_size, pages_per_split=pages_per_split,
+                                              ppb=pages_per_block),
+                           visible=new, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot)
+    mine = (length > 0) & (new // page_size >= first) & (new // page_size < first + pages_per_split)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    s_new = jnp.sum(f32(q1) * f32(k1)[None, :] + f32(q2) * f32(k2)[None, :], axis=-1) * sm_scale   # [rows]
+    s_new = jnp.where(mine, s_new, NEG)
+    m_new = jnp.maximum(m, s_new)
+    alpha = jnp.exp(m - m_new)
+    p_new = jnp.where(mine, jnp.exp(s_new - m_new), 0.0)
+    l = l * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * f32(v_new)[None, :]
+    _write_partials(outs, m_new, l, acc)
+
+    @pl.when(mine)
+    def _():
+        page = table_ref[b, jnp.maximum(new, 0) // page_size]
+        slot = jnp.maximum(new, 0) % page_size
+        k_out[layer, page, slot, kh, lo] = k1
+        k_out[layer, page, slot, kh, hi] = k2
+        v_out[layer, page, slot, kh, :] = v_new.astype(v_out.dtype)
 
 
 def merge_splits(acc, m, l, dtype):
@@ -189,48 +267,130 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
                 out_rows=group if rows % group == 0 else rows)
 
 
+def _whole(shape):
+    return pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
+
+
+def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpret, caches=None):
+    """pallas_call over (batch, kv_heads, splits). One split: the kernel normalises and writes
+    o [b, kvh, out_rows, d] in `dtype` (no merge launch); else fp32 partials (acc, m, l) per split.
+    caches: (k, v) operands updated in place (aliased to two extra whole-array outputs)."""
+    splits, out_rows = p["splits"], p["out_rows"]
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, None, out_rows, d), lambda i, j, s: (i, j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, out_rows, d), dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, out_rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0)),
+                     pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, out_rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32)]
+    aliases = {}
+    if caches is not None:
+        first = len(args) - 2                                                     # the caches are the last two inputs
+        aliases = {first + i: len(out_shape) + i for i in range(2)}
+        out_specs += [_whole(c.shape) for c in caches]
+        out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
+    return pl.pallas_call(
+        kernel, grid=(b, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases, interpret=interpret,
+        # Triton params pick the Triton backend: jax's GPU default is Mosaic GPU, which would stage
+        # every whole-array block (the entire KV cache) in shared memory and fails to lower.
+        compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+        name="paged_attention",
+    )(*args)
+
+
+def _finish(outs, p, g, b, dtype):
+    """The kernel's outputs -> [b, kvh * g, d]: reshaped (one split) or merged (several)."""
+    if p["splits"] == 1:
+        o = outs[0][:, :, :g] if p["out_rows"] > g else outs[0]                   # [b, kvh, g, d]
+        return o.reshape(b, -1, o.shape[-1])
+    acc, m, l = outs[:3]
+    if p["out_rows"] > g:
+        acc, m, l = acc[..., :g, :], m[..., :g], l[..., :g]
+    return merge_splits(acc, m, l, dtype)
+
+
+def _stacked(k_pages, v_pages, layer):
+    if k_pages.ndim == 4:                      # one layer: view it as a stack of one (free reshape)
+        return k_pages[None], v_pages[None], 0
+    if layer is None:
+        raise ValueError("paged_attention: stacked k/v pages [layers, ...] need `layer`")
+    return k_pages, v_pages, layer
+
+
 @functools.partial(jax.jit, static_argnames=("block_sizes", "sm_scale", "interpret"))
 def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
                     block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None, interpret: bool = False):
     """q [b, h, d] -> [b, h, d], attending to the first lengths[b] cached tokens of each sequence."""
-    if k_pages.ndim == 4:                      # one layer: view it as a stack of one (free reshape)
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    elif layer is None:
-        raise ValueError("paged_attention: stacked k/v pages [layers, ...] need `layer`")
+    k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
     b, h, d = q.shape
     num_pages, page_size, kvh, d_k = k_pages.shape[1:]
     if h % kvh or d_k != d or v_pages.shape != k_pages.shape:
         raise ValueError(f"paged_attention: q {q.shape} does not match k/v pages {k_pages.shape}/{v_pages.shape}")
     g, max_pages = h // kvh, page_table.shape[1]
     p = plan(block_sizes, b, kvh, max_pages, page_size, g, d)
-    pps, splits, rows, out_rows = p["pages_per_split"], p["splits"], p["rows"], p["out_rows"]
     scale = sm_scale if sm_scale is not None else d ** -0.5
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=pps,
-                               pages_per_block=p["pages_per_block"], rows=rows, sm_scale=scale,
+    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=p["pages_per_split"],
+                               pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
                                use_dot=p["use_dot"])
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
-    acc, m, l = pl.pallas_call(
-        kernel,
-        grid=(b, kvh, splits),
-        in_specs=[whole((1,)), whole((b,)), whole(page_table.shape),
-                  pl.BlockSpec((None, None, g, d), lambda i, j, s: (i, j, 0, 0)),
-                  whole(k_pages.shape), whole(v_pages.shape)],
-        out_specs=[pl.BlockSpec((None, None, None, out_rows, d), lambda i, j, s: (i, j, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0)),
-                   pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, out_rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32)],
-        interpret=interpret,
-        # Triton params pick the Triton backend: jax's GPU default is Mosaic GPU, which would stage
-        # every whole-array block (the entire KV cache) in shared memory and fails to lower.
-        compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
-        name="paged_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), page_table.astype(jnp.int32),
-      q.reshape(b, kvh, g, d), k_pages, v_pages)
-    if out_rows > g:
-        acc, m, l = acc[..., :g, :], m[..., :g], l[..., :g]
-    return merge_splits(acc, m, l, q.dtype)
+    in_specs = [_whole((1,)), _whole((b,)), _whole(page_table.shape),
+                pl.BlockSpec((None, None, g, d), lambda i, j, s: (i, j, 0, 0)),
+                _whole(k_pages.shape), _whole(v_pages.shape)]
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), page_table.astype(jnp.int32),
+            q.reshape(b, kvh, g, d), k_pages, v_pages)
+    outs = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=q.dtype, block_sizes=block_sizes,
+                   interpret=interpret)
+    return _finish(outs, p, g, b, q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "block_sizes", "sm_scale", "interpret"))
+def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, layer=None, *, n_heads: int,
+                           block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
+                           interpret: bool = False):
+    """One decode step of attention with RoPE and the KV-cache write in the same kernel.
+
+    qkv [b, n_heads + 2 kv_heads, d]: the new token's q | k | v projections, before RoPE (the fused
+    projection's output, read in place: no slices). cos_sin [b, 2, d/2] fp32: cos and sin of the
+    new position's angles (rotate-half convention, pallas_kernels/rope.py). lengths [b]: tokens
+    including the new one, whose position is lengths - 1 (0: inactive row, nothing written, zeros).
+    Returns (o [b, n_heads, d], k_pages, v_pages) with the new rotated k and v written at
+    page_table[b, (length-1) // page_size], slot (length-1) % page_size: in place when the caller
+    donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter + paged_attention it saves four XLA launches per layer
+    (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
+    attention itself at batch 1 (H200 profile, docs/benchmarks.md)."""
+    one_layer = k_pages.ndim == 4
+    k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
+    b, heads, d = qkv.shape
+    num_pages, page_size, kvh, d_k = k_pages.shape[1:]
+    if heads != n_heads + 2 * kvh or n_heads % kvh or d_k != d or v_pages.shape != k_pages.shape or d % 2:
+        raise ValueError(f"paged_decode_attention: qkv {qkv.shape} must be [b, {n_heads=} + 2 * {kvh} kv heads, d] "
+                         f"with even d matching the k/v pages {k_pages.shape}/{v_pages.shape}")
+    if cos_sin.shape != (b, 2, d // 2):
+        raise ValueError(f"paged_decode_attention: cos_sin {cos_sin.shape} must be [b, 2, d/2] = {(b, 2, d // 2)}")
+    g, max_pages = n_heads // kvh, page_table.shape[1]
+    p = plan(block_sizes, b, kvh, max_pages, page_size, g, d // 2)   # the dots contract over d/2-wide halves
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    kernel = functools.partial(_fused_kernel, page_size=page_size, pages_per_split=p["pages_per_split"],
+                               pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
+                               use_dot=p["use_dot"], group=g, n_heads=n_heads)
+    in_specs = [_whole((1,)), _whole((b,)), _whole(page_table.shape), _whole(qkv.shape), _whole(cos_sin.shape),
+                _whole(k_pages.shape), _whole(v_pages.shape)]
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), page_table.astype(jnp.int32),
+            qkv, cos_sin.astype(jnp.float32), k_pages, v_pages)
+    *outs, k_pages, v_pages = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=qkv.dtype,
+                                      block_sizes=block_sizes, interpret=interpret, caches=(k_pages, v_pages))
+    if one_layer:
+        k_pages, v_pages = k_pages[0], v_pages[0]
+    return _finish(outs, p, g, b, qkv.dtype), k_pages, v_pages
+
+
+def rope_cos_sin(positions, inv_freq):
+    """[b] positions, [d/2] inverse frequencies -> cos_sin [b, 2, d/2] fp32 for paged_decode_attention."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]             # [b, d/2]
+    return jnp.stack([jnp.cos(ang), jnp.sin(ang)], axis=1)
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, sm_scale: float | None = None):

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from meshlab.infer.kv_cache import dense_attention
-from pallas_kernels.paged_attention import CONFIGS, BlockSizes, paged_attention, paged_attention_reference, plan
+from pallas_kernels import rope
+from pallas_kernels.paged_attention import (CONFIGS, BlockSizes, paged_attention, paged_attention_reference,
+                                            paged_decode_attention, plan, rope_cos_sin)
 
 
 def make_case(seed, b=3, h=4, kvh=2, d=16, page_size=4, max_pages=6, num_pages=24, lengths=(1, 9, 24)):
@@ -83,7 +85,8 @@ def test_bf16_and_gqa_group_of_four():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
-def test_engine_with_kernel_matches_uncached():
+@pytest.mark.parametrize("layers", ["split", "fused"])   # fused: RoPE + cache write inside the kernel
+def test_engine_with_kernel_matches_uncached(layers):
     from flax import nnx
     import models
     from meshlab.infer.engine import Engine
@@ -93,7 +96,7 @@ def test_engine_with_kernel_matches_uncached():
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     eng = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=1,
-                 impl="pallas", interpret=True)
+                 impl="pallas", interpret=True, layers=layers)
     reqs = eng.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=6))
     for r in reqs:
         seq = r.prompt + r.output
@@ -108,3 +111,57 @@ def test_stacked_layers_read_in_place():
     for bs in (BlockSizes(2), BlockSizes()):                                     # one page per step; gathered blocks
         got = paged_attention(q, k5, v5, table, lengths, jnp.int32(1), block_sizes=bs, interpret=True)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def _fused_reference(qkv, k_cache, v_cache, table, lengths, layer, n_heads, theta):
+    """RoPE (the model's jnp version), the cache write, then the reference attention."""
+    kvh = k_cache.shape[3]
+    q, k, v = qkv[:, None, :n_heads], qkv[:, None, n_heads:n_heads + kvh], qkv[:, None, n_heads + kvh:]
+    pos = jnp.maximum(lengths - 1, 0)
+    q, k = rope.apply_rope_reference(q, k, pos[:, None], theta=theta)
+    page_size = k_cache.shape[2]
+    for i in np.flatnonzero(np.asarray(lengths) > 0):
+        page, slot = table[i, pos[i] // page_size], pos[i] % page_size
+        k_cache = k_cache.at[layer, page, slot].set(k[i, 0].astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, page, slot].set(v[i, 0].astype(v_cache.dtype))
+    return paged_attention_reference(q[:, 0], k_cache[layer], v_cache[layer], table, lengths), k_cache, v_cache
+
+
+@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(16), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2)],
+                         ids=["split1page", "onesplit", "default", "vpu"])
+def test_fused_decode_matches_rope_write_attend(bs):
+    # GQA 4 (8 query / 2 kv heads), d 32 (dots on 16-wide halves); lengths: the first token, a new
+    # page's first slot (9 = 2 pages + 1), the last slot of a full table (24), an inactive row
+    rng = np.random.default_rng(7)
+    b, h, kvh, d, page_size, max_pages, num_pages, layers = 4, 8, 2, 32, 4, 6, 30, 2
+    qkv = jnp.asarray(rng.normal(size=(b, h + 2 * kvh, d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(layers, num_pages, page_size, kvh, d)), jnp.float32)
+                        for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    lengths = jnp.asarray([1, 9, 24, 0], jnp.int32)
+    cos_sin = rope_cos_sin(jnp.maximum(lengths - 1, 0), rope.rope_frequencies(d, 10000.0))
+    want, want_k, want_v = _fused_reference(qkv, k_cache, v_cache, table, lengths, 1, h, 10000.0)
+    o, k_new, v_new = paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, jnp.int32(1), n_heads=h,
+                                             block_sizes=bs, interpret=True)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.all(np.asarray(o)[3] == 0)                                          # inactive row: zeros
+    np.testing.assert_allclose(np.asarray(k_new), np.asarray(want_k), atol=1e-6)  # the new slots, nothing else
+    np.testing.assert_array_equal(np.asarray(v_new), np.asarray(want_v))
+    assert int(jnp.sum(k_new != k_cache)) == 3 * kvh * d                          # 3 active rows written
+
+
+def test_fused_decode_bf16_and_errors():
+    rng = np.random.default_rng(8)
+    b, h, kvh, d = 2, 8, 2, 64
+    qkv = jnp.asarray(rng.normal(size=(b, h + 2 * kvh, d)), jnp.bfloat16)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(12, 16, kvh, d)), jnp.bfloat16) for _ in range(2))
+    table, lengths = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32), jnp.asarray([17, 64], jnp.int32)
+    cos_sin = rope_cos_sin(lengths - 1, rope.rope_frequencies(d, 500000.0))
+    want, want_k, _ = _fused_reference(qkv, k_cache[None], v_cache[None], table, lengths, 0, h, 500000.0)
+    o, k_new, _ = paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, n_heads=h, interpret=True)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(want_k[0], np.float32))
+    with pytest.raises(ValueError, match="n_heads"):
+        paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, n_heads=4, interpret=True)
+    with pytest.raises(ValueError, match="cos_sin"):
+        paged_decode_attention(qkv, cos_sin[:, :, :4], k_cache, v_cache, table, lengths, n_heads=h, interpret=True)

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from meshlab.rules import constrain
 
+FUSED_MAX_BATCH = 16   # paged_attend: largest batch that uses the RoPE + write + attention kernel
 CONTIGUOUS_NAMES = (None, "cache_batch", "cache_seq", "cache_kv_heads", None)
 PAGED_NAMES = (None, "cache_pages", None, "cache_kv_heads", None)
 
@@ -87,8 +88,16 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     """attend() for the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
 
     impl="xla" gathers the sequence's pages and runs dense attention (any t); impl="pallas" uses
-    the paged decode kernel for t == 1 (reads pages in place through the table, no gather).
+    the paged decode kernel for t == 1 (reads pages in place through the table, no gather). With
+    impl="pallas" the function also carries `attend.fused(layer, qkv, inv_freq, cache)` for t == 1:
+    the projections before RoPE in, RoPE + cache write + attention in one kernel
+    (pallas_kernels.paged_attention.paged_decode_attention); the model uses it when it has them
+    concatenated (serving layers="fused"). impl="pallas_unfused": the kernel without that fusion
+    (XLA's RoPE and scatter around it), kept for the benchmark's A/B.
     """
+    def lengths():
+        return jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
+
     def attend(layer, q, k, v, cache):
         num_pages, page_size = cache["k"].shape[1:3]
         logical_page = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
@@ -98,10 +107,9 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         new = {name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype), mode="drop"),
                                PAGED_NAMES)
                for name, x in (("k", k), ("v", v))}
-        if impl == "pallas" and q.shape[1] == 1:
+        if impl in ("pallas", "pallas_unfused") and q.shape[1] == 1:
             from pallas_kernels.paged_attention import paged_attention
-            lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
-            o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths, layer,   # layer read in place
+            o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths(), layer,   # layer read in place
                                 interpret=interpret)
             return o[:, None], new
         b, max_pages = page_table.shape
@@ -109,4 +117,19 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         seq_k = new["k"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)  # [b, s, kvh, d]
         seq_v = new["v"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)
         return dense_attention(q, seq_k, seq_v, positions), new
+
+    def fused(layer, qkv, inv_freq, cache):
+        """qkv [b, 1, h + 2 kvh, d] before RoPE -> (o [b, 1, h, d], cache)."""
+        from pallas_kernels.paged_attention import paged_decode_attention, rope_cos_sin
+        n_heads = qkv.shape[2] - 2 * cache["k"].shape[3]
+        o, k, v = paged_decode_attention(qkv[:, 0], rope_cos_sin(positions[:, 0], inv_freq), cache["k"], cache["v"],
+                                         page_table, lengths(), layer, n_heads=n_heads, interpret=interpret)
+        return o[:, None], {"k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
+
+    # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a
+    # concatenate), fine while decode is latency-bound but slower once it is bandwidth-bound. H200,
+    # llama3_1b, ctx 2048 (docs/benchmarks.md, 2026-12-01): b=1 921 vs 873 tokens/s; b=16 10,329
+    # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
+    small = positions.shape[0] <= FUSED_MAX_BATCH
+    attend.fused = fused if impl == "pallas" and positions.shape[1] == 1 and small else None
     return attend
