@@ -89,8 +89,8 @@ def _hopper() -> bool:
 
 def mgpu_supports(q, k, *, segment_ids=None) -> bool:
     """Shapes the Mosaic GPU kernel takes (its _config errors), given a Hopper GPU."""
-    from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes
-    bs = MgpuBlockSizes()
+    from pallas_kernels.flash_attention_mgpu import default_block_sizes
+    bs = default_block_sizes(q.shape[-1])
     blocks = (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dq, bs.block_kv_dkv, bs.block_q_dkv)
     return (segment_ids is None and q.shape[1] == k.shape[1] and q.shape[-1] in (64, 128)
             and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k.dtype

@@ -92,6 +92,14 @@ class MgpuBlockSizes:
             raise ValueError("num_stages and num_stages_bwd must be >= 1")
 
 
+def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
+    """Tiles per head dim. d=64: dK/dV streams 128-row q tiles (half the K/V-resident kernel's
+    loop trips; its smem is 64 KiB smaller at d=64 than at d=128, so 2 stages of 128 rows fit).
+    H200, GQA 32/8, causal fwd+bwd ms, tiles run of 2026-12-01 (docs/benchmarks.md): S=2k 1.71 vs
+    2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default."""
+    return MgpuBlockSizes(block_q_dkv=128) if head_dim == 64 else MgpuBlockSizes()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     batch: int
@@ -375,7 +383,7 @@ def _config(q, k, v, causal, sm_scale, block_sizes, interpret) -> _Cfg:
         raise ValueError(f"{head_dim=} must be 64 or 128")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    bs = block_sizes or MgpuBlockSizes()
+    bs = block_sizes or default_block_sizes(head_dim)
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
         blk = getattr(bs, name)
         if seq_len % blk:

@@ -40,6 +40,17 @@ TOKENS, HD, INTERPRET = 16384, 2048, False  # --smoke shrinks these to check the
 KV_GROUP = 1  # --kv-group: query heads per KV head (llama3_1b: 4), the model's GQA shape
 
 
+# Mosaic GPU tile variants (--plan tiles), timed beside cuDNN at the model's shapes. "def" is
+# MgpuBlockSizes() (at d=64 no longer the default: default_block_sizes); each other changes one knob of the forward (block_q, block_kv, stages,
+# ping-pong) or of the backward (dQ's kv tile, dK/dV's q tile and kv rows, stages).
+MGPU_VARIANTS = {
+    "def": {}, "kv64": dict(block_kv=64), "st3": dict(num_stages=3), "nopp": dict(pingpong=False),
+    "q256": dict(block_q=256), "q256kv64": dict(block_q=256, block_kv=64), "dq128": dict(block_kv_dq=128),
+    "dkvq128": dict(block_q_dkv=128), "dkv256": dict(block_kv_dkv=256), "bst3": dict(num_stages_bwd=3),
+    "dkvq128_dq128": dict(block_q_dkv=128, block_kv_dq=128), "dkvq128_bst3": dict(block_q_dkv=128, num_stages_bwd=3),
+}
+
+
 def impls(d):
     from jax.experimental.pallas.ops.gpu import attention as jmha
     out = {f"ours{v}": (lambda q, k, v, c, bs=VARIANTS[v]: flash_attention(q, k, v, causal=c, block_sizes=bs and bs(d),
@@ -48,6 +59,10 @@ def impls(d):
     out["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
     from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu  # Mosaic GPU (wgmma/TMA), sm_90 only
     out["ours_mgpu"] = lambda q, k, v, c: flash_attention_mgpu(q, k, v, causal=c)
+    from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes
+    for name, over in MGPU_VARIANTS.items():
+        out[f"mgpu_{name}"] = (lambda q, k, v, c, over=over:
+                               flash_attention_mgpu(q, k, v, causal=c, block_sizes=MgpuBlockSizes(**over)))
     out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     out["pallas_mha"] = lambda q, k, v, c: jmha.mha(q, k, v, None, sm_scale=d ** -0.5, causal=c)
     try:
@@ -71,8 +86,10 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def timeit(f, *args, warmup=2, reps=10):
-    return median_time(f, *args, warmup=warmup, reps=reps)
+def timeit(f, *args, warmup=10, reps=10):
+    # 5 calls per sample: the 2026-12-01 tiles run (1 call per sample, 2 warm-up) timed one
+    # kernel's forward at 0.91-1.41 ms across variants that do not change it
+    return median_time(f, *args, warmup=warmup, reps=reps, inner=5)
 
 
 def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
@@ -139,6 +156,12 @@ def plan(which):
     if which == "mgpu":  # the Mosaic GPU kernel beside ours and cuDNN at the headline shapes
         shapes = [(2048, 64, True), (8192, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
         return [(s, d, c, ["ours_mgpu", "oursdef", "cudnn"]) for s, d, c in shapes]
+    if which == "tiles2":  # the second tiles run: the D=64 winners of the first, each twice
+        names = ["cudnn", "ours_mgpu", "mgpu_def", "mgpu_dkvq128_dq128", "mgpu_dkvq128_bst3", "mgpu_bst3"]
+        return [(s, 64, True, names + names) for s in (4096, 2048, 8192)]
+    if which == "tiles":  # the model's shapes (llama3_1b: D=64, causal; use --kv-group 4)
+        names = ["cudnn"] + [f"mgpu_{v}" for v in MGPU_VARIANTS] + ["cudnn"]   # cuDNN twice: the drift
+        return [(s, 64, True, names) for s in (4096, 2048, 8192)] + [(4096, 128, True, names)]
     if which == "third":  # run 3: the tiles runs 1-2 left untimed, then every shape not yet measured
         return [(8192, 128, True, ["oursE", "oursF", "oursdef", "cudnn"])] + [
             (s, d, c, ["oursdef", "cudnn", "pallas_mha", "xla"]) for s, d, c in _UNMEASURED]
@@ -159,7 +182,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "full", "full64", "full128"))
+    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2", "full", "full64", "full128"))
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")

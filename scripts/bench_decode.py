@@ -14,13 +14,17 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 gate|up weights), each with the HLO traffic and a kernel profile; fused over a
                 contiguous cache (no page gather); batch 64 fused
   sweep         fused, paged XLA attention, batch 1..256 at ctx 2048 (TPOT vs batch 1)
-  sweep_pallas  the same with the paged Pallas decode kernel
+  sweep_pallas  the same with the paged Pallas decode kernel (XLA's RoPE and cache scatter around it)
+  sweep_fused   the same with RoPE and the cache write inside the kernel
   scan          the old stacked-weight paths (scan, unroll) at batch 1, for the record
   cmdbuf_while  XLA command buffers (CUDA graphs) that also capture while loops
   dsfusion      XLA dynamic-slice fusion (a GEMM reads a stacked weight's slice in place)
   no_cmdbuf     command buffers off: what CUDA graphs buy at batch 1
   pallas        fp32 correctness gate (contiguous, paged xla, paged Pallas) on the GPU, then
                 decode with the paged Pallas kernel, and the kernel against its peers
+  fusedk        the paged kernel with RoPE + cache write folded in (layers=fused) against the same
+                kernel behind XLA's RoPE and scatter (impl pallas_unfused), batch 1 (profiled) and 64
+  cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        TTFT for 512..8k prompts, engine decode, the same engine through HTTP (fused layers)
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
@@ -50,14 +54,27 @@ JOBS = {
     "base": ("", 120, ""),
     "sweep": ("", 90, ""),
     "sweep_pallas": ("", 90, ""),
+    "sweep_fused": ("", 90, ""),
     "scan": ("", 40, ""),
     "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 45, " [cmdbuf+while]"),
     "dsfusion": ("--xla_gpu_enable_dynamic_slice_fusion=true", 40, " [ds-fusion]"),
     "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 30, " [no cmdbuf]"),
     "pallas": ("", 95, ""),
+    "fusedk": ("", 90, ""),
+    "cublas": ("--xla_gpu_enable_triton_gemm=false", 40, " [cublas]"),
     "engine": ("", 65, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _sweep_configs():
+    """The paged kernel's named configs plus grid-size and warp variants of the default (GPU only)."""
+    import dataclasses as dc
+
+    from pallas_kernels.paged_attention import CONFIGS
+    base = CONFIGS["dot8"]
+    return {**CONFIGS, "dot8_p132": dc.replace(base, min_programs=132), "dot8_p528": dc.replace(base, min_programs=528),
+            "dot8_w2": dc.replace(base, num_warps=2), "dot8_s1": dc.replace(base, num_stages=1)}
 
 
 # -- child side -------------------------------------------------------------------------------
@@ -119,9 +136,10 @@ def run_child(args):
             decode(1, layers, detail=layers == "fused", profile=True)
         decode(1, "fused", layout="contiguous", profile=True)
         decode(sz["big"], "fused", detail=True)
-    elif args.job in ("sweep", "sweep_pallas"):
+    elif args.job in ("sweep", "sweep_pallas", "sweep_fused"):
+        impl = {"sweep": "xla", "sweep_pallas": "pallas_unfused", "sweep_fused": "pallas"}[args.job]
         for batch in (SWEEP[:3] if args.cpu_smoke else SWEEP):
-            decode(batch, "fused", impl="pallas" if args.job == "sweep_pallas" else "xla")
+            decode(batch, "fused", impl=impl)
     elif args.job == "scan":
         for layers in ("scan", "unroll"):
             decode(1, layers)
@@ -140,11 +158,24 @@ def run_child(args):
                         "note": result})
         for batch in (1, sz["big"]):
             if gate.get("paged-pallas") == "ok":
-                decode(batch, "fused", impl="pallas", detail=batch == 1)
+                decode(batch, "fused", impl="pallas", detail=batch == 1, profile=batch == 1)
             try:
-                bench.kernel_peers(cfg, bw, batch, sz["ctx"])
+                bench.kernel_peers(cfg, bw, batch, sz["ctx"], configs=None if args.cpu_smoke else _sweep_configs())
             except Exception as e:  # noqa: BLE001
                 bench.fail_row("kernel", f"peers b={batch}", e)
+    elif args.job == "fusedk":
+        gate = bench.correctness_gate(impls=("pallas",), layers="fused", preset="tiny" if args.cpu_smoke else "llama3_1b")
+        for path, result in gate.items():
+            bench.emit({"section": "gate", "setting": f"{path} (layers=fused)", "value": float(result == "ok"),
+                        "unit": "ok", "note": result})
+        decode(1, "fused", impl="pallas", detail=True, profile=True)
+        decode(1, "fused", impl="pallas_unfused")
+        decode(sz["big"], "fused", impl="pallas")
+        decode(sz["big"], "fused", impl="pallas_unfused")
+        decode(1, "fused", impl="pallas")
+        decode(1, "fused", impl="pallas_unfused")
+    elif args.job == "cublas":
+        decode(1, "fused", impl="pallas", profile=True)
     elif args.job == "engine":
         from meshlab.infer.engine import Engine
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
@@ -219,7 +250,7 @@ def details(rows) -> str:
     variant (the evidence behind the numbers), and whether its greedy tokens equal the paged fused
     XLA path's (bf16: a different fusion may round differently)."""
     out = []
-    for job in ("sweep", "sweep_pallas"):
+    for job in ("sweep", "sweep_pallas", "sweep_fused"):
         sweep = {r["batch"]: r for r in rows if r["job"] == job and r["section"] == "decode" and "tpot_ms" in r}
         if sweep:
             one = sweep.get(1, {}).get("tpot_ms")

@@ -220,7 +220,7 @@ def profile(run, trace_dir, n, step_s) -> dict:
     try:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             jax.block_until_ready(run())
-        s = summarize(trace_dir, steps=n, top=16)
+        s = summarize(trace_dir, steps=n, top=40)
     except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     return {"busy_ms_per_token": round(s["busy_ms_per_step"], 3), "tpot_ms": round(step_s * 1e3, 3),
