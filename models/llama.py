@@ -218,21 +218,21 @@ class Attention(nnx.Module):
         wqkv [d, h + 2 kvh, hd]: wq|wk|wv concatenated once at load (serving layers="fused"): one GEMM
         launch and one pass over x instead of three small ones; then self.wq/wk/wv are not read."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        if wqkv is None:
-            q = _mm_decode("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
-            k = _mm_decode("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
-            v = _mm_decode("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
-        else:
+        fused = getattr(attend, "fused", None) if wqkv is not None else None
+        if fused is not None:                                      # RoPE + cache write + attention: one kernel
             qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
-            fused = getattr(attend, "fused", None)
-            if fused is not None:                                  # RoPE + cache write + attention: one kernel
-                inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-                o, cache = fused(qkv, inv_freq, cache)                                              # [b, t, h, hd]
-                out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                               # [b, t, d]
-                return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
-            q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
-        q, k = apply_rope(cfg, q, k, positions)
-        o, cache = attend(q, k, v, cache)                                                             # [b, t, h, hd]
+            inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+            o, cache = fused(qkv, inv_freq, cache)                                                  # [b, t, h, hd]
+        else:
+            if wqkv is None:
+                q = _mm_decode("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
+                k = _mm_decode("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
+                v = _mm_decode("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
+            else:
+                qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+                q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
+            q, k = apply_rope(cfg, q, k, positions)
+            o, cache = attend(q, k, v, cache)                                                         # [b, t, h, hd]
         out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                       # [b, t, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
 

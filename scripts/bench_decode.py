@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import signal
@@ -69,12 +70,10 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 def _sweep_configs():
     """The paged kernel's named configs plus grid-size and warp variants of the default (GPU only)."""
-    import dataclasses as dc
-
     from pallas_kernels.paged_attention import CONFIGS
-    base = CONFIGS["dot8"]
-    return {**CONFIGS, "dot8_p132": dc.replace(base, min_programs=132), "dot8_p528": dc.replace(base, min_programs=528),
-            "dot8_w2": dc.replace(base, num_warps=2), "dot8_s1": dc.replace(base, num_stages=1)}
+    variant = functools.partial(dataclasses.replace, CONFIGS["dot8"])
+    return {**CONFIGS, "dot8_p132": variant(min_programs=132), "dot8_p528": variant(min_programs=528),
+            "dot8_w2": variant(num_warps=2), "dot8_s1": variant(num_stages=1)}
 
 
 # -- child side -------------------------------------------------------------------------------

@@ -165,3 +165,17 @@ def test_fused_decode_bf16_and_errors():
         paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, n_heads=4, interpret=True)
     with pytest.raises(ValueError, match="cos_sin"):
         paged_decode_attention(qkv, cos_sin[:, :, :4], k_cache, v_cache, table, lengths, n_heads=h, interpret=True)
+
+
+def test_fused_decode_lowers_for_cuda():
+    # The GPU path without a GPU: interpret mode never builds the Triton kernel; lowering for CUDA
+    # does (gathers, half-width column loads, the conditional in-place store), at llama3_1b's shape.
+    import jax
+    b, h, kvh, d, layers, pages = 1, 32, 8, 64, 2, 129
+    args = (jax.ShapeDtypeStruct((b, h + 2 * kvh, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, 2, d // 2), jnp.float32),
+            jax.ShapeDtypeStruct((layers, pages, 16, kvh, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((layers, pages, 16, kvh, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, 128), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    lowered = jax.jit(lambda *a: paged_decode_attention(*a, n_heads=h)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "paged_attention" in lowered.as_text()
