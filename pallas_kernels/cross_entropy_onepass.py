@@ -21,8 +21,9 @@ Design, per chunk of N tokens (a loop over T // N chunks, one more call for a T 
 FLOPs: 3 logits-sized GEMMs (2TdV each), the minimum and what XLA's dense loss does, against 4 for
 the slab mode (which recomputes h @ W in the backward). Memory: one [N, V] fp32 logits slab and its
 bf16 dlogits at a time (never [T, V]), the fp32 dW carry [d, V] and dh [T, d]. Cost beside the
-GEMMs: dW is read-modified-written once per chunk, 2*d*V*4 bytes (2.1 GB at d=2048, V=128256),
-so T/N chunks cost T/N of those; larger chunks trade that traffic for a larger slab.
+GEMMs: dW is read-modified-written once per chunk after the first, 2*d*V*4 bytes (2.1 GB at
+d=2048, V=128256), so T/N chunks cost T/N - 1 of those; larger chunks trade that traffic for a
+larger slab.
 
 Saved for the backward: dh in h's dtype (as the dense path's dh GEMM writes it), and dW in fp32: it is the loop's carry, so saving it costs
 no extra buffer (a bf16 copy would coexist with the carry while converting), it lives only from
@@ -109,8 +110,12 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
         dh3 = lax.dynamic_update_index_in_dim(dh3, dh, i, axis=1)            # [c, n, d]
         return loss + l, dh3, dw + dw_c
 
-    init = (jnp.zeros((), F32), jnp.zeros((c, n, d), hidden.dtype), jnp.zeros((d, weight.shape[1]), F32))
-    loss, dh3, dw = lax.fori_loop(0, n, body, init)
+    # Chunk 0 outside the loop starts the carries: its GEMM writes dW directly, where a zero
+    # carry would cost one more fp32 [d, V] write and read (1 GB each at llama3_1b's vocab).
+    h0, y0 = take(0)
+    l0, dh0, dw0 = one(h0, weight, y0)
+    dh3 = lax.dynamic_update_index_in_dim(jnp.zeros((c, n, d), hidden.dtype), dh0, 0, axis=1)  # [c, n, d]
+    loss, dh3, dw = lax.fori_loop(1, n, body, (l0, dh3, dw0))
     dh = dh3.reshape(main, d)                                                # [main, d]
     if main < t:  # the tail: one smaller chunk, so the whole [T, d] is never padded
         l, dh_tail, dw_tail = one(hidden[main:], weight, labels[main:])
