@@ -29,7 +29,7 @@ def main(argv=None):
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                     help="paged decode attention (auto: the Pallas kernel on one GPU, else XLA)")
-    ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "scan", "unroll"),
+    ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
                          "auto: fused on one device, else split")

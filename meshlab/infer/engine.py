@@ -17,8 +17,9 @@ batch reads every weight once and is limited by HBM bandwidth; XLA copies a slic
 weight into a temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's
 static slice alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and
 w_gate|w_up per layer (two GEMM launches instead of five; XLA's own dot merger would concatenate
-them at run time); it assumes those weights are not tensor-sharded. layers="scan" | "unroll" keep
-the stacked params.
+them at run time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused"
+with the four matrices stored transposed ([n, k]), whose decode tokens (batch <= 16, Pallas
+attention) run each layer as five Pallas launches (models/llama.py Block.decode_step). layers="scan" | "unroll" keep the stacked params.
 
 `ContiguousGenerator` is the simple path: a fixed batch of prompts, a contiguous cache. The
 continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engine`.
@@ -40,7 +41,8 @@ from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
 
 
-LAYER_MODES = ("split", "fused", "scan", "unroll")
+LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
+CONCATENATED = ("fused", "kernels")     # modes whose layers carry wq|wk|wv and w_gate|w_up concatenated
 FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
 
 
@@ -50,6 +52,26 @@ def _fuse(layer: dict):
     rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
             for k, v in layer.items()}
     return rest, fused
+
+
+def _transposed(rest: dict, fused: dict):
+    """layers="kernels": the four decode matrices stored [n, k], each output's weights contiguous (the
+    Pallas decode matmuls read them that way: pallas_kernels/decode_matmul.py); wo and w_down leave
+    `rest`. Returns (rest, {"wqkv_t", "wo_t", "w_gate_up_t", "w_down_t"})."""
+    attn, mlp = dict(rest["attn"]), dict(rest["mlp"])
+    wo, w_down = attn.pop("wo"), mlp.pop("w_down")
+    d = wo.shape[-1]
+    return dict(rest, attn=attn, mlp=mlp), {"wqkv_t": fused["wqkv"].reshape(d, -1).T, "wo_t": wo.reshape(-1, d).T,
+                                            "w_gate_up_t": fused["w_gate_up"].T, "w_down_t": w_down.T}
+
+
+def _kn_views(cfg, rest: dict, t: dict):
+    """_transposed's weights seen as [k, n] again, for the XLA path (prefill chunks): XLA folds the
+    transpose into the GEMM's operand layout; decode tokens read the stored [n, k] arrays."""
+    d, hd = cfg.d_model, cfg.head_dim
+    rest = dict(rest, attn=dict(rest["attn"], wo=t["wo_t"].T.reshape(-1, hd, d)),
+                mlp=dict(rest["mlp"], w_down=t["w_down_t"].T))
+    return rest, dict(t, wqkv=t["wqkv_t"].T.reshape(d, -1, hd), w_gate_up=t["w_gate_up_t"].T)
 
 
 def _unfused_placeholders(md, rest: dict) -> dict:
@@ -73,10 +95,12 @@ def serving_params(md, params, layers: str = "split"):
 
     def prepare(p):
         p = jax.tree.map(cast, p)
-        if layers in ("split", "fused"):
+        if layers in ("split",) + CONCATENATED:
             p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
-        if layers == "fused":
+        if layers in CONCATENATED:
             p["layers"] = [_fuse(one) for one in p["layers"]]
+        if layers == "kernels":
+            p["layers"] = [_transposed(*one) for one in p["layers"]]
         return p
     return jax.jit(prepare)(params)
 
@@ -88,9 +112,11 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers
     vocab = md.cfg.vocab_size
 
     def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
-        if layers in ("split", "fused"):   # the stacked layers are only a structure here: bind abstract ones
+        if layers in ("split",) + CONCATENATED:   # the stacked layers are only a structure here: bind abstract ones
             model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
-            if layers == "fused":
+            if layers == "kernels":
+                per_layer = [_kn_views(md.cfg, *one) for one in per_layer]
+            if layers in CONCATENATED:
                 per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in per_layer]
         else:
             model, per_layer = md.bind(params), None
@@ -99,7 +125,7 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers
         else:
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
         h, cache = model.cached(tokens, positions, cache, attend, unroll=layers == "unroll",
-                                layers=per_layer)                                  # [b, t, d]
+                                layers=per_layer, kernels=layers == "kernels")   # [b, t, d]
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
         logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
         b = tokens.shape[0]

@@ -1,0 +1,89 @@
+"""The decode layer's four matmuls (pallas_kernels/decode_matmul.py) against XLA, for bench_decode.
+
+Each op at the model's shapes: [norm + q|k|v], [wo + residual], [norm + gate|up + SwiGLU],
+[down + residual]. The XLA peer is the same math as the model's serving path writes it (the
+zero second row at one token, models/llama.py _mm_decode), jitted, so XLA fuses what it can.
+Both are timed over enough distinct weight copies (>= 2 GB) that every call reads its weight
+from HBM, not from the 50 MB L2 a repeated 8 MB weight would sit in, and that one timed call
+holds ~0.5 ms of device work: with 16 copies (200 MB) the host's dispatch set the time (H200,
+2026-12-01: XLA's q|k|v at 16 us against 6 us in the decode step's profile).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from meshlab.benchtime import median_time
+from meshlab.infer.bench import emit
+
+F32 = jnp.float32
+
+
+def _xla(x, w, norm_scale=None, residual=None, swiglu=False, eps=1e-5):
+    from pallas_kernels.decode_matmul import decode_matmul_reference
+    if x.shape[0] != 1:
+        return decode_matmul_reference(x, w, norm_scale=norm_scale, residual=residual, swiglu=swiglu, eps=eps)
+    two = lambda a: None if a is None else jnp.concatenate([a, jnp.zeros_like(a)], axis=0)  # noqa: E731
+    return decode_matmul_reference(two(x), w, norm_scale=norm_scale, residual=two(residual), swiglu=swiglu,
+                                   eps=eps)[:1]
+
+
+def ops(cfg, batch: int) -> dict:
+    """name -> (x shape, w shape, extra kwargs maker) at the model's widths."""
+    d, f, hd = cfg.d_model, cfg.mlp_dim, cfg.head_dim
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    return {"qkv+norm": ((batch, d), (d, qkv), {"norm": True}),
+            "wo+residual": ((batch, cfg.n_heads * hd), (cfg.n_heads * hd, d), {"residual": True}),
+            "gate_up+norm+swiglu": ((batch, d), (d, 2 * f), {"norm": True, "swiglu": True}),
+            "down+residual": ((batch, f), (f, d), {"residual": True})}
+
+
+def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
+    """us per call and % of copy bandwidth (weight bytes) for XLA and each config in `configs`:
+    {label: BlockSizes, or (BlockSizes, w_layout)} (w_layout "nk": the weights stored transposed)."""
+    from pallas_kernels.decode_matmul import decode_matmul
+    interpret = jax.default_backend() != "gpu"
+    out = []
+    for name, (xs, ws, kind) in ops(cfg, batch).items():
+        key = jax.random.split(jax.random.key(1), 4)
+        wbytes = math.prod(ws) * 2
+        # >= 2 GB of weights per call: ~0.5 ms of device time, longer than dispatching the call
+        copies = 1 if interpret else max(1, min(256, math.ceil(2e9 / wbytes)))
+        x = jax.random.normal(key[0], xs, jnp.bfloat16)
+        ws_ = [(jax.random.normal(jax.random.fold_in(key[1], i), ws, F32) / math.sqrt(ws[0])).astype(jnp.bfloat16)
+               for i in range(copies)]
+        kw = {}
+        if kind.get("norm"):
+            kw["norm_scale"] = 1 + 0.1 * jax.random.normal(key[2], (xs[1],), F32)
+        if kind.get("residual"):
+            kw["residual"] = jax.random.normal(key[3], (xs[0], ws[1]), jnp.bfloat16)
+        swiglu = kind.get("swiglu", False)
+        want = _xla(x, ws_[0], swiglu=swiglu, **kw).astype(F32)
+        impls = {"xla": (lambda x, w, **k: _xla(x, w, swiglu=swiglu, **k), "kn")}
+        for label, bs in configs.items():
+            bs, layout = bs if isinstance(bs, tuple) else (bs, "kn")
+            impls[f"ours[{label}]"] = (lambda x, w, bs=bs, layout=layout, **k: decode_matmul(
+                x, w, swiglu=swiglu, w_layout=layout, block_sizes=bs, interpret=interpret, **k), layout)
+        ws_t = None
+        for label, (fn, layout) in impls.items():
+            if layout == "nk" and ws_t is None:
+                ws_t = [jnp.asarray(w.T) for w in ws_]                  # stored [n, k]: a copy, not a view
+            weights = ws_t if layout == "nk" else ws_
+            setting = f"{name} {label} b={batch}"
+            try:
+                many = jax.jit(lambda x, ws, kw, fn=fn: [fn(x, w, **kw) for w in ws])
+                err = float(jnp.max(jnp.abs(many(x, weights[:1], kw)[0].astype(F32) - want)))
+                if not err <= 0.06:     # bf16 outputs of O(1): a few ulps
+                    out.append(emit({"section": "matmul", "setting": setting, "value": float("nan"), "unit": "us",
+                                     "note": f"WRONG: max error {err:.1e}"}))
+                    continue
+                t = median_time(many, x, weights, kw, warmup=3, reps=10, inner=5) / copies
+                out.append(emit({"section": "matmul", "setting": setting, "value": t * 1e6, "unit": "us",
+                                 "note": f"{wbytes / t / 1e9:.0f} GB/s = {wbytes / t / bw:.0%} of copy bw, "
+                                         f"{copies} weight copies, max error {err:.1e}"}))
+            except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
+                out.append(emit({"section": "matmul", "setting": setting, "value": float("nan"), "unit": "us",
+                                 "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"}))
+    return out
