@@ -19,7 +19,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.rules import constrain, materialize
-from pallas_kernels import cross_entropy_onepass as fused_ce_onepass
+from pallas_kernels import cross_entropy_onepass as fused_ce_onepass, decode_matmul as decode_kernels
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
@@ -53,11 +53,11 @@ class LlamaConfig:
     # computed in its forward: 3 logits-sized GEMMs as dense, one [2048, V] slab at a time; jnp, so
     # it partitions under tensor-parallel rules too; token_losses gives the chunked values)
     loss_impl: str = "dense"
-    # onepass's token slab. Each slab costs one dW read-modify-write (fp32 [d, V]: 2.1 GB at
-    # llama3_1b); a larger slab holds more logits (fp32 + bf16 dlogits: 3.2 GB at 4096, V=128256).
-    # In the llama3_1b step 4096 ran 0.995x dense against 0.984x for 2048, with the same program
-    # size (31.6 vs 31.4 GiB; dense 41.6), H200 2026-11-30/12-01, docs/benchmarks.md.
-    loss_chunk: int = 4096
+    # onepass's token slab. Each slab after the first costs one dW read-modify-write (fp32 [d, V]:
+    # 2.1 GB at llama3_1b); a larger slab holds more logits (fp32 + bf16 dlogits: 3.2 GB per 4096
+    # tokens at V=128256). llama3_1b step, batch 4 x 4096, H200 2026-12-01 (docs/benchmarks.md):
+    # 8192 ran 1.004-1.010x dense in two calls at 35.2 GiB (dense 41.6); 4096 ran 1.000x at 31.4.
+    loss_chunk: int = 8192
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
@@ -219,10 +219,16 @@ class Attention(nnx.Module):
         launch and one pass over x instead of three small ones; then self.wq/wk/wv are not read."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         fused = getattr(attend, "fused", None) if wqkv is not None else None
+        b, t = x.shape[:2]
         if fused is not None:                                      # RoPE + cache write + attention: one kernel
-            qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+            # One token: _mm_decode's zero second row is added here once and rides through the kernel
+            # (which returns it as a zero row of o) into the wo GEMM: no slice before the kernel, no
+            # pad after its split merge (two XLA launches per layer at batch 1).
+            xin = jnp.concatenate([x, jnp.zeros_like(x)], axis=1) if b * t == 1 else x          # [b, t', d]
+            qkv = _mm("bsd,dhk->bshk", xin, wqkv)                                                # [b, t', h + 2 kvh, hd]
             inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-            o, cache = fused(qkv, inv_freq, cache)                                                  # [b, t, h, hd]
+            o, cache = fused(qkv, inv_freq, cache)                                               # [b, t', h, hd]
+            out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))[:, :t]                               # [b, t, d]
         else:
             if wqkv is None:
                 q = _mm_decode("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
@@ -233,7 +239,7 @@ class Attention(nnx.Module):
                 q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
             q, k = apply_rope(cfg, q, k, positions)
             o, cache = attend(q, k, v, cache)                                                         # [b, t, h, hd]
-        out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                       # [b, t, d]
+            out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                                     # [b, t, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
 
 
@@ -280,9 +286,15 @@ class Block(nnx.Module):
             x = x + self.mlp(normed)
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, attend, cache, fused=None):  # serving: the KV cache threads through
+    def cached(self, x, positions, attend, cache, fused=None, kernels=False):  # serving: the KV cache threads through
         """fused: {"wqkv", "w_gate_up" [d, 2f]}, weights concatenated once at load (see Attention.cached);
-        gate and up then come from one GEMM, followed by the MLP's own fp32 SiLU * up and down GEMM."""
+        gate and up then come from one GEMM, followed by the MLP's own fp32 SiLU * up and down GEMM.
+        kernels: a decode token (t == 1, at most decode_kernels.ROWS rows) with the one-kernel attention
+        goes through `decode_step` instead."""
+        b, t, _ = x.shape
+        if kernels and fused is not None and t == 1 and b <= decode_kernels.ROWS \
+                and getattr(attend, "fused", None) is not None:
+            return self.decode_step(x, attend, cache, fused)
         h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache,
                                     wqkv=None if fused is None else fused["wqkv"])
         x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
@@ -292,6 +304,31 @@ class Block(nnx.Module):
             gate, up = jnp.split(_mm("bsd,df->bsf", self.mlp_norm(x), fused["w_gate_up"]), 2, axis=-1)  # [b, t, f] x2
             x = x + self.mlp.down((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype))
         return constrain(x, ("act_batch", "act_seq", "act_embed")), cache
+
+
+    def decode_step(self, x, attend, cache, fused):
+        """One decode token per row in five launches: [norm + q|k|v], [RoPE + cache write + attention],
+        [wo + residual], [norm + gate|up + SwiGLU], [down + residual]; the same math and roundings
+        as `cached` (pallas_kernels/decode_matmul.py says why: at decode batch the layer's small XLA
+        kernels cost about a third of the step)."""
+        cfg, dt = self.attn.cfg, jnp.dtype(self.attn.cfg.dtype)
+        b, _, d = x.shape
+        if "wqkv_t" in fused:   # stored [n, k] at load (serving layers="kernels"): contiguous rows per output
+            w = {k: fused[k + "_t"] for k in ("wqkv", "wo", "w_gate_up", "w_down")}
+            layout = "nk"
+        else:
+            w = {"wqkv": fused["wqkv"].reshape(d, -1), "wo": _w(self.attn.wo, dt).reshape(-1, d),
+                 "w_gate_up": fused["w_gate_up"], "w_down": _w(self.mlp.w_down, dt)}
+            layout = "kn"
+        mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, w_layout=layout, interpret=_interpret())
+        x = x.reshape(b, d)                                                                  # [b, d]
+        qkv = mm(x, w["wqkv"], norm_scale=_w(self.attn_norm.scale, F32))                    # [b, (h + 2 kvh) hd]
+        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        o, cache = attend.fused(qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)       # [b, 1, h, hd]
+        x = mm(o.reshape(b, -1), w["wo"], residual=x)                                       # [b, d]
+        h = mm(x, w["w_gate_up"], norm_scale=_w(self.mlp_norm.scale, F32), swiglu=True)     # [b, f]
+        x = mm(h, w["w_down"], residual=x)                                                  # [b, d]
+        return x.reshape(b, 1, d), cache
 
 
 def _remat(fn, policy: str):
@@ -338,7 +375,7 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
 
-    def cached(self, tokens, positions, cache, attend, unroll: bool = False, layers=None):
+    def cached(self, tokens, positions, cache, attend, unroll: bool = False, layers=None, kernels: bool = False):
         """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
 
         tokens/positions [b, t]; `cache` is any pytree (meshlab/infer owns its layout) carried through
@@ -350,11 +387,20 @@ class Llama(nnx.Module):
         `self.layers` gives only the block structure. Why: XLA copies a slice of a stacked weight,
         static or dynamic, into a temporary before the GEMM reads it (CPU- and H200-compiled HLO), which
         triples the weight bytes of a bandwidth-bound decode step (389 -> 623 tokens/s at batch 1). An entry may be a pair (params,
-        fused) with concatenated projection weights (Block.cached).
+        fused) with concatenated projection weights (Block.cached). kernels: decode tokens of those
+        fused layers run through Pallas kernels only (Block.decode_step).
         """
         dt = jnp.dtype(self.cfg.dtype)
         x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
         block_def, block_state = nnx.split(self.layers)
+        # One token through fused layers and the one-kernel attention (which passes padding rows
+        # through as zeros): the residual stream carries _mm_decode's zero second row from here to
+        # the head, so no layer pads or slices for its one-token GEMMs (each a launch at batch 1).
+        # A zero row stays zero through RMSNorm, the GEMMs, attention's output, SwiGLU and the adds.
+        two_rows = (tokens.shape == (1, 1) and layers is not None and not kernels
+                    and getattr(attend, "fused", None) is not None and isinstance(layers[0], tuple))
+        if two_rows:
+            x = jnp.concatenate([x, jnp.zeros_like(x)], axis=1)                             # [1, 2, d]
         if layers is not None:
             for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
                 one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
@@ -362,8 +408,8 @@ class Llama(nnx.Module):
                 layer_attend = functools.partial(attend, i)
                 if getattr(attend, "fused", None) is not None:     # the one-kernel decode attention (kv_cache)
                     layer_attend.fused = functools.partial(attend.fused, i)
-                x, cache = block.cached(x, positions, layer_attend, cache, fused=fused)
-            return self.final_norm(x), cache
+                x, cache = block.cached(x, positions, layer_attend, cache, fused=fused, kernels=kernels)
+            return self.final_norm(x[:, :1] if two_rows else x), cache
 
         def layer(carry, xs):
             (x, cache), (one_layer, i) = carry, xs

@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._compat import TritonCompilerParams as _CompilerParams
 
@@ -243,6 +244,37 @@ def merge_splits(acc, m, l, dtype):
     return out.reshape(b, kvh * g, d).astype(dtype)
 
 
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad):
+    """merge_splits for one (row, kv head): o[i, kh*g:(kh+1)*g] <- the splits' rescaled sum; rows >= b
+    (the caller's padding) get zeros."""
+    i, kh = pl.program_id(0), pl.program_id(1)
+    src, rows = jnp.minimum(i, b - 1), acc_ref.shape[3]
+    live = jnp.arange(s_pad) < splits                                             # [S] the split padding
+    m = plgpu.load(m_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=NEG)                  # [S, rows]
+    l = plgpu.load(l_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=0.0)                  # [S, rows]
+    acc = plgpu.load(acc_ref.at[src, kh, pl.ds(0, s_pad), :, :], mask=live[:, None, None], other=0.0)      # [S, rows, d]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                                  # [S, rows]; empty splits -> 0
+    den = jnp.sum(l * w, axis=0)                                                  # [rows]
+    o = jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]   # [rows, d]; inactive -> 0
+    o = jnp.where(i < b, o, 0.0)
+    plgpu.store(o_ref.at[i, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=(jnp.arange(rows) < g)[:, None])
+
+
+def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: bool = False):
+    """merge_splits as one Pallas launch, writing o [rows_out, kvh*g, d] with rows >= b zero: XLA runs
+    the merge as a reduce and a normalise-and-pad kernel (4.4 us per layer at batch 1 on the H200,
+    about as long as the attention itself; docs/benchmarks.md), and the zero row is the one the
+    model's one-token GEMM needs (models/llama.py _mm_decode), so no pad follows."""
+    b, kvh, splits, rows, d = acc.shape
+    s_pad = _pow2_at_least(splits)
+    kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad)
+    return pl.pallas_call(
+        kernel, grid=(rows_out, kvh), in_specs=[_whole2(a.shape) for a in (acc, m, l)],
+        out_specs=_whole2((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
+        interpret=interpret, compiler_params=_CompilerParams(num_warps=4, num_stages=1), name="paged_attention_merge",
+    )(acc, m, l)
+
+
 def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, page_size: int, group: int,
          head_dim: int) -> dict:
     """The static tiling a call uses: pages per block and per split, splits, padded group rows."""
@@ -269,6 +301,10 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
 
 def _whole(shape):
     return pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
+
+
+def _whole2(shape):
+    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
 
 
 def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpret, caches=None):
@@ -302,15 +338,15 @@ def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpr
     )(*args)
 
 
-def _finish(outs, p, g, b, dtype):
-    """The kernel's outputs -> [b, kvh * g, d]: reshaped (one split) or merged (several)."""
+def _finish(outs, p, g, b, dtype, rows_out=None, interpret=False):
+    """The kernel's outputs -> [rows_out (default b), kvh * g, d]: reshaped (one split) or merged
+    (several, in one Pallas launch); rows past b are zeros."""
+    rows_out = rows_out or b
     if p["splits"] == 1:
         o = outs[0][:, :, :g] if p["out_rows"] > g else outs[0]                   # [b, kvh, g, d]
-        return o.reshape(b, -1, o.shape[-1])
-    acc, m, l = outs[:3]
-    if p["out_rows"] > g:
-        acc, m, l = acc[..., :g, :], m[..., :g], l[..., :g]
-    return merge_splits(acc, m, l, dtype)
+        o = o.reshape(b, -1, o.shape[-1])
+        return jnp.pad(o, ((0, rows_out - b), (0, 0), (0, 0))) if rows_out > b else o
+    return merge_splits_kernel(*outs[:3], dtype, g=g, rows_out=rows_out, interpret=interpret)
 
 
 def _stacked(k_pages, v_pages, layer):
@@ -343,7 +379,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
             q.reshape(b, kvh, g, d), k_pages, v_pages)
     outs = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=q.dtype, block_sizes=block_sizes,
                    interpret=interpret)
-    return _finish(outs, p, g, b, q.dtype)
+    return _finish(outs, p, g, b, q.dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "block_sizes", "sm_scale", "interpret"))
@@ -353,17 +389,21 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     """One decode step of attention with RoPE and the KV-cache write in the same kernel.
 
     qkv [b, n_heads + 2 kv_heads, d]: the new token's q | k | v projections, before RoPE (the fused
-    projection's output, read in place: no slices). cos_sin [b, 2, d/2] fp32: cos and sin of the
+    projection's output, read in place: no slices); it may have rows past b = lengths.shape[0]
+    (the zero row the model's one-token GEMM carries), which are not read and come back as zero
+    rows of o. cos_sin [b, 2, d/2] fp32: cos and sin of the
     new position's angles (rotate-half convention, pallas_kernels/rope.py). lengths [b]: tokens
     including the new one, whose position is lengths - 1 (0: inactive row, nothing written, zeros).
-    Returns (o [b, n_heads, d], k_pages, v_pages) with the new rotated k and v written at
+    Returns (o [qkv rows, n_heads, d], k_pages, v_pages) with the new rotated k and v written at
     page_table[b, (length-1) // page_size], slot (length-1) % page_size: in place when the caller
     donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter + paged_attention it saves four XLA launches per layer
     (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
     attention itself at batch 1 (H200 profile, docs/benchmarks.md)."""
     one_layer = k_pages.ndim == 4
     k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
-    b, heads, d = qkv.shape
+    (rows_out, heads, d), b = qkv.shape, lengths.shape[0]
+    if rows_out < b:
+        raise ValueError(f"paged_decode_attention: qkv {qkv.shape} has fewer rows than lengths {lengths.shape}")
     num_pages, page_size, kvh, d_k = k_pages.shape[1:]
     if heads != n_heads + 2 * kvh or n_heads % kvh or d_k != d or v_pages.shape != k_pages.shape or d % 2:
         raise ValueError(f"paged_decode_attention: qkv {qkv.shape} must be [b, {n_heads=} + 2 * {kvh} kv heads, d] "
@@ -384,7 +424,7 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
                                       block_sizes=block_sizes, interpret=interpret, caches=(k_pages, v_pages))
     if one_layer:
         k_pages, v_pages = k_pages[0], v_pages[0]
-    return _finish(outs, p, g, b, qkv.dtype), k_pages, v_pages
+    return _finish(outs, p, g, b, qkv.dtype, rows_out, interpret), k_pages, v_pages
 
 
 def rope_cos_sin(positions, inv_freq):

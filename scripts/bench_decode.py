@@ -24,6 +24,11 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 decode with the paged Pallas kernel, and the kernel against its peers
   fusedk        the paged kernel with RoPE + cache write folded in (layers=fused) against the same
                 kernel behind XLA's RoPE and scatter (impl pallas_unfused), batch 1 (profiled) and 64
+  kernels       fp32 gate with layers=kernels (every decode matmul a Pallas kernel with its norm /
+                residual / SwiGLU), then kernels vs fused at batch 1 (both profiled), 4 and 16
+  kernels_tune  batch-1 decode with layers=kernels under several decode-matmul tile configs, profiled
+  matmul        the four decode matmul kernels in a BlockSizes sweep against XLA, batch 1 and 16
+  profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        TTFT for 512..8k prompts, engine decode, the same engine through HTTP (fused layers)
 
@@ -63,9 +68,29 @@ JOBS = {
     "pallas": ("", 95, ""),
     "fusedk": ("", 90, ""),
     "cublas": ("--xla_gpu_enable_triton_gemm=false", 40, " [cublas]"),
+    "profile1": ("", 60, ""),
+    "kernels": ("", 120, ""),
+    "matmul": ("", 120, ""),
+    "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _matmul_configs(quick=False, tune=False):
+    from pallas_kernels.decode_matmul import BlockSizes
+    if quick:
+        return {"default": BlockSizes(), "nk": (BlockSizes(), "nk")}
+    if tune:   # whole decode steps, profiled: the four kernels' times in place
+        return {"n32k256": BlockSizes(), "n16k256": BlockSizes(block_n=16), "n64k128": BlockSizes(64, 128),
+                "n32k512": BlockSizes(32, 512), "n16k512": BlockSizes(16, 512), "n64k256w8": BlockSizes(64, 256, 8),
+                "n32k128s6": BlockSizes(32, 128, num_stages=6)}
+    # [k, n] weights: the best of a 9-point grid on 2026-12-01 (H200), then [n, k] ("nk") variants
+    kn = {"n32k256": BlockSizes(), "n64k128": BlockSizes(64, 128)}
+    nk = {f"nk_n{n}k{k}{'w8' if w == 8 else ''}{'s3' if st == 3 else ''}": (BlockSizes(n, k, w, st), "nk")
+          for n, k, w, st in ((16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 4),
+                              (32, 512, 8, 4), (64, 256, 4, 4), (64, 256, 8, 4), (16, 512, 4, 3), (32, 256, 4, 3))}
+    return {**kn, **nk}
 
 
 def _sweep_configs():
@@ -119,10 +144,10 @@ def run_child(args):
     cfg, md, params, bw, sz = setup(args)
     out, tag = Path(args.out_dir), JOBS[args.job][2]
 
-    def decode(batch, layers, impl="xla", detail=False, profile=False, layout="paged"):
-        label = f"{layers}{tag}"
+    def decode(batch, layers, impl="xla", detail=False, profile=False, layout="paged", variant=""):
+        label = f"{layers}{variant}{tag}"
         try:
-            slug = f"{args.job}_{layers}_{layout}_{impl}_b{batch}"
+            slug = f"{args.job}_{layers}{variant}_{layout}_{impl}_b{batch}"
             bench.emit(bench.measure_decode(
                 md, params, bw, batch, sz["ctx"], impl=impl, layers=layers, n=sz["n"], label=label,
                 hlo_file=out / "hlo" / f"{slug}.hlo.txt.gz" if detail else None,
@@ -173,6 +198,30 @@ def run_child(args):
         decode(sz["big"], "fused", impl="pallas_unfused")
         decode(1, "fused", impl="pallas")
         decode(1, "fused", impl="pallas_unfused")
+    elif args.job == "kernels":
+        gate = bench.correctness_gate(impls=("pallas",), layers="kernels", preset="tiny" if args.cpu_smoke else "llama3_1b")
+        for path, result in gate.items():
+            bench.emit({"section": "gate", "setting": f"{path} (layers=kernels)", "value": float(result == "ok"),
+                        "unit": "ok", "note": result})
+        if gate.get("paged-pallas") == "ok":
+            for batch, layers in ((1, "kernels"), (1, "fused"), (16, "kernels"), (16, "fused"), (4, "kernels"),
+                                  (1, "kernels"), (1, "fused")):
+                first = batch == 1 and layers == "kernels" and args.job == "kernels"
+                decode(batch, layers, impl="pallas", detail=first, profile=batch == 1)
+    elif args.job == "kernels_tune":
+        from pallas_kernels import decode_matmul as dm
+        for name, bs in _matmul_configs(tune=True, quick=args.cpu_smoke).items():
+            dm.default_block_sizes = lambda k, n, swiglu, bs=bs: bs   # this child process only
+            decode(1, "kernels", impl="pallas", profile=True, variant=f"[{name}]")
+    elif args.job == "matmul":
+        from meshlab.infer.bench_matmul import matmul_peers
+        for batch in (1, 16):
+            configs = _matmul_configs(quick=args.cpu_smoke)
+            if batch > 1 and not args.cpu_smoke:
+                configs = {k: configs[k] for k in ("n32k256", "nk_n16k512", "nk_n32k256", "nk_n32k512")}
+            matmul_peers(cfg, bw, batch, configs)
+    elif args.job == "profile1":
+        decode(1, "fused", impl="pallas", detail=True, profile=True)
     elif args.job == "cublas":
         decode(1, "fused", impl="pallas", profile=True)
     elif args.job == "engine":

@@ -85,8 +85,10 @@ def test_bf16_and_gqa_group_of_four():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("layers", ["split", "fused"])   # fused: RoPE + cache write inside the kernel
-def test_engine_with_kernel_matches_uncached(layers):
+# fused: RoPE + cache write inside the kernel (at one sequence, the residual stream's zero padding
+# row through every layer); kernels: also every decode matmul with its norm / residual / SwiGLU
+@pytest.mark.parametrize("layers,max_seqs", [("split", 2), ("fused", 2), ("fused", 1), ("kernels", 2)])
+def test_engine_with_kernel_matches_uncached(layers, max_seqs):
     from flax import nnx
     import models
     from meshlab.infer.engine import Engine
@@ -95,7 +97,7 @@ def test_engine_with_kernel_matches_uncached(layers):
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
-    eng = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=1,
+    eng = Engine(md, params, max_len=32, max_seqs=max_seqs, page_size=4, chunk=8, steps_per_call=1,
                  impl="pallas", interpret=True, layers=layers)
     reqs = eng.generate([[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=6))
     for r in reqs:
@@ -178,4 +180,43 @@ def test_fused_decode_lowers_for_cuda():
             jax.ShapeDtypeStruct((b, 128), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32))
     lowered = jax.jit(lambda *a: paged_decode_attention(*a, n_heads=h)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "paged_attention" in lowered.as_text()
+    assert "paged_attention" in lowered.as_text() and "paged_attention_merge" in lowered.as_text()
+
+
+def test_merge_kernel_matches_merge_splits_and_zero_pads():
+    # 5 splits (not a power of two), GQA group 4 in 8 padded rows, one empty split (m = NEG, l = 0),
+    # kv head 1 of row 1 inactive (every l = 0): the one-launch merge equals the jnp merge, and the
+    # rows past the batch come back as zeros (the model's one-token GEMM padding)
+    from pallas_kernels.paged_attention import NEG, merge_splits, merge_splits_kernel
+    rng = np.random.default_rng(3)
+    b, kvh, splits, rows, g, d = 2, 2, 5, 8, 4, 16
+    acc = jnp.asarray(rng.normal(size=(b, kvh, splits, rows, d)), jnp.float32)
+    m = jnp.asarray(rng.normal(size=(b, kvh, splits, rows)), jnp.float32).at[:, :, 3].set(NEG)
+    l = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, kvh, splits, rows)), jnp.float32).at[:, :, 3].set(0.0)
+    l, acc = l.at[1, 1].set(0.0), acc.at[1, 1].set(0.0)
+    want = merge_splits(acc[..., :g, :], m[..., :g], l[..., :g], jnp.float32)                 # [b, kvh*g, d]
+    got = merge_splits_kernel(acc, m, l, jnp.float32, g=g, rows_out=3, interpret=True)       # [3, kvh*g, d]
+    np.testing.assert_allclose(np.asarray(got[:b]), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(got[b:]) == 0) and np.all(np.asarray(got[1, g:]) == 0)
+
+
+def test_fused_decode_with_padding_row():
+    # b = 1 with the one-token GEMM's zero second row: row 0 as without it, row 1 zeros, same cache
+    rng = np.random.default_rng(5)
+    h, kvh, d, page_size, pages = 8, 2, 32, 4, 6
+    qkv = jnp.asarray(rng.normal(size=(1, h + 2 * kvh, d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(1, 8, page_size, kvh, d)), jnp.float32) for _ in range(2))
+    table, lengths = jnp.asarray([[2, 5, 1, 7, 3, 4]], jnp.int32), jnp.asarray([19], jnp.int32)
+    cos_sin = rope_cos_sin(lengths - 1, rope.rope_frequencies(d, 10000.0))
+    run = lambda x: paged_decode_attention(x, cos_sin, k_cache, v_cache, table, lengths, 0, n_heads=h,  # noqa: E731
+                                           block_sizes=BlockSizes(1), interpret=True)
+    one, k1, v1 = run(qkv)
+    two, k2, v2 = run(jnp.concatenate([qkv, jnp.zeros_like(qkv)]))
+    assert two.shape == (2, h, d)
+    np.testing.assert_allclose(np.asarray(two[:1]), np.asarray(one), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(two[1]) == 0)
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k1))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(v1))
+    with pytest.raises(ValueError, match="fewer rows"):
+        paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, jnp.asarray([3, 4], jnp.int32), 0, n_heads=h,
+                               interpret=True)

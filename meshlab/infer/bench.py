@@ -228,9 +228,10 @@ def profile(run, trace_dir, n, step_s) -> dict:
             "kernels": [(k, round(t, 3), c) for k, t, c, _ in s["kernels"]]}
 
 
-def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b") -> dict:
+def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b", max_seqs=2) -> dict:
     """`preset` widths, 2 layers, fp32 (highest matmul precision): cached greedy decode
     (contiguous, paged per impl) must equal the argmax of the uncached forward at every step.
+    max_seqs=1 runs the prompts one at a time (the batch-1 decode program).
     Returns path -> "ok" or the failure."""
     import dataclasses
     import models
@@ -249,7 +250,7 @@ def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b"
                                                                 prompts, SamplingParams(max_tokens=12))}
         for impl in impls:
             makers[f"paged-{impl}"] = lambda impl=impl: [r.output for r in Engine(
-                md, params, max_len=64, max_seqs=2, page_size=16, chunk=32, steps_per_call=4, impl=impl,
+                md, params, max_len=64, max_seqs=max_seqs, page_size=16, chunk=32, steps_per_call=4, impl=impl,
                 interpret=interpret, layers=layers).generate(prompts, SamplingParams(max_tokens=12))]
         for name, make in makers.items():
             try:
