@@ -202,9 +202,11 @@ def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
     _ring_producer(n_steps, num_stages, loads, (k_free, v_free))
 
 
-def _launch(kernel, out_type, scratch, grid, *args):
+def _launch(kernel, out_type, scratch, grid, *args, name):
     """plgpu.kernel with the layout every kernel here shares: grid (heads, q or kv tiles, batch),
-    two compute warpgroups plus the producer."""
+    two compute warpgroups plus the producer. `name` names the kernel in profiles (Pallas takes the
+    body's name), where fwd, dQ and dK/dV would otherwise all be "kernel"."""
+    kernel.__name__ = kernel.__qualname__ = name
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=("heads", "q_seq", "batch"), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
                         compiler_params=_params())(*args)
@@ -331,7 +333,7 @@ def _fwd_call(q, k, v, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b_, h_, s_), jnp.float32))   # O, lse
-    return _launch(kernel, out_type, scratch, (h_, n_tiles, b_), q, k, v)
+    return _launch(kernel, out_type, scratch, (h_, n_tiles, b_), q, k, v, name="mgpu_flash_fwd")
 
 
 # ----------------------------------------------------------------------------------------------

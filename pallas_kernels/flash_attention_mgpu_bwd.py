@@ -116,7 +116,7 @@ def _dq_call(q, k, v, do, lse, delta, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
     return _launch(kernel, jax.ShapeDtypeStruct(q.shape, dtype), scratch, (h_, n_tiles, b_),
-                   q, k, v, do, lse, delta)
+                   q, k, v, do, lse, delta, name="mgpu_flash_dq")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,4 +241,5 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    return _launch(kernel, (kv_type, kv_type), scratch, (kvh_, n_tiles, b_), q, k, v, do, lse, delta)
+    return _launch(kernel, (kv_type, kv_type), scratch, (kvh_, n_tiles, b_), q, k, v, do, lse, delta,
+                   name="mgpu_flash_dkv")
