@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import TritonCompilerParams as _TritonParams
@@ -44,6 +45,9 @@ def _dot(a, b, trans_a=False, trans_b=False):
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# The forward's residuals carry these checkpoint names, so a remat policy can keep them and skip
+# the forward's recomputation in the backward (models/llama.py remat="save_dots_attn").
+ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
 NEG_INF = float("-inf")
 
 
@@ -303,6 +307,7 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
     qp, kp, vp = _pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad)
     out, lse2 = _fwd_call(qp, kp, vp, q_seg, kv_seg, cfg, q.dtype)
     out, lse2 = out[:, :cfg.q_len], lse2[:, :, :cfg.q_len]
+    out, lse2 = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse2, ATTENTION_LSE)
     return (out, lse2), (q, k, v, q_seg, kv_seg, out, lse2)
 
 

@@ -53,9 +53,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT
 from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F401  (the jnp reference)
 
 LOG2E = math.log2(math.e)
@@ -347,6 +349,8 @@ def _attn(q, k, v, cfg):
 
 def _attn_fwd(q, k, v, cfg):
     out, lse = _fwd_call(q, k, v, cfg)
+    # named like the Triton kernel's, so remat="save_dots_attn" keeps them (no forward in the backward)
+    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return out, (q, k, v, out, lse)
 
 

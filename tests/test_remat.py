@@ -28,3 +28,35 @@ def test_remat_policies_reduce_temporary_memory():
     assert temps["full"] < temps["none"]
     assert temps["save_dots_no_batch"] <= temps["save_dots"] <= temps["none"] * 1.05
     assert temps["full"] <= min(temps.values()) * 1.05
+
+
+def test_save_dots_attn_keeps_the_attention_forward():
+    # A layer scan with the flash kernel inside jax.checkpoint, lowered for CUDA (no GPU needed; the
+    # Triton kernels stay custom calls): under save_dots_no_batch the backward runs the attention
+    # forward again (forward, its recompute, dQ, dK/dV: 4 kernels); save_dots_attn keeps the
+    # forward's named output and lse (3). The planner counts no recompute for it and more memory.
+    import re
+
+    import jax.numpy as jnp
+
+    import models
+    from meshlab.plan import compute
+    from models.llama import remat_policy
+    from pallas_kernels.flash_attention import flash_attention
+    x0 = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    ws = 0.1 * jax.random.normal(jax.random.key(1), (3, 16, 16))
+
+    def layer(x, w):
+        q = jnp.einsum("bshd,de->bshe", x, w)
+        return x + flash_attention(q, x, x, causal=True), None
+
+    def kernels(policy):
+        loss = lambda x, ws: jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=remat_policy(policy)), x, ws)[0] ** 2)  # noqa: E731
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x0, ws).lower(lowering_platforms=("cuda",)).as_text()
+        return len(re.findall(r"custom_call @", text))
+    assert kernels("save_dots_no_batch") == 4
+    assert kernels("save_dots_attn") == 3
+    cfg = models.preset("tiny")
+    cfg.attention = "pallas"
+    flops = {p: compute.step_flops(cfg, 2, 64, p)["remat recompute"] for p in ("save_dots_no_batch", "save_dots_attn")}
+    assert flops["save_dots_attn"] == 0 < flops["save_dots_no_batch"]

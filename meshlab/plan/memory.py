@@ -213,8 +213,9 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     are replaced. Under sequence parallelism the residual-stream arrays are split over `tensor`
     (scaled with the whole sequence they were +16% on fsdp_tp_sp).
     """
-    if policy not in ("none", "full", "save_dots", "save_dots_no_batch"):
-        raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch")
+    if policy not in ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn"):
+        raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
+                         "save_dots_attn")
     flash = attention not in ("xla",)
     local = local_config(cfg, lc)
     layer, head = _traced(local, policy, "xla")
@@ -222,17 +223,19 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
     stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
-    def per_layer(entries, flags):
+    def per_layer(entries, flags, keeps_attention_out=False):
         flags = flags if flags is not None else (False,) * len(entries)
         quad = [e for e in entries if e[2] >= 2]
         lin = [(e, f) for e, f in zip(entries, flags) if e[2] < 2]
         out = _scale([e for e, _ in lin], lc.b, lc.s_attn, [f for _, f in lin], lc.s)
         if flash:
             out += len(quad) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
+            if keeps_attention_out:   # save_dots_attn: and the attention output
+                out += lc.b * lc.s_attn * lc.h * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         else:
             out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, _, p in quad))
         return out
-    saved_layer = per_layer(layer, stream[policy][0])
+    saved_layer = per_layer(layer, stream[policy][0], keeps_attention_out=policy == "save_dots_attn")
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
     head_bytes = _scale(head, lc.b, lc.s_attn, stream[policy][1], lc.s)
     saved = cfg.n_layers * saved_layer
