@@ -19,12 +19,11 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.rules import constrain, materialize
+from models.remat import REMAT_POLICIES, remat as _remat
 from pallas_kernels import cross_entropy_onepass as fused_ce_onepass, decode_matmul as decode_kernels
-from pallas_kernels import flash_attention as flash_kernels
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn")
 
 
 @dataclasses.dataclass
@@ -330,46 +329,6 @@ class Block(nnx.Module):
         h = mm(x, w["w_gate_up"], norm_scale=_w(self.mlp_norm.scale, F32), swiglu=True)     # [b, f]
         x = mm(h, w["w_down"], residual=x)                                                  # [b, d]
         return x.reshape(b, 1, d), cache
-
-
-_SAVE_ATTENTION_NAMES = jax.checkpoint_policies.save_only_these_names(flash_kernels.ATTENTION_OUT,
-                                                                      flash_kernels.ATTENTION_LSE)
-
-
-_ATTENTION_FWD_KERNELS = ("mgpu_flash_fwd", "flash_attention_fwd")   # our forward kernels' names
-
-
-def _saves_attention(prim, *args, **params) -> bool:
-    """A flash attention forward's residuals (output and log-sum-exp): cuDNN's (jax.nn.dot_product_attention)
-    as the outputs of its forward primitive; ours by checkpoint name, and as the outputs of the forward
-    kernel itself (a Mosaic `mpmd_map` or a `pallas_call`, by kernel name), for JAX versions whose
-    partial evaluation does not see the names through the kernel's wrappers."""
-    if prim.name.startswith("dot_product_attention_fwd") or _SAVE_ATTENTION_NAMES(prim, *args, **params):
-        return True
-    info = params.get("name_and_src_info")
-    name = params.get("name") if info is None else getattr(info, "name", None)
-    return isinstance(name, str) and name in _ATTENTION_FWD_KERNELS
-
-
-def remat_policy(policy: str):
-    """The jax.checkpoint policy of `model.remat` (None: save only the layer inputs).
-    save_dots_attn: save_dots_no_batch that also keeps the attention forward's output and
-    log-sum-exp, so the backward does not run the attention forward again: b*s*h*hd (+ fp32 b*h*s)
-    more bytes per layer, one attention forward less per layer and step. Measured (H200, jax 0.11.2,
-    llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. The Triton flash
-    kernel's forward is kept (tests/test_remat.py, CUDA lowering); the Mosaic kernel's is not on jax
-    0.11.2 (its forward still runs twice: no policy reached through its wrappers)."""
-    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return {"full": None,                                               # save only the layer inputs
-            "save_dots": jax.checkpoint_policies.checkpoint_dots,       # keep every matmul output
-            "save_dots_no_batch": dots,
-            "save_dots_attn": lambda prim, *a, **p: dots(prim, *a, **p) or _saves_attention(prim, *a, **p)}[policy]
-
-
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    return jax.checkpoint(fn, policy=remat_policy(policy), prevent_cse=False)
 
 
 # -- the model -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def main(argv=None):
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
+                         "kernels: fused with Pallas decode matmuls (opt-in, slower today); "
                          "auto: fused on one device, else split")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
     args = ap.parse_args(argv)

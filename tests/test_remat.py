@@ -41,7 +41,7 @@ def test_save_dots_attn_keeps_the_attention_forward():
 
     import models
     from meshlab.plan import compute
-    from models.llama import remat_policy
+    from models.remat import remat_policy
     from pallas_kernels.flash_attention import flash_attention
     x0 = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
     ws = 0.1 * jax.random.normal(jax.random.key(1), (3, 16, 16))
