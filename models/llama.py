@@ -139,8 +139,12 @@ def _mm_decode(spec, x, w):
     A second, zero row keeps it a GEMM; the weights are read once either way."""
     if x.shape[0] * x.shape[1] != 1:
         return _mm(spec, x, w)
-    two = jnp.concatenate([x, jnp.zeros_like(x)], axis=1)                  # [1, 2, ...]
-    return _mm(spec, two, w)[:, :1]                                        # [1, 1, ...]
+    return _mm(spec, _zero_row(x), w)[:, :1]                               # [1, 1, ...]
+
+
+def _zero_row(x):
+    """x [1, 1, ...] -> [1, 2, ...] with a zero second row (_mm_decode's, carried further at decode)."""
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -224,7 +228,7 @@ class Attention(nnx.Module):
             # One token: _mm_decode's zero second row is added here once and rides through the kernel
             # (which returns it as a zero row of o) into the wo GEMM: no slice before the kernel, no
             # pad after its split merge (two XLA launches per layer at batch 1).
-            xin = jnp.concatenate([x, jnp.zeros_like(x)], axis=1) if b * t == 1 else x          # [b, t', d]
+            xin = _zero_row(x) if b * t == 1 else x                                              # [b, t', d]
             qkv = _mm("bsd,dhk->bshk", xin, wqkv)                                                # [b, t', h + 2 kvh, hd]
             inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
             o, cache = fused(qkv, inv_freq, cache)                                               # [b, t', h, hd]
@@ -313,21 +317,14 @@ class Block(nnx.Module):
         kernels cost about a third of the step)."""
         cfg, dt = self.attn.cfg, jnp.dtype(self.attn.cfg.dtype)
         b, _, d = x.shape
-        if "wqkv_t" in fused:   # stored [n, k] at load (serving layers="kernels"): contiguous rows per output
-            w = {k: fused[k + "_t"] for k in ("wqkv", "wo", "w_gate_up", "w_down")}
-            layout = "nk"
-        else:
-            w = {"wqkv": fused["wqkv"].reshape(d, -1), "wo": _w(self.attn.wo, dt).reshape(-1, d),
-                 "w_gate_up": fused["w_gate_up"], "w_down": _w(self.mlp.w_down, dt)}
-            layout = "kn"
-        mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, w_layout=layout, interpret=_interpret())
+        mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, interpret=_interpret())
         x = x.reshape(b, d)                                                                  # [b, d]
-        qkv = mm(x, w["wqkv"], norm_scale=_w(self.attn_norm.scale, F32))                    # [b, (h + 2 kvh) hd]
+        qkv = mm(x, fused["wqkv"].reshape(d, -1), norm_scale=_w(self.attn_norm.scale, F32))  # [b, (h + 2 kvh) hd]
         inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
         o, cache = attend.fused(qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)       # [b, 1, h, hd]
-        x = mm(o.reshape(b, -1), w["wo"], residual=x)                                       # [b, d]
-        h = mm(x, w["w_gate_up"], norm_scale=_w(self.mlp_norm.scale, F32), swiglu=True)     # [b, f]
-        x = mm(h, w["w_down"], residual=x)                                                  # [b, d]
+        x = mm(o.reshape(b, -1), _w(self.attn.wo, dt).reshape(-1, d), residual=x)           # [b, d]
+        h = mm(x, fused["w_gate_up"], norm_scale=_w(self.mlp_norm.scale, F32), swiglu=True)  # [b, f]
+        x = mm(h, _w(self.mlp.w_down, dt), residual=x)                                      # [b, d]
         return x.reshape(b, 1, d), cache
 
 
@@ -389,7 +386,7 @@ class Llama(nnx.Module):
         two_rows = (tokens.shape == (1, 1) and layers is not None and not kernels
                     and getattr(attend, "fused", None) is not None and isinstance(layers[0], tuple))
         if two_rows:
-            x = jnp.concatenate([x, jnp.zeros_like(x)], axis=1)                             # [1, 2, d]
+            x = _zero_row(x)                                                                 # [1, 2, d]
         if layers is not None:
             for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
                 one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)

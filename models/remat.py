@@ -16,19 +16,12 @@ from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn")
 
 _SAVE_ATTENTION_NAMES = jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
-_ATTENTION_FWD_KERNELS = ("mgpu_flash_fwd", "flash_attention_fwd")   # our forward kernels' names
 
 
 def _saves_attention(prim, *args, **params) -> bool:
     """A flash attention forward's residuals (output and log-sum-exp): cuDNN's (jax.nn.dot_product_attention)
-    as the outputs of its forward primitive; ours by checkpoint name, and as the outputs of the forward
-    kernel itself (a Mosaic `mpmd_map` or a `pallas_call`, by kernel name), for JAX versions whose
-    partial evaluation does not see the names through the kernel's wrappers."""
-    if prim.name.startswith("dot_product_attention_fwd") or _SAVE_ATTENTION_NAMES(prim, *args, **params):
-        return True
-    info = params.get("name_and_src_info")
-    name = params.get("name") if info is None else getattr(info, "name", None)
-    return isinstance(name, str) and name in _ATTENTION_FWD_KERNELS
+    as the outputs of its forward primitive, ours by checkpoint name (pallas_kernels/flash_attention*)."""
+    return prim.name.startswith("dot_product_attention_fwd") or _SAVE_ATTENTION_NAMES(prim, *args, **params)
 
 
 def remat_policy(policy: str):
@@ -38,7 +31,7 @@ def remat_policy(policy: str):
     more bytes per layer, one attention forward less per layer and step. Measured (H200, jax 0.11.2,
     llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. The Triton flash
     kernel's forward is kept (tests/test_remat.py, CUDA lowering); the Mosaic kernel's is not on jax
-    0.11.2 (its forward still runs twice: no policy reached through its wrappers)."""
+    0.11.2 (its forward still runs twice; matching its kernel's name did not help either)."""
     dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return {"full": None,                                               # save only the layer inputs
             "save_dots": jax.checkpoint_policies.checkpoint_dots,       # keep every matmul output

@@ -25,7 +25,10 @@ Measured (H200, llama3_1b, docs/benchmarks.md "Session 5"): correct, but slower 
 ways, wo 8, down 16; fp32 partials summed by the fusion that follows, e.g. with the residual add),
 so its down GEMM runs 16x as many programs as output tiles; here down has 64-128 programs for 132
 SMs. Split-K with the epilogue in a last-arriving program is the next step. Serving uses this
-only with layers="kernels" (meshlab/infer/engine.py), not by default.
+only with layers="kernels" (meshlab/infer/engine.py), not by default, with the weights as stored
+([k, n]); w_layout="nk" reads them transposed ([n, k], contiguous per output), which timed the
+down matmul alone at 17.1 vs 20.6 us but is not wired into serving (it would store a second copy
+or transpose the prefill path's weights).
 
 Numerics follow the model's XLA path (models/llama.py): fp32 accumulation; the normed x is
 rounded to x's dtype before the dot; the matmul output is rounded to x's dtype before the residual

@@ -269,8 +269,8 @@ def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: b
     s_pad = _pow2_at_least(splits)
     kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad)
     return pl.pallas_call(
-        kernel, grid=(rows_out, kvh), in_specs=[_whole2(a.shape) for a in (acc, m, l)],
-        out_specs=_whole2((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
+        kernel, grid=(rows_out, kvh), in_specs=[_whole(a.shape) for a in (acc, m, l)],
+        out_specs=_whole((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
         interpret=interpret, compiler_params=_CompilerParams(num_warps=4, num_stages=1), name="paged_attention_merge",
     )(acc, m, l)
 
@@ -300,11 +300,8 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
 
 
 def _whole(shape):
-    return pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))
-
-
-def _whole2(shape):
-    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    """The whole array as one block, whatever the grid (the kernel indexes it itself)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpret, caches=None):

@@ -155,6 +155,14 @@ def run_child(args):
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             bench.fail_row("decode", f"{label} {layout} {impl} b={batch}", e)
 
+    def layers_gate(layers):
+        """The fp32 greedy gate of the Pallas paged path with these serving layers; emits and returns it."""
+        gate = bench.correctness_gate(impls=("pallas",), layers=layers, preset="tiny" if args.cpu_smoke else "llama3_1b")
+        for path, result in gate.items():
+            bench.emit({"section": "gate", "setting": f"{path} (layers={layers})", "value": float(result == "ok"),
+                        "unit": "ok", "note": result})
+        return gate
+
     if args.job == "base":
         for layers in ("fused", "split"):
             decode(1, layers, detail=layers == "fused", profile=True)
@@ -188,10 +196,7 @@ def run_child(args):
             except Exception as e:  # noqa: BLE001
                 bench.fail_row("kernel", f"peers b={batch}", e)
     elif args.job == "fusedk":
-        gate = bench.correctness_gate(impls=("pallas",), layers="fused", preset="tiny" if args.cpu_smoke else "llama3_1b")
-        for path, result in gate.items():
-            bench.emit({"section": "gate", "setting": f"{path} (layers=fused)", "value": float(result == "ok"),
-                        "unit": "ok", "note": result})
+        layers_gate("fused")
         decode(1, "fused", impl="pallas", detail=True, profile=True)
         decode(1, "fused", impl="pallas_unfused")
         decode(sz["big"], "fused", impl="pallas")
@@ -199,15 +204,10 @@ def run_child(args):
         decode(1, "fused", impl="pallas")
         decode(1, "fused", impl="pallas_unfused")
     elif args.job == "kernels":
-        gate = bench.correctness_gate(impls=("pallas",), layers="kernels", preset="tiny" if args.cpu_smoke else "llama3_1b")
-        for path, result in gate.items():
-            bench.emit({"section": "gate", "setting": f"{path} (layers=kernels)", "value": float(result == "ok"),
-                        "unit": "ok", "note": result})
-        if gate.get("paged-pallas") == "ok":
-            for batch, layers in ((1, "kernels"), (1, "fused"), (16, "kernels"), (16, "fused"), (4, "kernels"),
-                                  (1, "kernels"), (1, "fused")):
-                first = batch == 1 and layers == "kernels" and args.job == "kernels"
-                decode(batch, layers, impl="pallas", detail=first, profile=batch == 1)
+        if layers_gate("kernels").get("paged-pallas") == "ok":
+            for i, (batch, layers) in enumerate(((1, "kernels"), (1, "fused"), (16, "kernels"), (16, "fused"),
+                                                 (4, "kernels"), (1, "kernels"), (1, "fused"))):
+                decode(batch, layers, impl="pallas", detail=i == 0, profile=batch == 1)
     elif args.job == "kernels_tune":
         from pallas_kernels import decode_matmul as dm
         for name, bs in _matmul_configs(tune=True, quick=args.cpu_smoke).items():

@@ -76,27 +76,25 @@ def test_lowers_for_cuda():
                        (dict(residual=jax.ShapeDtypeStruct((b, d), jnp.bfloat16)), (f, d)),
                        (dict(norm_scale=jax.ShapeDtypeStruct((d,), jnp.float32), swiglu=True), (d, 2 * f))):
         swiglu = kw.pop("swiglu", False)
-        x, w = jax.ShapeDtypeStruct((b, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-        fn = jax.jit(lambda x, w, extra: decode_matmul(x, w, swiglu=swiglu, **extra))
-        lowered = fn.trace(x, w, kw).lower(lowering_platforms=("cuda",))
-        assert "decode_matmul" in lowered.as_text()
+        for layout, w_shape in (("kn", (k, n)), ("nk", (n, k))):
+            x, w = jax.ShapeDtypeStruct((b, k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)
+            fn = jax.jit(lambda x, w, extra: decode_matmul(x, w, swiglu=swiglu, w_layout=layout, **extra))
+            lowered = fn.trace(x, w, kw).lower(lowering_platforms=("cuda",))
+            assert "decode_matmul" in lowered.as_text()
 
 
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_block_decode_step_matches_block_cached(layout):
+def test_block_decode_step_matches_block_cached():
     # The five-launch decode layer against the same block's XLA serving path (fused weights, the
     # same one-kernel attention): the kernels replace only the matmuls and their neighbours.
-    # nk: the weights as the engine stores them for layers="kernels" (transposed at load).
     from flax import nnx
     import models
     from meshlab.infer import kv_cache
-    from meshlab.infer.engine import _fuse, _kn_views, _transposed
+    from meshlab.infer.engine import _fuse
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
     model = models.build(cfg, nnx.Rngs(0))
     block = nnx.merge(*nnx.split(model.layers))           # stacked params; take layer 0 below
     params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
-    rest, fused = _fuse(params)
-    served = _kn_views(cfg, *_transposed(rest, fused))[1] if layout == "nk" else fused
+    _, fused = _fuse(params)
     one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], nnx.state(block)))
     b, page_size, pages = 3, 4, 4
     cache = kv_cache.init_paged(cfg, b * pages + 1, page_size)
@@ -108,10 +106,10 @@ def test_block_decode_step_matches_block_cached(layout):
     layer_attend.fused = lambda *a: attend.fused(0, *a)
     x = jax.random.normal(jax.random.PRNGKey(4), (b, 1, cfg.d_model), jnp.float32)
     want, want_cache = one.cached(x, positions, layer_attend, cache, fused=fused)
-    got, got_cache = one.cached(x, positions, layer_attend, cache, fused=served, kernels=True)
+    got, got_cache = one.cached(x, positions, layer_attend, cache, fused=fused, kernels=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     for name in ("k", "v"):   # the new k/v come from q|k|v sums in another order: fp32 rounding apart
         np.testing.assert_allclose(np.asarray(got_cache[name]), np.asarray(want_cache[name]), rtol=1e-5, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(lambda x: one.cached(x, positions, layer_attend, cache, fused=served,
+    jaxpr = str(jax.make_jaxpr(lambda x: one.cached(x, positions, layer_attend, cache, fused=fused,
                                                     kernels=True)[0])(x))
     assert jaxpr.count("pallas_call[") == 5 and "name=decode_matmul" in jaxpr   # 4 matmuls + the attention

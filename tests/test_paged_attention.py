@@ -220,3 +220,26 @@ def test_fused_decode_with_padding_row():
     with pytest.raises(ValueError, match="fewer rows"):
         paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, jnp.asarray([3, 4], jnp.int32), 0, n_heads=h,
                                interpret=True)
+
+
+def test_one_token_stream_carries_the_zero_row():
+    # Batch 1 through fused layers with the one-kernel attention: the zero row is added once (one
+    # concatenate for the whole 2-layer stack, none per layer) and the kernel gets q|k|v with 2 rows
+    import re
+
+    import jax
+    from flax import nnx
+    import models
+    from meshlab.infer import kv_cache
+    from meshlab.infer.engine import _unfused_placeholders, serving_params
+    from meshlab.train.state import model_def
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
+    md = model_def(cfg)
+    served = serving_params(md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param)), "fused")
+    model = md.bind(dict(served, layers=md.abstract["layers"]))
+    per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in served["layers"]]
+    cache, table, pos = kv_cache.init_paged(cfg, 9, 4), jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.full((1, 1), 5)
+    attend = kv_cache.paged_attend(pos, jnp.ones((1, 1), bool), table, "pallas", interpret=True)
+    text = str(jax.make_jaxpr(lambda t: model.cached(t, pos, cache, attend, layers=per_layer)[0])(jnp.ones((1, 1), jnp.int32)))
+    assert text.count("concatenate") == 1
+    assert re.findall(r"let paged_decode_attention\w* = \{ lambda ; \w+:f32\[(\d+),", text) == ["2"]

@@ -34,7 +34,8 @@ def test_save_dots_attn_keeps_the_attention_forward():
     # A layer scan with the flash kernel inside jax.checkpoint, lowered for CUDA (no GPU needed; the
     # Triton kernels stay custom calls): under save_dots_no_batch the backward runs the attention
     # forward again (forward, its recompute, dQ, dK/dV: 4 kernels); save_dots_attn keeps the
-    # forward's named output and lse (3). The planner counts no recompute for it and more memory.
+    # forward's named output and lse (3). The planner counts no recompute for cuDNN only: the Mosaic
+    # kernel's residuals are not kept on the GPU's jax 0.11.2 (measured, models/remat.py).
     import re
 
     import jax.numpy as jnp
@@ -57,6 +58,10 @@ def test_save_dots_attn_keeps_the_attention_forward():
     assert kernels("save_dots_no_batch") == 4
     assert kernels("save_dots_attn") == 3
     cfg = models.preset("tiny")
-    cfg.attention = "pallas"
-    flops = {p: compute.step_flops(cfg, 2, 64, p)["remat recompute"] for p in ("save_dots_no_batch", "save_dots_attn")}
-    assert flops["save_dots_attn"] == 0 < flops["save_dots_no_batch"]
+    flops = {}
+    for attention in ("cudnn", "pallas"):   # the planner follows the GPU measurements (models/remat.py)
+        cfg.attention = attention
+        flops[attention] = {p: compute.step_flops(cfg, 2, 64, p)["remat recompute"]
+                            for p in ("save_dots_no_batch", "save_dots_attn")}
+    assert flops["cudnn"]["save_dots_attn"] == 0 < flops["cudnn"]["save_dots_no_batch"]
+    assert flops["pallas"]["save_dots_attn"] == flops["pallas"]["save_dots_no_batch"] > 0

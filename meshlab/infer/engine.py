@@ -18,8 +18,9 @@ weight into a temporary before the GEMM (the layer scan's dynamic slice, and the
 static slice alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and
 w_gate|w_up per layer (two GEMM launches instead of five; XLA's own dot merger would concatenate
 them at run time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused"
-with the four matrices stored transposed ([n, k]), whose decode tokens (batch <= 16, Pallas
-attention) run each layer as five Pallas launches (models/llama.py Block.decode_step). layers="scan" | "unroll" keep the stacked params.
+whose decode tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches
+(models/llama.py Block.decode_step; slower than "fused" today, docs/benchmarks.md).
+layers="scan" | "unroll" keep the stacked params.
 
 `ContiguousGenerator` is the simple path: a fixed batch of prompts, a contiguous cache. The
 continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engine`.
@@ -54,26 +55,6 @@ def _fuse(layer: dict):
     return rest, fused
 
 
-def _transposed(rest: dict, fused: dict):
-    """layers="kernels": the four decode matrices stored [n, k], each output's weights contiguous (the
-    Pallas decode matmuls read them that way: pallas_kernels/decode_matmul.py); wo and w_down leave
-    `rest`. Returns (rest, {"wqkv_t", "wo_t", "w_gate_up_t", "w_down_t"})."""
-    attn, mlp = dict(rest["attn"]), dict(rest["mlp"])
-    wo, w_down = attn.pop("wo"), mlp.pop("w_down")
-    d = wo.shape[-1]
-    return dict(rest, attn=attn, mlp=mlp), {"wqkv_t": fused["wqkv"].reshape(d, -1).T, "wo_t": wo.reshape(-1, d).T,
-                                            "w_gate_up_t": fused["w_gate_up"].T, "w_down_t": w_down.T}
-
-
-def _kn_views(cfg, rest: dict, t: dict):
-    """_transposed's weights seen as [k, n] again, for the XLA path (prefill chunks): XLA folds the
-    transpose into the GEMM's operand layout; decode tokens read the stored [n, k] arrays."""
-    d, hd = cfg.d_model, cfg.head_dim
-    rest = dict(rest, attn=dict(rest["attn"], wo=t["wo_t"].T.reshape(-1, hd, d)),
-                mlp=dict(rest["mlp"], w_down=t["w_down_t"].T))
-    return rest, dict(t, wqkv=t["wqkv_t"].T.reshape(d, -1, hd), w_gate_up=t["w_gate_up_t"].T)
-
-
 def _unfused_placeholders(md, rest: dict) -> dict:
     """Fill the fused-away leaves with abstract values: nnx.merge needs every parameter, none is read."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), md.abstract["layers"])
@@ -99,8 +80,6 @@ def serving_params(md, params, layers: str = "split"):
             p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
         if layers in CONCATENATED:
             p["layers"] = [_fuse(one) for one in p["layers"]]
-        if layers == "kernels":
-            p["layers"] = [_transposed(*one) for one in p["layers"]]
         return p
     return jax.jit(prepare)(params)
 
@@ -114,8 +93,6 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers
     def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
         if layers in ("split",) + CONCATENATED:   # the stacked layers are only a structure here: bind abstract ones
             model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
-            if layers == "kernels":
-                per_layer = [_kn_views(md.cfg, *one) for one in per_layer]
             if layers in CONCATENATED:
                 per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in per_layer]
         else:
