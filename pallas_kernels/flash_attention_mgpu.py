@@ -21,6 +21,12 @@ an explicit `plgpu.wgmma` on shared-memory tiles fed by TMA copies, in the Flash
   sum happens in registers and K/V are never repeated in memory. The dK/dV kernel works kv-major
   (S^T = K Q^T, dP^T = V dO^T) so that P^T and dS^T are register operands of wgmma with dO, Q in
   shared memory as the other operand.
+- Fused backward (`fused_bwd`; FlashAttention-3's): the dK/dV kernel also writes each step's dS^T
+  to shared memory, and each compute warpgroup multiplies half of dS by the CTA's K and adds that
+  piece to an fp32 dQ in global memory with one TMA reduce-add. The fp32 dQ is a jax Ref, zeroed by
+  XLA and aliased in and out of the kernel; XLA scales and casts it afterwards. Five tile matmuls
+  per step instead of the split's seven, for the reduce traffic and a memset and convert per call:
+  faster at d=64 except causal S < 8192, where it is chosen by default (`use_fused_bwd`).
 
 The backward kernels live in flash_attention_mgpu_bwd.py; this file has the forward, the shared
 helpers, the custom_vjp wrapper and the argument checks.
@@ -71,7 +77,9 @@ class MgpuBlockSizes:
     are the rows one CTA owns, split over 2 compute warpgroups, so they are multiples of 128; the
     streamed tiles (`block_kv`, `block_kv_dq`, `block_q_dkv`) are multiples of 64. `num_stages`:
     shared-memory ring depth of the streamed tiles. `pingpong`: the FA3 warpgroup ping-pong in
-    the forward. Shared memory at d=128 bf16: fwd 32 KiB (Q) + 2*stages*block_kv*256 B (K, V)."""
+    the forward. Shared memory at d=128 bf16: fwd 32 KiB (Q) + 2*stages*block_kv*256 B (K, V).
+    `fused_bwd`: one backward kernel (dQ by TMA reduce-add, flash_attention_mgpu_bwd._dqkv_call)
+    instead of the dQ and dK/dV kernels; None chooses by `use_fused_bwd`."""
     block_q: int = 128
     block_kv: int = 128
     num_stages: int = 2
@@ -81,6 +89,7 @@ class MgpuBlockSizes:
     block_kv_dkv: int = 128
     block_q_dkv: int = 64
     num_stages_bwd: int = 2
+    fused_bwd: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_q_dq", "block_kv_dkv"):
@@ -92,6 +101,42 @@ class MgpuBlockSizes:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
         if self.num_stages < 1 or self.num_stages_bwd < 1:
             raise ValueError("num_stages and num_stages_bwd must be >= 1")
+
+
+def dq_split(block_q_dkv: int, head_dim: int) -> tuple[int, int]:
+    """The [m, n] piece of a [block_q_dkv, head_dim] dQ tile that each compute warpgroup of the fused
+    backward computes and reduce-adds: half the q rows when block_q_dkv >= 128 (a wgmma M-tile of 64
+    or more each), else half the head dim (block_q_dkv = 64 leaves no row split; d must be 128)."""
+    if block_q_dkv % 128 == 0:
+        return block_q_dkv // _COMPUTE_WGS, head_dim
+    if head_dim % 128 == 0:
+        return block_q_dkv, head_dim // _COMPUTE_WGS
+    raise ValueError(f"fused_bwd needs block_q_dkv a multiple of 128 or head_dim 128; got {block_q_dkv=}, "
+                     f"{head_dim=} (set fused_bwd=False or block_q_dkv=128)")
+
+
+def fused_bwd_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of the fused backward: K, V resident; the Q/dO ring; dS^T double-buffered for
+    both warpgroups; each warpgroup's fp32 dQ staging tile; lse/delta rows."""
+    m, n = dq_split(bs.block_q_dkv, head_dim)
+    bkv, bq, st = bs.block_kv_dkv, bs.block_q_dkv, bs.num_stages_bwd
+    return (2 * bkv * head_dim + 2 * st * bq * head_dim + 2 * bkv * bq) * itemsize + _COMPUTE_WGS * m * n * 4 \
+        + 2 * st * bq * 4
+
+
+_SMEM_BYTES = 227 * 1024   # Hopper's opt-in maximum per block
+
+
+def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: bool) -> bool:
+    """The backward kernel where `fused_bwd` is None. Measured on an H200 (jax 0.11.2, bf16, GQA 4 and
+    1, backward alone, ms, fused vs split; docs/benchmarks.md "Session 6"): d=64 full attention
+    3.17 vs 3.66 (S=4k), 6.22 vs 7.24 (8k), 1.65 vs 1.88 (2k); d=64 causal 3.48 vs 3.94 (8k, GQA 1),
+    3.74 vs 3.91 (8k), 7.08 vs 7.69 (16k), but 2.10 vs 2.07 (4k) and 1.33 vs 1.17 (2k): short causal
+    rows leave too few steps per CTA to pay for the fp32 dQ memset, reduce and convert. d=128
+    (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal)."""
+    if head_dim != 64 or (causal and seq_len < 8192) or bs.block_q_dkv % 128:
+        return False
+    return fused_bwd_smem_bytes(bs, head_dim) <= _SMEM_BYTES
 
 
 def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
@@ -204,14 +249,22 @@ def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
     _ring_producer(n_steps, num_stages, loads, (k_free, v_free))
 
 
-def _launch(kernel, out_type, scratch, grid, *args, name):
+def _launch(kernel, out_type, scratch, grid, *args, name, refs=False):
     """plgpu.kernel with the layout every kernel here shares: grid (heads, q or kv tiles, batch),
     two compute warpgroups plus the producer. `name` names the kernel in profiles (Pallas takes the
-    body's name), where fwd, dQ and dK/dV would otherwise all be "kernel"."""
+    body's name), where fwd, dQ and dK/dV would otherwise all be "kernel". refs=True: some args are
+    jax Refs, aliased in and out of the kernel (the fused backward's fp32 dQ); plgpu.kernel's vmap
+    wrapper cannot carry their effects, so this calls pl.kernel on a plgpu.Mesh directly."""
     kernel.__name__ = kernel.__qualname__ = name
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
-                        grid_names=("heads", "q_seq", "batch"), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-                        compiler_params=_params())(*args)
+    mesh_kw = dict(grid=grid, grid_names=("heads", "q_seq", "batch"), num_threads=_COMPUTE_WGS + 1, thread_name="wg")
+    if not refs:
+        return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, compiler_params=_params(),
+                            **mesh_kw)(*args)
+
+    def body(*arg_refs):
+        pl.run_scoped(lambda *scratch_refs: kernel(*arg_refs, *scratch_refs), *scratch, collective_axes="wg")
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh_kw), compiler_params=_params(),
+                     name=name)(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +411,9 @@ def _attn_bwd(cfg, res, do):
     q, k, v, out, lse = res
     do = do.astype(q.dtype)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    from pallas_kernels.flash_attention_mgpu_bwd import _dkv_call, _dq_call   # it imports this module's helpers
+    from pallas_kernels.flash_attention_mgpu_bwd import _dkv_call, _dq_call, _dqkv_call   # imports our helpers
+    if cfg.bs.fused_bwd:
+        return _dqkv_call(q, k, v, do, lse, delta, cfg)
     dq = _dq_call(q, k, v, do, lse, delta, cfg)
     dk, dv = _dkv_call(q, k, v, do, lse, delta, cfg)
     return dq, dk, dv
@@ -390,6 +445,12 @@ def _config(q, k, v, causal, sm_scale, block_sizes, interpret) -> _Cfg:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}")
     bs = block_sizes or default_block_sizes(head_dim)
+    if bs.fused_bwd is None:
+        bs = dataclasses.replace(bs, fused_bwd=use_fused_bwd(bs, head_dim, seq_len, bool(causal)))
+    if bs.fused_bwd and (need := fused_bwd_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
+        raise ValueError(f"fused_bwd with block_kv_dkv={bs.block_kv_dkv}, block_q_dkv={bs.block_q_dkv}, "
+                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
+                         f"(> {_SMEM_BYTES}); use smaller tiles (d=128: block_q_dkv=64) or fused_bwd=False")
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
         blk = getattr(bs, name)
         if seq_len % blk:

@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
     LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _kv_producer, _launch, _mm, _mma,
-    _q_tile_index, _ring_producer, _tile_transforms, _zeros)
+    _q_tile_index, _ring_producer, _tile_transforms, _zeros, dq_split)
 
 # ----------------------------------------------------------------------------------------------
 # backward: dQ
@@ -243,3 +243,161 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     return _launch(kernel, (kv_type, kv_type), scratch, (kvh_, n_tiles, b_), q, k, v, do, lse, delta,
                    name="mgpu_flash_dkv")
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dQ, dK, dV in one kernel (dQ by TMA reduce-add)
+
+
+def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
+    """dK, dV as _dkv_call, plus dQ: each step's dS^T tiles of both warpgroups go to shared memory, each
+    warpgroup multiplies its half of dS (transposed in the wgmma descriptor) by the CTA's whole K and
+    reduce-adds that piece into an fp32 dQ in global memory with one TMA (cp.reduce.async.bulk). This
+    drops the dQ kernel's recompute of S and dP (7 tile matmuls per step -> 5) for fp32 reduce traffic
+    of block_q_dkv * d * 4 bytes per CTA step, summed in L2 (FlashAttention-3's dQ accumulation).
+    The sum order of the atomic adds is not fixed: dQ is not bitwise deterministic run to run."""
+    bs = cfg.bs
+    b_, s_, kvh_, d_ = cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim
+    dtype = q.dtype
+    bkv = bs.block_kv_dkv
+    rows = bkv // _COMPUTE_WGS
+    bq = bs.block_q_dkv
+    n_tiles = s_ // bkv
+    nq = s_ // bq
+    c = cfg.sm_scale * LOG2E
+    causal, group = cfg.causal, cfg.group
+    stages = bs.num_stages_bwd if causal else min(bs.num_stages_bwd, group * nq)
+    dq_m, dq_n = dq_split(bq, d_)
+    split_rows = dq_n == d_
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+               k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, free, ds_ready):
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta_k0 = _q_tile_index(n_tiles, causal) * bkv
+        qs_cta = lax.div(cta_k0, jnp.int32(bq)) if causal else 0
+        n_per_head = nq - qs_cta
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
+            k0 = cta_k0 + wg * rows
+            ks, vs = k_smem.at[pl.ds(wg * rows, rows)], v_smem.at[pl.ds(wg * rows, rows)]
+            src = (b, pl.ds(k0, rows), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], ks, k_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], vs, v_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(v_ready.at[wg])
+            # this warpgroup's piece of dQ = dS K: dS^T rows of the whole CTA, K of the whole CTA
+            if split_rows:
+                dq_rhs = k_smem
+            else:
+                dq_rhs = k_smem.at[:, pl.ds(wg * dq_n, dq_n)]
+            dq_stage = dq_smem.at[wg]
+
+            def step(qi, carry, g, masked):
+                dk, dv = carry
+                t = g * n_per_head + (qi - qs_cta)
+                slot = lax.rem(t, jnp.int32(stages))
+                buf = lax.rem(t, jnp.int32(2))
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(lse_ready.at[slot])
+                st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
+                lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
+                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
+                    pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
+
+                def dv_dpt(refs):
+                    dv_ref, dpt_ref = refs
+                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
+                delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                dst = (pt * (dpt - _bcast(delta_c, dpt.shape, 1))).astype(dtype)
+                # buffers alternate: a warpgroup rewrites buf only after both passed ds_ready of the
+                # step in between, by which time the other's dQ wgmma on it has completed
+                ds_smem.at[buf, pl.ds(wg * rows, rows)][...] = dst
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[buf])
+                if split_rows:   # dQ rows [wg * dq_m, +dq_m) of the q tile: columns of dS^T
+                    dq_lhs = plgpu.transpose_ref(ds_smem.at[buf, :, pl.ds(wg * dq_m, dq_m)], (1, 0))
+                else:
+                    dq_lhs = plgpu.transpose_ref(ds_smem.at[buf], (1, 0))
+
+                def dk_dq(refs):  # dK += dS^T Q from registers while the other warpgroup's dS^T lands
+                    dk_ref, dq_acc = refs
+                    plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
+                    plgpu.barrier_wait(ds_ready.at[buf])
+                    plgpu.wgmma(dq_acc, dq_lhs, dq_rhs)
+                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(_zeros((dq_m, dq_n)))))
+                plgpu.barrier_arrive(free.at[slot])
+                h = kvh * group + g
+                if split_rows:
+                    dst_rows = (b, pl.ds(qi * bq + wg * dq_m, dq_m), h)
+                else:
+                    dst_rows = (b, pl.ds(qi * bq, bq), h, pl.ds(wg * dq_n, dq_n))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce has read the stage
+                dq_stage[...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_stage, dq_ref.at[dst_rows], reduction_op="add")
+                return dk, dv
+
+            def head(g, carry):
+                if causal:   # the tiles above a warpgroup's rows run masked (all zero): the two
+                    qi_unmasked = _cdiv(k0 + rows, bq)   # warpgroups meet at ds_ready every step
+                    carry = lax.fori_loop(qs_cta, qi_unmasked, functools.partial(step, g=g, masked=True), carry)
+                    return lax.fori_loop(qi_unmasked, nq, functools.partial(step, g=g, masked=False), carry)
+                return lax.fori_loop(0, nq, functools.partial(step, g=g, masked=False), carry)
+
+            carry = (_zeros((rows, d_)), _zeros((rows, d_)))
+            dk, dv = head(0, carry) if group == 1 else lax.fori_loop(0, group, head, carry)
+            ks[...] = (dk * cfg.sm_scale).astype(dtype)
+            vs[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ks, dk_ref.at[src], commit_group=False)
+            plgpu.copy_smem_to_gmem(vs, dv_ref.at[src], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _producer():
+            def loads(t, slot):
+                g = _div(t, n_per_head)
+                qi = qs_cta + (t - g * n_per_head)
+                h = kvh * group + g
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qi * bq, bq), h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(qi * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(qi * bq, bq), h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(qi * bq, bq)], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+            _ring_producer(group * n_per_head, stages, loads, (free,))
+
+    tr = _tile_transforms()
+    scratch = [
+        plgpu.SMEM((bkv, d_), dtype, transforms=tr),
+        plgpu.SMEM((bkv, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq, d_), dtype, transforms=tr),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((2, bkv, bq), dtype, transforms=tr),
+        plgpu.SMEM((_COMPUTE_WGS, dq_m, dq_n), jnp.float32,
+                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        *[plgpu.Barrier(num_barriers=stages)] * 4,
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),
+    ]
+    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))   # aliased in and out of the kernel
+    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+    dk, dv = _launch(kernel, (kv_type, kv_type), scratch, (kvh_, n_tiles, b_), q, k, v, do, lse, delta, dq_acc,
+                     name="mgpu_flash_dqkv", refs=True)
+    return (dq_acc[...] * cfg.sm_scale).astype(dtype), dk, dv

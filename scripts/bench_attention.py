@@ -9,6 +9,7 @@ Usage: PYTHONPATH=$PWD python3 scripts/bench_attention.py --plan first --budget-
        [--append-docs docs/benchmarks.md]   (--smoke: tiny interpret-mode run to check the script on CPU)
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -63,6 +64,9 @@ def impls(d):
     for name, over in MGPU_VARIANTS.items():
         out[f"mgpu_{name}"] = (lambda q, k, v, c, over=over:
                                flash_attention_mgpu(q, k, v, causal=c, block_sizes=MgpuBlockSizes(**over)))
+    from pallas_kernels.flash_attention_mgpu import default_block_sizes
+    fused = dataclasses.replace(default_block_sizes(d), fused_bwd=True)   # one-kernel backward, dQ by TMA reduce-add
+    out["mgpu_fused"] = lambda q, k, v, c: flash_attention_mgpu(q, k, v, causal=c, block_sizes=fused)
     out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     out["pallas_mha"] = lambda q, k, v, c: jmha.mha(q, k, v, None, sm_scale=d ** -0.5, causal=c)
     try:
@@ -156,6 +160,10 @@ def plan(which):
     if which == "mgpu":  # the Mosaic GPU kernel beside ours and cuDNN at the issue's headline shapes
         shapes = [(2048, 64, True), (8192, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
         return [(s, d, c, ["ours_mgpu", "oursdef", "cudnn"]) for s, d, c in shapes]
+    if which == "fused":  # the one-kernel backward against the split one and cuDNN, each twice (drift)
+        names = ["cudnn", "ours_mgpu", "mgpu_fused"] * 2
+        return [(s, d, c, names) for s, d, c in ((4096, 64, True), (2048, 64, True), (8192, 64, True),
+                                                 (4096, 128, True), (8192, 128, True), (4096, 64, False))]
     if which == "tiles2":  # the second tiles run: the D=64 winners of the first, each twice
         names = ["cudnn", "ours_mgpu", "mgpu_def", "mgpu_dkvq128_dq128", "mgpu_dkvq128_bst3", "mgpu_bst3"]
         return [(s, 64, True, names + names) for s in (4096, 2048, 8192)]
@@ -182,7 +190,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2", "full", "full64", "full128"))
+    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2", "fused", "full", "full64",
+                                                       "full128"))
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.flash_attention import flash_attention_reference
-from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes, flash_attention_mgpu
+import dataclasses
+
+from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes, default_block_sizes, flash_attention_mgpu
 from tests.helpers import attention_inputs, rel_err as _rel
 
 
@@ -36,6 +38,42 @@ def test_lowers_for_cuda_on_cpu(d, kvh, causal):
                                              q, k, v, do))
     text = f.trace(q, k, k, q).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV kernels
+
+
+@pytest.mark.parametrize("d,kvh,causal", [(64, 2, True), (128, 4, True), (64, 4, False), (128, 1, False)])
+def test_fused_bwd_lowers_for_cuda_on_cpu(d, kvh, causal):
+    """The one-kernel backward (dQ by TMA reduce-add into an aliased fp32 buffer) inside a remat'd
+    layer scan under grad: the rows split of dQ at d=64 (block_q_dkv=128), the head-dim split at
+    d=128 (block_q_dkv=64). One dQ/dK/dV kernel per layer's backward, no dQ kernel."""
+    bs = dataclasses.replace(default_block_sizes(d), fused_bwd=True)
+
+    def layer(x, w):
+        q = (x @ w).reshape(1, 512, 4, d).astype(jnp.bfloat16)   # [b, s, h, d]
+        o = flash_attention_mgpu(q, q[:, :, :kvh], q[:, :, 4 - kvh:], causal=causal, block_sizes=bs)
+        return x + o.reshape(1, 512, 4 * d).astype(x.dtype) @ w, None
+
+    def loss(x, ws):
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return jax.lax.scan(jax.checkpoint(layer, policy=policy), x, ws)[0].sum()
+    x = jax.ShapeDtypeStruct((1, 512, 4 * d), jnp.float32)
+    ws = jax.ShapeDtypeStruct((2, 4 * d, 4 * d), jnp.float32)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("output_operand_aliases") >= 1   # the fp32 dQ goes in and out of the kernel
+    # forward, remat forward, fused backward: 3 Mosaic calls in the program, not the split's 4
+    assert text.count("custom_call @mosaic_gpu") == 3, text.count("custom_call @mosaic_gpu")
+
+
+def test_backward_choice():
+    """fused_bwd=None picks the one-kernel backward where it measured faster (d=64, full attention or
+    causal S >= 8192), the split kernels elsewhere; an explicit choice is kept."""
+    from pallas_kernels.flash_attention_mgpu import _config
+    q = lambda s, d: jnp.zeros((1, s, 4, d), jnp.bfloat16)  # noqa: E731
+    pick = lambda s, d, causal, bs=None: _config(q(s, d), q(s, d), q(s, d), causal, None, bs, False).bs.fused_bwd  # noqa: E731
+    assert pick(4096, 64, False) and pick(8192, 64, True) and pick(16384, 64, True)
+    assert not pick(4096, 64, True) and not pick(2048, 64, True)          # the model's llama3_1b shape: split
+    assert not pick(8192, 128, False) and not pick(8192, 128, True)       # d=128: split everywhere
+    assert not pick(4096, 64, False, MgpuBlockSizes(block_q_dkv=64))      # no row split of dQ: split
+    assert pick(4096, 64, True, dataclasses.replace(default_block_sizes(64), fused_bwd=True))
 
 
 def test_lowers_fp16_and_other_tiles_on_cpu():
@@ -67,6 +105,11 @@ def test_argument_errors():
         MgpuBlockSizes(block_q=64)
     with pytest.raises(ValueError, match="block_kv=96 must be a multiple of 64"):
         MgpuBlockSizes(block_kv=96)
+    with pytest.raises(ValueError, match="fused_bwd needs block_q_dkv a multiple of 128 or head_dim 128"):
+        flash_attention_mgpu(q, k, v, block_sizes=MgpuBlockSizes(block_q_dkv=64, fused_bwd=True))
+    q3, k3, v3, _ = attention_inputs(0, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs 329728 bytes of shared memory"):
+        flash_attention_mgpu(q3, k3, v3, block_sizes=MgpuBlockSizes(block_q_dkv=128, fused_bwd=True))
     with pytest.raises(NotImplementedError, match="no interpret mode"):
         flash_attention_mgpu(q, k, v, interpret=True)
 
@@ -81,11 +124,13 @@ GPU_CASES = [  # (b, s, h, kvh, d, causal)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("b,s,h,kvh,d,causal", GPU_CASES)
-def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal):
+def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal, fused):
     q, k, v, do = attention_inputs(s + d + causal, b, s, s, h, kvh, d, jnp.bfloat16)
-    got = jax.jit(lambda *a: _fwd_bwd(lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal), *a))(
-        q, k, v, do)
+    bs = dataclasses.replace(default_block_sizes(d), fused_bwd=fused)
+    got = jax.jit(lambda *a: _fwd_bwd(lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal, block_sizes=bs),
+                                      *a))(q, k, v, do)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     want = _fwd_bwd(lambda q, k, v: flash_attention_reference(q, k, v, causal=causal), f32(q), f32(k), f32(v), f32(do))
     for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (2e-2, 5e-2, 5e-2, 5e-2)):
