@@ -30,8 +30,11 @@ def remat_policy(policy: str):
     log-sum-exp, so the backward does not run the attention forward again: b*s*h*hd (+ fp32 b*h*s)
     more bytes per layer, one attention forward less per layer and step. Measured (H200, jax 0.11.2,
     llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. The Triton flash
-    kernel's forward is kept (tests/test_remat.py, CUDA lowering); the Mosaic kernel's is not on jax
-    0.11.2 (its forward still runs twice; matching its kernel's name did not help either)."""
+    kernel's forward is kept (tests/test_remat.py, CUDA lowering). The Mosaic kernel's was not on jax
+    0.11.2 while it ran inside its custom_vjp's fwd rule (its forward ran twice); both kernels now
+    run the forward outside the custom_vjp (flash_attention.attention_with_saved_forward), which
+    keeps it in the CUDA lowering on CPU; the H200 has not run that yet, so the planner still counts
+    the recompute for pallas."""
     dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return {"full": None,                                               # save only the layer inputs
             "save_dots": jax.checkpoint_policies.checkpoint_dots,       # keep every matmul output

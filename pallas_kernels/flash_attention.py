@@ -297,23 +297,48 @@ def _bwd_lse(lse2):
     return jnp.where(lse2 < -1e20, jnp.inf, lse2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, cfg):
-    out, lse2 = _flash_fwd(q, k, v, q_seg, kv_seg, cfg)[0]
-    return out, lse2
+def attention_with_saved_forward(fwd, bwd, inputs, n_diff, n_ret=None):
+    """fwd(*inputs) -> outs; returns outs[:n_ret] (all by default), differentiable in inputs[:n_diff]
+    through bwd(inputs, outs, cts of the returned outs) -> their cotangents. The forward kernel runs outside the custom_vjp, on stop_gradient inputs, and its outs
+    (named ATTENTION_OUT / ATTENTION_LSE by fwd) are the custom_vjp's inputs: its residuals are plain
+    values a remat policy can keep (remat="save_dots_attn"), not values made inside a fwd rule, which
+    jax.checkpoint on jax 0.11.2 re-ran whatever the policy (docs/jax-notes.md). Same kernels and
+    the same number of launches as a plain custom_vjp when nothing is rematerialised."""
+    stopped = [lax.stop_gradient(x) if i < n_diff else x for i, x in enumerate(inputs)]
+    outs = tuple(fwd(*stopped))
+    return _saved(bwd, len(inputs), len(outs) if n_ret is None else n_ret, *inputs, *outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _saved(bwd, n_in, n_ret, *args):
+    return tuple(args[n_in:n_in + n_ret])
+
+
+def _saved_fwd(bwd, n_in, n_ret, *args):
+    return tuple(args[n_in:n_in + n_ret]), args
+
+
+def _saved_bwd(bwd, n_in, n_ret, res, cts):
+    ins, outs = res[:n_in], res[n_in:]
+    grads = tuple(bwd(ins, outs, cts))
+    # no cotangent for the non-differentiable inputs nor for outs (computed from stopped inputs)
+    return grads + (None,) * (n_in - len(grads) + len(outs))
+
+
+_saved.defvjp(_saved_fwd, _saved_bwd)
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
     qp, kp, vp = _pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad)
     out, lse2 = _fwd_call(qp, kp, vp, q_seg, kv_seg, cfg, q.dtype)
     out, lse2 = out[:, :cfg.q_len], lse2[:, :, :cfg.q_len]
-    out, lse2 = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse2, ATTENTION_LSE)
-    return (out, lse2), (q, k, v, q_seg, kv_seg, out, lse2)
+    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse2, ATTENTION_LSE)
 
 
-def _flash_bwd(cfg, res, cts):
+def _flash_bwd(cfg, inputs, outs, cts):
     from pallas_kernels import flash_attention_bwd as _bwd
-    q, k, v, q_seg, kv_seg, out, lse2 = res
+    q, k, v, q_seg, kv_seg = inputs
+    out, lse2 = outs
     do, dlse2 = cts
     # delta = rowsum(dO*O); an lse cotangent enters the same place (d lse / d s = p), so fold it in
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -324,10 +349,12 @@ def _flash_bwd(cfg, res, cts):
     dq, dk, dv = _bwd.bwd_call(_pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad),
                                _pad_seq(do, cfg.q_pad), lse_p, delta_p, q_seg, kv_seg, cfg,
                                (q.dtype, k.dtype, v.dtype))
-    return dq[:, :cfg.q_len], dk[:, :cfg.kv_len], dv[:, :cfg.kv_len], None, None
+    return dq[:, :cfg.q_len], dk[:, :cfg.kv_len], dv[:, :cfg.kv_len]
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+def _flash(q, k, v, q_seg, kv_seg, cfg):
+    return attention_with_saved_forward(functools.partial(_flash_fwd, cfg=cfg), functools.partial(_flash_bwd, cfg),
+                                        (q, k, v, q_seg, kv_seg), n_diff=3)
 
 
 # ----------------------------------------------------------------------------- public API

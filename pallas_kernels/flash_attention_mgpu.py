@@ -63,7 +63,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT
+from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT, attention_with_saved_forward
 from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F401  (the jnp reference)
 
 LOG2E = math.log2(math.e)
@@ -395,20 +395,14 @@ def _fwd_call(q, k, v, cfg: _Cfg):
 # public wrapper
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attn(q, k, v, cfg):
-    return _fwd_call(q, k, v, cfg)[0]
-
-
 def _attn_fwd(q, k, v, cfg):
     out, lse = _fwd_call(q, k, v, cfg)
     # named like the Triton kernel's, so remat="save_dots_attn" keeps them (no forward in the backward)
-    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
-    return out, (q, k, v, out, lse)
+    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
 
 
-def _attn_bwd(cfg, res, do):
-    q, k, v, out, lse = res
+def _attn_bwd(cfg, inputs, outs, cts):
+    (q, k, v), (out, lse), (do,) = inputs, outs, cts   # only out is returned: lse has no cotangent
     do = do.astype(q.dtype)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     from pallas_kernels.flash_attention_mgpu_bwd import _dkv_call, _dq_call, _dqkv_call   # imports our helpers
@@ -419,7 +413,9 @@ def _attn_bwd(cfg, res, do):
     return dq, dk, dv
 
 
-_attn.defvjp(_attn_fwd, _attn_bwd)
+def _attn(q, k, v, cfg):
+    return attention_with_saved_forward(functools.partial(_attn_fwd, cfg=cfg), functools.partial(_attn_bwd, cfg),
+                                        (q, k, v), n_diff=3, n_ret=1)[0]
 
 
 def _config(q, k, v, causal, sm_scale, block_sizes, interpret) -> _Cfg:

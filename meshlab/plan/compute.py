@@ -5,7 +5,8 @@ causal attention 2*S*h*hd (QK^T and PV, each 2*S*h*hd, halved by the mask). Trai
 forward (one forward, a backward of twice its cost: the 6N of DESIGN.md); remat adds the
 recomputed forward: `full` the whole layer, `save_dots_no_batch` attention's two batched dots,
 `save_dots` and `none` no matmul, `save_dots_attn` none with cuDNN attention (its output is kept;
-ours, the Mosaic kernel, is recomputed on jax 0.11.2: models/remat.py). The LM head (2*d*V per
+ours, the Mosaic kernel, was recomputed on jax 0.11.2 and is counted so until the H200 shows
+the restructured call keeping it: models/remat.py). The LM head (2*d*V per
 token) is the S*H^2 side too.
 """
 from __future__ import annotations
