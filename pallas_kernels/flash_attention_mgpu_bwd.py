@@ -123,6 +123,63 @@ def _dq_call(q, k, v, do, lse, delta, cfg: _Cfg):
 # backward: dK, dV
 
 
+def _q_producer(grefs, smems, readies, free, *, b, kvh, group, bq, qs_cta, n_per_head, stages):
+    """The dK/dV kernels' producer warpgroup: per step, one [bq]-row tile of Q, lse, dO and delta of
+    query head kvh * group + g (g-major over the GQA group, q tiles from qs_cta) into a ring slot."""
+    def loads(t, slot):
+        g = _div(t, n_per_head)
+        qi = qs_cta + (t - g * n_per_head)
+        h = kvh * group + g
+        for gref, smem, ready, seq_major in zip(grefs, smems, readies, (True, False, True, False)):
+            rows = pl.ds(qi * bq, bq)
+            src = gref.at[b, rows, h] if seq_major else gref.at[b, h, rows]   # Q, dO [b, s, h, d]; lse, delta [b, h, s]
+            plgpu.copy_gmem_to_smem(src, smem.at[slot], ready.at[slot])
+    _ring_producer(group * n_per_head, stages, loads, (free,))
+
+
+def _dv_and_dst(ks, vs, dv, ring, ready, slot, *, qi, k0, bq, c, masked):
+    """One step of a dK/dV kernel up to dS^T, kv-major: S^T = K Q^T, P^T = exp2(S^T c - lse) (zero
+    above the diagonal when `masked`), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta).
+    ring/ready: the (Q, lse, dO, delta) slots and their barriers. Returns (dV, dS^T in fp32)."""
+    (q_smem, lse_smem, do_smem, delta_smem), (q_ready, lse_ready, do_ready, delta_ready) = ring, ready
+    rows = ks.shape[0]
+    plgpu.barrier_wait(q_ready.at[slot])
+    plgpu.barrier_wait(lse_ready.at[slot])
+    st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
+    lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
+    if masked:
+        r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
+        pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
+    plgpu.barrier_wait(do_ready.at[slot])
+    plgpu.barrier_wait(delta_ready.at[slot])
+
+    def dv_dpt(refs):  # dV += P^T dO and dP^T = V dO^T, one wait for both
+        dv_ref, dpt_ref = refs
+        plgpu.wgmma(dv_ref, pt.astype(ks.dtype), do_smem.at[slot])
+        plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+    dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
+    delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return dv, pt * (dpt - _bcast(delta_c, dpt.shape, 1))
+
+
+def _over_group(head, group, carry):
+    """head(g, carry) over the query heads g of a GQA group: their dK/dV sum in the carry."""
+    return head(0, carry) if group == 1 else lax.fori_loop(0, group, head, carry)
+
+
+def _store_dkv(dk, dv, ks, vs, dk_dst, dv_dst):
+    """dK, dV (fp32 registers) through the K/V shared-memory tiles to global memory."""
+    ks[...] = dk.astype(ks.dtype)
+    vs[...] = dv.astype(vs.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ks, dk_dst, commit_group=False)
+    plgpu.copy_smem_to_gmem(vs, dv_dst, commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
     bs = cfg.bs
     b_, s_, kvh_, d_ = cfg.batch, cfg.seq, cfg.kv_heads, cfg.head_dim
@@ -144,7 +201,7 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
         cta_k0 = _q_tile_index(n_tiles, causal) * bs.block_kv_dkv
         qs_cta = lax.div(cta_k0, jnp.int32(bq)) if causal else 0  # first q tile any of the CTA's kv rows sees
         n_per_head = nq - qs_cta
-        n_cta = group * n_per_head
+        ring, ready = (q_smem, lse_smem, do_smem, delta_smem), (q_ready, lse_ready, do_ready, delta_ready)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
@@ -161,25 +218,7 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                 dk, dv = carry
                 t = g * n_per_head + (qi - qs_cta)
                 slot = lax.rem(t, jnp.int32(stages))
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(lse_ready.at[slot])
-                st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
-                lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
-                if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
-                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
-                    pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
-
-                def dv_dpt(refs):  # dV += P^T dO and dP^T = V dO^T, one wait for both
-                    dv_ref, dpt_ref = refs
-                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
-                delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                dst = pt * (dpt - _bcast(delta_c, dpt.shape, 1))
+                dv, dst = _dv_and_dst(ks, vs, dv, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
                 dk = _mma(dk, dst.astype(dtype), q_smem.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
@@ -201,31 +240,13 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                     return lax.fori_loop(qi_unmasked, nq, functools.partial(step, g=g, masked=False), carry)
                 return lax.fori_loop(0, nq, functools.partial(step, g=g, masked=False), carry)
 
-            carry = (_zeros((rows, d_)), _zeros((rows, d_)))
-            if group == 1:
-                dk, dv = head(0, carry)
-            else:
-                dk, dv = lax.fori_loop(0, group, head, carry)
-            ks[...] = (dk * cfg.sm_scale).astype(dtype)
-            vs[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ks, dk_ref.at[src], commit_group=False)
-            plgpu.copy_smem_to_gmem(vs, dv_ref.at[src], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            dk, dv = _over_group(head, group, (_zeros((rows, d_)), _zeros((rows, d_))))
+            _store_dkv(dk * cfg.sm_scale, dv, ks, vs, dk_ref.at[src], dv_ref.at[src])
 
         @pl.when(wg == _COMPUTE_WGS)
         def _producer():
-            def loads(t, slot):
-                g = _div(t, n_per_head)
-                qi = qs_cta + (t - g * n_per_head)
-                h = kvh * group + g
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qi * bq, bq), h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(qi * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(qi * bq, bq), h], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(qi * bq, bq)], delta_smem.at[slot],
-                                        delta_ready.at[slot])
-            _ring_producer(n_cta, stages, loads, (free,))
+            _q_producer((q_ref, lse_ref, do_ref, delta_ref), ring, ready, free, b=b, kvh=kvh, group=group,
+                        bq=bq, qs_cta=qs_cta, n_per_head=n_per_head, stages=stages)
 
     tr = _tile_transforms()
     scratch = [
@@ -279,6 +300,7 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
         cta_k0 = _q_tile_index(n_tiles, causal) * bkv
         qs_cta = lax.div(cta_k0, jnp.int32(bq)) if causal else 0
         n_per_head = nq - qs_cta
+        ring, ready = (q_smem, lse_smem, do_smem, delta_smem), (q_ready, lse_ready, do_ready, delta_ready)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
@@ -302,25 +324,8 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                 t = g * n_per_head + (qi - qs_cta)
                 slot = lax.rem(t, jnp.int32(stages))
                 buf = lax.rem(t, jnp.int32(2))
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(lse_ready.at[slot])
-                st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
-                lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
-                if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
-                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
-                    pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
-
-                def dv_dpt(refs):
-                    dv_ref, dpt_ref = refs
-                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
-                delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                dst = (pt * (dpt - _bcast(delta_c, dpt.shape, 1))).astype(dtype)
+                dv, dst = _dv_and_dst(ks, vs, dv, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
+                dst = dst.astype(dtype)
                 # buffers alternate: a warpgroup rewrites buf only after both passed ds_ready of the
                 # step in between, by which time the other's dQ wgmma on it has completed
                 ds_smem.at[buf, pl.ds(wg * rows, rows)][...] = dst
@@ -358,26 +363,12 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
 
             carry = (_zeros((rows, d_)), _zeros((rows, d_)))
             dk, dv = head(0, carry) if group == 1 else lax.fori_loop(0, group, head, carry)
-            ks[...] = (dk * cfg.sm_scale).astype(dtype)
-            vs[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ks, dk_ref.at[src], commit_group=False)
-            plgpu.copy_smem_to_gmem(vs, dv_ref.at[src], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            _store_dkv(dk * cfg.sm_scale, dv, ks, vs, dk_ref.at[src], dv_ref.at[src])
 
         @pl.when(wg == _COMPUTE_WGS)
         def _producer():
-            def loads(t, slot):
-                g = _div(t, n_per_head)
-                qi = qs_cta + (t - g * n_per_head)
-                h = kvh * group + g
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qi * bq, bq), h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(qi * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(qi * bq, bq), h], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(qi * bq, bq)], delta_smem.at[slot],
-                                        delta_ready.at[slot])
-            _ring_producer(group * n_per_head, stages, loads, (free,))
+            _q_producer((q_ref, lse_ref, do_ref, delta_ref), ring, ready, free, b=b, kvh=kvh, group=group,
+                        bq=bq, qs_cta=qs_cta, n_per_head=n_per_head, stages=stages)
 
     tr = _tile_transforms()
     scratch = [
