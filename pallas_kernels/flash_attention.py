@@ -299,11 +299,13 @@ def _bwd_lse(lse2):
 
 def attention_with_saved_forward(fwd, bwd, inputs, n_diff, n_ret=None):
     """fwd(*inputs) -> outs; returns outs[:n_ret] (all by default), differentiable in inputs[:n_diff]
-    through bwd(inputs, outs, cts of the returned outs) -> their cotangents. The forward kernel runs outside the custom_vjp, on stop_gradient inputs, and its outs
-    (named ATTENTION_OUT / ATTENTION_LSE by fwd) are the custom_vjp's inputs: its residuals are plain
-    values a remat policy can keep (remat="save_dots_attn"), not values made inside a fwd rule, which
-    jax.checkpoint on jax 0.11.2 re-ran whatever the policy (docs/jax-notes.md). Same kernels and
-    the same number of launches as a plain custom_vjp when nothing is rematerialised."""
+    through bwd(inputs, outs, cotangents of the returned outs) -> the inputs' cotangents.
+
+    The forward kernel runs outside the custom_vjp, on stop_gradient inputs, and its outs (named
+    ATTENTION_OUT / ATTENTION_LSE by fwd) become the custom_vjp's inputs. So its residuals are plain
+    values a remat policy can keep (remat="save_dots_attn"), not values made inside a fwd rule,
+    which jax.checkpoint on jax 0.11.2 re-ran whatever the policy (docs/jax-notes.md). Without remat
+    it runs the same kernels, the same number of times, as a plain custom_vjp."""
     stopped = [lax.stop_gradient(x) if i < n_diff else x for i, x in enumerate(inputs)]
     outs = tuple(fwd(*stopped))
     return _saved(bwd, len(inputs), len(outs) if n_ret is None else n_ret, *inputs, *outs)

@@ -25,8 +25,9 @@ an explicit `plgpu.wgmma` on shared-memory tiles fed by TMA copies, in the Flash
   to shared memory, and each compute warpgroup multiplies half of dS by the CTA's K and adds that
   piece to an fp32 dQ in global memory with one TMA reduce-add. The fp32 dQ is a jax Ref, zeroed by
   XLA and aliased in and out of the kernel; XLA scales and casts it afterwards. Five tile matmuls
-  per step instead of the split's seven, for the reduce traffic and a memset and convert per call:
-  faster at d=64 except causal S < 8192, where it is chosen by default (`use_fused_bwd`).
+  per step instead of the split's seven, for the reduce traffic and a memset and convert per call.
+  By default (`use_fused_bwd`) it runs where it measured faster: d=64, full attention or causal
+  S >= 8192.
 
 The backward kernels live in flash_attention_mgpu_bwd.py; this file has the forward, the shared
 helpers, the custom_vjp wrapper and the argument checks.

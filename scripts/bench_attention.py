@@ -190,8 +190,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2", "fused", "full", "full64",
-                                                       "full128"))
+    ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2",
+                                                       "fused", "full", "full64", "full128"))
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")

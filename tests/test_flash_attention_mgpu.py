@@ -6,13 +6,13 @@ tests/test_flash_attention_mgpu.py`. On CPU: argument validation, and the full M
 (Pallas -> Mosaic GPU MLIR, forward and backward) of every configuration, which catches shape,
 layout and API errors without a GPU.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.flash_attention import flash_attention_reference
-import dataclasses
-
 from pallas_kernels.flash_attention_mgpu import MgpuBlockSizes, default_block_sizes, flash_attention_mgpu
 from tests.helpers import attention_inputs, rel_err as _rel
 
@@ -67,8 +67,10 @@ def test_backward_choice():
     """fused_bwd=None picks the one-kernel backward where it measured faster (d=64, full attention or
     causal S >= 8192), the split kernels elsewhere; an explicit choice is kept."""
     from pallas_kernels.flash_attention_mgpu import _config
-    q = lambda s, d: jnp.zeros((1, s, 4, d), jnp.bfloat16)  # noqa: E731
-    pick = lambda s, d, causal, bs=None: _config(q(s, d), q(s, d), q(s, d), causal, None, bs, False).bs.fused_bwd  # noqa: E731
+
+    def pick(s, d, causal, bs=None):
+        q = jnp.zeros((1, s, 4, d), jnp.bfloat16)   # [b, s, h, d]
+        return _config(q, q, q, causal, None, bs, False).bs.fused_bwd
     assert pick(4096, 64, False) and pick(8192, 64, True) and pick(16384, 64, True)
     assert not pick(4096, 64, True) and not pick(2048, 64, True)          # the model's llama3_1b shape: split
     assert not pick(8192, 128, False) and not pick(8192, 128, True)       # d=128: split everywhere

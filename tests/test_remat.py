@@ -48,7 +48,8 @@ def test_save_dots_attn_keeps_the_mosaic_forward():
 
     def launches(policy):
         body = jax.checkpoint(layer, policy=remat_policy(policy))
-        loss = lambda x, ws: jnp.sum(jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2)  # noqa: E731
+        def loss(x, ws):
+            return jnp.sum(jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2)
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
         return text.count("custom_call @mosaic_gpu")
     assert launches("save_dots_no_batch") == 4 and launches("save_dots_attn") == 3
