@@ -361,8 +361,7 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                     return lax.fori_loop(qi_unmasked, nq, functools.partial(step, g=g, masked=False), carry)
                 return lax.fori_loop(0, nq, functools.partial(step, g=g, masked=False), carry)
 
-            carry = (_zeros((rows, d_)), _zeros((rows, d_)))
-            dk, dv = head(0, carry) if group == 1 else lax.fori_loop(0, group, head, carry)
+            dk, dv = _over_group(head, group, (_zeros((rows, d_)), _zeros((rows, d_))))
             _store_dkv(dk * cfg.sm_scale, dv, ks, vs, dk_ref.at[src], dv_ref.at[src])
 
         @pl.when(wg == _COMPUTE_WGS)
