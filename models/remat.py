@@ -29,12 +29,11 @@ def remat_policy(policy: str):
     save_dots_attn: save_dots_no_batch that also keeps the attention forward's output and
     log-sum-exp, so the backward does not run the attention forward again: b*s*h*hd (+ fp32 b*h*s)
     more bytes per layer, one attention forward less per layer and step. Measured (H200, jax 0.11.2,
-    llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. The Triton flash
-    kernel's forward is kept (tests/test_remat.py, CUDA lowering). The Mosaic kernel's was not on jax
-    0.11.2 while it ran inside its custom_vjp's fwd rule (its forward ran twice); both kernels now
-    run the forward outside the custom_vjp (flash_attention.attention_with_saved_forward), which
-    keeps it in the CUDA lowering on CPU; the H200 has not run that yet, so the planner still counts
-    the recompute for pallas."""
+    llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. Ours (Triton and
+    Mosaic kernels) run their forward outside the custom_vjp (flash_attention.attention_with_saved_forward)
+    with the residuals behind an optimization barrier (flash_attention.named_residuals): on the H200
+    (2026-12-01) that is 16 forward launches per 16-layer step, as cuDNN's; without the barrier
+    XLA's dynamic-slice fusion cloned the forward (32 launches, 287.6 vs 275.8 ms a step)."""
     dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return {"full": None,                                               # save only the layer inputs
             "save_dots": jax.checkpoint_policies.checkpoint_dots,       # keep every matmul output

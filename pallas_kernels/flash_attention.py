@@ -297,12 +297,23 @@ def _bwd_lse(lse2):
     return jnp.where(lse2 < -1e20, jnp.inf, lse2)
 
 
+def named_residuals(out, lse):
+    """A forward kernel's (out, lse) named for remat="save_dots_attn", behind an optimization barrier.
+    Why the barrier: when the layer scan stacks these residuals, XLA:GPU's dynamic-slice fusion
+    (on by default in jax 0.11.2) fuses the kernel's custom call with the stacking update-slice and
+    keeps a clone of the call for the layer's own use of `out`, so the kernel ran twice per layer
+    (llama3_1b on an H200: 32 forward launches per 16-layer step, 2026-12-01). Behind the barrier
+    the update-slice no longer reads the call's result directly, and the kernel runs once."""
+    out, lse = lax.optimization_barrier((out, lse))
+    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
+
+
 def attention_with_saved_forward(fwd, bwd, inputs, n_diff, n_ret=None):
     """fwd(*inputs) -> outs; returns outs[:n_ret] (all by default), differentiable in inputs[:n_diff]
     through bwd(inputs, outs, cotangents of the returned outs) -> the inputs' cotangents.
 
     The forward kernel runs outside the custom_vjp, on stop_gradient inputs, and its outs (named
-    ATTENTION_OUT / ATTENTION_LSE by fwd) become the custom_vjp's inputs. So its residuals are plain
+    ATTENTION_OUT / ATTENTION_LSE by fwd, through named_residuals) become the custom_vjp's inputs. So its residuals are plain
     values a remat policy can keep (remat="save_dots_attn"), not values made inside a fwd rule,
     which jax.checkpoint on jax 0.11.2 re-ran whatever the policy (docs/jax-notes.md). Without remat
     it runs the same kernels, the same number of times, as a plain custom_vjp."""
@@ -334,7 +345,7 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
     qp, kp, vp = _pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad)
     out, lse2 = _fwd_call(qp, kp, vp, q_seg, kv_seg, cfg, q.dtype)
     out, lse2 = out[:, :cfg.q_len], lse2[:, :, :cfg.q_len]
-    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse2, ATTENTION_LSE)
+    return named_residuals(out, lse2)
 
 
 def _flash_bwd(cfg, inputs, outs, cts):

@@ -60,11 +60,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT, attention_with_saved_forward
+from pallas_kernels.flash_attention import attention_with_saved_forward, named_residuals
 from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F401  (the jnp reference)
 
 LOG2E = math.log2(math.e)
@@ -397,9 +396,8 @@ def _fwd_call(q, k, v, cfg: _Cfg):
 
 
 def _attn_fwd(q, k, v, cfg):
-    out, lse = _fwd_call(q, k, v, cfg)
     # named like the Triton kernel's, so remat="save_dots_attn" keeps them (no forward in the backward)
-    return checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
+    return named_residuals(*_fwd_call(q, k, v, cfg))
 
 
 def _attn_bwd(cfg, inputs, outs, cts):

@@ -2,16 +2,17 @@
 falls from `none` to `full` (read from the compiler's memory analysis, printed)."""
 import jax
 import numpy as np
-
-from meshlab import rules as R
-from meshlab.train.loop import build_trainer, device_batch
-from meshlab.train.state import abstract_state
-from tests.helpers import one_device, small_config
+import pytest
 
 POLICIES = ("none", "save_dots", "save_dots_no_batch", "full")
 
 
 def compiled_temp_bytes(policy):
+    # imported here: the GPU machine (no omegaconf) collects this file for its GPU test
+    from meshlab import rules as R
+    from meshlab.train.loop import build_trainer, device_batch
+    from meshlab.train.state import abstract_state
+    from tests.helpers import one_device, small_config
     cfg = small_config("dp", mesh="data=1", extra=[f"model.remat={policy}", "model.n_layers=4", "model.d_model=64",
                                                    "model.mlp_dim=256", "data.seq_len=128"])
     tr = build_trainer(cfg, devices=one_device())
@@ -30,12 +31,9 @@ def test_remat_policies_reduce_temporary_memory():
     assert temps["full"] <= min(temps.values()) * 1.05
 
 
-def test_save_dots_attn_keeps_the_mosaic_forward():
-    """The Mosaic kernel's forward runs outside its custom_vjp (attention_with_saved_forward), so its
-    named output and lse are plain residuals the policy keeps: 3 Mosaic launches per layer's grad
-    (forward, dQ, dK/dV) instead of 4, and the names show among the saved residuals."""
+def _mosaic_layer_scan_grad(policy):
+    """(jitted grad of a 3-layer scan of checkpointed Mosaic-attention layers, its args, the layer)."""
     import jax.numpy as jnp
-    from jax._src.ad_checkpoint import saved_residuals
 
     from models.remat import remat_policy
     from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
@@ -43,28 +41,57 @@ def test_save_dots_attn_keeps_the_mosaic_forward():
     def layer(x, w):
         q = jnp.einsum("bshd,de->bshe", x, w).astype(jnp.bfloat16)                       # [b, s, h, d]
         return x + flash_attention_mgpu(q, q[:, :, :2], q[:, :, 2:], causal=True).astype(x.dtype)
-    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
-    ws = jax.ShapeDtypeStruct((3, 64, 64), jnp.float32)
+    body = jax.checkpoint(layer, policy=remat_policy(policy))
 
-    def launches(policy):
-        body = jax.checkpoint(layer, policy=remat_policy(policy))
-        def loss(x, ws):
-            return jnp.sum(jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2)
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
-        return text.count("custom_call @mosaic_gpu")
-    assert launches("save_dots_no_batch") == 4 and launches("save_dots_attn") == 3
+    def loss(x, ws):
+        return jnp.sum(jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2)
+    args = (jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32), jax.ShapeDtypeStruct((3, 64, 64), jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), args, layer
+
+
+def test_save_dots_attn_keeps_the_mosaic_forward():
+    """The Mosaic kernel's forward runs outside its custom_vjp (attention_with_saved_forward), so its
+    named output and lse are plain residuals the policy keeps: 3 Mosaic launches per layer's grad
+    (forward, dQ, dK/dV) instead of 4, and the names show among the saved residuals."""
+    import re
+
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from models.remat import remat_policy
+
+    def lowered(policy):
+        f, args, _ = _mosaic_layer_scan_grad(policy)
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered("save_dots_attn")
+    assert lowered("save_dots_no_batch").count("custom_call @mosaic_gpu") == 4
+    assert text.count("custom_call @mosaic_gpu") == 3
+    # the forward kernel's (out, lse) go straight into an optimization barrier (named_residuals), which
+    # keeps XLA:GPU's dynamic-slice fusion from cloning the call (the GPU test below)
+    fwd = re.search(r"%(\d+):2 = stablehlo.custom_call @mosaic_gpu", text).group(1)
+    assert f"stablehlo.optimization_barrier %{fwd}#0, %{fwd}#1" in text
+    _, (x, ws), layer = _mosaic_layer_scan_grad("save_dots_attn")
     saved = [why for _, why in saved_residuals(jax.checkpoint(layer, policy=remat_policy("save_dots_attn")),
                                                x, ws.update(shape=(64, 64)))]
     assert any("attention_out" in w for w in saved) and any("attention_lse" in w for w in saved), saved
+
+
+@pytest.mark.gpu
+def test_save_dots_attn_compiles_one_mosaic_forward_gpu():
+    """What XLA:GPU makes of it: its dynamic-slice fusion cloned the forward kernel's call into the
+    update-slice that stacks the residuals, 4 calls in the compiled program (2 forwards per layer)
+    until named_residuals put an optimization barrier between the call and its uses."""
+    import re
+    f, args, _ = _mosaic_layer_scan_grad("save_dots_attn")
+    compiled = f.trace(*args).lower().compile().as_text()
+    assert len(re.findall(r'custom_call_target="mosaic_gpu', compiled)) == 3
 
 
 def test_save_dots_attn_keeps_the_attention_forward():
     # A layer scan with the flash kernel inside jax.checkpoint, lowered for CUDA (no GPU needed; the
     # Triton kernels stay custom calls): under save_dots_no_batch the backward runs the attention
     # forward again (forward, its recompute, dQ, dK/dV: 4 kernels); save_dots_attn keeps the
-    # forward's named output and lse (3). The planner counts no recompute for cuDNN only: the Mosaic
-    # kernel's residuals were not kept on the GPU's jax 0.11.2 when its forward ran inside the
-    # custom_vjp (measured, models/remat.py); the restructured call is not measured there yet.
+    # forward's named output and lse (3). The planner counts no recompute for either flash kernel
+    # (the H200 profiles: one forward launch per layer, models/remat.py), and the recompute for xla.
     import re
 
     import jax.numpy as jnp
@@ -88,9 +115,10 @@ def test_save_dots_attn_keeps_the_attention_forward():
     assert kernels("save_dots_attn") == 3
     cfg = models.preset("tiny")
     flops = {}
-    for attention in ("cudnn", "pallas"):   # the planner follows the GPU measurements (models/remat.py)
+    for attention in ("cudnn", "pallas", "xla"):   # the planner follows the GPU profiles (models/remat.py)
         cfg.attention = attention
         flops[attention] = {p: compute.step_flops(cfg, 2, 64, p)["remat recompute"]
                             for p in ("save_dots_no_batch", "save_dots_attn")}
-    assert flops["cudnn"]["save_dots_attn"] == 0 < flops["cudnn"]["save_dots_no_batch"]
-    assert flops["pallas"]["save_dots_attn"] == flops["pallas"]["save_dots_no_batch"] > 0
+    for flash in ("cudnn", "pallas"):
+        assert flops[flash]["save_dots_attn"] == 0 < flops[flash]["save_dots_no_batch"]
+    assert flops["xla"]["save_dots_attn"] == flops["xla"]["save_dots_no_batch"] > 0

@@ -4,10 +4,10 @@ Per layer and token, forward: projections 2*d*(h + 2*kvh)*hd + 2*h*hd*d, SwiGLU 
 causal attention 2*S*h*hd (QK^T and PV, each 2*S*h*hd, halved by the mask). Training is 3x the
 forward (one forward, a backward of twice its cost: the 6N of DESIGN.md); remat adds the
 recomputed forward: `full` the whole layer, `save_dots_no_batch` attention's two batched dots,
-`save_dots` and `none` no matmul, `save_dots_attn` none with cuDNN attention (its output is kept;
-ours, the Mosaic kernel, was recomputed on jax 0.11.2 and is counted so until the H200 shows
-the restructured call keeping it: models/remat.py). The LM head (2*d*V per
-token) is the S*H^2 side too.
+`save_dots` and `none` no matmul, `save_dots_attn` none with a flash attention (cuDNN's or ours:
+its output and lse are kept; one forward launch per layer and step in the H200 profiles of
+2026-12-01, models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
+S*H^2 side too.
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None) -> d
     s2h = 3 * tokens * cfg.n_layers * per["attention"]
     if policy == "full":
         extra = tokens * cfg.n_layers * sum(per.values())
-    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and cfg.attention != "cudnn"):
+    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and cfg.attention == "xla"):
         extra = tokens * cfg.n_layers * per["attention"]
-    elif policy == "save_dots_attn":   # cuDNN's forward output and lse are kept: nothing recomputed
+    elif policy == "save_dots_attn":   # a flash forward's output and lse are kept: nothing recomputed
         extra = 0.0
     elif policy in RECOMPUTE:
         extra = 0.0

@@ -235,8 +235,8 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
         else:
             out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, _, p in quad))
         return out
-    saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps cuDNN's output (models/remat.py)
-                            keeps_attention_out=policy == "save_dots_attn" and attention == "cudnn")
+    saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps a flash output (models/remat.py)
+                            keeps_attention_out=policy == "save_dots_attn" and flash)
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
     head_bytes = _scale(head, lc.b, lc.s_attn, stream[policy][1], lc.s)
     saved = cfg.n_layers * saved_layer
