@@ -143,8 +143,13 @@ def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
     """Tiles per head dim. d=64: dK/dV streams 128-row q tiles (half the K/V-resident kernel's
     loop trips; its smem is 64 KiB smaller at d=64 than at d=128, so 2 stages of 128 rows fit).
     H200, GQA 32/8, causal fwd+bwd ms, tiles run of 2026-12-01 (docs/benchmarks.md): S=2k 1.71 vs
-    2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default."""
-    return MgpuBlockSizes(block_q_dkv=128) if head_dim == 64 else MgpuBlockSizes()
+    2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default. Both: the dQ kernel streams
+    128-row K/V tiles (half the steps, each S/dP tile twice as wide): causal S=4096 GQA 4, dQ
+    kernel alone 0.813-0.817 vs 0.918-0.929 ms at d=64, 0.640-0.651 vs 0.644-0.668 at d=128
+    (session 7, docs/benchmarks.md)."""
+    if head_dim == 64:
+        return MgpuBlockSizes(block_q_dkv=128, block_kv_dq=128)
+    return MgpuBlockSizes(block_kv_dq=128)
 
 
 @dataclasses.dataclass(frozen=True)
