@@ -67,6 +67,8 @@ def impls(d):
     from pallas_kernels.flash_attention_mgpu import default_block_sizes
     fused = dataclasses.replace(default_block_sizes(d), fused_bwd=True)   # one-kernel backward, dQ by TMA reduce-add
     out["mgpu_fused"] = lambda q, k, v, c: flash_attention_mgpu(q, k, v, causal=c, block_sizes=fused)
+    for name, bs in bwd_variants(d).items():   # backward variants (BWD_VARIANTS) at the default forward
+        out[f"mgpu_bwd_{name}"] = lambda q, k, v, c, bs=bs: flash_attention_mgpu(q, k, v, causal=c, block_sizes=bs)
     out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
     out["pallas_mha"] = lambda q, k, v, c: jmha.mha(q, k, v, None, sm_scale=d ** -0.5, causal=c)
     try:
@@ -81,6 +83,56 @@ def impls(d):
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
         print("attention_mgpu unavailable:", repr(e)[:200])
     return out
+
+
+BWD_VARIANTS = {   # changes to default_block_sizes(d): the backward kernels compared by --bwd-alone
+    "split": dict(fused_bwd=False), "fused": dict(fused_bwd=True),
+    "dq64": dict(fused_bwd=False, block_kv_dq=64),   # the dQ kernel's K/V tile before session 7
+}
+
+
+def bwd_variants(d):
+    from pallas_kernels.flash_attention_mgpu import default_block_sizes
+    return {name: dataclasses.replace(default_block_sizes(d), **over) for name, over in BWD_VARIANTS.items()}
+
+
+def bench_bwd_alone(s, d, causal, names):
+    """The backward alone on a saved (out, lse), ms per call (delta = rowsum(dO * O) included), for
+    each variant of bwd_variants; for the split kernels also dQ and dK/dV apart. The gradients of
+    every variant are checked against the first one's."""
+    from pallas_kernels import flash_attention_mgpu as fm, flash_attention_mgpu_bwd as fb
+    b, h = TOKENS // s, HD // d
+    q, k, v, do = random_inputs(7 * s + d + causal, b, s, h, d)
+    rows, want = [], None
+    for name in names:
+        row = dict(kind="bwd_alone", impl=name, S=s, D=d, B=b, H=h, KVH=h // KV_GROUP, causal=causal)
+        rows.append(row)
+        try:
+            cfg = fm._config(q, k, v, causal, None, bwd_variants(d)[name], False)
+            out, lse = jax.jit(lambda q, k, v, cfg=cfg: fm._fwd_call(q, k, v, cfg))(q, k, v)
+            bwd = jax.jit(lambda q, k, v, out, lse, do, cfg=cfg: fm._attn_bwd(cfg, (q, k, v), (out, lse), (do,)))
+            got = bwd(q, k, v, out, lse, do)
+            want = want or got
+            row["err_vs_first"] = err = max(rel(g, w) for g, w in zip(got, want))
+            if not err < 1e-2:
+                row["error"] = f"gradients differ from {names[0]}'s by {err:.3g}"
+                continue
+            row["bwd_ms"] = timeit(bwd, q, k, v, out, lse, do) * 1e3
+            if not cfg.bs.fused_bwd:
+                delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))  # [b, h, s]
+                args = (q, k, v, do, lse, delta)
+                row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dq_call(*a, cfg)), *args) * 1e3
+                row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)), *args) * 1e3
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return rows
+
+
+def random_inputs(seed, b, s, h, d):
+    """Fresh bf16 q, k, v, dO: q and dO [b, s, h, d], k and v [b, s, h / KV_GROUP, d] (never zeros)."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return tuple(jax.random.normal(kk, (b, s, h // (KV_GROUP if i in (1, 2) else 1), d), jnp.float32)
+                 .astype(jnp.bfloat16) for i, kk in enumerate(ks))
 
 
 def rel(a, b):
@@ -100,9 +152,7 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     b, h = TOKENS // s, HD // d
     if h % KV_GROUP:
         return dict(impl=name, S=s, D=d, B=b, H=h, causal=causal, error=f"{h} heads: not a multiple of --kv-group")
-    ks = jax.random.split(jax.random.key(s + d + causal), 4)
-    q, k, v, do = (jax.random.normal(kk, (b, s, h // (KV_GROUP if i in (1, 2) else 1), d), jnp.float32)
-                   .astype(jnp.bfloat16) for i, kk in enumerate(ks))                # k, v: [b, s, h / group, d]
+    q, k, v, do = random_inputs(s + d + causal, b, s, h, d)
     # checking: only the checked rows carry a cotangent; timing uses the full random dO (never zeros)
     do_chk = do.at[:, : s - CHECK_ROWS].set(0)
     fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
@@ -164,6 +214,9 @@ def plan(which):
         names = ["cudnn", "ours_mgpu", "mgpu_fused"] * 2
         return [(s, d, c, names) for s, d, c in ((4096, 64, True), (2048, 64, True), (8192, 64, True),
                                                  (4096, 128, True), (8192, 128, True), (4096, 64, False))]
+    if which == "bwd":  # the backward variants (BWD_VARIANTS) against cuDNN at the model's shapes
+        names = ["cudnn", "mgpu_bwd_split", "mgpu_bwd_dq64"] * 2
+        return [(s, d, True, names) for s, d in ((4096, 64), (4096, 128), (2048, 64), (8192, 64))]
     if which == "tiles2":  # the second tiles run: the D=64 winners of the first, each twice
         names = ["cudnn", "ours_mgpu", "mgpu_def", "mgpu_dkvq128_dq128", "mgpu_dkvq128_bst3", "mgpu_bst3"]
         return [(s, 64, True, names + names) for s in (4096, 2048, 8192)]
@@ -191,7 +244,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2",
-                                                       "fused", "full", "full64", "full128"))
+                                                       "fused", "bwd", "full", "full64", "full128"))
+    ap.add_argument("--bwd-alone", default=None, help="S,D,causal[;...]: first time the backward kernels alone "
+                    "(--bwd-variants, twice each), e.g. '4096,64,1;4096,128,1'")
+    ap.add_argument("--bwd-variants", default="split,fused", help=f"names from {sorted(BWD_VARIANTS)}")
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")
@@ -205,6 +261,15 @@ def main():
     dev = jax.devices()[0].device_kind
     rows, ref_cache = [], {}
     jsonl = open(os.path.join(args.out, "bench_attention.jsonl"), "w")
+    for spec in (args.bwd_alone.split(";") if args.bwd_alone else []):
+        if time.time() - t0 > args.budget_s:
+            break
+        s, d, causal = (int(x) for x in spec.split(","))
+        for row in bench_bwd_alone(min(s, TOKENS // 2), d, bool(causal), args.bwd_variants.split(",") * 2):
+            row.update(device=dev, jax=jax.__version__)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            print(json.dumps(row), flush=True)
     for s, d, causal, names in plan(args.plan):
         if s > TOKENS:
             s = TOKENS // 2
