@@ -33,7 +33,8 @@ def remat_policy(policy: str):
     Mosaic kernels) run their forward outside the custom_vjp (flash_attention.attention_with_saved_forward)
     with the residuals behind an optimization barrier (flash_attention.named_residuals): on the H200
     (2026-12-01) that is 16 forward launches per 16-layer step, as cuDNN's; without the barrier
-    XLA's dynamic-slice fusion cloned the forward (32 launches, 287.6 vs 275.8 ms a step)."""
+    XLA's dynamic-slice fusion cloned the forward (32 launches: 287.6 ms a step in one call, 275.4 and
+    275.8 with the barrier in the next two)."""
     dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return {"full": None,                                               # save only the layer inputs
             "save_dots": jax.checkpoint_policies.checkpoint_dots,       # keep every matmul output

@@ -313,10 +313,11 @@ def attention_with_saved_forward(fwd, bwd, inputs, n_diff, n_ret=None):
     through bwd(inputs, outs, cotangents of the returned outs) -> the inputs' cotangents.
 
     The forward kernel runs outside the custom_vjp, on stop_gradient inputs, and its outs (named
-    ATTENTION_OUT / ATTENTION_LSE by fwd, through named_residuals) become the custom_vjp's inputs. So its residuals are plain
-    values a remat policy can keep (remat="save_dots_attn"), not values made inside a fwd rule,
-    which jax.checkpoint on jax 0.11.2 re-ran whatever the policy (docs/jax-notes.md). Without remat
-    it runs the same kernels, the same number of times, as a plain custom_vjp."""
+    ATTENTION_OUT / ATTENTION_LSE by fwd, through named_residuals) become the custom_vjp's inputs.
+    So its residuals are plain values a remat policy can keep (remat="save_dots_attn"), not values
+    made inside a fwd rule, which jax.checkpoint on jax 0.11.2 re-ran whatever the policy
+    (docs/jax-notes.md). Without remat it runs the same kernels, the same number of times, as a
+    plain custom_vjp."""
     stopped = [lax.stop_gradient(x) if i < n_diff else x for i, x in enumerate(inputs)]
     outs = tuple(fwd(*stopped))
     return _saved(bwd, len(inputs), len(outs) if n_ret is None else n_ret, *inputs, *outs)
