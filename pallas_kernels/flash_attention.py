@@ -297,6 +297,12 @@ def _bwd_lse(lse2):
     return jnp.where(lse2 < -1e20, jnp.inf, lse2)
 
 
+def output_grad_rowsum(out, do):
+    """delta = rowsum(dO * O) in fp32, [b, h, q] from out/dO [b, q, h, d]: the backward's
+    softmax-Jacobian term (dS = P (dP - delta)), shared by every flash backward here."""
+    return jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
+
+
 def named_residuals(out, lse):
     """A forward kernel's (out, lse) named for remat="save_dots_attn", behind an optimization barrier.
     Why the barrier: when the layer scan stacks these residuals, XLA:GPU's dynamic-slice fusion
@@ -355,8 +361,7 @@ def _flash_bwd(cfg, inputs, outs, cts):
     out, lse2 = outs
     do, dlse2 = cts
     # delta = rowsum(dO*O); an lse cotangent enters the same place (d lse / d s = p), so fold it in
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse2.astype(jnp.float32) * (1.0 / LN2)  # lse2 = lse / ln2: chain rule back to lse
+    delta = output_grad_rowsum(out, do) - dlse2.astype(jnp.float32) * (1.0 / LN2)  # lse2 = lse / ln2
     pad_q = ((0, 0), (0, 0), (0, cfg.q_pad - cfg.q_len))
     lse_p = jnp.pad(_bwd_lse(lse2), pad_q, constant_values=jnp.inf)
     delta_p = jnp.pad(delta, pad_q)

@@ -63,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.flash_attention import attention_with_saved_forward, named_residuals
+from pallas_kernels.flash_attention import attention_with_saved_forward, named_residuals, output_grad_rowsum
 from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F401  (the jnp reference)
 
 LOG2E = math.log2(math.e)
@@ -408,7 +408,7 @@ def _attn_fwd(q, k, v, cfg):
 def _attn_bwd(cfg, inputs, outs, cts):
     (q, k, v), (out, lse), (do,) = inputs, outs, cts   # only out is returned: lse has no cotangent
     do = do.astype(q.dtype)
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    delta = output_grad_rowsum(out, do)
     from pallas_kernels.flash_attention_mgpu_bwd import _dkv_call, _dq_call, _dqkv_call   # imports our helpers
     if cfg.bs.fused_bwd:
         return _dqkv_call(q, k, v, do, lse, delta, cfg)

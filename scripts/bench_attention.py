@@ -64,9 +64,6 @@ def impls(d):
     for name, over in MGPU_VARIANTS.items():
         out[f"mgpu_{name}"] = (lambda q, k, v, c, over=over:
                                flash_attention_mgpu(q, k, v, causal=c, block_sizes=MgpuBlockSizes(**over)))
-    from pallas_kernels.flash_attention_mgpu import default_block_sizes
-    fused = dataclasses.replace(default_block_sizes(d), fused_bwd=True)   # one-kernel backward, dQ by TMA reduce-add
-    out["mgpu_fused"] = lambda q, k, v, c: flash_attention_mgpu(q, k, v, causal=c, block_sizes=fused)
     for name, bs in bwd_variants(d).items():   # backward variants (BWD_VARIANTS) at the default forward
         out[f"mgpu_bwd_{name}"] = lambda q, k, v, c, bs=bs: flash_attention_mgpu(q, k, v, causal=c, block_sizes=bs)
     out["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="xla")
@@ -86,7 +83,7 @@ def impls(d):
 
 
 BWD_VARIANTS = {   # changes to default_block_sizes(d): the backward kernels compared by --bwd-alone
-    "split": dict(fused_bwd=False), "fused": dict(fused_bwd=True),
+    "split": dict(fused_bwd=False), "fused": dict(fused_bwd=True),   # fused: dQ by TMA reduce-add
     "dq64": dict(fused_bwd=False, block_kv_dq=64),   # the dQ kernel's K/V tile before session 7
 }
 
@@ -101,6 +98,7 @@ def bench_bwd_alone(s, d, causal, names):
     each variant of bwd_variants; for the split kernels also dQ and dK/dV apart. The gradients of
     every variant are checked against the first one's."""
     from pallas_kernels import flash_attention_mgpu as fm, flash_attention_mgpu_bwd as fb
+    from pallas_kernels.flash_attention import output_grad_rowsum
     b, h = TOKENS // s, HD // d
     q, k, v, do = random_inputs(7 * s + d + causal, b, s, h, d)
     rows, want = [], None
@@ -119,8 +117,7 @@ def bench_bwd_alone(s, d, causal, names):
                 continue
             row["bwd_ms"] = timeit(bwd, q, k, v, out, lse, do) * 1e3
             if not cfg.bs.fused_bwd:
-                delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))  # [b, h, s]
-                args = (q, k, v, do, lse, delta)
+                args = (q, k, v, do, lse, output_grad_rowsum(out, do))
                 row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dq_call(*a, cfg)), *args) * 1e3
                 row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)), *args) * 1e3
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
@@ -211,7 +208,7 @@ def plan(which):
         shapes = [(2048, 64, True), (8192, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
         return [(s, d, c, ["ours_mgpu", "oursdef", "cudnn"]) for s, d, c in shapes]
     if which == "fused":  # the one-kernel backward against the split one and cuDNN, each twice (drift)
-        names = ["cudnn", "ours_mgpu", "mgpu_fused"] * 2
+        names = ["cudnn", "ours_mgpu", "mgpu_bwd_fused"] * 2
         return [(s, d, c, names) for s, d, c in ((4096, 64, True), (2048, 64, True), (8192, 64, True),
                                                  (4096, 128, True), (8192, 128, True), (4096, 64, False))]
     if which == "bwd":  # the backward variants (BWD_VARIANTS) against cuDNN at the model's shapes

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.flash_attention import output_grad_rowsum
+
 NEG = -1e30  # finite "minus infinity": exp(NEG - NEG) stays 1 instead of NaN for empty rows
 
 # ----------------------------------------------------------------------------- jnp blocks
@@ -203,7 +205,7 @@ def _jnp_flash_fwd(q, k, v, q_seg, kv_seg, causal, scale, block_k):
 
 def _jnp_flash_bwd(causal, scale, block_k, res, do):
     q, k, v, q_seg, kv_seg, o, lse = res
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1), 1, 2)
+    delta = output_grad_rowsum(o, do)                                       # [b, h, s]
     dq, dk, dv = jnp_block_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, causal=causal, scale=scale, block_k=block_k)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlab.parallel.attention_blocks import (NEG, _block_fns, jnp_block_bwd, jnp_block_fwd,  # noqa: F401
                                                jnp_flash_attention, resolve_block_impl)
+from pallas_kernels.flash_attention import output_grad_rowsum
 
 
 # ----------------------------------------------------------------------------- zig-zag order
@@ -196,7 +197,7 @@ def _bwd_local(cfg, q, k, v, q_seg, kv_seg, o, lse, do):
     b, sl, h, d = q.shape
     c = sl // 2
     perm = [(i, (i + 1) % cfg.n) for i in range(cfg.n)]
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1), 1, 2)  # [b, h, sl]
+    delta = output_grad_rowsum(o, do)                                                          # [b, h, sl]
 
     def apply(plan, dq, dk, dv, kv):
         kk, vv, ks = kv
