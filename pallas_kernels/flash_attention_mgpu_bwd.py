@@ -137,31 +137,36 @@ def _q_producer(grefs, smems, readies, free, *, b, kvh, group, bq, qs_cta, n_per
     _ring_producer(group * n_per_head, stages, loads, (free,))
 
 
-def _dv_and_dst(ks, vs, dv, ring, ready, slot, *, qi, k0, bq, c, masked):
-    """One step of a dK/dV kernel up to dS^T, kv-major: S^T = K Q^T, P^T = exp2(S^T c - lse) (zero
-    above the diagonal when `masked`), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta).
-    ring/ready: the (Q, lse, dO, delta) slots and their barriers. Returns (dV, dS^T in fp32)."""
+def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
+    """The dK/dV kernels' step up to dS^T, kv-major: S^T = K Q^T and dP^T = V dO^T in flight together
+    (shared-memory operands, one wait), P^T = exp2(S^T c - lse) (zero above the diagonal when
+    `masked`), dS^T = P^T (dP^T - delta). Returns (P^T, dS^T) in fp32, the register operands of the
+    dV += P^T dO and dK += dS^T Q wgmmas that follow. Why S^T and dP^T first (session 7 issued dV
+    with dP^T and held the fp32 P^T across it): at block_q_dkv=128 that kept dK, dV, P^T in fp32
+    and bf16, dP^T and the lse/delta columns live at once, over the compute warpgroups' 232
+    registers, and ptxas spilled 220 bytes per thread; this order peaks at dK, dV, S^T, dP^T and
+    one column vector, 196 bytes of spill, and the dK/dV kernel runs 4-6% faster (H200, session 8,
+    docs/benchmarks.md). ring/ready: the (Q, lse, dO, delta) slots and their barriers."""
     (q_smem, lse_smem, do_smem, delta_smem), (q_ready, lse_ready, do_ready, delta_ready) = ring, ready
     rows = ks.shape[0]
-    plgpu.barrier_wait(q_ready.at[slot])
+    for bar in (q_ready, do_ready):
+        plgpu.barrier_wait(bar.at[slot])
+
+    def st_dpt(st_ref, dpt_ref):
+        plgpu.wgmma(st_ref, ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+        plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+        return st_ref[...], dpt_ref[...]
+    st, dpt = pl.run_scoped(st_dpt, plgpu.ACC((rows, bq), jnp.float32), plgpu.ACC((rows, bq), jnp.float32))
     plgpu.barrier_wait(lse_ready.at[slot])
-    st = _mm(ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)), (rows, bq))  # S^T: kv x q
     lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
     if masked:
         r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
         col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
         pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
-    plgpu.barrier_wait(do_ready.at[slot])
     plgpu.barrier_wait(delta_ready.at[slot])
-
-    def dv_dpt(refs):  # dV += P^T dO and dP^T = V dO^T, one wait for both
-        dv_ref, dpt_ref = refs
-        plgpu.wgmma(dv_ref, pt.astype(ks.dtype), do_smem.at[slot])
-        plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-    dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros((rows, bq)))))
     delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-    return dv, pt * (dpt - _bcast(delta_c, dpt.shape, 1))
+    return pt, pt * (dpt - _bcast(delta_c, dpt.shape, 1))
 
 
 def _over_group(head, group, carry):
@@ -218,8 +223,13 @@ def _dkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                 dk, dv = carry
                 t = g * n_per_head + (qi - qs_cta)
                 slot = lax.rem(t, jnp.int32(stages))
-                dv, dst = _dv_and_dst(ks, vs, dv, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
-                dk = _mma(dk, dst.astype(dtype), q_smem.at[slot])
+                pt, dst = _pt_dst(ks, vs, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
+
+                def dv_dk(refs):  # dV += P^T dO and dK += dS^T Q, one wait for both
+                    dv_ref, dk_ref = refs
+                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dk_ref, dst.astype(dtype), q_smem.at[slot])
+                dv, dk = pl.run_state(dv_dk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
@@ -324,7 +334,7 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                 t = g * n_per_head + (qi - qs_cta)
                 slot = lax.rem(t, jnp.int32(stages))
                 buf = lax.rem(t, jnp.int32(2))
-                dv, dst = _dv_and_dst(ks, vs, dv, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
+                pt, dst = _pt_dst(ks, vs, ring, ready, slot, qi=qi, k0=k0, bq=bq, c=c, masked=masked)
                 dst = dst.astype(dtype)
                 # buffers alternate: a warpgroup rewrites buf only after both passed ds_ready of the
                 # step in between, by which time the other's dQ wgmma on it has completed
@@ -336,12 +346,14 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
                 else:
                     dq_lhs = plgpu.transpose_ref(ds_smem.at[buf], (1, 0))
 
-                def dk_dq(refs):  # dK += dS^T Q from registers while the other warpgroup's dS^T lands
-                    dk_ref, dq_acc = refs
+                def dkv_dq(refs):  # dV, dK from registers while the other warpgroup's dS^T lands
+                    dv_ref, dk_ref, dq_acc = refs
+                    plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
                     plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
                     plgpu.barrier_wait(ds_ready.at[buf])
                     plgpu.wgmma(dq_acc, dq_lhs, dq_rhs)
-                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(_zeros((dq_m, dq_n)))))
+                dv, dk, dq = pl.run_state(dkv_dq)(
+                    (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(_zeros((dq_m, dq_n)))))
                 plgpu.barrier_arrive(free.at[slot])
                 h = kvh * group + g
                 if split_rows:
