@@ -141,12 +141,14 @@ def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
     """The dK/dV kernels' step up to dS^T, kv-major: S^T = K Q^T and dP^T = V dO^T in flight together
     (shared-memory operands, one wait), P^T = exp2(S^T c - lse) (zero above the diagonal when
     `masked`), dS^T = P^T (dP^T - delta). Returns (P^T, dS^T) in fp32, the register operands of the
-    dV += P^T dO and dK += dS^T Q wgmmas that follow. Why S^T and dP^T first (session 7 issued dV
-    with dP^T and held the fp32 P^T across it): at block_q_dkv=128 that kept dK, dV, P^T in fp32
-    and bf16, dP^T and the lse/delta columns live at once, over the compute warpgroups' 232
-    registers, and ptxas spilled 220 bytes per thread; this order peaks at dK, dV, S^T, dP^T and
-    one column vector, 196 bytes of spill, and the dK/dV kernel runs 4-6% faster (H200, session 8,
-    docs/benchmarks.md). ring/ready: the (Q, lse, dO, delta) slots and their barriers."""
+    dV += P^T dO and dK += dS^T Q wgmmas that follow. Register pressure decides this shape (ptxas
+    reports, H200, session 8, docs/benchmarks.md): session 7 issued dV with dP^T and held the fp32
+    P^T across it: at block_q_dkv=128, d=64 ptxas spilled 220 bytes per thread past the compute
+    warpgroups' 232 registers, 196 in this order. The full-attention kernel did not spill, so the
+    rest was the causal mask's two [rows, bq] int32 iotas; built from a row and a column index
+    vector, broadcast, it leaves 24 bytes. Both changes: causal dK/dV kernel 2-7% faster, full
+    attention 5-9%, fused backward 6%; gradients bitwise equal.
+    ring/ready: the (Q, lse, dO, delta) slots and their barriers."""
     (q_smem, lse_smem, do_smem, delta_smem), (q_ready, lse_ready, do_ready, delta_ready) = ring, ready
     rows = ks.shape[0]
     for bar in (q_ready, do_ready):
@@ -160,10 +162,10 @@ def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
     plgpu.barrier_wait(lse_ready.at[slot])
     lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
-    if masked:
-        r = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1, layout=plgpu.Layout.WGMMA)
-        pt = jnp.where(col + qi * bq >= r + k0, pt, 0.0)
+    if masked:   # index vectors broadcast: 34 registers per thread where two [rows, bq] iotas took 128
+        kv_row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + (k0 - qi * bq)
+        q_col = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+        pt = jnp.where(_bcast(q_col, st.shape, 1) >= _bcast(kv_row, st.shape, 0), pt, 0.0)
     plgpu.barrier_wait(delta_ready.at[slot])
     delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     return pt, pt * (dpt - _bcast(delta_c, dpt.shape, 1))
