@@ -193,14 +193,6 @@ def _mma(acc, a, b):
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _mm(a, b, shape):
-    """a @ b into a fresh fp32 accumulator."""
-    def body(ref):
-        plgpu.wgmma(ref, a, b)
-        return ref[...]
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
 def _zeros(shape, layout=None):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or plgpu.Layout.WGMMA)
 
