@@ -133,7 +133,9 @@ def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: boo
     3.17 vs 3.66 (S=4k), 6.22 vs 7.24 (8k), 1.65 vs 1.88 (2k); d=64 causal 3.48 vs 3.94 (8k, GQA 1),
     3.74 vs 3.91 (8k), 7.08 vs 7.69 (16k), but 2.10 vs 2.07 (4k) and 1.33 vs 1.17 (2k): short causal
     rows leave too few steps per CTA to pay for the fp32 dQ memset, reduce and convert. d=128
-    (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal)."""
+    (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal).
+    After session 8's register fixes both got faster and still tie at causal 4k, d=64: fused
+    1.999-2.031 vs split 1.993-2.032 ms, so the split kernels stay there."""
     if head_dim != 64 or (causal and seq_len < 8192) or bs.block_q_dkv % 128:
         return False
     return fused_bwd_smem_bytes(bs, head_dim) <= _SMEM_BYTES
