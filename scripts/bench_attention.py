@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab import ptxas
 from meshlab.benchtime import median_time  # noqa: E402
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 
@@ -93,10 +94,11 @@ def bwd_variants(d):
     return {name: dataclasses.replace(default_block_sizes(d), **over) for name, over in BWD_VARIANTS.items()}
 
 
-def bench_bwd_alone(s, d, causal, names):
+def bench_bwd_alone(s, d, causal, names, tracker=None):
     """The backward alone on a saved (out, lse), ms per call (delta = rowsum(dO * O) included), for
     each variant of bwd_variants; for the split kernels also dQ and dK/dV apart. The gradients of
-    every variant are checked against the first one's."""
+    every variant are checked against the first one's. tracker (ptxas.Tracker): each row also lists
+    the registers and spills of the Mosaic kernels it compiled."""
     from pallas_kernels import flash_attention_mgpu as fm, flash_attention_mgpu_bwd as fb
     from pallas_kernels.flash_attention import output_grad_rowsum
     b, h = TOKENS // s, HD // d
@@ -122,6 +124,8 @@ def bench_bwd_alone(s, d, causal, names):
                 row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)), *args) * 1e3
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if tracker:
+            row["ptxas"] = [r.row() for r in tracker.new()]
     return rows
 
 
@@ -249,7 +253,11 @@ def main():
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: CPU check of the script")
+    ap.add_argument("--ptxas", nargs="?", const="/tmp/meshlab_ptxas", default=None, metavar="DUMP_DIR",
+                    help="record each Mosaic kernel's registers and spills (ptxas -v) in its rows and in "
+                         "OUT/ptxas.md; the raw reports go to DUMP_DIR (default /tmp/meshlab_ptxas)")
     args = ap.parse_args()
+    tracker = ptxas.Tracker(ptxas.enable(args.ptxas)) if args.ptxas else None   # before any compile
     global TOKENS, HD, INTERPRET, CHECK_ROWS, KV_GROUP
     KV_GROUP = args.kv_group
     if args.smoke:
@@ -262,7 +270,7 @@ def main():
         if time.time() - t0 > args.budget_s:
             break
         s, d, causal = (int(x) for x in spec.split(","))
-        for row in bench_bwd_alone(min(s, TOKENS // 2), d, bool(causal), args.bwd_variants.split(",") * 2):
+        for row in bench_bwd_alone(min(s, TOKENS // 2), d, bool(causal), args.bwd_variants.split(",") * 2, tracker):
             row.update(device=dev, jax=jax.__version__)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
@@ -278,6 +286,8 @@ def main():
                 continue
             row = bench_shape(name, table[name], s, d, causal, name == "mgpu_fp16_fwd", ref_cache)
             row.update(device=dev, jax=jax.__version__)
+            if tracker:
+                row["ptxas"] = [r.row() for r in tracker.new()]
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
@@ -287,6 +297,10 @@ def main():
         with open(args.append_docs, "a") as f:
             f.write("\n" + open(os.path.join(args.out, "attention_rows.md")).read())
     print(open(os.path.join(args.out, "attention_rows.md")).read())
+    if tracker:
+        table = ptxas.markdown(ptxas.read(tracker.dir))
+        open(os.path.join(args.out, "ptxas.md"), "w").write(table)
+        print(table)
     print(f"bench wall {time.time() - t0:.0f}s, {len(rows)} measurements")
 
 
