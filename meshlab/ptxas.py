@@ -2,9 +2,11 @@
 
 Why: a kernel that spills past its register budget loses time in every loop trip, and no timing
 says so. In session 8 the dK/dV FlashAttention kernel spilled 220 bytes per thread; fixing that
-made it 2-9% faster (docs/benchmarks.md). Mosaic GPU writes `<kernel>_<n>.ptxas` for each kernel
-it compiles when MOSAIC_GPU_DUMP_PTXAS and MOSAIC_GPU_DUMP_TO are set; jaxlib reads them when it
-compiles, so `enable` must run before the first Mosaic kernel compiles.
+made it 2-9% faster (docs/benchmarks.md). With MOSAIC_GPU_DUMP_TO set, Mosaic GPU writes
+`<kernel>_<n>.ptxas` for each kernel it compiles, beside its PTX, every MLIR pass and (where
+nvdisasm is found) its SASS: several MB per kernel, so point it at a scratch directory, not at a
+device call's $OUT. jaxlib reads the variables at each compile: `enable` takes effect from the
+next Mosaic kernel compiled.
 
 Reading a report: "Used N registers" is the launch count (65536 / threads per block, rounded
 down to 8: 168 for 3 warpgroups). Code after `setmaxnreg.inc` is allocated at the raised count,
