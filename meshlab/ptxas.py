@@ -2,7 +2,7 @@
 
 Why: a kernel that spills past its register budget loses time in every loop trip, and no timing
 says so. In session 8 the dK/dV FlashAttention kernel spilled 220 bytes per thread; fixing that
-made it 2-9% faster (docs/benchmarks.md). With MOSAIC_GPU_DUMP_TO set, Mosaic GPU writes
+made it 1-9% faster per change (docs/benchmarks.md). With MOSAIC_GPU_DUMP_TO set, Mosaic GPU writes
 `<kernel>_<n>.ptxas` for each kernel it compiles, beside its PTX, every MLIR pass and (where
 nvdisasm is found) its SASS: several MB per kernel, so point it at a scratch directory, not at a
 device call's $OUT. jaxlib reads the variables at each compile: `enable` takes effect from the
@@ -33,9 +33,6 @@ class PtxasReport:
     spill_loads: int
     stack_bytes: int
 
-    def row(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def enable(dump_dir: str | os.PathLike) -> Path:
     """Ask Mosaic GPU to write ptxas reports into dump_dir (created) from the next compile on. The
@@ -64,10 +61,9 @@ def parse(text: str, name: str) -> PtxasReport:
     return PtxasReport(m["kernel"], int(m["index"]), int(used.group(1)), stores, loads, stack)
 
 
-def read(dump_dir: str | os.PathLike, skip: set[str] = frozenset()) -> list[PtxasReport]:
-    """Every report in dump_dir whose file name is not in skip, in compile order."""
-    reports = [parse(f.read_text(), f.name) for f in Path(dump_dir).glob("*.ptxas") if f.name not in skip]
-    return sorted(reports, key=lambda r: r.index)
+def read(dump_dir: str | os.PathLike) -> list[PtxasReport]:
+    """Every report in dump_dir, in compile order."""
+    return sorted((parse(f.read_text(), f.name) for f in Path(dump_dir).glob("*.ptxas")), key=lambda r: r.index)
 
 
 class Tracker:
@@ -77,8 +73,8 @@ class Tracker:
         self.dir, self.seen = Path(dump_dir), set()
 
     def new(self) -> list[PtxasReport]:
-        reports = read(self.dir, self.seen)
-        self.seen.update(f"{r.kernel}_{r.index}.ptxas" for r in reports)
+        reports = [r for r in read(self.dir) if r.index not in self.seen]   # Mosaic's counter is per process
+        self.seen.update(r.index for r in reports)
         return reports
 
 

@@ -125,7 +125,7 @@ def bench_bwd_alone(s, d, causal, names, tracker=None):
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if tracker:
-            row["ptxas"] = [r.row() for r in tracker.new()]
+            row["ptxas"] = [dataclasses.asdict(r) for r in tracker.new()]
     return rows
 
 
@@ -287,7 +287,7 @@ def main():
             row = bench_shape(name, table[name], s, d, causal, name == "mgpu_fp16_fwd", ref_cache)
             row.update(device=dev, jax=jax.__version__)
             if tracker:
-                row["ptxas"] = [r.row() for r in tracker.new()]
+                row["ptxas"] = [dataclasses.asdict(r) for r in tracker.new()]
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()

@@ -36,6 +36,13 @@ def textbook_crossover(d_model: int) -> float:
 RECOMPUTE = {"none": 0.0, "save_dots": 0.0}
 
 
+def is_flash(attention: str) -> bool:
+    """cudnn, pallas and auto (which picks one of them on a GPU) run a flash kernel: an lse per row
+    instead of the S x S softmax, and under save_dots_attn a kept forward (models/remat.py); xla
+    materialises the softmax. The compute and memory accounts both read this."""
+    return attention != "xla"
+
+
 def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None) -> dict:
     """Whole-step FLOPs (all devices), split by term, remat recompute included."""
     policy = policy or cfg.remat
@@ -45,7 +52,7 @@ def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None) -> d
     s2h = 3 * tokens * cfg.n_layers * per["attention"]
     if policy == "full":
         extra = tokens * cfg.n_layers * sum(per.values())
-    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and cfg.attention == "xla"):
+    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and not is_flash(cfg.attention)):
         extra = tokens * cfg.n_layers * per["attention"]
     elif policy == "save_dots_attn":   # a flash forward's output and lse are kept: nothing recomputed
         extra = 0.0

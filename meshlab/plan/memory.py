@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from meshlab.plan import account
+from meshlab.plan.compute import is_flash
 
 F32 = 4
 
@@ -216,7 +217,7 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     if policy not in ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn"):
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
                          "save_dots_attn")
-    flash = attention not in ("xla",)
+    flash = is_flash(attention)
     local = local_config(cfg, lc)
     layer, head = _traced(local, policy, "xla")
     layer_none, _ = _traced(local, "none", "xla")
