@@ -14,8 +14,8 @@ an explicit `plgpu.wgmma` on shared-memory tiles fed by TMA copies, in the Flash
   (per CTA) nor computed (per warpgroup; the warpgroup whose rows end earlier only waits on and
   releases the CTA's last tiles); only diagonal tiles are masked. Causal CTAs run longest-first.
   Writes O and lse (base 2, [batch, heads, seq], fp32) for the backward.
-- Backward (FlashAttention-2 split, delta = rowsum(dO * O) in jnp): a dQ kernel of the same shape
-  as the forward (two warpgroups own query rows, K/V streamed), and a dK/dV kernel where two
+- Backward (FlashAttention-2 split): a dQ kernel of the same shape as the forward (two warpgroups
+  own query rows, K/V streamed) that also writes delta = rowsum(dO * O), and a dK/dV kernel where two
   warpgroups own `block_kv_dkv/2` kv rows each (K, V resident in shared memory) and the producer
   streams Q, dO, lse and delta tiles over every query head of the GQA group, so the group's dK/dV
   sum happens in registers and K/V are never repeated in memory. The dK/dV kernel works kv-major
@@ -127,6 +127,16 @@ def fused_bwd_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2)
 _SMEM_BYTES = 227 * 1024   # Hopper's opt-in maximum per block
 
 
+def dq_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of the dQ kernel: Q, dO and O rows (O for delta = rowsum(dO * O)), the K/V ring,
+    lse and delta rows, each rounded up to Pallas' 1 KiB scratch alignment, plus 3 KiB for the
+    barriers and what Pallas reserves (the lowering of 2x128/128/2x128 at d=128 asked 2.2 KiB more
+    than the buffers). At d=128 a 128-row K/V tile over 2 stages leaves no room for O."""
+    kib = lambda n: -(-n // 1024) * 1024   # noqa: E731
+    tiles = 3 * kib(bs.block_q_dq * head_dim * itemsize) + 2 * kib(bs.num_stages_bwd * bs.block_kv_dq * head_dim * itemsize)
+    return tiles + 2 * kib(bs.block_q_dq * 4) + 3 * 1024
+
+
 def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: bool) -> bool:
     """The backward kernel where `fused_bwd` is None. Measured on an H200 (jax 0.11.2, bf16, GQA 4 and
     1, backward alone, ms, fused vs split; docs/benchmarks.md "Session 6"): d=64 full attention
@@ -148,10 +158,11 @@ def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
     2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default. Both: the dQ kernel streams
     128-row K/V tiles (half the steps, each S/dP tile twice as wide): causal S=4096 GQA 4, dQ
     kernel alone 0.813-0.817 vs 0.918-0.929 ms at d=64, 0.640-0.651 vs 0.644-0.668 at d=128
-    (session 7, docs/benchmarks.md)."""
+    (session 7, docs/benchmarks.md). At d=128 the 64-row tile is back: with the O tile for delta,
+    128 rows do not fit (dq_smem_bytes), and they were within noise there."""
     if head_dim == 64:
         return MgpuBlockSizes(block_q_dkv=128, block_kv_dq=128)
-    return MgpuBlockSizes(block_kv_dq=128)
+    return MgpuBlockSizes()   # block_kv_dq=128 does not fit beside the dQ kernel's O tile (dq_smem_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,11 +413,10 @@ def _attn_fwd(q, k, v, cfg):
 def _attn_bwd(cfg, inputs, outs, cts):
     (q, k, v), (out, lse), (do,) = inputs, outs, cts   # only out is returned: lse has no cotangent
     do = do.astype(q.dtype)
-    delta = output_grad_rowsum(out, do)
     from pallas_kernels.flash_attention_mgpu_bwd import _dkv_call, _dq_call, _dqkv_call   # imports our helpers
     if cfg.bs.fused_bwd:
-        return _dqkv_call(q, k, v, do, lse, delta, cfg)
-    dq = _dq_call(q, k, v, do, lse, delta, cfg)
+        return _dqkv_call(q, k, v, do, lse, output_grad_rowsum(out, do), cfg)
+    dq, delta = _dq_call(q, k, v, do, lse, out, cfg)   # delta for the dK/dV kernel, which runs after
     dk, dv = _dkv_call(q, k, v, do, lse, delta, cfg)
     return dq, dk, dv
 
@@ -441,6 +451,10 @@ def _config(q, k, v, causal, sm_scale, block_sizes, interpret) -> _Cfg:
     bs = block_sizes or default_block_sizes(head_dim)
     if bs.fused_bwd is None:
         bs = dataclasses.replace(bs, fused_bwd=use_fused_bwd(bs, head_dim, seq_len, bool(causal)))
+    if not bs.fused_bwd and (need := dq_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
+        raise ValueError(f"the dQ kernel with block_q_dq={bs.block_q_dq}, block_kv_dq={bs.block_kv_dq}, "
+                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
+                         f"(> {_SMEM_BYTES}); use block_kv_dq=64 or num_stages_bwd=1")
     if bs.fused_bwd and (need := fused_bwd_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
         raise ValueError(f"fused_bwd with block_kv_dkv={bs.block_kv_dkv}, block_q_dkv={bs.block_q_dkv}, "
                          f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "

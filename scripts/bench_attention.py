@@ -119,9 +119,9 @@ def bench_bwd_alone(s, d, causal, names, tracker=None):
                 continue
             row["bwd_ms"] = timeit(bwd, q, k, v, out, lse, do) * 1e3
             if not cfg.bs.fused_bwd:
-                args = (q, k, v, do, lse, output_grad_rowsum(out, do))
-                row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dq_call(*a, cfg)), *args) * 1e3
-                row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)), *args) * 1e3
+                row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dq_call(*a, cfg)), q, k, v, do, lse, out) * 1e3
+                row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)),
+                                       q, k, v, do, lse, output_grad_rowsum(out, do)) * 1e3
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if tracker:

@@ -81,11 +81,19 @@ def test_backward_choice():
 def test_lowers_fp16_and_other_tiles_on_cpu():
     q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.float16)
     k = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.float16)
-    bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=False, block_q_dq=128, block_kv_dq=128,
+    bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=False, block_q_dq=128, block_kv_dq=64,
                         block_kv_dkv=128, block_q_dkv=128, num_stages_bwd=2)
     f = jax.jit(lambda q, k, v, do: _fwd_bwd(
         lambda q, k, v: flash_attention_mgpu(q, k, v, causal=True, block_sizes=bs), q, k, v, do))
     f.trace(q, k, k, q).lower(lowering_platforms=("cuda",))
+
+
+def test_dq_tiles_that_do_not_fit_beside_o_are_one_clear_error():
+    q = jnp.zeros((1, 512, 4, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="the dQ kernel with block_q_dq=128, block_kv_dq=128, num_stages_bwd=2 at "
+                                         "head_dim=128 needs .* use block_kv_dq=64"):
+        flash_attention_mgpu(q, k, k, block_sizes=MgpuBlockSizes(block_kv_dq=128, fused_bwd=False))
 
 
 def test_argument_errors():
@@ -144,7 +152,7 @@ def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal, fused):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_fp16_and_tile_variants_gpu(pingpong):
-    bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=pingpong, block_q_dq=128, block_kv_dq=128,
+    bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=pingpong, block_q_dq=128, block_kv_dq=64,
                         block_kv_dkv=128, block_q_dkv=128, num_stages_bwd=2)
     q, k, v, do = attention_inputs(0, 1, 1024, 1024, 4, 2, 128, jnp.float16)
     got = jax.jit(lambda *a: _fwd_bwd(
