@@ -199,6 +199,17 @@ def _bcast(vec, shape, dim):
     return lax.broadcast_in_dim(vec, shape, [dim])
 
 
+def _index_grid(shape, row_offset):
+    """(row + row_offset, col) as int32 [rows, cols] broadcasts of two index vectors in the WGMMA
+    layout: 2 + cols/4 values per thread where two 2D iotas hold 2 * rows * cols / 128 (session 8:
+    the dK/dV kernel's iotas were most of its register spill). The forward and dQ kernels did not
+    spill either way; there it measured even (session 9) and keeps one mask for all three kernels."""
+    rows, cols = shape
+    r = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + row_offset
+    col = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    return _bcast(r, shape, 0), _bcast(col, shape, 1)
+
+
 def _mma(acc, a, b):
     """acc + a @ b on the tensor cores, accumulating in the wgmma registers."""
     def body(ref):
@@ -325,9 +336,8 @@ def _fwd_call(q, k, v, cfg: _Cfg):
                 s = pl.run_scoped(qk, plgpu.ACC((rows, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
-                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(r + q0 >= col + t * bkv, s, -jnp.inf)
+                    q_row, kv_col = _index_grid(s.shape, q0 - t * bkv)
+                    s = jnp.where(q_row >= kv_col, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s * c - _bcast(m_new, s.shape, 0))

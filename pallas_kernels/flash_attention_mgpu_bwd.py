@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
-    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _kv_producer, _launch, _mma,
+    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _index_grid, _kv_producer, _launch, _mma,
     _q_tile_index, _ring_producer, _tile_transforms, _zeros, dq_split)
 
 # ----------------------------------------------------------------------------------------------
@@ -74,9 +74,8 @@ def _dq_call(q, k, v, do, lse, out, cfg: _Cfg):
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * c - _bcast(lse_r, s.shape, 0))
                 if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 0, layout=plgpu.Layout.WGMMA)
-                    col = plgpu.broadcasted_iota(jnp.int32, (rows, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(r + q0 >= col + t * bkv, p, 0.0)
+                    q_row, kv_col = _index_grid(p.shape, q0 - t * bkv)
+                    p = jnp.where(q_row >= kv_col, p, 0.0)
                 ds = p * (dp - _bcast(delta_r, dp.shape, 0))
                 dq = _mma(dq, ds.astype(dtype), k_smem.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -170,10 +169,9 @@ def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
     plgpu.barrier_wait(lse_ready.at[slot])
     lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     pt = jnp.exp2(st * c - _bcast(lse_c, st.shape, 1))
-    if masked:   # at 64 x 128: 2 + 32 index values per thread, where two [rows, bq] iotas hold 128
-        kv_row = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + (k0 - qi * bq)
-        q_col = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-        pt = jnp.where(_bcast(q_col, st.shape, 1) >= _bcast(kv_row, st.shape, 0), pt, 0.0)
+    if masked:
+        kv_row, q_col = _index_grid(st.shape, k0 - qi * bq)
+        pt = jnp.where(q_col >= kv_row, pt, 0.0)
     plgpu.barrier_wait(delta_ready.at[slot])
     delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
     return pt, pt * (dpt - _bcast(delta_c, dpt.shape, 1))
