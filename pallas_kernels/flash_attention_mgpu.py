@@ -27,7 +27,7 @@ an explicit `plgpu.wgmma` on shared-memory tiles fed by TMA copies, in the Flash
   XLA and aliased in and out of the kernel; XLA scales and casts it afterwards. Five tile matmuls
   per step instead of the split's seven, for the reduce traffic and a memset and convert per call.
   By default (`use_fused_bwd`) it runs where it measured faster: d=64, full attention or causal
-  S >= 8192.
+  S >= 4096. Its compute warpgroups take 240 registers (FlashAttention-3's split), the others 232.
 
 The backward kernels live in flash_attention_mgpu_bwd.py; this file has the forward, the shared
 helpers, the custom_vjp wrapper and the argument checks.
@@ -69,6 +69,11 @@ from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F4
 LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
 _REGS_COMPUTE, _REGS_PRODUCER = 232, 40  # 2*128*232 + 128*40 <= 64K registers per SM
+# FlashAttention-3's split, for the fused backward only: there ptxas spilled 244 bytes per thread at
+# 232 and 192 at 240, and the kernel ran 4-5% faster (causal 4x4096x32/8x64: 1.90-1.92 vs 2.00-2.01
+# ms, H200, same process, session 9). Elsewhere 240 changed nothing measurable (the split dK/dV
+# kernel spills 24 -> 20 bytes) or was within noise (d=128).
+_REGS_FUSED = (240, 24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +149,11 @@ def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: boo
     3.74 vs 3.91 (8k), 7.08 vs 7.69 (16k), but 2.10 vs 2.07 (4k) and 1.33 vs 1.17 (2k): short causal
     rows leave too few steps per CTA to pay for the fp32 dQ memset, reduce and convert. d=128
     (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal).
-    After session 8's register fixes both got faster and still tie at causal 4k, d=64: fused
-    1.999-2.031 vs split 1.993-2.032 ms, so the split kernels stay there."""
-    if head_dim != 64 or (causal and seq_len < 8192) or bs.block_q_dkv % 128:
+    After session 8's register fixes both got faster and tied at causal 4k, d=64 (fused 1.999-2.031
+    vs split 1.993-2.032 ms); with FA3's 240/24 register split (_REGS_FUSED) the fused kernel leads
+    there, 1.90-1.92 vs 1.98-2.05 (session 9), so causal S >= 4096 takes it too. Causal 2k was
+    1.33 vs 1.17 (session 6): not re-measured, left on the split kernels."""
+    if head_dim != 64 or (causal and seq_len < 4096) or bs.block_q_dkv % 128:
         return False
     return fused_bwd_smem_bytes(bs, head_dim) <= _SMEM_BYTES
 
@@ -237,10 +244,10 @@ def _div(a, b):
     return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
-def _ring_producer(n_steps, num_stages, loads, frees):
+def _ring_producer(n_steps, num_stages, loads, frees, regs=_REGS_PRODUCER):
     """The producer warpgroup: `loads(step, slot)` issues the TMA copies of one streamed step into a
     ring slot; before reusing a slot it waits until both compute warpgroups released it."""
-    plgpu.set_max_registers(_REGS_PRODUCER, action="decrease")
+    plgpu.set_max_registers(regs, action="decrease")
     for i in range(num_stages):
         if isinstance(n_steps, int):
             if i < n_steps:

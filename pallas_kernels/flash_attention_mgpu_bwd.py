@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
-    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _Cfg, _bcast, _cdiv, _div, _index_grid, _kv_producer, _launch, _mma,
+    LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _REGS_FUSED, _REGS_PRODUCER, _Cfg, _bcast, _cdiv, _div, _index_grid, _kv_producer, _launch, _mma,
     _q_tile_index, _ring_producer, _tile_transforms, _zeros, dq_split)
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def _dq_call(q, k, v, do, lse, out, cfg: _Cfg):
 # backward: dK, dV
 
 
-def _q_producer(grefs, smems, readies, free, *, b, kvh, group, bq, qs_cta, n_per_head, stages):
+def _q_producer(grefs, smems, readies, free, *, b, kvh, group, bq, qs_cta, n_per_head, stages, regs=_REGS_PRODUCER):
     """The dK/dV kernels' producer warpgroup: per step, one [bq]-row tile of Q, lse, dO and delta of
     query head kvh * group + g (g-major over the GQA group, q tiles from qs_cta) into a ring slot."""
     def loads(t, slot):
@@ -140,7 +140,7 @@ def _q_producer(grefs, smems, readies, free, *, b, kvh, group, bq, qs_cta, n_per
             rows = pl.ds(qi * bq, bq)
             src = gref.at[b, rows, h] if seq_major else gref.at[b, h, rows]   # Q, dO [b, s, h, d]; lse, delta [b, h, s]
             plgpu.copy_gmem_to_smem(src, smem.at[slot], ready.at[slot])
-    _ring_producer(group * n_per_head, stages, loads, (free,))
+    _ring_producer(group * n_per_head, stages, loads, (free,), regs)
 
 
 def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
@@ -322,7 +322,7 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
+            plgpu.set_max_registers(_REGS_FUSED[0], action="increase")
             k0 = cta_k0 + wg * rows
             ks, vs = k_smem.at[pl.ds(wg * rows, rows)], v_smem.at[pl.ds(wg * rows, rows)]
             src = (b, pl.ds(k0, rows), kvh)
@@ -387,7 +387,7 @@ def _dqkv_call(q, k, v, do, lse, delta, cfg: _Cfg):
         @pl.when(wg == _COMPUTE_WGS)
         def _producer():
             _q_producer((q_ref, lse_ref, do_ref, delta_ref), ring, ready, free, b=b, kvh=kvh, group=group,
-                        bq=bq, qs_cta=qs_cta, n_per_head=n_per_head, stages=stages)
+                        bq=bq, qs_cta=qs_cta, n_per_head=n_per_head, stages=stages, regs=_REGS_FUSED[1])
 
     tr = _tile_transforms()
     scratch = [
