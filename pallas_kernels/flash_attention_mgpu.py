@@ -39,7 +39,10 @@ which another call measured at 1.32x: its 1.5-2 ms calls vary by that much. The 
 was 0.45-0.87x. It is faster than JAX's
 Pallas `mha` and XLA at every shape. So `attention: pallas` runs this kernel on Hopper for the
 shapes it takes (pallas_kernels/attention.py), and the Triton kernel for everything else:
-segment ids, q_len != kv_len, other GPUs, CPU interpret mode.
+segment ids, q_len != kv_len, other GPUs, CPU interpret mode. In the llama3_1b training step
+(causal 4x4096, GQA 32/8, d=64, fused backward) it was 1.001-1.014x cuDNN's tokens/s over six
+alternating pairs (session 9, docs/benchmarks.md). Tried there and slower: FA3's intra-warpgroup
+pipelined forward (S_t with P_{t-1} V_{t-1}), 10-55% slower at that shape, with or without ping-pong.
 
 Layout is `jax.nn.dot_product_attention`'s: q [b, s, h, d], k/v [b, s, kv_h, d], q_len == kv_len,
 h a multiple of kv_h, d in {64, 128}, bf16 or fp16, s a multiple of every block size.
@@ -138,7 +141,8 @@ def dq_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int
     barriers and what Pallas reserves (the lowering of 2x128/128/2x128 at d=128 asked 2.2 KiB more
     than the buffers). At d=128 a 128-row K/V tile over 2 stages leaves no room for O."""
     kib = lambda n: -(-n // 1024) * 1024   # noqa: E731
-    tiles = 3 * kib(bs.block_q_dq * head_dim * itemsize) + 2 * kib(bs.num_stages_bwd * bs.block_kv_dq * head_dim * itemsize)
+    ring = bs.num_stages_bwd * bs.block_kv_dq * head_dim * itemsize   # K or V
+    tiles = 3 * kib(bs.block_q_dq * head_dim * itemsize) + 2 * kib(ring)
     return tiles + 2 * kib(bs.block_q_dq * 4) + 3 * 1024
 
 
