@@ -35,7 +35,7 @@ helpers, the custom_vjp wrapper and the argument checks.
 Measured on an H200 (jax 0.11.2, bf16, B*S = 16k, H*D = 2048, 2026-11-30, docs/benchmarks.md):
 forward 145-608 TFLOP/s (608 at 1x16384x16x128 full). In one run over the issue's 20 shapes,
 fwd+bwd was 0.85-1.09x cuDNN at 19 of them. The exception was 8x2048x16x128 causal at 0.77x,
-which another call measured at 1.32x: its 1.5-2 ms calls vary by that much. The Triton kernel
+which another call measured at 1.32x and session 9 at 1.08x (three rounds, alternating). The Triton kernel
 was 0.45-0.87x. It is faster than JAX's
 Pallas `mha` and XLA at every shape. So `attention: pallas` runs this kernel on Hopper for the
 shapes it takes (pallas_kernels/attention.py), and the Triton kernel for everything else:
