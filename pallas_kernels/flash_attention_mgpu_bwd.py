@@ -12,7 +12,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention_mgpu import (  # noqa: F401
     LOG2E, _COMPUTE_WGS, _REGS_COMPUTE, _REGS_FUSED, _REGS_PRODUCER, _Cfg, _bcast, _cdiv, _div, _index_grid,
-    _kv_producer, _launch, _mma, _q_tile_index, _ring_producer, _tile_transforms, _zeros, dq_split)
+    _kv_producer, _launch, _mma, _q_tile_index, _ring_producer, _tile_transforms, _zeros)
+from pallas_kernels.flash_attention_mgpu_tiles import dq_split
 
 # ----------------------------------------------------------------------------------------------
 # backward: dQ

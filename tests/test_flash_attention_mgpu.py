@@ -78,6 +78,21 @@ def test_backward_choice():
     assert pick(4096, 64, True, dataclasses.replace(default_block_sizes(64), fused_bwd=True))
 
 
+def test_xla_determinism_flags_select_the_split_backward(monkeypatch):
+    """The fused backward's TMA adds have no fixed order; XLA's determinism switches turn it off
+    where it would be the default, and an explicit fused_bwd=True is still kept."""
+    from pallas_kernels.flash_attention_mgpu import _config, deterministic_requested
+    q = jnp.zeros((1, 4096, 4, 64), jnp.bfloat16)   # [b, s, h, d]: fused by default
+    for flags, want in (("", False), ("--xla_gpu_deterministic_ops=true", True),
+                        ("--xla_gpu_deterministic_ops=false", False),
+                        ("--xla_dump_to=/tmp/x --xla_gpu_exclude_nondeterministic_ops", True)):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert deterministic_requested() is want, flags
+        assert _config(q, q, q, True, None, None, False).bs.fused_bwd is (not want), flags
+    explicit = dataclasses.replace(default_block_sizes(64), fused_bwd=True)
+    assert _config(q, q, q, True, None, explicit, False).bs.fused_bwd
+
+
 def test_lowers_fp16_and_other_tiles_on_cpu():
     q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.float16)
     k = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.float16)
