@@ -29,7 +29,7 @@ an explicit `plgpu.wgmma` on shared-memory tiles fed by TMA copies, in the Flash
   By default (`use_fused_bwd`) it runs where it measured faster: d=64, full attention or causal
   S >= 4096. Its compute warpgroups take 240 registers (FlashAttention-3's split), the others 232.
   Its dQ is not bitwise repeatable (the adds have no fixed order); XLA_FLAGS with
-  --xla_gpu_deterministic_ops=true selects the split kernels instead (`deterministic_requested`).
+  --xla_gpu_deterministic_ops=true selects the split kernels instead (tiles.deterministic_requested).
 
 The backward kernels live in flash_attention_mgpu_bwd.py, the tiles (MgpuBlockSizes), their
 defaults and the fused-or-split choice in flash_attention_mgpu_tiles.py; this file has the forward,
@@ -72,8 +72,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.flash_attention import attention_with_saved_forward, named_residuals, output_grad_rowsum
 from pallas_kernels.flash_attention import flash_attention_reference  # noqa: F401  (the jnp reference)
 from pallas_kernels.flash_attention_mgpu_tiles import (  # noqa: F401  (re-exported: the tuning API)
-    _COMPUTE_WGS, _SMEM_BYTES, MgpuBlockSizes, default_block_sizes, deterministic_requested, dq_smem_bytes,
-    fused_bwd_smem_bytes, use_fused_bwd)
+    _COMPUTE_WGS, MgpuBlockSizes, default_block_sizes, resolve_block_sizes)
 
 LOG2E = math.log2(math.e)
 _REGS_COMPUTE, _REGS_PRODUCER = 232, 40  # 2*128*232 + 128*40 <= 64K registers per SM
@@ -377,22 +376,7 @@ def _config(q, k, v, causal, sm_scale, block_sizes, interpret) -> _Cfg:
         raise ValueError(f"{head_dim=} must be 64 or 128")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k, v must all be bfloat16 or all float16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    bs = block_sizes or default_block_sizes(head_dim)
-    if bs.fused_bwd is None:
-        fused = use_fused_bwd(bs, head_dim, seq_len, bool(causal)) and not deterministic_requested()
-        bs = dataclasses.replace(bs, fused_bwd=fused)
-    if not bs.fused_bwd and (need := dq_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
-        raise ValueError(f"the dQ kernel with block_q_dq={bs.block_q_dq}, block_kv_dq={bs.block_kv_dq}, "
-                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
-                         f"(> {_SMEM_BYTES}); use block_kv_dq=64 or num_stages_bwd=1")
-    if bs.fused_bwd and (need := fused_bwd_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
-        raise ValueError(f"fused_bwd with block_kv_dkv={bs.block_kv_dkv}, block_q_dkv={bs.block_q_dkv}, "
-                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
-                         f"(> {_SMEM_BYTES}); use smaller tiles (d=128: block_q_dkv=64) or fused_bwd=False")
-    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
-        blk = getattr(bs, name)
-        if seq_len % blk:
-            raise ValueError(f"seq_len={seq_len} must be a multiple of {name}={blk}")
+    bs = resolve_block_sizes(block_sizes, head_dim, seq_len, bool(causal))
     sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
     return _Cfg(batch, seq_len, heads, kv_heads, head_dim, jnp.dtype(q.dtype).name, bool(causal), sm_scale, bs)
 

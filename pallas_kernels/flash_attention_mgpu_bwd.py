@@ -22,7 +22,8 @@ from pallas_kernels.flash_attention_mgpu_tiles import dq_split
 def _dq_call(q, k, v, do, lse, out, cfg: _Cfg):
     """dQ, and delta = rowsum(dO * O) [b, h, s] fp32 for the dK/dV kernel: each compute warpgroup
     sums its rows from the dO tile it loads anyway and one O tile, which saves the XLA fusion that
-    computed delta before the kernels (0.9 ms of a llama3_1b step, session 7's profile)."""
+    computed delta before the kernels (0.9 ms of a llama3_1b step on the split kernels, session 7's
+    profile; that step now runs the fused backward, which still takes delta from XLA)."""
     bs = cfg.bs
     b_, s_, h_, d_ = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim
     dtype = q.dtype

@@ -117,3 +117,26 @@ def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
     if head_dim == 64:
         return MgpuBlockSizes(block_q_dkv=128, block_kv_dq=128)
     return MgpuBlockSizes()   # block_kv_dq=128 does not fit beside the dQ kernel's O tile (dq_smem_bytes)
+
+
+def resolve_block_sizes(block_sizes: MgpuBlockSizes | None, head_dim: int, seq_len: int,
+                        causal: bool) -> MgpuBlockSizes:
+    """The tiles a call runs: the default for head_dim when None, `fused_bwd=None` decided (the
+    split kernels when XLA is asked for determinism), then one clear error for tiles that do not
+    fit in shared memory or do not divide seq_len, before Mosaic would fail on them."""
+    bs = block_sizes or default_block_sizes(head_dim)
+    if bs.fused_bwd is None:
+        fused = use_fused_bwd(bs, head_dim, seq_len, causal) and not deterministic_requested()
+        bs = dataclasses.replace(bs, fused_bwd=fused)
+    if not bs.fused_bwd and (need := dq_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
+        raise ValueError(f"the dQ kernel with block_q_dq={bs.block_q_dq}, block_kv_dq={bs.block_kv_dq}, "
+                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
+                         f"(> {_SMEM_BYTES}); use block_kv_dq=64 or num_stages_bwd=1")
+    if bs.fused_bwd and (need := fused_bwd_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
+        raise ValueError(f"fused_bwd with block_kv_dkv={bs.block_kv_dkv}, block_q_dkv={bs.block_q_dkv}, "
+                         f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
+                         f"(> {_SMEM_BYTES}); use smaller tiles (d=128: block_q_dkv=64) or fused_bwd=False")
+    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
+        if seq_len % (blk := getattr(bs, name)):
+            raise ValueError(f"seq_len={seq_len} must be a multiple of {name}={blk}")
+    return bs

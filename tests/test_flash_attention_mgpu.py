@@ -81,7 +81,8 @@ def test_backward_choice():
 def test_xla_determinism_flags_select_the_split_backward(monkeypatch):
     """The fused backward's TMA adds have no fixed order; XLA's determinism switches turn it off
     where it would be the default, and an explicit fused_bwd=True is still kept."""
-    from pallas_kernels.flash_attention_mgpu import _config, deterministic_requested
+    from pallas_kernels.flash_attention_mgpu import _config
+    from pallas_kernels.flash_attention_mgpu_tiles import deterministic_requested
     q = jnp.zeros((1, 4096, 4, 64), jnp.bfloat16)   # [b, s, h, d]: fused by default
     for flags, want in (("", False), ("--xla_gpu_deterministic_ops=true", True),
                         ("--xla_gpu_deterministic_ops=false", False),
