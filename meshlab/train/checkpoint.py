@@ -197,3 +197,89 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path} not found")
     return json.loads(path.read_text())
+
+
+# -- serving: parameters only, and the run's tokenizer ------------------------------------------
+
+def restore_params(directory: str | os.PathLike, abstract_params, step: Optional[int] = None):
+    """(params, meta) of a run's checkpoint without the optimizer state, placed as `abstract_params`
+    (ShapeDtypeStructs with shardings: one device, or a serving mesh) says.
+
+    Read-only: a damaged step is skipped (never moved), nothing is written. The params' part of the
+    fingerprint written at save time is checked: the state's leaves are ordered opt, params, step
+    (loss_scale first under fp16), so the params are the rows just before the last.
+    """
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no checkpoint directory; train the run first (its checkpoints "
+                              "are written at the end and every checkpoint.every steps)")
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / COMMIT_MARKER).exists())
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"no complete checkpoint for step {step} in {directory}; complete steps: "
+                                  f"{steps or 'none'}")
+        steps = [step]
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    mgr = ocp.CheckpointManager(directory, item_names=("state", "meta"),
+                                options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    errors = []
+    try:
+        for s in reversed(steps):
+            try:
+                return _restore_params_one(mgr, s, abstract_params)
+            except Exception as e:  # noqa: BLE001 - any failure means this step is unusable; try the previous
+                errors.append(f"step {s}: {_short(e)}")
+                _log(f"step {s} cannot be restored for serving ({_short(e)}); trying the previous one")
+    finally:
+        mgr.close()
+    raise CheckpointError(f"no checkpoint in {directory} could be restored: {'; '.join(errors)}")
+
+
+def _restore_params_one(mgr, step: int, abstract_params):
+    target = {"params": abstract_params}
+    got = mgr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                     partial_restore=True),
+        meta=ocp.args.JsonRestore()))
+    params, meta = got["state"]["params"], got["meta"]
+    if meta is None or "fingerprint" not in meta:
+        raise CheckpointError("its meta item is missing")
+    n = len(jax.tree.leaves(params))
+    want = np.asarray(meta["fingerprint"], np.float64)[-n - 1:-1]
+    have = np.asarray(jax.device_get(fingerprint(params)), np.float64)
+    if want.shape != have.shape or not np.allclose(have, want, rtol=_FINGERPRINT_RTOL, atol=1e-6):
+        raise CheckpointError("its parameters do not match the fingerprint written at save time")
+    return params, meta
+
+
+# Files of a tokenizer directory that serving reads (the vocabulary; the chat template and special tokens).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_META = "tokenizer_meta.json"
+
+
+def write_run_tokenizer(corpus: str, run_dir: str | os.PathLike) -> None:
+    """Record the run's tokenizer in its directory, so serving needs only the run directory:
+    `tokenizer_meta.json` ({"tokenizer": "byte" | "tokenizer.json", "eod_id", "vocab_size"}) and, for a
+    corpus prepared with a tokenizer.json, a copy of it (and of its tokenizer_config.json, if any).
+    A corpus without meta.json is taken as byte tokens, as the training data loader does."""
+    run_dir = Path(run_dir)
+    meta = {"tokenizer": "byte", "eod_id": 256, "vocab_size": 257}
+    corpus_meta = Path(corpus) / "meta.json"
+    if corpus != "stdlib" and corpus_meta.is_file():
+        cm = json.loads(corpus_meta.read_text())
+        meta.update({k: cm[k] for k in ("eod_id", "vocab_size") if k in cm})
+        spec = cm.get("tokenizer", "byte")
+        if spec != "byte":
+            src = Path(spec)
+            src = src / "tokenizer.json" if src.is_dir() else src
+            if not src.is_file():
+                _log(f"the corpus {corpus} was tokenized with {spec}, which is not there now; serving this run "
+                     f"needs a copy of that tokenizer.json in {run_dir}")
+                return
+            for name in TOKENIZER_FILES:
+                f = src if name == "tokenizer.json" else src.with_name(name)
+                if f.is_file():
+                    (run_dir / name).write_bytes(f.read_bytes())
+            meta["tokenizer"] = "tokenizer.json"
+    (run_dir / TOKENIZER_META).write_text(json.dumps(meta, indent=1))

@@ -25,7 +25,7 @@ from meshlab.mesh import make_mesh, format_sizes
 from meshlab.plan import account
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
-from meshlab.train.checkpoint import Checkpointer
+from meshlab.train.checkpoint import Checkpointer, write_run_tokenizer
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
@@ -235,6 +235,7 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_tokenizer(cfg.data.corpus, run_dir)   # serving reads the tokenizer from the run dir
     distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     if write and not cfg.checkpoint.resume:
         set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
