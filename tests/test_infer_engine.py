@@ -99,7 +99,7 @@ def test_continuous_batching_equals_alone(tiny, engine):
     for r, sp in zip(reqs, sps):
         if sp.temperature == 0:
             assert_greedy_matches(fwd, params, r.prompt, r.output)
-    assert not engine.sched.running() and len(engine.sched.pool.free) == engine.sched.pool.total
+    assert not engine.sched.running() and engine.sched.pool.available == engine.sched.pool.total
 
 
 def test_stop_token_and_bad_requests(tiny, engine):

@@ -1,29 +1,17 @@
-"""Compiled serving programs (prefill/decode over a KV cache) and the static-batch generator.
+"""The serving engines: `Engine` (continuous batching over the paged KV cache) and
+`ContiguousGenerator` (a fixed batch of prompts over a contiguous cache, the simple path).
 
-One program shape covers prefill and decode: a step feeds t tokens per row ([b, t], padding
-marked invalid), writes their K/V, and samples the next token from the last valid position of
-each row. Prefill is that step over prompt chunks of `chunk` tokens (so a long prompt costs
-several steps of bounded size, never a program per length); decode is t = 1. `decode_loop` runs
-n decode steps inside one device call (a `lax.scan`, sampling on device) so that host
-round-trips do not set the speed. Compiled shapes (the buckets): t in {1, chunk}, decode n in
-{steps_per_call}, and greedy-only or not (the host knows whether any row samples, so the decode
-program holds no device-side branch); the batch is fixed per engine. Nothing recompiles per request.
+The compiled programs and the serving weights live in `meshlab.infer.programs`, the scheduling
+policy (rows, pages, prefix cache, token budget) in `meshlab.infer.scheduler`; `Engine` turns
+each scheduled step into one device call: a token-packed step when some row prefills (decode
+tokens and prompt-chunk rows in one stream, no padding rows), else `steps_per_call` decode
+steps in one call over the decode rows only. Host work per step is numpy over the rows of that
+step; the page table is kept by the scheduler and changed only where pages change; the only
+device-to-host transfer is the sampled tokens (and logprobs when asked).
 
-Serving weights (`serving_params`, once at load): matrices in the compute dtype (a training
-checkpoint's fp32 masters would otherwise be cast inside every step: 4 bytes read + 2 written + 2
-read per weight per token), and with layers="split" (the default) the stacked [n_layers, ...]
-weights become one buffer per layer, run by a Python loop over the layers. A decode step at small
-batch reads every weight once and is limited by HBM bandwidth; XLA copies a slice of a stacked
-weight into a temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's
-static slice alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and
-w_gate|w_up per layer (two GEMM launches instead of five; XLA's own dot merger would concatenate
-them at run time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused"
-whose decode tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches
-(models/llama.py Block.decode_step; slower than "fused" today, docs/benchmarks.md).
-layers="scan" | "unroll" keep the stacked params.
-
-`ContiguousGenerator` is the simple path: a fixed batch of prompts, a contiguous cache. The
-continuous-batching engine over the paged cache is `meshlab.infer.scheduler.Engine`.
+ContiguousGenerator: one program shape covers prefill and decode: a step feeds t tokens per row
+([b, t], padding marked invalid), prefill in chunks of `chunk` tokens, decode t = 1 with
+`decode_loop` running n steps per call; compiled shapes t in {1, chunk}, n in {steps_per_call}.
 """
 from __future__ import annotations
 
@@ -37,96 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import kv_cache
-from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays, sample
+from meshlab.infer.programs import (CONCATENATED, FUSED, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
+                                    make_engine_programs, make_programs, serving_params)
+from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
-
-
-LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
-CONCATENATED = ("fused", "kernels")     # modes whose layers carry wq|wk|wv and w_gate|w_up concatenated
-FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
-
-
-def _fuse(layer: dict):
-    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer."""
-    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
-    rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
-            for k, v in layer.items()}
-    return rest, fused
-
-
-def _unfused_placeholders(md, rest: dict) -> dict:
-    """Fill the fused-away leaves with abstract values: nnx.merge needs every parameter, none is read."""
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), md.abstract["layers"])
-    return {k: ({**abstract[k], **v} if isinstance(v, dict) else v) for k, v in rest.items()}
-
-
-def serving_params(md, params, layers: str = "split"):
-    """Params as the programs of `make_programs(..., layers=layers)` take them (see the module doc).
-
-    Matrices (ndim >= 2) are cast to the compute dtype, which the model would do per step anyway:
-    the tokens are the same. 1-D leaves (norm scales, read in fp32) stay as stored. Under a rule
-    file, each slice keeps its weight's sharding (propagated from the stacked array). The caller
-    may drop its own `params` afterwards: split weights are new buffers.
-    """
-    if layers not in LAYER_MODES:
-        raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
-    dt = jnp.dtype(md.cfg.dtype)
-    cast = lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
-
-    def prepare(p):
-        p = jax.tree.map(cast, p)
-        if layers in ("split",) + CONCATENATED:
-            p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
-        if layers in CONCATENATED:
-            p["layers"] = [_fuse(one) for one in p["layers"]]
-        return p
-    return jax.jit(prepare)(params)
-
-
-def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
-    """The un-jitted step: (params, cache, seen, tokens, positions, valid, last, table, rows, counters,
-    greedy) -> (next token [b], cache, seen). `seen` marks every fed token for the repetition penalty;
-    params come from `serving_params(md, ., layers)`."""
-    vocab = md.cfg.vocab_size
-
-    def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
-        if layers in ("split",) + CONCATENATED:   # the stacked layers are only a structure here: bind abstract ones
-            model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
-            if layers in CONCATENATED:
-                per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in per_layer]
-        else:
-            model, per_layer = md.bind(params), None
-        if layout == "contiguous":
-            attend = kv_cache.contiguous_attend(positions, valid)
-        else:
-            attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
-        h, cache = model.cached(tokens, positions, cache, attend, unroll=layers == "unroll",
-                                layers=per_layer, kernels=layers == "kernels")   # [b, t, d]
-        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
-        logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
-        b = tokens.shape[0]
-        seen = seen.at[jnp.arange(b)[:, None], jnp.where(valid, tokens, vocab)].set(True, mode="drop")
-        return sample(logits, rows, counters, seen, greedy), cache, seen
-    return step
-
-
-def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
-    """(step, decode_loop) jitted, cache and seen donated (updated in place). Both take a static
-    `greedy=all_greedy(rows)` (None: decide on device)."""
-    step = _step_fn(md, layout, impl, interpret, layers)
-
-    def decode_loop(params, cache, seen, tok, pos, active, table, rows, counters, n, greedy=None):
-        def body(carry, _):
-            cache, seen, tok, pos, counters = carry
-            nxt, cache, seen = step(params, cache, seen, tok[:, None], pos[:, None], active[:, None],
-                                    jnp.zeros_like(pos), table, rows, counters, greedy)
-            return (cache, seen, nxt, pos + 1, counters + 1), nxt
-        (cache, seen, *_), toks = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
-        return toks, cache, seen                                                    # toks [n, b]
-
-    return (jax.jit(step, donate_argnums=(1, 2), static_argnames=("greedy",)),
-            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
 def reset_rows(seen, rows_mask):
@@ -225,21 +128,33 @@ class ContiguousGenerator:
 class Engine:
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
-    Thread use: `add_request` may be called from any thread (it validates, then queues into an
-    inbox); `step`/`run` belong to one engine thread. `on_event(req, new_tokens, finished)` is
-    called on the engine thread.
+    Thread use: `add_request` and `abort` may be called from any thread (they go through queues
+    the engine thread drains); `step`/`run` belong to one engine thread, which also calls
+    `on_event(req, new_tokens, finished)`.
+
+    Device calls and their compiled shapes (nothing compiles per request):
+      every row decodes  decode_loop over the decode rows, b in DECODE buckets (powers of two up
+                         to max_seqs), n = steps_per_call steps per call (1 when pages for n
+                         are short);
+      some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, min(16, max_seqs),
+                         max_seqs} decode tokens and k in PREFILL_ROWS buckets (powers of two up
+                         to max_prefill_rows) chunk rows of `chunk` tokens;
+    each with static greedy / logprobs flags (from the rows in the step).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "auto", interpret: bool = False,
-                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto"):
+                 detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
+                 prefix_cache: bool = True):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
+        if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
+            raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
         self.md, self.rules, self.mesh = md, rules, mesh
-        self.chunk, self.steps_per_call, self.detokenize = chunk, steps_per_call, detokenize
+        self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
-        self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, chunk, max_step_tokens)
+        self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
         if impl == "auto":
             # The Pallas paged kernel on one GPU: 862 vs 720 tokens/s at batch 1 and 21.5k vs 12.2k at
             # batch 64 on the H200 (docs/benchmarks.md, Decode). A custom call does not shard, and on
@@ -253,15 +168,25 @@ class Engine:
             # inside the attention kernel (921 vs 873 tokens/s at batch 1, H200). It concatenates
             # weights, so a tensor-sharded mesh keeps split.
             layers = "fused" if mesh is None or mesh.size == 1 else "split"
-        self.impl = impl
-        self.step_fn, self.loop_fn = make_programs(md, "paged", impl, interpret, layers)
+        self.impl, self.layers = impl, layers
+        self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers)
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
+        self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
+        pow2 = lambda top: sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
+        self.DECODE, self.PREFILL_ROWS = pow2(max_seqs), pow2(self.sched.max_prefill_rows)
+        self.MIXED_DECODE = sorted({0, min(16, max_seqs), max_seqs})
+        self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
+        self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
         self.inbox: queue.Queue = queue.Queue()
+        self.aborts: queue.Queue = queue.Queue()
+        self._programs: set = set()
         self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
-                      "device_calls": 0, "preemptions": 0, "busy_s": 0.0}
+                      "device_calls": 0, "preemptions": 0, "busy_s": 0.0, "prefill_tokens": 0,
+                      "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
+                      "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -280,17 +205,33 @@ class Engine:
         self.inbox.put(req)
         return req
 
-    def has_work(self) -> bool:
-        return self.sched.has_work() or not self.inbox.empty()
+    def abort(self, req: Request) -> None:
+        """Cancel a queued or running request (any thread): the engine thread frees its row and
+        pages at its next step and calls on_event(req, [], True) with finish_reason "abort"."""
+        self.aborts.put(req)
 
-    def _emit(self, req, tokens) -> bool:
-        """Append sampled tokens until a stop; True when the request finished."""
+    def has_work(self) -> bool:
+        return self.sched.has_work() or not self.inbox.empty() or not self.aborts.empty()
+
+    def _finish(self, req) -> None:
+        req.t_done = time.perf_counter()
+        self.sched.release(req)
+        self.stats["requests_finished"] += 1
+        self.stats["preemptions"] += req.preemptions
+
+    def _emit(self, req, tokens, logprobs=None) -> bool:
+        """Append sampled tokens until a stop; True when the request finished. logprobs: one
+        (logprob, top ids, top logprobs) per token when the step computed them."""
         new, cut = [], False
-        for t in tokens:
+        k = req.params.logprobs
+        for i, t in enumerate(tokens):
             if not req.output:
                 req.t_first = time.perf_counter()
             req.output.append(int(t))
             new.append(int(t))
+            if k is not None and logprobs is not None:
+                lp, ids, vals = logprobs[i]
+                req.logprobs.append((float(lp), {int(a): float(b) for a, b in zip(ids[:k], vals[:k])}))
             if int(t) in req.params.stop_token_ids:
                 req.finish_reason = "stop"
             elif self.detokenize and req.params.stop:
@@ -306,10 +247,7 @@ class Engine:
             req.text = self.detokenize(req.output)
         self.stats["generated_tokens"] += len(new)
         if req.finish_reason:
-            req.t_done = time.perf_counter()
-            self.sched.release(req)
-            self.stats["requests_finished"] += 1
-            self.stats["preemptions"] += req.preemptions
+            self._finish(req)
         if req.on_event:
             req.on_event(req, new, bool(req.finish_reason))
         return bool(req.finish_reason)
@@ -318,34 +256,30 @@ class Engine:
     def _admit(self):
         while not self.inbox.empty():
             self.sched.add(self.inbox.get_nowait())
-        admitted = self.sched.admit()
-        if admitted:
-            mask = np.zeros(self.sched.max_seqs, bool)
-            mask[[r.slot for r in admitted]] = True
-            self.seen = reset_rows(self.seen, mask)
-            self.stats["prompt_tokens"] += sum(len(r.prompt) for r in admitted if not r.preemptions)
+        while not self.aborts.empty():
+            req = self.aborts.get_nowait()
+            if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):
+                req.finish_reason = "abort"
+                self._finish(req)
+                self.stats["aborted"] += 1
+                if req.on_event:
+                    req.on_event(req, [], True)
+        for r in self.sched.admit():
+            p = r.params
+            for key, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
+                               ("penalty", p.repetition_penalty), ("seed", p.seed)):
+                self.slot_rows[key][r.slot] = value
+            self.slot_logprobs[r.slot] = -1 if p.logprobs is None else p.logprobs
+            if p.repetition_penalty != 1.0:
+                self.seen = self._forget(self.seen, r.slot)
+            self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
+            self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens
 
-    def _rows(self):
-        reqs = self.sched.rows
-        counters = np.array([len(r.output) if r else 0 for r in reqs], np.int32)
-        return row_arrays([r.params if r else None for r in reqs]), counters
-
-    def _multi_step(self) -> int:
-        """Decode steps to run in one call: >1 only when every row decodes and pages are free for all."""
-        s, running = self.sched, self.sched.running()
-        if self.steps_per_call <= 1 or any(len(r.tokens) - r.cached != 1 for r in running):
-            return 1
-        if s.waiting and None in s.rows:
-            return 1                                   # admit the waiting request at the next step
-        n = min([self.steps_per_call] + [r.params.max_tokens - len(r.output) for r in running])
-        if n < self.steps_per_call:
-            return 1
-        need = sum(s._pages_for(r, r.cached + n) for r in running)
-        if need > len(s.pool.free):
-            return 1
-        for r in running:
-            r.pages += s.pool.take(s._pages_for(r, r.cached + n))
-        return n
+    def _flags(self, slots) -> tuple[bool, bool]:
+        """(greedy, logprobs) for the rows in a step: argmax suffices / some row wants logprobs."""
+        rows = self.slot_rows
+        greedy = not (np.any(rows["temperature"][slots] > 0) or np.any(rows["penalty"][slots] != 1.0))
+        return bool(greedy), bool(np.any(self.slot_logprobs[slots] >= 0))
 
     def step(self) -> None:
         """Admit, feed one planned step (or n decode steps in one call), emit tokens, free finished rows."""
@@ -353,56 +287,115 @@ class Engine:
         self._admit()
         if not self.sched.running():
             return
-        n = self._multi_step()
-        with placement(self.rules, self.mesh):
-            if n > 1:
-                self._run_decode_loop(n)
-            else:
-                self._run_step()
+        decodes, prefills = self.sched.plan()
+        if decodes or prefills:
+            with placement(self.rules, self.mesh):
+                if prefills:
+                    self._packed(decodes, prefills, t0)
+                else:
+                    n = self.steps_per_call
+                    if n > 1 and not self.sched.reserve_ahead(decodes, n):
+                        n = 1
+                    self._decode(decodes, n, t0)
         self.stats["busy_s"] += time.perf_counter() - t0
 
-    def _run_decode_loop(self, n: int):
-        s = self.sched
-        b = s.max_seqs
-        tok = np.array([r.tokens[-1] if r else 0 for r in s.rows], np.int32)
-        pos = np.array([r.cached if r else 0 for r in s.rows], np.int32)
-        active = np.array([r is not None for r in s.rows])
-        rows, counters = self._rows()
-        toks, self.cache, self.seen = self.loop_fn(self.params, self.cache, self.seen, tok, pos, active,
-                                                   s.page_table(), rows, counters, n=n, greedy=all_greedy(rows))
-        toks = np.asarray(toks)
-        self.stats["steps"] += n
+    def _call(self, key, fn, *args, **kw):
+        """One device call, its outputs on the host; compiles and host/device time counted."""
+        first = key not in self._programs
+        t_call = time.perf_counter()
+        out, self.cache, self.seen = fn(self.params, self.cache, self.seen, *args, **kw)
+        out = jax.device_get(out)
+        t_sync = time.perf_counter()
+        if first:
+            self._programs.add(key)
+            self.stats["compiles"] += 1
+            self.stats["compile_s"] += t_sync - t_call
+        else:
+            self.stats["device_wait_s"] += t_sync - t_call
         self.stats["device_calls"] += 1
-        for r in list(s.running()):
-            r.cached += n
-            self._emit(r, toks[:, r.slot])
-        assert b == toks.shape[1]
+        return out, t_call, t_sync
 
-    def _run_step(self):
-        s = self.sched
-        feed = s.plan()
-        if not feed:
-            return
-        b = s.max_seqs
-        t = 1 if all(v == 1 for v in feed.values()) else self.chunk
-        tokens, positions = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-        valid, last = np.zeros((b, t), bool), np.zeros(b, np.int32)
-        for slot, n in feed.items():
-            r = s.rows[slot]
-            tokens[slot, :n] = r.tokens[r.cached:r.cached + n]
-            positions[slot, :n] = np.arange(r.cached, r.cached + n)
-            valid[slot, :n], last[slot] = True, n - 1
-        rows, counters = self._rows()
-        tok, self.cache, self.seen = self.step_fn(self.params, self.cache, self.seen, tokens, positions, valid,
-                                                  last, s.page_table(), rows, counters, greedy=all_greedy(rows))
-        tok = np.asarray(tok)
+    def _row_inputs(self, slots):
+        """Sampler settings and counters of the rows at `slots` (padding rows: slot 0's, ignored)."""
+        return {k: v[slots] for k, v in self.slot_rows.items()}
+
+    def _decode(self, decodes, n: int, t0: float):
+        s, m = self.sched, len(decodes)
+        b = next(x for x in self.DECODE if x >= m)
+        slots = np.zeros(b, np.int32)
+        slots[:m] = [r.slot for r in decodes]
+        tok, pos, limit, counters = (np.zeros(b, np.int32) for _ in range(4))
+        tok[:m] = [r.last_token() for r in decodes]
+        pos[:m] = [r.cached for r in decodes]
+        limit[:m] = [r.end for r in decodes]
+        counters[:m] = [len(r.output) for r in decodes]
+        greedy, logprobs = self._flags(slots[:m])
+        seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
+        out, t_call, t_sync = self._call(("decode", b, n, greedy, logprobs), self.loop_fn, tok, pos, limit,
+                                         s.table[slots], seen_slots, self._row_inputs(slots), counters,
+                                         n=n, greedy=greedy, logprobs=logprobs)
+        self.stats["steps"] += n
+        self.stats["decode_calls"] += 1
+        toks = out["tokens"]                                                          # [n, b]
+        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
+        for i, r in enumerate(decodes):
+            r.cached = min(r.cached + n, r.end)
+            lps = list(zip(out["logprob"][:, i], out["top_id"][:, i], out["top_logprob"][:, i])) if logprobs else None
+            self._emit(r, toks[:, i], lps)
+        self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
+
+    def _packed(self, decodes, prefills, t0: float):
+        s, ps, c = self.sched, self.sched.page_size, self.chunk
+        m = len(decodes)
+        nd = next(x for x in self.MIXED_DECODE if x >= m)
+        k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
+        t, r_out = nd + k * c, nd + k
+        num_pages = self.cache["k"].shape[1]
+        tokens, positions, write_off = (np.zeros(t, np.int32) for _ in range(3))
+        slot, write_page = np.full(t, s.max_seqs, np.int32), np.full(t, num_pages, np.int32)
+        out_idx, out_slot, counters = (np.zeros(r_out, np.int32) for _ in range(3))
+        dslots = np.array([r.slot for r in decodes], np.int32)
+        dpos = np.array([r.cached for r in decodes], np.int32)
+        tokens[:m] = [r.last_token() for r in decodes]
+        positions[:m], slot[:m], write_off[:m] = dpos, dslots, dpos % ps
+        write_page[:m] = s.table[dslots, dpos // ps]
+        dec_len = np.zeros(nd, np.int32)
+        dec_len[:m] = dpos + 1
+        dec_table = np.zeros((nd, s.max_pages), np.int32)
+        dec_table[:m] = s.table[dslots]
+        out_idx[:nd] = np.arange(nd)
+        out_slot[:m] = dslots
+        counters[:m] = [len(r.output) for r in decodes]
+        pre_table = np.zeros((k, s.max_pages), np.int32)
+        for j, (r, n) in enumerate(prefills):
+            base, pos = nd + j * c, np.arange(r.cached, r.cached + n, dtype=np.int32)
+            tokens[base:base + n] = r.slice(r.cached, r.cached + n)
+            positions[base:base + n], slot[base:base + n] = pos, r.slot
+            write_page[base:base + n], write_off[base:base + n] = s.table[r.slot, pos // ps], pos % ps
+            pre_table[j] = s.table[r.slot]
+            out_idx[nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
+        live = np.concatenate([dslots, np.array([r.slot for r, _ in prefills], np.int32)])
+        greedy, logprobs = self._flags(live)
+        packed = {"tokens": tokens, "positions": positions, "slot": slot, "write_page": write_page,
+                  "write_off": write_off, "dec_table": dec_table, "dec_len": dec_len, "pre_table": pre_table,
+                  "out_idx": out_idx}
+        out, t_call, t_sync = self._call(("packed", nd, k, greedy, logprobs), self.packed_fn, packed,
+                                         self._row_inputs(out_slot), counters, out_slot,
+                                         greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
-        self.stats["device_calls"] += 1
-        for slot, n in feed.items():
-            r = s.rows[slot]
+        self.stats["packed_calls"] += 1
+        lp = lambda i: [(out["logprob"][i], out["top_id"][i], out["top_logprob"][i])] if logprobs else None
+        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
+        for i, r in enumerate(decodes):
+            r.cached += 1
+            self._emit(r, [out["tokens"][i]], lp(i))
+        for j, (r, n) in enumerate(prefills):
             r.cached += n
-            if r.cached == len(r.tokens):
-                self._emit(r, [tok[slot]])
+            self.stats["prefill_tokens"] += n
+            s.register(r)
+            if r.cached == r.n_tokens:
+                self._emit(r, [out["tokens"][nd + j]], lp(nd + j))
+        self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
 
     # -- convenience ----------------------------------------------------------------------
     def run(self) -> None:

@@ -84,6 +84,53 @@ def contiguous_attend(positions, valid):
     return attend
 
 
+def gathered_attention(q, cache, layer, page_table, q_pos):
+    """q [b, t, h, d] at positions q_pos [b, t] over the pages page_table [b, max_pages] of the
+    stacked cache's `layer`, gathered into [b, max_pages * page_size, kvh, d] (XLA's path)."""
+    b, max_pages = page_table.shape
+    page_size, kvh, d = cache["k"].shape[2:]
+    seq_k = cache["k"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)    # [b, s, kvh, d]
+    seq_v = cache["v"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)
+    return dense_attention(q, seq_k, seq_v, q_pos)
+
+
+def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_table, impl: str = "xla",
+                  interpret: bool = False):
+    """attend() for a token-packed step: this step's T tokens as one stream [1, T], laid out as
+    n_dec decode tokens (one per sequence) then k prompt-chunk rows of `chunk` tokens (one
+    sequence per row, padding at its end): T = n_dec + k * chunk, shapes only (no flags).
+
+    positions [1, T]; write_page/write_off [T]: the cache slot of each token's k/v (write_page =
+    num_pages for padding: dropped); dec_table [n_dec, max_pages] and dec_len [n_dec] (tokens
+    cached, this one included; 0 = padding row); pre_table [k, max_pages]. Projections, MLPs
+    and the cache write run over the packed stream; attention splits it: the decode tokens
+    through the paged decode kernel (impl="pallas": reads pages in place) or the gather, the
+    chunk rows through the gather and dense causal attention over their sequence's pages.
+    """
+    n_dec, k_rows = dec_table.shape[0], pre_table.shape[0]
+
+    def attend(layer, q, k, v, cache):
+        t, h, d = q.shape[1:]
+        new = {name: constrain(cache[name].at[layer, write_page, write_off].set(x[0].astype(cache[name].dtype),
+                                                                               mode="drop"), PAGED_NAMES)
+               for name, x in (("k", k), ("v", v))}
+        outs = []
+        if n_dec:
+            qd = q[0, :n_dec]                                                             # [n_dec, h, d]
+            if impl in ("pallas", "pallas_unfused"):
+                from pallas_kernels.paged_attention import paged_attention
+                outs.append(paged_attention(qd, new["k"], new["v"], dec_table, dec_len, layer, interpret=interpret))
+            else:
+                outs.append(gathered_attention(qd[:, None], new, layer, dec_table, (dec_len - 1)[:, None])[:, 0])
+        if k_rows:
+            chunk = (t - n_dec) // k_rows
+            qp = q[0, n_dec:].reshape(k_rows, chunk, h, d)                                # [k, chunk, h, d]
+            pos = positions[0, n_dec:].reshape(k_rows, chunk)
+            outs.append(gathered_attention(qp, new, layer, pre_table, pos).reshape(k_rows * chunk, h, d))
+        return jnp.concatenate(outs)[None], new                                           # [1, T, h, d]
+    return attend
+
+
 def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False):
     """attend() for the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
 
@@ -112,11 +159,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
             o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths(), layer,   # layer read in place
                                 interpret=interpret)
             return o[:, None], new
-        b, max_pages = page_table.shape
-        kvh, d = k.shape[2], k.shape[3]
-        seq_k = new["k"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)  # [b, s, kvh, d]
-        seq_v = new["v"][layer][page_table].reshape(b, max_pages * page_size, kvh, d)
-        return dense_attention(q, seq_k, seq_v, positions), new
+        return gathered_attention(q, new, layer, page_table, positions), new
 
     def fused(layer, qkv, inv_freq, cache):
         """qkv [b, t, h + 2 kvh, d] before RoPE -> (o [b, t, h, d], cache). t == 1, or t == 2 at b == 1:

@@ -1,20 +1,22 @@
 """Continuous batching over the paged KV cache: requests join at any step and leave when done.
 
-Host bookkeeping only (numpy); the device programs come from `meshlab.infer.engine`.
+Host bookkeeping only (numpy); the device programs come from `meshlab.infer.programs`.
 
-A request's tokens are prompt + output; the cache holds the first `cached` of them. Each step
-feeds every running row its next uncached tokens: one token for a decoding row, up to `chunk`
-for a row still in its prompt, within a cap of `max_step_tokens` per step (decodes first, so a
-long prompt never stalls them; the rest of a prompt waits for the next step). When a row's fed
-tokens reach the end of its tokens, the sampled token is appended. Preemption is therefore just
-`cached = 0`: a preempted request re-feeds prompt + output when it is readmitted (recompute),
-and draws the same tokens because its random key counts its own output tokens.
+A request's tokens are prompt + output; the cache holds the first `cached` of them. A step
+feeds every decoding row (one uncached token) its token, then prompt chunks of up to `chunk`
+tokens to rows still in their prompt, oldest first, within `max_step_tokens` tokens per step
+and `max_prefill_rows` chunks (chunked prefill: decodes never wait behind a long prompt, and a
+long prompt costs several bounded steps). When a row's fed tokens reach the end of its tokens,
+the sampled token is appended. Preemption is `cached = 0` with the pages released: a preempted
+request re-feeds prompt + output when readmitted (recompute; its full pages usually come back
+from the prefix cache), and draws the same tokens because its random key counts its own
+output tokens.
 
-Queues: `waiting` (not admitted: no slot or not enough free pages; FIFO) and the running rows,
-which are in prefill while cached < len(tokens) - 1 and in decode after. Admission needs a free
-row and pages for the whole prompt + 1 token; a request that could never fit is refused when
-added. When decode needs a page and none is free, the most recently admitted request is
-preempted (its pages freed) and goes back to the front of `waiting`.
+Queues: `waiting` (FIFO) and the running rows. Admission needs a free row and pages for the
+whole prompt + 1 token, minus the pages found in the prefix cache (`meshlab.infer.pages`);
+a request that could never fit is refused when added. When decode needs a page and none is
+free, the most recently admitted request is preempted and goes back to the front of `waiting`.
+The page table [max_seqs, max_pages] is kept here and updated only where a row's pages change.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from meshlab.infer.pages import PagePool, page_keys
 from meshlab.infer.sampler import SamplingParams
 
 
@@ -33,7 +36,7 @@ class AdmissionError(ValueError):
     """A request that this engine can never serve (too long for the context or the cache)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     prompt: list
     params: SamplingParams
@@ -45,14 +48,36 @@ class Request:
     finish_reason: Optional[str] = None   # stop | length | abort
     text: str = ""                        # detokenized output (when the engine has a detokenizer)
     on_event: Optional[Callable] = None   # on_event(request, new_tokens: list[int], finished: bool)
+    # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
+    # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
+    logprobs: list = dataclasses.field(default_factory=list)
     t_arrival: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
     preemptions: int = 0
+    prefix_hit_tokens: int = 0            # prompt tokens found in the prefix cache (last admission)
+    keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
 
     @property
     def tokens(self):
         return self.prompt + self.output
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def end(self) -> int:
+        """Positions this request ever feeds: its last output token is sampled, never fed."""
+        return len(self.prompt) + self.params.max_tokens - 1
+
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def slice(self, start: int, stop: int) -> list:
+        if stop <= len(self.prompt):
+            return self.prompt[start:stop]
+        return self.tokens[start:stop]
 
     @property
     def metrics(self) -> dict:
@@ -60,34 +85,23 @@ class Request:
         n = len(self.output)
         tpot = (self.t_done - self.t_first) / (n - 1) if self.t_done and n > 1 else None
         return {"ttft_s": ttft, "tpot_s": tpot, "output_tokens": n, "prompt_tokens": len(self.prompt),
-                "preemptions": self.preemptions}
-
-
-class PagePool:
-    """Free list of cache pages. Page 0 is never handed out: unused page-table entries point at it."""
-
-    def __init__(self, num_pages: int):
-        self.free = collections.deque(range(1, num_pages))
-        self.total = num_pages - 1
-
-    def take(self, n: int) -> list:
-        if n > len(self.free):
-            raise MemoryError(f"need {n} pages, {len(self.free)} free")
-        return [self.free.popleft() for _ in range(n)]
-
-    def give(self, pages: list) -> None:
-        self.free.extend(pages)
+                "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens}
 
 
 class Scheduler:
-    """Decides each step's rows and tokens; owns slots, pages and the queues."""
+    """Decides each step's rows and tokens; owns slots, pages, the page table and the queues."""
 
     def __init__(self, max_seqs: int, num_pages: int, page_size: int, max_len: int, chunk: int,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, prefix_cache: bool = True):
         self.max_seqs, self.page_size, self.max_len, self.chunk = max_seqs, page_size, max_len, chunk
-        self.max_step_tokens = max_step_tokens or (max_seqs + chunk)
+        self.max_step_tokens = max_step_tokens or (max_seqs + 4 * chunk)
+        if self.max_step_tokens <= max_seqs:
+            raise ValueError(f"max_step_tokens={self.max_step_tokens} must exceed max_seqs={max_seqs}, or prompts "
+                             "could not progress while every row decodes")
+        self.max_prefill_rows = max(1, -(-(self.max_step_tokens - max_seqs) // chunk))
         self.max_pages = -(-max_len // page_size)
-        self.pool = PagePool(num_pages)
+        self.pool = PagePool(num_pages, prefix_cache)
+        self.table = np.zeros((max_seqs, self.max_pages), np.int32)
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -115,23 +129,49 @@ class Scheduler:
     def _pages_for(self, req: Request, tokens: int) -> int:
         return max(0, -(-tokens // self.page_size) - len(req.pages))
 
+    def _grow(self, req: Request, n: int) -> None:
+        start = len(req.pages)
+        req.pages += self.pool.take(n)
+        self.table[req.slot, start:len(req.pages)] = req.pages[start:]
+
+    def _prefix_hit(self, req: Request) -> list:
+        """Cached pages for req's prefix, never the page of its last token (recomputed for its logits).
+        Repetition-penalised requests compute everything: their seen-token mask is built by feeding."""
+        if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
+            return []
+        n = (req.n_tokens - 1) // self.page_size
+        return self.pool.lookup(page_keys(req.tokens, self.page_size, req.keys, n)[:n])
+
     def admit(self) -> list[Request]:
-        """Move waiting requests into free rows while pages for their prompt + 1 token are free."""
+        """Move waiting requests into free rows while pages for their tokens + 1 are free."""
         admitted = []
         while self.waiting and None in self.rows:
             req = self.waiting[0]
-            need = self._pages_for(req, len(req.tokens) + 1)
-            if need > len(self.pool.free):
+            hit = self._prefix_hit(req)
+            need = -(-(req.n_tokens + 1) // self.page_size) - len(hit)
+            if need + self.pool.unreferenced(hit) > self.pool.available:
                 break
             self.waiting.popleft()
-            req.pages += self.pool.take(need)
+            self.pool.acquire(hit)
+            req.pages, req.cached = list(hit), len(hit) * self.page_size
+            req.prefix_hit_tokens = req.cached
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req
+            self.table[req.slot, :len(hit)] = hit
+            self._grow(req, need)
             self._admit_order.append(req)
             admitted.append(req)
         return admitted
 
+    def register(self, req: Request) -> None:
+        """Offer req's computed full pages to the prefix cache (K/V known for positions < min(cached, tokens))."""
+        if not self.pool.prefix_cache or req.params.repetition_penalty != 1.0:
+            return
+        full = min(req.cached, req.n_tokens, len(req.pages) * self.page_size) // self.page_size
+        self.pool.register(req.pages[:full], page_keys(req.tokens, self.page_size, req.keys, full)[:full])
+
     def release(self, req: Request) -> None:
+        self.register(req)
         self.pool.give(req.pages)
         req.pages = []
         if req.slot >= 0:
@@ -139,6 +179,13 @@ class Scheduler:
         req.slot = -1
         if req in self._admit_order:
             self._admit_order.remove(req)
+
+    def remove_waiting(self, req: Request) -> bool:
+        try:
+            self.waiting.remove(req)
+            return True
+        except ValueError:
+            return False
 
     def preempt_one(self, keep: Request) -> Optional[Request]:
         """Free the newest running request's pages (not `keep` unless it is the only one); recompute later."""
@@ -153,29 +200,44 @@ class Scheduler:
         """Pages for `tokens` cached tokens of req, preempting others when short; False if req itself went."""
         while True:
             need = self._pages_for(req, min(tokens, self.max_len))
-            if need <= len(self.pool.free):
-                req.pages += self.pool.take(need)
+            if need <= self.pool.available:
+                self._grow(req, need)
                 return True
             if self.preempt_one(keep=req) is req:
                 return False
 
+    def reserve_ahead(self, reqs: list, n: int) -> bool:
+        """Pages for n more decode steps of every req (none taken unless all fit, no preemption)."""
+        need = [self._pages_for(r, min(r.cached + n, r.end)) for r in reqs]
+        if sum(need) > self.pool.available:
+            return False
+        for r, k in zip(reqs, need):
+            self._grow(r, k)
+        return True
+
     # -- one step -------------------------------------------------------------------------
-    def plan(self) -> dict[int, int]:
-        """Tokens to feed per row this step: decodes first (1 each), then prompt chunks within the cap."""
-        budget, feed = self.max_step_tokens, {}
-        running = sorted(self.running(), key=lambda r: len(r.tokens) - r.cached > 1)   # decodes first
-        for req in running:
-            n = min(len(req.tokens) - req.cached, self.chunk, budget)
-            if n <= 0 or req.slot < 0:
+    def plan(self) -> tuple[list, list]:
+        """(decoding requests, [(prefilling request, tokens to feed)]) for this step: every decode
+        first (one token each), then prompt chunks, oldest request first, within the step budget."""
+        decodes = [r for r in self._admit_order if r.n_tokens - r.cached == 1]
+        for req in decodes:
+            if req.slot >= 0:
+                self.reserve(req, req.cached + 1)
+        decodes = [r for r in decodes if r.slot >= 0]
+        budget, prefills = self.max_step_tokens - len(decodes), []
+        for req in list(self._admit_order):
+            left = req.n_tokens - req.cached
+            if left <= 1 or req.slot < 0:
                 continue
+            n = min(left, self.chunk, budget)
+            if n <= 0 or len(prefills) == self.max_prefill_rows:
+                break
             if not self.reserve(req, req.cached + n):
                 continue                                   # req itself was preempted
-            feed[req.slot] = n
+            prefills.append((req, n))
             budget -= n
-        return {s: n for s, n in feed.items() if self.rows[s] is not None}
+        live = {id(r) for r in self._admit_order}
+        return ([r for r in decodes if id(r) in live], [(r, n) for r, n in prefills if id(r) in live])
 
     def page_table(self) -> np.ndarray:
-        table = np.zeros((self.max_seqs, self.max_pages), np.int32)
-        for r in self.running():
-            table[r.slot, :len(r.pages)] = r.pages
-        return table
+        return self.table

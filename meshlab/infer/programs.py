@@ -1,0 +1,196 @@
+"""The compiled serving programs and the weights they take.
+
+Serving weights (`serving_params`, once at load): matrices in the compute dtype (a training
+checkpoint's fp32 masters would otherwise be cast inside every step: 4 bytes read + 2 written + 2
+read per weight per token), and with layers="split" the stacked [n_layers, ...] weights become
+one buffer per layer, run by a Python loop over the layers. A decode step at small batch reads
+every weight once and is limited by HBM bandwidth; XLA copies a slice of a stacked weight into a
+temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's static slice
+alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and w_gate|w_up per
+layer (two GEMM launches instead of five; XLA's own dot merger would concatenate them at run
+time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused" whose decode
+tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches (models/llama.py
+Block.decode_step; slower than "fused" today, docs/benchmarks.md). layers="scan" | "unroll"
+keep the stacked params.
+
+Programs:
+  make_programs          (step, decode_loop) over a fixed batch [b, t] (the contiguous generator
+                         and the decode microbenchmark): prefill chunks and decode share one shape
+                         per t; decode_loop runs n steps in one call (a lax.scan, sampling on device).
+  make_engine_programs   (packed_step, decode_loop) for the continuous-batching engine:
+    packed_step  one stream of T tokens: n_dec decode tokens, then k prompt-chunk rows of `chunk`
+                 tokens (kv_cache.packed_attend), so the GEMMs see only real rows (a [max_seqs,
+                 chunk] grid would run every row at chunk width whenever any row prefills); the LM
+                 head and sampler run on the last token of each row only.
+    decode_loop  n decode steps over the compacted decode rows [b] (b a bucket, rows padded),
+                 each row fed while its position is below its own limit (rows that end mid-call
+                 stop writing; their extra samples are dropped on the host).
+  Both take static `greedy` (no row samples or penalises: argmax only, the seen-token mask
+  untouched) and `logprobs` (return the chosen token's log-softmax and the TOP_LOGPROBS best).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshlab.infer import kv_cache
+from meshlab.infer.sampler import sample
+
+TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's limit)
+
+
+LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
+CONCATENATED = ("fused", "kernels")     # modes whose layers carry wq|wk|wv and w_gate|w_up concatenated
+FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
+
+
+def _fuse(layer: dict):
+    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer."""
+    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
+    rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
+            for k, v in layer.items()}
+    return rest, fused
+
+
+def _unfused_placeholders(md, rest: dict) -> dict:
+    """Fill the fused-away leaves with abstract values: nnx.merge needs every parameter, none is read."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), md.abstract["layers"])
+    return {k: ({**abstract[k], **v} if isinstance(v, dict) else v) for k, v in rest.items()}
+
+
+def serving_params(md, params, layers: str = "split"):
+    """Params as the programs of `make_programs(..., layers=layers)` take them (see the module doc).
+
+    Matrices (ndim >= 2) are cast to the compute dtype, which the model would do per step anyway:
+    the tokens are the same. 1-D leaves (norm scales, read in fp32) stay as stored. Under a rule
+    file, each slice keeps its weight's sharding (propagated from the stacked array). The caller
+    may drop its own `params` afterwards: split weights are new buffers.
+    """
+    if layers not in LAYER_MODES:
+        raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
+    dt = jnp.dtype(md.cfg.dtype)
+    cast = lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    def prepare(p):
+        p = jax.tree.map(cast, p)
+        if layers in ("split",) + CONCATENATED:
+            p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
+        if layers in CONCATENATED:
+            p["layers"] = [_fuse(one) for one in p["layers"]]
+        return p
+    return jax.jit(prepare)(params)
+
+
+def _bind(md, params, layers: str):
+    """(model, per-layer params or None) for params from serving_params(md, ., layers)."""
+    if layers in ("split",) + CONCATENATED:   # the stacked layers are only a structure here: bind abstract ones
+        model, per_layer = md.bind(dict(params, layers=md.abstract["layers"])), params["layers"]
+        if layers in CONCATENATED:
+            per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in per_layer]
+        return model, per_layer
+    return md.bind(params), None
+
+
+def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+    """The un-jitted step: (params, cache, seen, tokens, positions, valid, last, table, rows, counters,
+    greedy) -> (next token [b], cache, seen). `seen` marks every fed token for the repetition penalty;
+    params come from `serving_params(md, ., layers)`."""
+    vocab = md.cfg.vocab_size
+
+    def step(params, cache, seen, tokens, positions, valid, last, table, rows, counters, greedy=None):
+        model, per_layer = _bind(md, params, layers)
+        if layout == "contiguous":
+            attend = kv_cache.contiguous_attend(positions, valid)
+        else:
+            attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
+        h, cache = model.cached(tokens, positions, cache, attend, unroll=layers == "unroll",
+                                layers=per_layer, kernels=layers == "kernels")   # [b, t, d]
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
+        logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
+        b = tokens.shape[0]
+        seen = seen.at[jnp.arange(b)[:, None], jnp.where(valid, tokens, vocab)].set(True, mode="drop")
+        return sample(logits, rows, counters, seen, greedy), cache, seen
+    return step
+
+
+def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+    """(step, decode_loop) jitted, cache and seen donated (updated in place). Both take a static
+    `greedy=all_greedy(rows)` (None: decide on device)."""
+    step = _step_fn(md, layout, impl, interpret, layers)
+
+    def decode_loop(params, cache, seen, tok, pos, active, table, rows, counters, n, greedy=None):
+        def body(carry, _):
+            cache, seen, tok, pos, counters = carry
+            nxt, cache, seen = step(params, cache, seen, tok[:, None], pos[:, None], active[:, None],
+                                    jnp.zeros_like(pos), table, rows, counters, greedy)
+            return (cache, seen, nxt, pos + 1, counters + 1), nxt
+        (cache, seen, *_), toks = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+        return toks, cache, seen                                                    # toks [n, b]
+
+    return (jax.jit(step, donate_argnums=(1, 2), static_argnames=("greedy",)),
+            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
+
+
+def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs):
+    """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
+    "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
+    temperature and the filters)."""
+    logits = model.logits(h[:, None])[:, 0, :vocab]                                 # [R, V] fp32
+    tok = sample(logits, rows, counters, seen_rows, greedy)
+    out = {"tokens": tok}
+    if logprobs:
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        out["logprob"] = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
+        out["top_logprob"], out["top_id"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))
+    return out
+
+
+def _mark(seen, slots, tokens, valid):
+    """seen[slot, token] = True for each valid fed token (slots [n], tokens [n])."""
+    return seen.at[jnp.where(valid, slots, seen.shape[0]), tokens].set(True, mode="drop")
+
+
+def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+    """(packed_step, decode_loop) of the continuous-batching engine, jitted, cache and seen donated.
+
+    packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs): p holds the
+      packed stream (tokens, positions, slot [T]; write_page, write_off [T]; dec_table, dec_len,
+      pre_table; out_idx [R]: the token whose hidden state each output row samples from);
+      rows/counters/out_slot describe the R = n_dec + k output rows.
+    decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
+      logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b].
+    seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
+    when greedy is False.
+    """
+    vocab = md.cfg.vocab_size
+    unroll, kernels = layers == "unroll", layers == "kernels"
+
+    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
+        model, per_layer = _bind(md, params, layers)
+        attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
+                                        p["dec_len"], p["pre_table"], impl, interpret)
+        h, cache = model.cached(p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
+                                layers=per_layer)                                     # [1, T, d]
+        if not greedy:
+            seen = _mark(seen, p["slot"], p["tokens"], p["slot"] < seen.shape[0])
+        seen_rows = None if greedy else seen[out_slot]
+        return _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs), cache, seen
+
+    def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs):
+        model, per_layer = _bind(md, params, layers)
+
+        def body(carry, _):
+            cache, seen, tok, pos, counters = carry
+            valid = pos < limit                                                       # [b]
+            attend = kv_cache.paged_attend(pos[:, None], valid[:, None], table, impl, interpret)
+            h, cache = model.cached(tok[:, None], pos[:, None], cache, attend, unroll=unroll, layers=per_layer,
+                                    kernels=kernels)                                  # [b, 1, d]
+            if not greedy:
+                seen = _mark(seen, slots, tok, valid)
+            out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
+            return (cache, seen, out["tokens"], pos + 1, counters + 1), out
+        (cache, seen, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+        return outs, cache, seen                                                      # outs: [n, b, ...]
+
+    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
+            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))
