@@ -32,7 +32,12 @@ CACHE_NAMES = ("cache_batch", "cache_seq", "cache_kv_heads", "cache_pages")
 LOGICAL_NAMES = PARAM_NAMES + ACT_NAMES + CACHE_NAMES
 TOP_KEYS = ("mesh", "batch", "rules", "state", "strategies")
 STATE_KINDS = ("params", "grads", "optimizer")
-STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None}
+STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None,
+                 "fsdp_gather": ("per_layer", "per_step", "keep")}
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# per_step (gather a stage's weights once per step) and keep (keep them gathered) are named for the
+# ZeRO/overlap work; until they exist a file asking for them is refused, never silently run per layer.
+FSDP_GATHER_IMPLEMENTED = ("per_layer",)
 
 
 class RulesError(ValueError):
@@ -189,16 +194,43 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     order = {"replicated": 0, "sharded": 1}
     if not order[state["params"]] <= order[state["grads"]] <= order[state["optimizer"]]:
         raise RulesError(f"{path}: state {state} is not a ZeRO stage: sharding goes optimizer -> grads -> params")
-    strategies = {"attention": "plain", "pipeline": None}
+    strategies = {"attention": "plain", "pipeline": None, "fsdp_gather": "per_layer"}
     for k, v in (raw.get("strategies") or {}).items():
         if k not in STRATEGY_KEYS:
             raise RulesError(f"{path}: unknown strategy {k!r}{_near(str(k), STRATEGY_KEYS)}")
         if STRATEGY_KEYS[k] and v not in STRATEGY_KEYS[k]:
             raise RulesError(f"{path}: `strategies.{k}: {v}` must be one of {STRATEGY_KEYS[k]}")
         strategies[k] = v
+    strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
+    if strategies["fsdp_gather"] not in FSDP_GATHER_IMPLEMENTED:
+        raise RulesError(f"{path}: `strategies.fsdp_gather: {strategies['fsdp_gather']}` is not implemented yet; "
+                         f"use {' or '.join(FSDP_GATHER_IMPLEMENTED)} (each layer's weights gathered where used)")
     header = "\n".join(line[1:].strip() for line in text.splitlines() if line.startswith("#"))
     return Rules(name=path.stem, path=str(path), mesh=mesh, batch=batch, rules=rules, state=state,
                  strategies=strategies, header=header)
+
+
+def _pipeline(value, path) -> dict | None:
+    """`strategies.pipeline`: null, or {schedule: gpipe | 1f1b | interleaved | zb, virtual: N}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RulesError(f"{path}: `strategies.pipeline: {value}` must be null or a mapping like "
+                         "{schedule: 1f1b, virtual: 1} (the micro-batch count is data.microbatches)")
+    for k in value:
+        if k not in ("schedule", "virtual"):
+            raise RulesError(f"{path}: unknown key {k!r} under `strategies.pipeline`{_near(str(k), ('schedule', 'virtual'))}; "
+                             "allowed: schedule, virtual (the micro-batch count is data.microbatches)")
+    schedule, virtual = value.get("schedule", "1f1b"), value.get("virtual", 1)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise RulesError(f"{path}: `strategies.pipeline.schedule: {schedule}` must be one of "
+                         f"{', '.join(PIPELINE_SCHEDULES)}{_near(str(schedule), PIPELINE_SCHEDULES)}")
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+        raise RulesError(f"{path}: `strategies.pipeline.virtual: {virtual}` must be a positive integer")
+    if (schedule == "interleaved") != (virtual > 1) and schedule != "gpipe":
+        raise RulesError(f"{path}: schedule {schedule} with virtual {virtual}: `interleaved` takes virtual >= 2, "
+                         "`1f1b` and `zb` take virtual: 1 (gpipe takes either)")
+    return {"schedule": schedule, "virtual": virtual}
 
 
 # -- the active rules: set by the engines, read by the model's helpers ----------------------

@@ -361,6 +361,26 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
         return self.final_norm(x)
 
+    # -- the pieces a pipeline stage runs separately (meshlab/parallel/pipeline) ------------------
+    def embed_tokens(self, tokens):
+        """tokens [b, s] -> the residual stream [b, s, d] entering the first layer."""
+        x = jnp.take(_w(self.embed, jnp.dtype(self.cfg.dtype)), tokens, axis=0)   # [b, s, d]
+        return constrain(x, ("act_batch", "act_seq", "act_embed"))
+
+    def layer_fn(self):
+        """f(one layer's params, x [b, s, d], positions, segment_ids) -> x: one block, under the remat
+        policy, its params a slice of `self.layers`' stacked leaves (as the layer scan's body sees them)."""
+        block_def, _ = nnx.split(self.layers)
+
+        def body(x, one_layer, positions, segment_ids):
+            return nnx.merge(block_def, one_layer)(x, positions, segment_ids)
+        body = _remat(body, self.cfg.remat)
+        return lambda one_layer, x, positions, segment_ids: body(x, one_layer, positions, segment_ids)
+
+    def head_loss(self, x, labels):
+        """The last layer's output [b, s, d] -> final norm -> sum of the token losses (fp32 scalar)."""
+        return self.loss_sum(self.final_norm(x), labels)
+
     def cached(self, tokens, positions, cache, attend, unroll: bool = False, layers=None, kernels: bool = False):
         """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
 

@@ -52,8 +52,12 @@ def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
-def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False):
-    """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens)."""
+def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False, pipeline=None):
+    """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens). A mesh with
+    `stage` > 1 runs the rule file's pipeline schedule instead of the micro-batch scan; `pipeline`
+    ({schedule, virtual}) forces one, e.g. on a 1-stage mesh to measure the executor itself."""
+    if pipeline is not None or mesh.shape["stage"] > 1:
+        return _pipelined(md, rules, mesh, microbatches, packed, pipeline)
     manual = rules.batch_axes(mesh)
     store = leaf_specs(md, rules, mesh, "params")
     acc = leaf_specs(md, rules, mesh, "grads")
@@ -119,6 +123,31 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
     return sharded
 
 
+def stage_fns(md: ModelDef, packed: bool = False):
+    """The model cut where a pipeline stage needs it: embedding, one layer, final norm + loss."""
+    from meshlab.parallel.pipeline import StageFns
+    model = md.bind(md.abstract)
+    if not hasattr(model, "layer_fn") or hasattr(model, "hidden_and_aux"):
+        raise ValueError(f"model {md.cfg.name!r} has no pipeline stages (its auxiliary losses or its layers do not "
+                         "split into embed_tokens / layer_fn / head_loss); train it on a mesh with stage=1")
+    layer = model.layer_fn()   # the block structure only; the weights come per call
+    return StageFns(embed=lambda params, tokens: md.bind(params).embed_tokens(tokens),
+                    layer=lambda w, x, positions, seg: layer(w, x, positions, seg if packed else None),
+                    head=lambda params, x, labels: md.bind(params).head_loss(x, labels))
+
+
+def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipeline):
+    from meshlab.parallel.pipeline import runner
+    if pipeline is None and not rules.strategies.get("pipeline"):
+        raise rules_mod.RulesError(f"{rules.path}: the mesh has stage={mesh.shape['stage']} but the rule file names no "
+                                   "`strategies.pipeline`; add e.g. `pipeline: {schedule: 1f1b, virtual: 1}` or use "
+                                   "stage=1")
+    sched = runner.schedule_for(rules, mesh, microbatches, md.cfg.n_layers, pipeline)
+    return runner.make_loss_and_grads(stage_fns(md, packed), md.names, leaf_specs(md, rules, mesh, "params"),
+                                      leaf_specs(md, rules, mesh, "grads"), rules, mesh, batch_spec(rules, mesh),
+                                      microbatches, sched)
+
+
 def _local_shape(shape, spec, mesh):
     shape = list(shape)
     for dim, entry in enumerate(spec):
@@ -129,10 +158,11 @@ def _local_shape(shape, spec, mesh):
 
 
 def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatches: int = 1,
-                    loss_scale: LossScaleConfig | None = None, packed: bool = False):
+                    loss_scale: LossScaleConfig | None = None, packed: bool = False, pipeline=None):
     """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling; `packed` applies the
-    batch's segment ids (documents packed into one row) to attention."""
-    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed)
+    batch's segment ids (documents packed into one row) to attention; `pipeline` forces the
+    pipeline executor (make_loss_and_grads)."""
+    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed, pipeline)
     acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
 
     n_context = mesh.shape["context"]
