@@ -23,21 +23,29 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    ap.add_argument("--rules", default=None, help="serving rule file to shard the weights (default: one device)")
+    ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (CPU only)")
     args = ap.parse_args(argv)
+    if args.cpu_devices:
+        from meshlab.compat import set_cpu_devices
+        set_cpu_devices(args.cpu_devices)
     from meshlab.infer.engine import ContiguousGenerator
-    from meshlab.infer.loading import load_checkpoint
+    from meshlab.infer.loading import load_checkpoint, serving_placement, stop_token_ids
     from meshlab.infer.sampler import SamplingParams
     try:
-        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype)
+        rules, mesh = serving_placement(args.rules, args.mesh)
+        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh)
         ids = tok.encode(args.prompt)
-        stop = [tok.eod_id] if hasattr(tok, "eod_id") else []
+        stop = stop_token_ids(tok)
         sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop_token_ids=stop).validate(cfg.vocab_size)
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
-        gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk)
-    except (ValueError, OSError) as e:
+        gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
+                                  rules=rules, mesh=mesh)
+    except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"generate: {e}")
     out: list[int] = []
     shown = 0

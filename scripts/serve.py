@@ -2,6 +2,8 @@
 
 --checkpoint: a Hugging Face directory, a meshlab run directory, or random:<preset> (tests).
 Continuous batching over a paged KV cache; see meshlab/infer/server.py for the endpoints.
+Needs the `serve` extra (pip install -e '.[serve]': Starlette, uvicorn, Jinja2).
+Serves on one device unless --rules (and --mesh) shard the weights over the devices present.
 """
 from __future__ import annotations
 
@@ -34,22 +36,33 @@ def main(argv=None):
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
                          "kernels: fused with Pallas decode matmuls (opt-in, slower today); "
                          "auto: fused on one device, else split")
+    ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
+                    "one device")
+    ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
+    ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
+    ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
     args = ap.parse_args(argv)
     if args.cpu_devices:
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
     from meshlab.infer.engine import Engine
-    from meshlab.infer.loading import load_checkpoint
+    from meshlab.infer.loading import load_checkpoint, serving_placement, stop_token_ids
     from meshlab.infer.server import Server
     try:
-        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype)
+        rules, mesh = serving_placement(args.rules, args.mesh)
+        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh)
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
-                        impl=args.attention, layers=args.layers)
-        stop = [tok.eod_id] if hasattr(tok, "eod_id") else []
-        server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop).start()
-    except (ValueError, OSError) as e:
+                        impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
+        server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                        max_concurrent=args.max_concurrent, max_waiting=args.max_waiting).start()
+    except ImportError as e:
+        sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
+    except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"serve: {e}")
     print(f"serving {args.model_name} on http://{args.host}:{server.port}", flush=True)
     done = threading.Event()

@@ -1,17 +1,23 @@
-"""The OpenAI-compatible server over a real socket: completions, chat, SSE, errors, concurrency."""
+"""The OpenAI-compatible server over a real socket: completions, chat, SSE, errors, concurrency,
+limits, disconnects, n, echo, logprobs, chat templates."""
 import dataclasses
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from flax import nnx
 
 import models
 from meshlab.infer.engine import Engine
+from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.server import Server
 from meshlab.train.data import ByteTokenizer
 from meshlab.train.state import model_def
@@ -25,7 +31,9 @@ def server():
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     engine = Engine(md, params, max_len=128, max_seqs=4, page_size=8, chunk=16, steps_per_call=4)
-    srv = Server(engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, stop_token_ids=[256]).start()
+    srv = Server(engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, stop_token_ids=[256], body_timeout=1.0,
+                 max_body_bytes=4096).start()
+    srv.md, srv.params = md, params
     yield srv
     srv.stop()
 
@@ -87,10 +95,22 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": ""}, None, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0]"),
     ("/v1/nothing", {}, None, 404, "no route"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "`n`"),
+    ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, None, 400, "prompt's logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "one prompt per request"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400,
+     "logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "exceeds the context"),
+    ("/v1/completions", [1, 2], None, 400, "JSON object"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, path, body, raw, status, words):
     got, resp = call(server, "POST", path, body, raw)
-    assert got == status and words in resp["error"]["message"]
+    assert got == status and words in resp["error"]["message"], resp
     assert call(server, "GET", "/health")[0] == 200
 
 
@@ -135,3 +155,211 @@ def test_stop_string_truncates(server):
     assert got["text"] == text[:text.index(stop)] and got["finish_reason"] == "stop"
     _, payload = call(server, "POST", "/v1/completions", dict(body, stop=stop, stream=True))
     assert sse_text(payload, chat=False) == (got["text"], "stop")
+
+
+def test_chat_max_tokens_defaults_to_the_rest_of_the_context(server):
+    """OpenAI's chat default: no max_tokens means up to the context (the body above has a 126-token prompt)."""
+    body = {"messages": [{"role": "user", "content": "x" * 110}], "stop": None}
+    status, resp = call(server, "POST", "/v1/chat/completions", body)
+    u = resp["usage"]
+    assert status == 200 and u["prompt_tokens"] == len(ByteTokenizer().encode(f"user: {'x' * 110}\nassistant:"))
+    assert resp["choices"][0]["finish_reason"] == "stop" or u["prompt_tokens"] + u["completion_tokens"] == 128
+
+
+def test_echo_and_zero_max_tokens(server):
+    body = {"prompt": "def f(x):", "max_tokens": 6}
+    plain = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    echoed = call(server, "POST", "/v1/completions", dict(body, echo=True))[1]
+    assert echoed["choices"][0]["text"] == "def f(x):" + plain
+    _, payload = call(server, "POST", "/v1/completions", dict(body, echo=True, stream=True))
+    assert sse_text(payload, chat=False)[0] == "def f(x):" + plain
+    status, zero = call(server, "POST", "/v1/completions", dict(body, echo=True, max_tokens=0))
+    assert status == 200 and zero["choices"][0]["text"] == "def f(x):" and zero["usage"]["completion_tokens"] == 0
+
+
+def test_n_choices_are_seeded_copies(server):
+    """n=3 gives three choices; choice i is what the same request alone gives with seed + i."""
+    body = {"prompt": "import ", "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 3}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    alone = [call(server, "POST", "/v1/completions", dict(body, n=1, seed=11 + i))[1]["choices"][0]["text"]
+             for i in range(3)]
+    assert [c["text"] for c in resp["choices"]] == alone and len(set(alone)) > 1
+    assert resp["usage"]["completion_tokens"] == sum(len(ByteTokenizer().encode(t)) for t in alone) or \
+        resp["usage"]["completion_tokens"] >= len(alone)
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stream=True))
+    chunks = [json.loads(e[6:]) for e in payload.splitlines() if e.startswith("data: {")]
+    per = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)]
+    assert per == alone
+
+
+def _raw(srv, data: bytes, read=True, timeout=10.0):
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
+    s.sendall(data)
+    if not read:
+        return s
+    out = b""
+    try:                       # the head, then content-length bytes of body
+        while b"\r\n\r\n" not in out or len(out.split(b"\r\n\r\n", 1)[1]) < int(
+                out.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+            got = s.recv(65536)
+            if not got:
+                break
+            out += got
+    finally:
+        s.close()
+    return out.decode(errors="replace")
+
+
+def test_short_body_is_400_and_others_are_served_meanwhile(server):
+    t0 = time.perf_counter()
+    stuck = []
+    thread = threading.Thread(target=lambda: stuck.append(_raw(server, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{\"prompt\": \"ab"))))
+    thread.start()
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200                                 # not held behind the short body
+    thread.join(timeout=30)
+    assert stuck and stuck[0].startswith("HTTP/1.1 400") and "not received within" in stuck[0]
+    assert time.perf_counter() - t0 < 15
+
+
+def test_size_and_load_limits(server):
+    status, resp = call(server, "POST", "/v1/completions", raw=json.dumps({"prompt": "x" * 5000}).encode())
+    assert status == 413 and "over the limit" in resp["error"]["message"]
+    chunked = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   + b"".join(b"400\r\n" + b" " * 1024 + b"\r\n" for _ in range(5)) + b"0\r\n\r\n")
+    assert chunked.startswith("HTTP/1.1 413")
+    for attr, code in (("max_concurrent", 429), ("max_waiting", 503)):
+        old = getattr(server, attr)
+        setattr(server, attr, 0)
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x"}))
+            resp = conn.getresponse()
+            assert resp.status == code and int(resp.getheader("Retry-After")) >= 1
+            assert "retry later" in json.loads(resp.read())["error"]["message"]
+            conn.close()
+        finally:
+            setattr(server, attr, old)
+    assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    _, text = call(server, "GET", "/metrics")
+    assert "meshlab_http_requests_rejected_total" in text and "meshlab_http_requests_inflight 0" in text
+
+
+def _idle(srv, pages_free, timeout=20.0):
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        s = srv.engine.sched
+        if not s.running() and not s.waiting and srv.engine.inbox.empty() and len(s.pool.free) == pages_free:
+            return time.perf_counter()
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle after {timeout} s: running {len(srv.engine.sched.running())}, "
+                         f"free pages {len(srv.engine.sched.pool.free)} of {pages_free}")
+
+
+needs_abort = pytest.mark.skipif(not hasattr(Engine, "abort"), reason="waits on Engine.abort")
+
+
+@needs_abort
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_the_slot(server, stream):
+    """A client that goes away mid-generation: its request is aborted, its row and pages freed at once,
+    not after the remaining ~100 tokens."""
+    free = len(server.engine.sched.pool.free)
+    body = json.dumps({"prompt": "x", "max_tokens": 120, "temperature": 0.5, "stream": stream}).encode()
+    s = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body, read=False)
+    if stream:
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")     # streaming has begun
+    else:
+        deadline = time.perf_counter() + 20
+        while not server.engine.sched.running() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+    generated = server.engine.stats["generated_tokens"]
+    s.close()
+    _idle(server, free)
+    assert server.engine.stats["generated_tokens"] - generated < 100
+    assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+
+
+needs_logprobs = pytest.mark.skipif(
+    "logprobs" not in {f.name for f in dataclasses.fields(SamplingParams)}, reason="waits on engine logprobs")
+
+
+def _reference_logprobs(srv, prompt_ids, output_ids):
+    """log_softmax of the model's fp32 logits over the real vocabulary, position by position."""
+    ids = np.array([prompt_ids + output_ids], np.int32)
+    logits = srv.md.bind(srv.params)(ids)[0, :, :srv.md.cfg.vocab_size]
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return [lp[len(prompt_ids) - 1 + k] for k in range(len(output_ids))]
+
+
+@needs_logprobs
+def test_completion_logprobs_match_the_model(server):
+    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    choice = resp["choices"][0]
+    lp = choice["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == resp["usage"]["completion_tokens"] == 6
+    out = [int(t[6:], 16) if t.startswith("bytes:") else ByteTokenizer().encode(t)[0] for t in
+           (t.replace("\\x", "") for t in lp["tokens"])]
+    ref = _reference_logprobs(server, ByteTokenizer().encode("def g("), out)
+    for k, (t, row) in enumerate(zip(out, ref)):
+        assert abs(lp["token_logprobs"][k] - row[t]) < 1e-4
+        top = sorted(row, reverse=True)[:3]
+        assert np.allclose(sorted(lp["top_logprobs"][k].values(), reverse=True), top, atol=1e-4)
+        assert lp["token_logprobs"][k] == pytest.approx(max(lp["top_logprobs"][k].values()), abs=1e-5)  # greedy
+    assert ByteTokenizer().decode(out) == choice["text"] and lp["text_offset"][0] == 0
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stream=True))
+    chunks = [json.loads(e[6:])["choices"][0] for e in payload.splitlines() if e.startswith("data: {")]
+    streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
+    assert np.allclose(streamed, lp["token_logprobs"], atol=1e-6)
+
+
+@needs_logprobs
+def test_chat_logprobs_format(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    status, resp = call(server, "POST", "/v1/chat/completions", body)
+    content = resp["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == resp["usage"]["completion_tokens"] == 4
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+        assert entry["logprob"] <= 0 and entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+    plain = call(server, "POST", "/v1/chat/completions", dict(body, logprobs=False, top_logprobs=None))[1]
+    assert plain["choices"][0]["logprobs"] is None
+
+
+@pytest.fixture(scope="module")
+def templated_tokenizer(tmp_path_factory):
+    """A byte-level tokenizer.json (ids < 257, the tiny model's vocabulary) with a chat template."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers, decoders, trainers
+    from meshlab.infer.loading import HFTokenizer
+    d = tmp_path_factory.mktemp("tok")
+    tk = Tokenizer(tk_models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["hello world"], trainers.BpeTrainer(
+        vocab_size=257, special_tokens=["<|eot|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.save(str(d / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "[B]",
+                                                         "eos_token": {"content": "<|eot|>"}}))
+    return HFTokenizer(d / "tokenizer.json", stop_token_ids=[tk.token_to_id("<|eot|>")])
+
+
+def test_chat_uses_the_tokenizers_template(server, templated_tokenizer):
+    tok = templated_tokenizer
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tok.chat_template(messages)
+    assert text == "[B]<system>be brief<|eot|><user>hi<|eot|><assistant>"
+    assert tok.encode(text).count(tok.stop_token_ids[0]) == 2          # the special token, not its letters
+    old = server.tok, server.engine.detokenize
+    server.tok, server.engine.detokenize = tok, tok.decode
+    try:
+        status, resp = call(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+    finally:
+        server.tok, server.engine.detokenize = old
+    assert status == 200 and resp["usage"]["prompt_tokens"] == len(tok.encode(text))

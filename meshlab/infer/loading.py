@@ -3,14 +3,22 @@
   random:<preset>[:<seed>]   a randomly initialised model (tests, benchmarks), byte tokenizer
   <dir with config.json>     a Hugging Face checkpoint (meshlab.infer.hf); tokenizer.json if present
   <training run dir>         a meshlab run (config.yaml + checkpoints/): the latest complete step's params
+
+Serving places the parameters itself: on one device by default, or by a serving rule file on a
+mesh of the devices present (`serving_placement`); never on the training run's mesh, which the
+serving machine may not have. A run is read, not rebuilt: the model config from its config.yaml,
+the parameters (not the optimizer state) from its checkpoint, the tokenizer from the files
+training wrote beside them (`meshlab.train.checkpoint.write_run_tokenizer`). Nothing is written.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import yaml
 from flax import nnx
 
 import models
@@ -19,18 +27,78 @@ from meshlab.train.data import ByteTokenizer
 
 
 class HFTokenizer:
-    """tokenizer.json through the `tokenizers` library, with the encode/decode the server uses."""
+    """tokenizer.json through the `tokenizers` library, with the encode/decode the server uses, and
+    the directory's chat template (tokenizer_config.json or chat_template.jinja) when it has one."""
 
-    def __init__(self, path):
+    def __init__(self, path, stop_token_ids=()):
         from tokenizers import Tokenizer
+        path = Path(path)
         self.tk = Tokenizer.from_file(str(path))
         self.vocab_size = self.tk.get_vocab_size()
+        self.stop_token_ids = list(stop_token_ids)
+        self.chat_template = _chat_template(path.parent)
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tk.decode(list(ids))
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (Jinja) rendered in a sandbox, as transformers does."""
+
+    def __init__(self, source: str, special: dict):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template, self.special = env.from_string(source), special
+
+    def __call__(self, messages: list) -> str:
+        from jinja2.exceptions import TemplateError
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except TemplateError as e:
+            raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
+
+
+def _chat_template(directory: Path):
+    """The ChatTemplate of a tokenizer directory, or None (the server then uses its plain format)."""
+    cfg_path, jinja_path = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    source = jinja_path.read_text() if jinja_path.is_file() else tcfg.get("chat_template")
+    if isinstance(source, list):             # several named templates: the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if not source:
+        return None
+    text = lambda v: v.get("content", "") if isinstance(v, dict) else (v or "")
+    special = {k: text(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return ChatTemplate(source, special)
+
+
+def stop_token_ids(tok) -> list[int]:
+    """Token ids that end a generation: the tokenizer's end-of-sequence (or end-of-document) ids."""
+    ids = getattr(tok, "stop_token_ids", None)
+    if ids:
+        return list(ids)
+    return [tok.eod_id] if getattr(tok, "eod_id", None) is not None else []
+
+
+def serving_placement(rules: str | None, mesh: str | None):
+    """(rules, mesh) for serving: (None, None) is one device; a rule file (and mesh spec, else the
+    rule file's own) shards the weights over the devices present."""
+    if rules is None and mesh is None:
+        return None, None
+    from meshlab.mesh import make_mesh
+    from meshlab.rules import load_rules
+    if rules is None:
+        raise ValueError(f"--mesh {mesh} needs --rules (a rule file that says how the weights are sharded)")
+    r = load_rules(rules)
+    return r, make_mesh(mesh or r.mesh)
 
 
 def random_params(cfg, seed: int = 0, dtype=None):
@@ -47,7 +115,10 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
     if spec.startswith("random:"):
         _, name, *seed = spec.split(":")
         cfg = dataclasses.replace(models.preset(name), **({"dtype": dtype} if dtype else {}), **cfg_overrides)
-        return cfg, model_def(cfg), random_params(cfg, int(seed[0]) if seed else 0), ByteTokenizer()
+        params = random_params(cfg, int(seed[0]) if seed else 0)
+        if rules is not None and mesh is not None:
+            params = jax.device_put(params, _shardings(model_def(cfg), rules, mesh))
+        return cfg, model_def(cfg), params, ByteTokenizer()
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"checkpoint {spec!r} does not exist; pass a Hugging Face directory, a meshlab run "
@@ -55,25 +126,81 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
     if (path / "config.json").is_file():
         over = dict(cfg_overrides, **({"dtype": dtype} if dtype else {}))
         cfg, md, params = load_hf(path, rules=rules, mesh=mesh, **over)
-        tok = HFTokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else ByteTokenizer()
+        tok = (HFTokenizer(path / "tokenizer.json", _hf_eos(path)) if (path / "tokenizer.json").is_file()
+               else ByteTokenizer())
         return cfg, md, params, tok
     if (path / "config.yaml").is_file():
-        return _load_run(path, dtype)
+        return _load_run(path, dtype, rules, mesh, cfg_overrides)
     raise CheckpointError(f"{path}: neither a Hugging Face checkpoint (config.json) nor a meshlab run (config.yaml)")
 
 
-def _load_run(path: Path, dtype):
-    """Params of a meshlab training run's latest checkpoint, restored onto this process's devices."""
-    from meshlab.train.config import load_config
-    from meshlab.train.loop import build_trainer
-    from meshlab.train.checkpoint import Checkpointer
-    from meshlab.train.state import abstract_state
-    cfg = load_config(str(path / "config.yaml"), [])
-    tr = build_trainer(cfg)
-    ckpt = Checkpointer(cfg.checkpoint.dir or path / "checkpoints", async_save=False)
-    fp16 = cfg.model.dtype == "float16"
-    state, _ = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16))
-    ckpt.close()
-    mcfg = dataclasses.replace(tr.md.cfg, **({"dtype": dtype} if dtype else {}))
+def _hf_eos(path: Path) -> list[int]:
+    """eos_token_id of generation_config.json, else config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def _shardings(md, rules, mesh):
+    from jax.sharding import NamedSharding
+    from meshlab.train.state import leaf_specs
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), leaf_specs(md, rules, mesh, "params"),
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def run_model_config(path: Path, overrides: dict):
+    """The model config of a run, from its config.yaml's `model:` section (plain YAML, no trainer)."""
+    raw = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    fields = dict(raw.get("model") or {})
+    try:
+        base = models.preset(fields.get("name", "tiny"))
+    except KeyError as e:
+        raise CheckpointError(f"{path}/config.yaml: {e.args[0]}") from None
+    known = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise CheckpointError(f"{path}/config.yaml: model fields {unknown} are unknown to this meshlab's "
+                              f"{type(base).__name__}; serve the run with the meshlab version that trained it")
+    cfg = dataclasses.replace(base, **fields, **overrides)
+    cfg.validate()
+    return cfg, raw
+
+
+def run_tokenizer(path: Path, raw: dict):
+    """The tokenizer the run trained with, from the run directory (see write_run_tokenizer)."""
+    from meshlab.train.checkpoint import TOKENIZER_META
+    meta_file = path / TOKENIZER_META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    corpus = (raw.get("data") or {}).get("corpus", "stdlib")
+    if meta is None and corpus != "stdlib":
+        raise CheckpointError(f"{path} has no {TOKENIZER_META} (written by training since serving reads the "
+                              f"run alone) and its corpus {corpus!r} is not the byte-token stdlib one; copy the "
+                              f"corpus's tokenizer.json into {path} and write {TOKENIZER_META} as "
+                              '{"tokenizer": "tokenizer.json", "eod_id": ID}')
+    if meta is None or meta.get("tokenizer") == "byte":
+        return ByteTokenizer()
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path}/{TOKENIZER_META} names a tokenizer.json, but {path}/tokenizer.json is "
+                              "missing; copy the tokenizer the corpus was prepared with there")
+    eod = meta.get("eod_id")
+    return HFTokenizer(path / "tokenizer.json", [eod] if eod is not None else [])
+
+
+def _load_run(path: Path, dtype, rules, mesh, overrides: dict):
+    """Params of a meshlab training run's latest checkpoint, restored onto the serving placement."""
+    from meshlab.train.checkpoint import restore_params
     from meshlab.train.state import model_def
-    return mcfg, model_def(mcfg), state["params"], ByteTokenizer()
+    cfg, raw = run_model_config(path, dict(overrides, **({"dtype": dtype} if dtype else {})))
+    md = model_def(cfg)
+    if rules is not None and mesh is not None:
+        shardings = _shardings(md, rules, mesh)
+    else:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, md.abstract)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), md.abstract, shardings)
+    ckpt_dir = (raw.get("checkpoint") or {}).get("dir") or path / "checkpoints"
+    params, _ = restore_params(ckpt_dir, target)
+    return cfg, md, params, run_tokenizer(path, raw)

@@ -1,76 +1,49 @@
-"""An OpenAI-compatible HTTP server over the continuous-batching engine (stdlib only).
+"""An OpenAI-compatible HTTP server over the continuous-batching engine (Starlette on uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` for
-server-sent events), GET /v1/models, /health, /metrics (Prometheus text). HTTP handler threads
-parse and validate, then queue the request; one engine thread runs `Engine.step` while there is
-work, so concurrent requests share decode steps. Every bad request is a 4xx JSON error
-{"error": {"message", "type", "param"}} and the server keeps serving.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (with `"stream": true` for server-sent
+events), GET /v1/models, /health, /metrics (Prometheus text). The request schemas are in
+meshlab/infer/api.py. One engine thread runs `Engine.step` while there is work, so concurrent
+requests share decode steps; the HTTP side is one asyncio loop, so a slow client holds no thread.
+
+Limits, each answered at once: a body over `max_body_bytes` is 413; a body not received within
+`body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests
+in flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a
+Retry-After). A client that disconnects has its requests aborted (`Engine.abort`: slot and pages
+freed at the next step). Every error is JSON {"error": {"message", "type", "param"}}.
 """
 from __future__ import annotations
 
+import asyncio
 import json
-import queue
+import sys
 import threading
 import time
+import traceback
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from meshlab.infer.sampler import SamplingParams
-from meshlab.infer.scheduler import AdmissionError
-
-SAMPLING_FIELDS = {"max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-                   "repetition_penalty": (int, float), "seed": int}
-
-
-class BadRequest(Exception):
-    def __init__(self, message, status=400, param=None):
-        super().__init__(message)
-        self.status, self.param = status, param
-
-
-def chat_prompt(messages) -> str:
-    """A plain chat template (the byte tokenizer has none): 'role: content' lines, then 'assistant:'."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("`messages` must be a non-empty list of {role, content} objects", param="messages")
-    lines = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise BadRequest(f"messages[{i}] must be {{\"role\": system|user|assistant, \"content\": string}}",
-                             param="messages")
-        lines.append(f"{m['role']}: {m['content']}")
-    return "\n".join(lines) + "\nassistant:"
-
-
-def sampling_from(body: dict, default_stop: tuple) -> SamplingParams:
-    kw = {}
-    for name, typ in SAMPLING_FIELDS.items():
-        if body.get(name) is not None:
-            if isinstance(body[name], bool) or not isinstance(body[name], typ):
-                raise BadRequest(f"`{name}` must be a {'number' if typ != int else 'integer'}", param=name)
-            kw[name] = body[name]
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    try:
-        return SamplingParams(**kw, stop=stop, stop_token_ids=default_stop).validate()
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+from meshlab.infer import api
+from meshlab.infer.api import BadRequest
 
 
 class Server:
-    """Owns the engine thread and the HTTP server; `start()` returns once it is listening."""
+    """Owns the engine thread and the ASGI server; `start()` returns once it is listening."""
 
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
-                 stop_token_ids=()):
+                 stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
+                 max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.host, self.port = host, port
         self.stop_token_ids = tuple(stop_token_ids)
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.max_concurrent, self.max_waiting, self.max_n = max_concurrent, max_waiting, max_n
         engine.detokenize = tokenizer.decode
         self.wake = threading.Event()
         self.running = True
-        self.finished: list = []            # metrics of finished requests (ttft, tpot)
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
+        self.engine_error: str | None = None
+        self.inflight = 0                     # HTTP generation requests being answered (event loop only)
+        self.counts = {"rejected": 0, "aborted": 0}
+        self.finished: list = []              # metrics of finished requests (ttft, tpot)
+        self.app = self._app()
 
     # -- engine thread --------------------------------------------------------------------
     def _engine_loop(self):
@@ -79,43 +52,127 @@ class Server:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - reported on /health and to new requests, not swallowed
+                self.engine_error = traceback.format_exc()
+                print(f"meshlab serve: the engine failed:\n{self.engine_error}", file=sys.stderr, flush=True)
+                return
 
     def start(self):
+        import uvicorn
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", http="h11",
+                                loop="asyncio", lifespan="off", timeout_keep_alive=5)
+        self.uv = uvicorn.Server(config)
         self.threads = [threading.Thread(target=self._engine_loop, daemon=True, name="engine"),
-                        threading.Thread(target=self.httpd.serve_forever, daemon=True, name="http")]
+                        threading.Thread(target=self.uv.run, daemon=True, name="http")]
         for t in self.threads:
             t.start()
+        deadline = time.monotonic() + 60
+        while not self.uv.started:
+            if not self.threads[1].is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP server did not start on {self.host}:{self.port} (port in use?)")
+            time.sleep(0.01)
+        self.port = self.uv.servers[0].sockets[0].getsockname()[1]
         return self
 
     def stop(self):
         self.running = False
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.uv.should_exit = True
+        for t in self.threads:
+            t.join(timeout=10)
 
-    # -- requests -------------------------------------------------------------------------
-    def submit(self, body: dict, chat: bool):
-        """Validate, queue; returns (request, queue of (new_text, finished) events)."""
-        if body.get("model") not in (None, self.model_name):
-            raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {self.model_name!r}",
-                             status=404, param="model")
-        if chat:
-            text = chat_prompt(body.get("messages"))
-        else:
-            text = body.get("prompt")
-            if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-                text = text[0]
-            if not isinstance(text, str) or not text:
-                raise BadRequest("`prompt` must be a non-empty string", param="prompt")
-        params = sampling_from(body, self.stop_token_ids)
-        events: queue.Queue = queue.Queue()
+    # -- the app --------------------------------------------------------------------------
+    def _app(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.responses import JSONResponse, PlainTextResponse
+        from starlette.routing import Route
+
+        async def health(_):
+            if self.engine_error:
+                return JSONResponse({"status": "engine failed"}, 503)
+            return JSONResponse({"status": "ok"})
+
+        async def metrics(_):
+            return PlainTextResponse(self.metrics_text(), media_type="text/plain; version=0.0.4")
+
+        async def models(_):
+            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                             "owned_by": "meshlab"}]})
+
+        async def completions(request):
+            return await self._generate(request, chat=False)
+
+        async def chat(request):
+            return await self._generate(request, chat=True)
+
+        async def not_found(request, exc):
+            if exc.status_code == 405:
+                return error(BadRequest(f"{request.method} {request.url.path} is not allowed", status=405))
+            return error(BadRequest(f"no route {request.method} {request.url.path}; try /v1/completions, "
+                                    "/v1/chat/completions, /v1/models, /health or /metrics", status=404))
+        return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+                                 Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"])],
+                         exception_handlers={HTTPException: not_found})
+
+    async def _body(self, request) -> dict:
+        """The JSON body, read with a size limit and a timeout (never waits on a short body)."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise BadRequest(f"request body of {length} bytes is over the limit of {self.max_body_bytes}"
+                             if length.isdigit() else f"bad Content-Length {length!r}",
+                             status=413 if length.isdigit() else 400)
+        chunks, size = [], 0
+
+        async def read():
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise BadRequest(f"request body is over the limit of {self.max_body_bytes} bytes", status=413)
+                chunks.append(chunk)
         try:
-            req = self.engine.add_request(self.tok.encode(text), params,
-                                          on_event=lambda r, new, done: events.put((r, done)))
-        except (AdmissionError, ValueError) as e:
-            raise BadRequest(str(e)) from None
-        self.wake.set()
-        return req, events
+            await asyncio.wait_for(read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"request body not received within {self.body_timeout:g} s ({size} of "
+                             f"{length or 'unknown'} bytes); send the whole body") from None
+        try:
+            return json.loads(b"".join(chunks) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+
+    def _admit(self, n: int):
+        if self.engine_error:
+            raise BadRequest("the engine failed; restart the server (see its log)", status=503, retry_after=60)
+        if self.inflight >= self.max_concurrent:
+            raise BadRequest(f"{self.inflight} requests in flight, the limit is {self.max_concurrent}; retry later",
+                             status=429, retry_after=1)
+        waiting = len(self.engine.sched.waiting) + self.engine.inbox.qsize()
+        if waiting + n > self.max_waiting:
+            raise BadRequest(f"the engine queue is full ({waiting} requests waiting); retry later",
+                             status=503, retry_after=1)
+
+    async def _generate(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+        try:
+            body = await self._body(request)
+            plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
+                             self.stop_token_ids, self.max_n)
+            self._admit(len(plan.params))
+            call = Call(self, plan)
+        except BadRequest as e:
+            self.counts["rejected"] += e.status in (413, 429, 503)
+            return error(e)
+        if plan.stream:
+            return StreamingResponse(call.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=_Task(call.close))
+        try:
+            await call.wait_all(request)
+        finally:
+            call.close()
+        return JSONResponse(call.whole())
 
     def metrics_text(self) -> str:
         s, sched = self.engine.stats, self.engine.sched
@@ -127,132 +184,185 @@ class Server:
                 ("generated_tokens_total", s["generated_tokens"]), ("engine_steps_total", s["steps"]),
                 ("device_calls_total", s["device_calls"]), ("preemptions_total", s["preemptions"]),
                 ("requests_running", len(sched.running())), ("requests_waiting", len(sched.waiting)),
-                ("free_cache_pages", len(sched.pool.free)), ("ttft_seconds_mean", mean(ttft)),
+                ("free_cache_pages", len(sched.pool.free)), ("http_requests_inflight", self.inflight),
+                ("http_requests_rejected_total", self.counts["rejected"]),
+                ("requests_aborted_total", self.counts["aborted"]), ("ttft_seconds_mean", mean(ttft)),
                 ("tpot_seconds_mean", mean(tpot)),
                 ("generation_tokens_per_second", s["generated_tokens"] / s["busy_s"] if s["busy_s"] else 0.0)]
         return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
 
 
-def _visible(req, final: bool) -> str:
-    """Text safe to show so far: never a half UTF-8 character, never a possible stop-string prefix."""
-    text = req.text
-    if final:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) - 1 for s in req.params.stop), default=0)
-    return text[:len(text) - hold] if hold else text
+class _Task:
+    """A Starlette background task that runs a plain function (after the stream ends or breaks)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def __call__(self):
+        self.fn()
 
 
-def _handler(server: Server):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def error(e: BadRequest):
+    from starlette.responses import JSONResponse
+    kind = {404: "not_found_error", 429: "rate_limit_error", 503: "server_overloaded"}.get(e.status,
+                                                                                          "invalid_request_error")
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param}}, e.status, headers=headers)
 
-        def log_message(self, *args):            # quiet: tests and benchmarks read stdout
-            pass
 
-        def _json(self, status, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+class Call:
+    """The engine requests of one HTTP request (n choices) and their events, on the event loop."""
 
-        def _error(self, status, message, param=None):
-            kind = "not_found_error" if status == 404 else "invalid_request_error"
-            self._json(status, {"error": {"message": message, "type": kind, "param": param}})
+    def __init__(self, server: Server, plan: api.Plan):
+        self.server, self.plan = server, plan
+        self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        self.created = int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        loop = asyncio.get_running_loop()
 
-        def do_GET(self):
-            if self.path == "/health":
-                self._json(200, {"status": "ok"})
-            elif self.path == "/metrics":
-                data = server.metrics_text().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
-            else:
-                self._error(404, f"no route GET {self.path}; try /health, /metrics, /v1/models")
-
-        def do_POST(self):
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                return self._error(404, f"no route POST {self.path}; try /v1/completions or /v1/chat/completions")
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
+        def on_event(i):
+            def put(_req, _new, done):
                 try:
-                    body = json.loads(self.rfile.read(n) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise BadRequest(f"request body is not valid JSON: {e}") from None
-                if not isinstance(body, dict):
-                    raise BadRequest("request body must be a JSON object")
-                chat = self.path.endswith("chat/completions")
-                req, events = server.submit(body, chat)
-            except BadRequest as e:
-                return self._error(e.status, str(e), e.param)
-            if body.get("stream"):
-                self._stream(req, events, chat)
+                    loop.call_soon_threadsafe(self.events.put_nowait, (i, done))
+                except RuntimeError:        # the loop is gone (server stopping)
+                    pass
+            return put
+        self.reqs = []
+        self.done = [not plan.generate] * len(plan.params)
+        self.shown = [0] * len(plan.params)          # characters of each choice's text already streamed
+        self.lp_sent = [0] * len(plan.params)        # tokens whose logprobs were streamed
+        server.inflight += 1
+        try:
+            for i, sp in enumerate(plan.params if plan.generate else []):
+                self.reqs.append(server.engine.add_request(plan.prompt, sp, on_event=on_event(i)))
+        except ValueError as e:              # AdmissionError included
+            self.close()
+            raise BadRequest(str(e)) from None
+        server.wake.set()
+
+    def close(self):
+        """Abort what is still running (the client is gone), once; record the finished ones' metrics."""
+        if self.closed:
+            return
+        self.closed = True
+        self.server.inflight -= 1
+        for r in self.reqs:
+            if r.finish_reason is None:
+                self.server.engine.abort(r)
+                self.server.counts["aborted"] += 1
             else:
-                self._whole(req, events, chat)
+                self.server.finished.append(r.metrics)
+        self.server.wake.set()
 
-        def _wait(self, events):
-            while True:
-                req, done = events.get()
-                if done:
-                    server.finished.append(req.metrics)
-                    return req
+    async def _next(self):
+        i, done = await self.events.get()
+        self.done[i] = self.done[i] or done
+        return i, done
 
-        def _whole(self, req, events, chat):
-            req = self._wait(events)
-            choice = {"index": 0, "finish_reason": req.finish_reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": req.text}
+    async def wait_all(self, request):
+        """Until every choice finished; a client that disconnects first leaves them to close()."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not all(self.done):
+                nxt = asyncio.ensure_future(self._next())
+                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    return
+        finally:
+            gone.cancel()
+
+    # -- output -----------------------------------------------------------------------------
+    def _text(self, i: int, final: bool) -> str:
+        return api.visible(self.reqs[i], final) if self.reqs else ""
+
+    def _logprobs(self, i: int, start: int, end: int, offset: int):
+        if self.plan.logprobs is None:
+            return None
+        r, tok = self.reqs[i], self.server.tok
+        toks, entries = r.output[start:end], r.logprobs[start:end]
+        return (api.chat_logprobs(tok, toks, entries) if self.plan.chat
+                else api.completion_logprobs(tok, toks, entries, offset))
+
+    def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
+        if self.plan.logprobs is None:
+            return 0
+        return api.covered_tokens(self.server.tok.decode, self.reqs[i].output, text, final, start)
+
+    def _finish(self, i: int) -> str:
+        return self.reqs[i].finish_reason if self.reqs else "length"
+
+    def whole(self) -> dict:
+        p, choices = self.plan, []
+        for i in range(len(p.params)):
+            text = self._text(i, True)
+            lp = self._logprobs(i, 0, self._covered(i, text, True), len(p.prompt_text) if p.echo else 0)
+            choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
+            if p.chat:
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice.update(text=req.text, logprobs=None)
-            self._json(200, {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()),
-                             "object": "chat.completion" if chat else "text_completion", "model": server.model_name,
-                             "choices": [choice], "usage": _usage(req)})
+                choice["text"] = (p.prompt_text if p.echo else "") + text
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if p.chat else "text_completion", "created": self.created,
+                "model": self.server.model_name, "choices": choices, "usage": self._usage()}
 
-        def _stream(self, req, events, chat):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            rid, sent = f"cmpl-{uuid.uuid4().hex[:12]}", 0
-            kind = "chat.completion.chunk" if chat else "text_completion"
+    def _usage(self) -> dict:
+        return api.usage(len(self.plan.prompt), sum(len(r.output) for r in self.reqs))
 
-            def send(delta_text, finish):
-                choice = {"index": 0, "finish_reason": finish}
-                if chat:
-                    choice["delta"] = {"content": delta_text} if delta_text or finish else {"role": "assistant"}
-                else:
-                    choice["text"] = delta_text
-                chunk = {"id": rid, "object": kind, "created": int(time.time()), "model": server.model_name,
-                         "choices": [choice]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
+    def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False) -> bytes:
+        choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
+        if self.plan.chat:
+            choice["delta"] = dict({"role": "assistant"} if role else {}, **({"content": text} if text or role
+                                                                           else {}))
+        else:
+            choice["text"] = text
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
+               "created": self.created, "model": self.server.model_name, "choices": [choice]}
+        return f"data: {json.dumps(obj)}\n\n".encode()
 
-            if chat:
-                send("", None)
-            while True:
-                r, done = events.get()
-                text = _visible(r, done)
-                if len(text) > sent or done:
-                    send(text[sent:], r.finish_reason if done else None)
-                    sent = len(text)
-                if done:
-                    server.finished.append(r.metrics)
-                    break
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
+    def _delta(self, i: int, final: bool) -> bytes | None:
+        """The chunk for what choice i added since the last one (None: nothing new to show)."""
+        text = self._text(i, final)
+        new, k0 = text[self.shown[i]:], self.lp_sent[i]
+        k = self._covered(i, text, final, k0)
+        if not new and k == k0 and not final:
+            return None
+        offset = self.shown[i] + (len(self.plan.prompt_text) if self.plan.echo else 0)
+        lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
+        self.shown[i], self.lp_sent[i] = len(text), k
+        return self._chunk(i, new, self._finish(i) if final else None, lp)
 
-    return Handler
+    async def sse(self):
+        """Server-sent events: one chunk per choice as its text grows, then [DONE]. Cancelled when the
+        client disconnects (Starlette watches for it), and close() then aborts the requests."""
+        try:
+            for i in range(len(self.plan.params)):
+                if self.plan.chat:
+                    yield self._chunk(i, "", None, None, role=True)
+                elif self.plan.echo:
+                    yield self._chunk(i, self.plan.prompt_text, None, None)
+            for i in range(len(self.plan.params)):
+                if not self.reqs:
+                    yield self._chunk(i, "", "length", None)
+            while not all(self.done):
+                i, done = await self._next()
+                chunk = self._delta(i, done)
+                if chunk:
+                    yield chunk
+            if self.plan.include_usage:
+                obj = {"id": self.id, "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
+                       "created": self.created, "model": self.server.model_name, "choices": [],
+                       "usage": self._usage()}
+                yield f"data: {json.dumps(obj)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.close()
 
 
-def _usage(req) -> dict:
-    p, c = len(req.prompt), len(req.output)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (its body already read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

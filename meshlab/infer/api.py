@@ -1,0 +1,231 @@
+"""The OpenAI request and response schemas the server speaks: parsing and validating a body into
+engine requests, and turning finished (or growing) requests into choices, chunks and logprobs.
+
+No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
+Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
+(prompt logprobs, several prompts per request, best_of, penalties other than the repetition one)
+with a 400 that says so, rather than ignoring it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from meshlab.infer.sampler import SamplingParams
+
+MAX_TOP_LOGPROBS = 20          # OpenAI's chat limit (completions: 5); vLLM allows 20 for both
+
+
+class BadRequest(Exception):
+    def __init__(self, message, status=400, param=None, retry_after=None):
+        super().__init__(message)
+        self.status, self.param, self.retry_after = status, param, retry_after
+
+
+@dataclasses.dataclass
+class Plan:
+    """One HTTP request as the engine sees it: the prompt, and one SamplingParams per choice."""
+    prompt: list                       # token ids
+    prompt_text: str
+    params: list                       # [SamplingParams] * n (seeds seed + i)
+    chat: bool
+    stream: bool
+    echo: bool = False
+    logprobs: Optional[int] = None     # top alternatives per token; None: no logprobs
+    include_usage: bool = False
+    generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
+
+
+def _typed(body, name, typ, default=None, lo=None, hi=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    kind = {int: "an integer", bool: "true or false", float: "a number", str: "a string"}[typ]
+    ok = isinstance(v, bool) if typ is bool else (not isinstance(v, bool) and isinstance(
+        v, (int, float) if typ is float else typ))
+    if not ok or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
+        raise BadRequest(f"`{name}` must be {kind}{rng}, got {v!r}", param=name)
+    return v
+
+
+# Fields of OpenAI's API that would change the answer and that this server does not implement.
+UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v),
+               "logit_bias": lambda v, b: bool(v), "presence_penalty": lambda v, b: v != 0,
+               "frequency_penalty": lambda v, b: v != 0, "tools": lambda v, b: bool(v),
+               "response_format": lambda v, b: isinstance(v, dict) and v.get("type") not in (None, "text")}
+
+
+def chat_messages(messages) -> list:
+    """Messages as [{role, content: str}]; content given as text parts is joined."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant") \
+                or not isinstance(content, str):
+            raise BadRequest(f"messages[{i}] must be {{\"role\": system|developer|user|assistant, \"content\": "
+                             "string or text parts}", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def plain_chat_prompt(messages: list) -> str:
+    """The format for tokenizers without a chat template: 'role: content' lines, then 'assistant:'."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int) -> Plan:
+    """Validate a request body into a Plan (raises BadRequest)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("model") not in (None, model_name):
+        raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {model_name!r}",
+                         status=404, param="model")
+    for name, used in UNSUPPORTED.items():
+        if body.get(name) is not None and used(body[name], body):
+            raise BadRequest(f"`{name}` is not supported by this server; leave it out", param=name)
+    if chat:
+        messages = chat_messages(body.get("messages"))
+        template = getattr(tok, "chat_template", None)
+        try:
+            text = template(messages) if template else plain_chat_prompt(messages)
+        except ValueError as e:
+            raise BadRequest(str(e), param="messages") from None
+        prompt = tok.encode(text)
+    else:
+        text, prompt = _completion_prompt(body.get("prompt"), tok)
+    if not prompt:
+        raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
+    n = _typed(body, "n", int, 1, 1, max_n)
+    stream = _typed(body, "stream", bool, False)
+    echo = False if chat else _typed(body, "echo", bool, False)
+    if chat:
+        want = _typed(body, "logprobs", bool, False)
+        top = _typed(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not want:
+            raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        logprobs = (top or 0) if want else None
+        max_tokens = _typed(body, "max_completion_tokens", int, None, 1)
+        max_tokens = _typed(body, "max_tokens", int, max_tokens, 1)
+        if max_tokens is None:                 # chat default: the rest of the context
+            max_tokens = max(max_len - len(prompt), 1)
+    else:
+        logprobs = _typed(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        max_tokens = _typed(body, "max_tokens", int, 16, 0)
+        if max_tokens == 0 and not echo:
+            raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
+        if echo and logprobs is not None:
+            raise BadRequest("`echo` with `logprobs` asks for the prompt's logprobs, which this server does not "
+                             "compute; drop one of them", param="echo")
+    if len(prompt) + max_tokens > max_len:
+        raise BadRequest(f"prompt ({len(prompt)} tokens) + max_tokens={max_tokens} exceeds the context of "
+                         f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens")
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
+        raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
+    seed = _typed(body, "seed", int, 0, 0, 2 ** 31 - n)
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and stream):
+        raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
+    kw = {"temperature": _typed(body, "temperature", float, 0.0),
+          "top_p": _typed(body, "top_p", float, 1.0), "top_k": _typed(body, "top_k", int, 0),
+          "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0)}
+    if logprobs is not None and "logprobs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        raise BadRequest("`logprobs` needs an engine that records them; this one does not", param="logprobs")
+    params = []
+    for i in range(n):
+        try:
+            extra = {"logprobs": logprobs} if logprobs is not None else {}
+            params.append(SamplingParams(max_tokens=max(max_tokens, 1), seed=seed + i, stop=tuple(stop),
+                                         stop_token_ids=tuple(stop_ids), **kw, **extra).validate())
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+    return Plan(prompt, text, params, chat, stream, echo, logprobs, bool((opts or {}).get("include_usage")),
+                generate=max_tokens > 0)
+
+
+def _completion_prompt(prompt, tok):
+    """(text, ids) of a completions prompt: a string, or token ids; one prompt per request."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt, tok.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tok.decode(prompt), list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("one prompt per request; send several requests (they are batched together)",
+                         param="prompt")
+    raise BadRequest("`prompt` must be a non-empty string (or a list of token ids)", param="prompt")
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+def visible(req, final: bool) -> str:
+    """Text safe to show so far: never a half UTF-8 character, never a possible stop-string prefix."""
+    text = req.text
+    if final:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((len(s) - 1 for s in req.params.stop), default=0)
+    return text[:len(text) - hold] if hold else text
+
+
+def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0) -> int:
+    """How many output tokens the shown `text` accounts for (their logprobs go out with it).
+    Final: every token when the text is their whole decoding, else (a stop string cut it) the fewest
+    that cover the text. Not final: the most whose decoding fits within the text shown so far."""
+    if final:
+        if decode(output) == text:
+            return len(output)
+        k = start
+        while k < len(output) and len(decode(output[:k])) < len(text):
+            k += 1
+        return k
+    k = start
+    while k < len(output) and len(decode(output[:k + 1]).rstrip("\ufffd")) <= len(text):
+        k += 1
+    return k
+
+
+def _token_bytes(tok, t: int) -> bytes:
+    if not hasattr(tok, "tk"):                          # byte tokenizer: ids 0..255 are the bytes
+        return bytes([t]) if 0 <= t < 256 else b""
+    return tok.decode([t]).encode("utf-8")
+
+
+def _token_str(tok, t: int) -> str:
+    s = tok.decode([t])
+    if "\ufffd" in s:                                   # a part of a UTF-8 character: OpenAI's bytes: form
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in _token_bytes(tok, t))
+    return s
+
+
+def completion_logprobs(tok, output, entries, offset: int) -> dict:
+    """OpenAI completions format for output tokens with (logprob, {id: logprob}) entries;
+    `offset`: where the first token's text starts in the choice's text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, (lp, top) in zip(output, entries):
+        out["tokens"].append(_token_str(tok, t))
+        out["token_logprobs"].append(float(lp))
+        out["top_logprobs"].append({_token_str(tok, a): float(v) for a, v in top.items()})
+        out["text_offset"].append(offset)
+        offset += len(tok.decode([t]))
+    return out
+
+
+def chat_logprobs(tok, output, entries) -> dict:
+    def one(t, lp):
+        return {"token": _token_str(tok, t), "logprob": float(lp), "bytes": list(_token_bytes(tok, t))}
+    return {"content": [dict(one(t, lp), top_logprobs=[one(a, v) for a, v in top.items()])
+                        for t, (lp, top) in zip(output, entries)]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
