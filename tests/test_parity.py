@@ -19,10 +19,18 @@ def reference():
     return out["losses"], jax.device_get(out["state"]["params"])
 
 
-@pytest.mark.parametrize("rules", sorted(MESH_FOR))
+# Pipeline rule files (2 stages of the 2-layer model, 2 micro-batches; pp_fsdp_tp on 2 x 2 x 2, the
+# articles' TP4 x PP2 x DP8 file at tensor=2 for the model's 2 kv heads).
+PIPELINE_MESH = {"pp_dp": "data=4,stage=2", "pp_fsdp": None, "pp_fsdp_tp": "stage=2,fsdp=2,tensor=2",
+                 "pp_tp_dp": "data=2,stage=2,tensor=2"}
+
+
+@pytest.mark.parametrize("rules", sorted({**MESH_FOR, **PIPELINE_MESH}))
 def test_rule_file_matches_single_device(rules, reference):
     ref_losses, ref_params = reference
-    out = train(small_config(rules, mesh=MESH_FOR[rules]), progress=False, write=False)
+    mesh = PIPELINE_MESH[rules] if rules in PIPELINE_MESH else MESH_FOR[rules]
+    extra = ["data.microbatches=2"] if rules in PIPELINE_MESH else []
+    out = train(small_config(rules, mesh=mesh, extra=extra), progress=False, write=False)
     assert out["trainer"].mesh.devices.size == 8
     np.testing.assert_allclose(out["losses"], ref_losses, rtol=LOSS_RTOL)
     params = jax.device_get(out["state"]["params"])
