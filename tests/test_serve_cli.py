@@ -1,0 +1,126 @@
+"""The README's commands after `make train`, run as a user would: generate.py and serve.py on a run
+trained on 8 simulated devices, from a clean working directory of a process that sees one device,
+with the corpus absent; nothing may be written outside the run directory (nor inside it)."""
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from meshlab.infer.loading import load_checkpoint, run_tokenizer
+from meshlab.train.checkpoint import write_run_tokenizer
+from meshlab.train.data import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fresh_env() -> dict:
+    """This machine as a new user has it: no simulated devices (the test process has 8)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = flags.strip()
+    return env
+
+
+def tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """`make train`, shortened: 2 steps of tiny on fsdp_tp over 8 simulated CPU devices."""
+    work = tmp_path_factory.mktemp("train")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/train.py"), "--config", "default", "--rules",
+                          "fsdp_tp", "--cpu-devices", "8", "--steps", "2", "--run-dir", "runs/default",
+                          "sample_tokens=0", "data.max_bytes=200000", "log_every=1"],
+                         cwd=work, env=fresh_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = work / "runs/default"
+    assert json.loads((run_dir / "tokenizer_meta.json").read_text())["tokenizer"] == "byte"
+    shutil.rmtree(work / "data")                  # serving must not need the corpus
+    return run_dir
+
+
+@pytest.fixture
+def clean(tmp_path):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    return d
+
+
+def test_generate_readme_command(run, clean):
+    before = tree(run.parent.parent)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--checkpoint", str(run),
+                          "--prompt", "def ", "--max-new-tokens", "12"],
+                         cwd=clean, env=fresh_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("def ") and len(out.stdout) > len("def \n")
+    assert list(clean.iterdir()) == [] and tree(run.parent.parent) == before
+
+
+def test_serve_readme_command(run, clean):
+    before = tree(run.parent.parent)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), "--checkpoint", str(run), "--port", "0",
+                             "--max-len", "64", "--chunk", "16", "--cpu-devices", "8"],
+                            cwd=clean, env=fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        port = int(line.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def ", "max_tokens": 5}))
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200 and body["usage"]["completion_tokens"] >= 1
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert list(clean.iterdir()) == [] and tree(run.parent.parent) == before
+
+
+def test_restore_reshards_onto_one_device(run, clean, monkeypatch):
+    """In a process with 8 devices (the training mesh's count), serving still places params on one."""
+    monkeypatch.chdir(clean)
+    cfg, md, params, tok = load_checkpoint(str(run))
+    leaves = jax.tree.leaves(params)
+    assert cfg.name == "tiny" and isinstance(tok, ByteTokenizer)
+    assert all(len(x.sharding.device_set) == 1 for x in leaves)
+    assert [x.shape for x in leaves] == [a.shape for a in jax.tree.leaves(md.abstract)]
+    assert list(clean.iterdir()) == []
+
+
+def test_missing_checkpoint_is_one_clear_error(tmp_path):
+    (tmp_path / "config.yaml").write_text("model:\n  name: tiny\n")
+    with pytest.raises(RuntimeError, match="no checkpoint directory; train the run first"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_run_keeps_its_tokenizer_json(tmp_path):
+    """A run on a tokenizer.json corpus holds a copy (with its chat template): serving reads no corpus."""
+    from tokenizers import Tokenizer, models as tk_models
+    corpus, tok_dir, run_dir = tmp_path / "corpus", tmp_path / "tok", tmp_path / "run"
+    for d in (corpus, tok_dir, run_dir):
+        d.mkdir()
+    Tokenizer(tk_models.WordLevel({"a": 0, "b": 1, "<eot>": 2, "[UNK]": 3}, unk_token="[UNK]")).save(
+        str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    (corpus / "meta.json").write_text(json.dumps({"tokenizer": str(tok_dir), "vocab_size": 4, "eod_id": 2}))
+    write_run_tokenizer(str(corpus), run_dir)
+    shutil.rmtree(corpus)
+    shutil.rmtree(tok_dir)
+    tok = run_tokenizer(run_dir, {"data": {"corpus": str(corpus)}})
+    assert tok.vocab_size == 4 and tok.stop_token_ids == [2]
+    assert tok.chat_template([{"role": "user", "content": "a b"}]) == "a b"
+    (run_dir / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+        run_tokenizer(run_dir, {"data": {"corpus": str(corpus)}})
