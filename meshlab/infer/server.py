@@ -155,7 +155,7 @@ class Server:
                              status=503, retry_after=1)
 
     async def _generate(self, request, chat: bool):
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
         try:
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
@@ -169,10 +169,10 @@ class Server:
             return StreamingResponse(call.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=_Task(call.close))
         try:
-            await call.wait_all(request)
+            finished = await call.wait_all(request)
         finally:
             call.close()
-        return JSONResponse(call.whole())
+        return JSONResponse(call.whole()) if finished else Response(status_code=499)   # nobody reads it
 
     def metrics_text(self) -> str:
         s, sched = self.engine.stats, self.engine.sched
@@ -218,36 +218,53 @@ class Call:
         self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-        loop = asyncio.get_running_loop()
-
-        def on_event(i):
-            def put(_req, _new, done):
-                try:
-                    loop.call_soon_threadsafe(self.events.put_nowait, (i, done))
-                except RuntimeError:        # the loop is gone (server stopping)
-                    pass
-            return put
-        self.reqs = []
-        self.done = [not plan.generate] * len(plan.params)
-        self.shown = [0] * len(plan.params)          # characters of each choice's text already streamed
-        self.lp_sent = [0] * len(plan.params)        # tokens whose logprobs were streamed
+        self.closed, self.lock = False, threading.Lock()
+        self.loop = asyncio.get_running_loop()
+        n = len(plan.params)
+        self.reqs = [None] * n if plan.generate else []
+        self.done = [not plan.generate] * n
+        self.shown = [0] * n                  # characters of each choice's text already streamed
+        self.lp_sent = [0] * n                # tokens whose logprobs were streamed
         server.inflight += 1
-        try:
-            for i, sp in enumerate(plan.params if plan.generate else []):
-                self.reqs.append(server.engine.add_request(plan.prompt, sp, on_event=on_event(i)))
-        except ValueError as e:              # AdmissionError included
-            self.close()
-            raise BadRequest(str(e)) from None
+        if plan.generate:
+            try:
+                self.reqs[0] = server.engine.add_request(plan.prompt, plan.params[0], on_event=self._on_event(0))
+            except ValueError as e:           # AdmissionError included
+                self.close()
+                raise BadRequest(str(e)) from None
         server.wake.set()
+
+    def _on_event(self, i: int):
+        """on_event for choice i (engine thread). Copies 1..n-1 are submitted at copy 0's first event:
+        its prompt pages are in the prefix cache by then, so the copies do not prefill them again."""
+        def put(_req, _new, done):
+            if i == 0 and self.reqs and any(r is None for r in self.reqs):
+                self._submit_copies()
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (i, done))
+            except RuntimeError:              # the loop is gone (server stopping)
+                pass
+        return put
+
+    def _submit_copies(self):
+        with self.lock:                       # close() on the event loop sees every request submitted
+            if self.closed:
+                return
+            for i in range(1, len(self.reqs)):
+                self.reqs[i] = self.server.engine.add_request(self.plan.prompt, self.plan.params[i],
+                                                              on_event=self._on_event(i))
+        self.server.wake.set()
 
     def close(self):
         """Abort what is still running (the client is gone), once; record the finished ones' metrics."""
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
         self.server.inflight -= 1
         for r in self.reqs:
+            if r is None:
+                continue
             if r.finish_reason is None:
                 self.server.engine.abort(r)
                 self.server.counts["aborted"] += 1
@@ -260,8 +277,8 @@ class Call:
         self.done[i] = self.done[i] or done
         return i, done
 
-    async def wait_all(self, request):
-        """Until every choice finished; a client that disconnects first leaves them to close()."""
+    async def wait_all(self, request) -> bool:
+        """Until every choice finished (True); False when the client disconnected first (close() aborts)."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while not all(self.done):
@@ -269,7 +286,8 @@ class Call:
                 await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
                     nxt.cancel()
-                    return
+                    return False
+            return True
         finally:
             gone.cancel()
 
@@ -308,7 +326,7 @@ class Call:
                 "model": self.server.model_name, "choices": choices, "usage": self._usage()}
 
     def _usage(self) -> dict:
-        return api.usage(len(self.plan.prompt), sum(len(r.output) for r in self.reqs))
+        return api.usage(len(self.plan.prompt), sum(len(r.output) for r in self.reqs if r is not None))
 
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
