@@ -180,3 +180,65 @@ def test_serving_params_cast_once_split_per_layer(tiny):
     a = Engine(md_bf, params, max_len=64, max_seqs=2, page_size=4, chunk=8, layers="scan").generate(prompts)
     b = Engine(md_bf, pre, max_len=64, max_seqs=2, page_size=4, chunk=8).generate(prompts)
     assert [r.output for r in a] == [r.output for r in b]
+
+
+def test_concurrent_greedy_equals_sequential(tiny, engine):
+    """Requests submitted together (packed steps mixing decode tokens and up to four prompt-chunk
+    rows, rows finishing inside multi-step decode calls, preemption in the small page pool) give
+    the same greedy tokens as each request alone, in float32."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 257, size=n).tolist() for n in (3, 29, 11, 17, 8, 25)]
+    sps = [SamplingParams(max_tokens=m) for m in (7, 10, 13, 5, 9, 6)]
+    alone = [engine.generate([p], sp)[0].output for p, sp in zip(prompts, sps)]
+    together = engine.generate(prompts, sps)
+    assert [r.output for r in together] == alone
+    assert any(key[0] == "packed" and key[2] > 1 for key in engine._programs), "no step packed several chunks"
+
+
+def test_abort_running_and_queued(tiny, engine):
+    """abort() from another thread: a running and a queued request end with finish_reason abort
+    and one final event; their pages come back; the others are unaffected."""
+    import threading
+    prompts = [[7, 8, 9, 10], [1, 2], [3, 4, 5], [6] * 9, [11, 12]]
+    sps = SamplingParams(max_tokens=12)
+    alone = {i: engine.generate([prompts[i]], sps)[0].output for i in (1, 2, 3)}
+    events = []
+    reqs = [engine.add_request(p, sps, on_event=lambda r, new, done: events.append((r.id, len(new), done)))
+            for p in prompts]
+    engine.step()
+    assert reqs[0].slot >= 0 and reqs[4].slot < 0 and reqs[0].output   # 0 running, 4 waiting (4 rows)
+    threads = [threading.Thread(target=engine.abort, args=(reqs[i],)) for i in (0, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.run()
+    for i in (0, 4):
+        assert reqs[i].finish_reason == "abort" and len(reqs[i].output) < 12
+        assert [e for e in events if e[0] == reqs[i].id][-1] == (reqs[i].id, 0, True)
+        assert sum(e[2] for e in events if e[0] == reqs[i].id) == 1
+    assert not reqs[4].output
+    assert {i: reqs[i].output for i in (1, 2, 3)} == alone
+    engine.abort(reqs[1])                                             # already finished: nothing happens
+    engine.run()
+    assert reqs[1].finish_reason == "length"
+    assert not engine.sched.running() and engine.sched.pool.available == engine.sched.pool.total
+
+
+def test_logprobs_are_the_models_log_softmax(tiny, engine):
+    md, params, fwd = tiny
+    prompt = [5, 9, 14, 2]
+    req = engine.generate([prompt], SamplingParams(max_tokens=6, logprobs=3))[0]
+    plain = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert plain.logprobs == [] and plain.output == req.output
+    logits = np.asarray(fwd(params, jnp.asarray([prompt + req.output])))[0, len(prompt) - 1:-1]
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    assert len(req.logprobs) == 6
+    for i, (chosen, top) in enumerate(req.logprobs):
+        tok = req.output[i]
+        np.testing.assert_allclose(chosen, ref[i, tok], rtol=1e-4, atol=1e-4)
+        best = np.argsort(-ref[i])[:3].tolist()
+        assert list(top) == best and best[0] == tok                 # greedy: the chosen one is the best
+        np.testing.assert_allclose([top[t] for t in best], ref[i, best], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request([1], SamplingParams(logprobs=21))

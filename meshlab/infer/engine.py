@@ -133,12 +133,12 @@ class Engine:
     `on_event(req, new_tokens, finished)`.
 
     Device calls and their compiled shapes (nothing compiles per request):
-      every row decodes  decode_loop over the decode rows, b in DECODE buckets (powers of two up
-                         to max_seqs), n = steps_per_call steps per call (1 when pages for n
-                         are short);
-      some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, min(16, max_seqs),
-                         max_seqs} decode tokens and k in PREFILL_ROWS buckets (powers of two up
-                         to max_prefill_rows) chunk rows of `chunk` tokens;
+      every row decodes  decode_loop over the decode rows, b in DECODE buckets (1, 4, 16, 64, ...
+                         capped at max_seqs), n = steps_per_call steps per call (1 when pages
+                         for n are short);
+      some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, max_seqs} decode
+                         tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
+                         max_prefill_rows) chunk rows of `chunk` tokens;
     each with static greedy / logprobs flags (from the rows in the step).
     """
 
@@ -175,9 +175,13 @@ class Engine:
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
-        pow2 = lambda top: sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
-        self.DECODE, self.PREFILL_ROWS = pow2(max_seqs), pow2(self.sched.max_prefill_rows)
-        self.MIXED_DECODE = sorted({0, min(16, max_seqs), max_seqs})
+        # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
+        # in powers of 4 (a decode step at small batch reads the weights once whatever its rows,
+        # and padding rows attend to nothing), chunk rows in powers of 2, and a mixed step carries
+        # either no decode rows or all max_seqs (at most one step in a few pays for idle rows).
+        powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
+        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, self.sched.max_prefill_rows)
+        self.MIXED_DECODE = [0, max_seqs]
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
         self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
         self.inbox: queue.Queue = queue.Queue()

@@ -1,0 +1,97 @@
+"""Prefix caching on the paged cache: shared full pages by chained content key, reference counts,
+LRU eviction; the prefill tokens computed are counted and the tokens are those of no cache."""
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from meshlab.infer.engine import Engine
+from meshlab.infer.pages import PagePool, page_keys
+from meshlab.infer.sampler import SamplingParams
+from meshlab.train.state import model_def
+
+
+def test_page_keys_chain_over_the_prefix():
+    a = page_keys(list(range(12)), 4, [], 3)
+    b = page_keys([99] + list(range(1, 12)), 4, [], 3)
+    assert len(set(a)) == 3 and a[0] != b[0]
+    assert a[1] != b[1] and a[2] != b[2]            # same block tokens, different prefix: different key
+    assert page_keys(list(range(12)), 4, a[:1], 3) == a
+
+
+def test_pool_refcounts_and_lru_eviction():
+    pool = PagePool(6)                               # pages 1..5
+    pages = pool.take(4)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    pool.register(pages, keys)
+    assert pool.lookup(keys) == pages and pool.available == 1
+    pool.acquire(pages[:2])                          # a second holder of the first two
+    pool.give(pages)                                 # first holder leaves: pages 3, 4 free but cached
+    assert pool.available == 3 and pool.lookup(keys) == pages
+    pool.give(pages[:2])
+    assert pool.available == 5
+    got = pool.take(2)                               # the fresh page, then the least recently freed cached one
+    assert got[0] not in pages and got[1] == pages[2] and pool.evictions == 1
+    assert pool.lookup(keys) == pages[:2]            # the chain stops at the evicted page
+    with pytest.raises(MemoryError):
+        pool.take(4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
+    md = model_def(cfg)
+    return md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+
+
+def make(tiny, prefix_cache, num_pages=None):
+    md, params = tiny
+    return Engine(md, params, max_len=96, max_seqs=2, page_size=4, num_pages=num_pages, chunk=8,
+                  steps_per_call=4, prefix_cache=prefix_cache)
+
+
+def computed(engine, prompt, max_tokens=6):
+    before = engine.stats["prefill_tokens"]
+    req = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+    return req, engine.stats["prefill_tokens"] - before
+
+
+def test_shared_prefix_recomputes_only_the_tail(tiny):
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 257, size=24).tolist()                    # six full pages
+    tails = [rng.integers(0, 257, size=3).tolist() for _ in range(2)]
+    cached, plain = make(tiny, True), make(tiny, False)
+    first, n1 = computed(cached, prefix + tails[0])
+    second, n2 = computed(cached, prefix + tails[1])
+    again, n3 = computed(cached, prefix + tails[0])
+    aligned, n4 = computed(cached, prefix)                             # fully cached: the last page is recomputed
+    assert (n1, n2, n3, n4) == (27, 3, 3, 4)
+    assert (second.prefix_hit_tokens, again.prefix_hit_tokens, aligned.prefix_hit_tokens) == (24, 24, 20)
+    assert cached.stats["prefix_hit_tokens"] == 68
+    for req in (first, second, again, aligned):
+        ref, n = computed(plain, req.prompt)
+        assert req.output == ref.output and n == len(req.prompt)
+    pool = cached.sched.pool
+    assert pool.available == pool.total and not pool.ref.any()
+
+
+def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
+    """Two copies of a cached prompt hold the same pages at once; a small pool evicts the cache
+    (least recently freed first) and the tokens stay those of no cache."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 257, size=21).tolist()
+    eng = make(tiny, True, num_pages=16)                               # 15 pages: about two requests
+    base, _ = computed(eng, prompt)
+    a = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=1))
+    b = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=2))
+    eng.step()
+    assert a.pages[:5] == b.pages[:5] and eng.sched.pool.ref[a.pages[0]] == 2
+    eng.run()
+    assert a.prefix_hit_tokens == b.prefix_hit_tokens == 20
+    other = rng.integers(0, 257, size=40).tolist()
+    computed(eng, other, max_tokens=20)                                # needs 15 pages: evicts the prompt's
+    assert eng.sched.pool.evictions > 0
+    again, n = computed(eng, prompt)
+    assert again.output == base.output and again.prefix_hit_tokens < 20 and n == 21 - again.prefix_hit_tokens
