@@ -1,0 +1,108 @@
+"""Check scripts/serve.py end to end as a client sees it: python scripts/check_serve.py [SERVE ARGS...].
+
+Starts the server (default: --checkpoint random:llama3_1b --dtype bfloat16), then checks that a
+streamed completion arrives as server-sent events ending in [DONE]; that a streaming client which
+disconnects after a few chunks has its request aborted (requests_running back to 0 and every cache
+page free within seconds, far fewer tokens generated than it asked for); that n=2 with logprobs
+answers. Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the
+CPU tests cover the same behaviours on a tiny model: tests/test_server.py).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def metrics(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line)}
+
+
+def post(port: int, body: dict):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode()
+
+
+def check_stream(port: int) -> str:
+    t0 = time.perf_counter()
+    status, payload = post(port, {"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": True})
+    events = [e[6:] for e in payload.splitlines() if e.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", (status, payload[:300])
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    return f"{len(chunks)} chunks in {time.perf_counter() - t0:.2f} s"
+
+
+def check_disconnect(port: int, max_tokens: int = 1500) -> str:
+    base = metrics(port)
+    body = json.dumps({"prompt": "x" * 100, "max_tokens": max_tokens, "temperature": 0.7, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=600)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(65536)
+    gen0 = metrics(port)["meshlab_generated_tokens_total"]
+    s.close()
+    t0 = time.perf_counter()
+    while True:
+        m = metrics(port)
+        if m["meshlab_requests_running"] == 0 and m["meshlab_free_cache_pages"] == base["meshlab_free_cache_pages"]:
+            break
+        assert time.perf_counter() - t0 < 30, f"not idle 30 s after the disconnect: {m}"
+        time.sleep(0.05)
+    after = m["meshlab_generated_tokens_total"] - gen0
+    assert after < max_tokens // 2, f"{after} tokens generated after the disconnect"
+    assert m["meshlab_requests_aborted_total"] >= 1
+    return f"idle {time.perf_counter() - t0:.3f} s after the disconnect, {after:.0f} tokens generated after it"
+
+
+def check_n_logprobs(port: int) -> str:
+    status, payload = post(port, {"prompt": "import ", "max_tokens": 8, "n": 2, "logprobs": 2, "temperature": 1.0})
+    body = json.loads(payload)
+    assert status == 200 and len(body["choices"]) == 2, payload[:300]
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) >= 1 and len(lp["top_logprobs"][0]) == 2
+    return f"2 choices, logprobs of {len(lp['tokens'])} tokens"
+
+
+def main(argv=None):
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--checkpoint" not in args:
+        args += ["--checkpoint", "random:llama3_1b", "--dtype", "bfloat16"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), "--port", "0", *args],
+                            stdout=subprocess.PIPE, text=True)
+    failed = False
+    try:
+        line = proc.stdout.readline()
+        if "serving" not in line:
+            sys.exit(f"serve.py did not start (exit {proc.wait()}): {line}")
+        port = int(line.rsplit(":", 1)[1])
+        post(port, {"prompt": "warm up", "max_tokens": 16})          # compiles before the timed checks
+        for name, check in (("stream", check_stream), ("disconnect", check_disconnect),
+                            ("n=2 logprobs", check_n_logprobs)):
+            try:
+                print(f"PASS {name}: {check(port)}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report every check, then fail
+                failed = True
+                print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
