@@ -38,4 +38,7 @@ def describe(md, rules, mesh) -> str:
         except Exception as e:   # a rule missing for an activation name is worth seeing, not fatal here
             spec = f"error: {e}"
         lines.append(f"  {what:<28} {str(names):<56} {spec}")
+    if mesh.shape["stage"] > 1:   # which layers sit on which stage; the embedding/head imbalance (FLOPs at S=4096)
+        from meshlab.plan.pipeline import stage_table
+        lines += [""] + stage_table(md.cfg, rules, mesh, 4096)
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshlab.mesh import AXES, format_sizes
 from meshlab.plan import account, comm, compute, memory
+from meshlab.plan import pipeline as pipeline_plan
 from meshlab.rules import RulesError, load_rules, shipped_rules
 from meshlab.train.state import model_def
 
@@ -73,7 +74,7 @@ def rule_axes(rules) -> list[str]:
 
 def candidate_meshes(rules, devices: int) -> list[dict]:
     """Every split of the devices over the axes the rule file names. An axis the file never names
-    would only replicate work (no shipped file pipelines over `stage` yet), so it stays 1."""
+    would only replicate work (`stage` is named by the pipeline files' `layers: stage`), so it stays 1."""
     axes = rule_axes(rules)
     out = []
     for sizes in factorizations(devices, len(axes)):
@@ -97,16 +98,21 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
             n = math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
             if dim % n:
                 raise RulesError(f"{name} ({dim}) is not divisible by its {n} shards")
-    except RulesError as e:
+        sched = pipeline_plan.schedule(rules, mesh, k, md.cfg.n_layers) if mesh.shape["stage"] > 1 else None
+    except (RulesError, ValueError) as e:   # ValueError: a pipeline whose layers or micro-batches do not fit
         plan.reason = str(e).split(": ", 1)[-1][:160]
         return plan
     cfg = dataclasses.replace(md.cfg, remat=remat)
     mem = memory.plan_memory(md, rules, mesh, global_batch, seq, k, remat)
+    if sched is not None:   # a stage's layers x the micro-batches in flight, not all layers x one
+        mem = pipeline_plan.activation_memory(md, rules, mesh, global_batch, seq, sched, mem)
     plan.memory, plan.mem_bytes = mem, mem["total"]
     plan.flops = compute.step_flops(cfg, global_batch, seq, remat)
-    bubble = compute.bubble_fraction(mesh.shape["stage"], k)
+    bubble = pipeline_plan.relative_bubble(sched) if sched is not None else 0.0
     plan.compute_s = compute.compute_time(cfg, global_batch, seq, mesh.size, hw, remat, bubble)
     plan.comms = comm.step_collectives(md, rules, mesh, global_batch, seq, k, remat)
+    if sched is not None:
+        plan.comms += pipeline_plan.collectives(md, rules, mesh, global_batch, seq, sched)
     plan.comm = comm.comm_time(plan.comms, mesh, hw, hosts)
     plan.step_s = max(plan.compute_s, plan.comm["overlappable"]) + plan.comm["exposed"]
     plan.step_s_serial = plan.compute_s + plan.comm["total"]
@@ -234,6 +240,8 @@ def explain(plan: Plan, model_cfg, hw) -> str:
     for c, t in plan.comm["rows"]:
         lines.append(f"  {c.kind:<18} over {'x'.join(c.axes):<12} {fb(c.nbytes):>10} x {c.count:<4} "
                      f"{t * 1e3:8.3f} ms  {'overlappable' if c.overlappable else 'exposed':<12} {c.what}")
+    if plan.mesh.get("stage", 1) > 1:
+        lines += pipeline_plan.stage_table(model_cfg, load_rules(plan.rules), PlanMesh(plan.mesh), lc.s_attn)
     lines.append(f"step: no overlap {plan.compute_s * 1e3:.2f} + {plan.comm['total'] * 1e3:.2f} = "
                  f"{plan.step_s_serial * 1e3:.2f} ms; with overlap max({plan.compute_s * 1e3:.2f}, "
                  f"{plan.comm['overlappable'] * 1e3:.2f}) + {plan.comm['exposed'] * 1e3:.2f} = {plan.step_s * 1e3:.2f} ms; "

@@ -90,11 +90,14 @@ def make_loss_and_grads(fns: executor.StageFns, names: dict, store: dict, acc: d
             params = {**params, layers_key: jax.tree.map(lambda a: jnp.take(a, order, axis=0), params[layers_key])}
             params = jax.lax.with_sharding_constraint(params, jax.tree.map(
                 lambda s: jax.sharding.NamedSharding(mesh, s), store, is_leaf=is_p))
-        in_specs = (jax.tree.map(lambda s: _only(s, manual), store, is_leaf=is_p),
-                    {k: _only(data_spec, manual) for k in batch}, P(), P())
-        out_specs = (P(), jax.tree.map(lambda s: _only(s, manual), acc, is_leaf=is_p), P())
-        loss, grads, n_valid = compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                                axis_names=manual)(params, batch, scale, table)
+        if manual:
+            in_specs = (jax.tree.map(lambda s: _only(s, manual), store, is_leaf=is_p),
+                        {k: _only(data_spec, manual) for k in batch}, P(), P())
+            out_specs = (P(), jax.tree.map(lambda s: _only(s, manual), acc, is_leaf=is_p), P())
+            loss, grads, n_valid = compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                                    axis_names=manual)(params, batch, scale, table)
+        else:   # one stage and no data parallelism: the executor forced on one device, measured on its own
+            loss, grads, n_valid = body(params, batch, scale, table)
         if sched.virtual > 1:
             inverse = jnp.argsort(jnp.asarray(order))
             grads = {**grads, layers_key: jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), grads[layers_key])}
