@@ -74,6 +74,10 @@ def test_completion_stream_equals_whole(server):
     assert status == 200
     text, finish = sse_text(payload, chat=False)
     assert text == whole["choices"][0]["text"] and finish == whole["choices"][0]["finish_reason"]
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stream=True,
+                                                              stream_options={"include_usage": True}))
+    last = json.loads([e for e in payload.splitlines() if e.startswith("data: {")][-1][6:])
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
 
 
 def test_chat_stream_equals_whole(server):
@@ -175,6 +179,9 @@ def test_echo_and_zero_max_tokens(server):
     assert sse_text(payload, chat=False)[0] == "def f(x):" + plain
     status, zero = call(server, "POST", "/v1/completions", dict(body, echo=True, max_tokens=0))
     assert status == 200 and zero["choices"][0]["text"] == "def f(x):" and zero["usage"]["completion_tokens"] == 0
+    default = call(server, "POST", "/v1/completions", {"prompt": "def f(x):"})[1]          # OpenAI's default: 16
+    assert default["usage"]["completion_tokens"] == 16 or default["choices"][0]["finish_reason"] == "stop"
+    assert default["usage"]["completion_tokens"] <= 16
 
 
 def test_n_choices_are_seeded_copies(server):
@@ -305,7 +312,7 @@ def test_completion_logprobs_match_the_model(server):
     choice = resp["choices"][0]
     lp = choice["logprobs"]
     assert status == 200 and len(lp["tokens"]) == resp["usage"]["completion_tokens"] == 6
-    out = [int(t[6:], 16) if t.startswith("bytes:") else ByteTokenizer().encode(t)[0] for t in
+    out = [int(t[6:], 16) if t.startswith("bytes:") else (ByteTokenizer().encode(t) or [256])[0] for t in
            (t.replace("\\x", "") for t in lp["tokens"])]
     ref = _reference_logprobs(server, ByteTokenizer().encode("def g("), out)
     for k, (t, row) in enumerate(zip(out, ref)):
