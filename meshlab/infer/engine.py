@@ -26,7 +26,7 @@ import numpy as np
 
 from meshlab.infer import kv_cache
 from meshlab.infer.programs import (CONCATENATED, FUSED, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
-                                    make_engine_programs, make_programs, serving_params)
+                                    TOP_LOGPROBS, make_engine_programs, make_programs, serving_params)
 from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
@@ -167,7 +167,8 @@ class Engine:
             # fused: one q|k|v GEMM and, with the Pallas kernel at batch <= 16, RoPE + cache write
             # inside the attention kernel (921 vs 873 tokens/s at batch 1, H200). It concatenates
             # weights, so a tensor-sharded mesh keeps split.
-            layers = "fused" if mesh is None or mesh.size == 1 else "split"
+            # A mixture of experts has no w_gate|w_up to concatenate (its `moe` layers): split.
+            layers = "fused" if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"] else "split"
         self.impl, self.layers = impl, layers
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers)
         with placement(rules, mesh):
@@ -280,10 +281,12 @@ class Engine:
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens
 
     def _flags(self, slots) -> tuple[bool, bool]:
-        """(greedy, logprobs) for the rows in a step: argmax suffices / some row wants logprobs."""
-        rows = self.slot_rows
+        """(greedy, logprobs) for the rows in a step: argmax suffices; None (no row wants logprobs),
+        0 (only the chosen tokens') or TOP_LOGPROBS (some row wants alternatives)."""
+        rows, asked = self.slot_rows, self.slot_logprobs[slots]
         greedy = not (np.any(rows["temperature"][slots] > 0) or np.any(rows["penalty"][slots] != 1.0))
-        return bool(greedy), bool(np.any(self.slot_logprobs[slots] >= 0))
+        logprobs = None if not np.any(asked >= 0) else (TOP_LOGPROBS if np.any(asked > 0) else 0)
+        return bool(greedy), logprobs
 
     def step(self) -> None:
         """Admit, feed one planned step (or n decode steps in one call), emit tokens, free finished rows."""
@@ -344,7 +347,8 @@ class Engine:
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         for i, r in enumerate(decodes):
             r.cached = min(r.cached + n, r.end)
-            lps = list(zip(out["logprob"][:, i], out["top_id"][:, i], out["top_logprob"][:, i])) if logprobs else None
+            lps = (list(zip(out["logprob"][:, i], out["top_id"][:, i], out["top_logprob"][:, i]))
+                   if logprobs is not None else None)
             self._emit(r, toks[:, i], lps)
         self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
 
@@ -388,7 +392,7 @@ class Engine:
                                          greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
-        lp = lambda i: [(out["logprob"][i], out["top_id"][i], out["top_logprob"][i])] if logprobs else None
+        lp = lambda i: [(out["logprob"][i], out["top_id"][i], out["top_logprob"][i])] if logprobs is not None else None
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         for i, r in enumerate(decodes):
             r.cached += 1
@@ -400,6 +404,31 @@ class Engine:
             if r.cached == r.n_tokens:
                 self._emit(r, [out["tokens"][nd + j]], lp(nd + j))
         self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
+
+    def warmup(self, greedy: bool = True, logprobs=None) -> int:
+        """Compile every bucket's program now (decode calls of steps_per_call steps, every packed
+        shape) by calling each on padding only: nothing is written, no request is touched. A
+        server does this before its first request. Returns the number of programs compiled."""
+        s, b_max = self.sched, self.sched.max_seqs
+        num_pages, before = self.cache["k"].shape[1], self.stats["compiles"]
+        with placement(self.rules, self.mesh):
+            for b in self.DECODE:
+                z = np.zeros(b, np.int32)
+                self._call(("decode", b, self.steps_per_call, greedy, logprobs), self.loop_fn, z, z, z,
+                           s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z,
+                           n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
+            for nd in self.MIXED_DECODE:
+                for k in self.PREFILL_ROWS:
+                    t, r = nd + k * self.chunk, nd + k
+                    z = np.zeros(t, np.int32)
+                    packed = {"tokens": z, "positions": z, "slot": np.full(t, b_max, np.int32),
+                              "write_page": np.full(t, num_pages, np.int32), "write_off": z,
+                              "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
+                              "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": np.zeros(r, np.int32)}
+                    zr = np.zeros(r, np.int32)
+                    self._call(("packed", nd, k, greedy, logprobs), self.packed_fn, packed, self._row_inputs(zr), zr,
+                               zr, greedy=greedy, logprobs=logprobs)
+        return self.stats["compiles"] - before
 
     # -- convenience ----------------------------------------------------------------------
     def run(self) -> None:

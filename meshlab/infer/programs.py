@@ -26,7 +26,8 @@ Programs:
                  each row fed while its position is below its own limit (rows that end mid-call
                  stop writing; their extra samples are dropped on the host).
   Both take static `greedy` (no row samples or penalises: argmax only, the seen-token mask
-  untouched) and `logprobs` (return the chosen token's log-softmax and the TOP_LOGPROBS best).
+  untouched) and `logprobs`: None (off), 0 (the chosen token's log-softmax) or TOP_LOGPROBS
+  (also the TOP_LOGPROBS best, one top-k pass over the vocabulary).
 """
 from __future__ import annotations
 
@@ -138,10 +139,13 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs):
     logits = model.logits(h[:, None])[:, 0, :vocab]                                 # [R, V] fp32
     tok = sample(logits, rows, counters, seen_rows, greedy)
     out = {"tokens": tok}
-    if logprobs:
+    if logprobs is not None:
         lp = jax.nn.log_softmax(logits, axis=-1)
         out["logprob"] = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
-        out["top_logprob"], out["top_id"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))
+        if logprobs:                     # no top-k pass when every row asked for the chosen token only
+            out["top_logprob"], out["top_id"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))
+        else:
+            out["top_logprob"], out["top_id"] = lp[:, :0], tok[:, None][:, :0]
     return out
 
 

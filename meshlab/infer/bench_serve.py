@@ -1,0 +1,219 @@
+"""Serving under load, as scripts/bench_serve.py runs it: the offline workload through `Engine`,
+Poisson arrivals through the HTTP server, and the peers (transformers' continuous batching, HF
+`generate` with a static cache and torch.compile at batch 1), each in its own process.
+
+The workload (`workload`): n requests, prompt lengths uniform in [p_lo, p_hi], output lengths
+uniform in [o_lo, o_hi], token ids uniform over the vocabulary, greedy, no stop tokens (every
+request runs to its max_tokens), seeded. Rows are dicts printed as `ROW {json}` by the script.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import numpy as np
+
+from meshlab.infer.bench import emit
+
+
+def workload(n: int, prompt=(128, 1024), output=(64, 256), vocab: int = 128256, seed: int = 0):
+    """[(prompt token ids, max_tokens)] (see the module doc)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(prompt[0], prompt[1] + 1, n)
+    outs = rng.integers(output[0], output[1] + 1, n)
+    return [(rng.integers(0, vocab, int(p)).tolist(), int(o)) for p, o in zip(lens, outs)]
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def latency_summary(ttft, tpot) -> dict:
+    return {"ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3}
+
+
+def offline(engine, work, label: str):
+    """Every request submitted at once through Engine.generate; (row, requests): throughput, latency
+    and the engine's own counters (host time per device call, decode steps per dispatch, compiles)."""
+    from meshlab.infer.sampler import SamplingParams
+    before = dict(engine.stats)
+    t = time.perf_counter()
+    reqs = engine.generate([p for p, _ in work], [SamplingParams(max_tokens=m) for _, m in work])
+    wall = time.perf_counter() - t
+    st = {k: engine.stats[k] - before[k] for k in before}
+    out_tok = sum(len(r.output) for r in reqs)
+    assert out_tok == sum(m for _, m in work), "a request stopped early (the workload has no stop tokens)"
+    m = [r.metrics for r in reqs]
+    calls = max(st["device_calls"], 1)
+    decode_steps = st["steps"] - st["packed_calls"]
+    row = {"section": "offline", "setting": f"{label} n={len(work)}", "value": out_tok / wall, "unit": "tok/s",
+           "wall_s": wall, "output_tokens": out_tok, "prompt_tok_s": sum(len(p) for p, _ in work) / wall,
+           **latency_summary([x["ttft_s"] for x in m], [x["tpot_s"] for x in m if x["tpot_s"] is not None]),
+           "preemptions": st["preemptions"], "device_calls": st["device_calls"], "packed_calls": st["packed_calls"],
+           "decode_calls": st["decode_calls"], "decode_steps_per_dispatch": decode_steps / max(st["decode_calls"], 1),
+           "host_ms_per_call": st["host_s"] / calls * 1e3, "device_wait_ms_per_call": st["device_wait_s"] / calls * 1e3,
+           "compiles": st["compiles"], "compile_s": st["compile_s"], "prefill_tokens": st["prefill_tokens"],
+           "prefix_hit_tokens": st["prefix_hit_tokens"]}
+    row["note"] = (f"{out_tok} tokens in {wall:.1f} s; TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 "
+                   f"{row['ttft_p99_ms']:.0f}; TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f}; "
+                   f"{row['host_ms_per_call']:.2f} ms host per call, {row['decode_steps_per_dispatch']:.1f} decode "
+                   f"steps per dispatch, {st['compiles']} compiles, {st['preemptions']} preemptions")
+    return emit(row), reqs
+
+
+def match_rate(engine, work, concurrent) -> dict:
+    """Rerun requests one at a time: the share whose greedy tokens equal those of the concurrent run
+    (exact in float32; bf16 kernels are not batch-invariant, so a different batch may round a
+    near-tie differently and the two continuations part from there)."""
+    from meshlab.infer.sampler import SamplingParams
+    same, first_diff = 0, []
+    for (prompt, m), req in zip(work, concurrent):
+        alone = engine.generate([prompt], SamplingParams(max_tokens=m))[0].output
+        same += alone == req.output
+        if alone != req.output:
+            first_diff.append(next(i for i, (a, b) in enumerate(zip(alone, req.output)) if a != b))
+    return emit({"section": "offline", "setting": f"greedy alone == concurrent, {len(work)} requests",
+                 "value": same / max(len(work), 1), "unit": "share", "first_difference_at": first_diff,
+                 "note": f"{same}/{len(work)} equal; differing ones part at token {first_diff}"})
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+def stream_one(host: str, port: int, prompt, max_tokens: int, logprobs: bool, timeout: float = 600) -> dict:
+    """One streaming completion; the time of every chunk that carries tokens. Tokens per chunk are
+    counted from its logprobs (the byte tokenizer of a random model shows most ids as no text),
+    else one per non-empty text chunk; the total comes from the final usage."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if logprobs:
+        body["logprobs"] = 0
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    t0 = time.perf_counter()
+    times, counts, usage, status = [], [], None, 0
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status = resp.status
+        if status != 200:
+            return {"status": status, "error": resp.read()[:200].decode(errors="replace"), "t0": t0}
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices", []):
+                lp = ch.get("logprobs") or {}
+                k = len(lp.get("tokens") or []) if lp else int(bool(ch.get("text")))
+                if k:
+                    times.append(time.perf_counter())
+                    counts.append(k)
+    except (OSError, http.client.HTTPException) as e:
+        return {"status": status or -1, "error": f"{type(e).__name__}: {e}", "t0": t0}
+    finally:
+        conn.close()
+    n = usage["completion_tokens"] if usage else sum(counts)
+    return {"status": status, "t0": t0, "t_end": time.perf_counter(), "tokens": n,
+            "ttft": times[0] - t0 if times else None,
+            "tpot": (times[-1] - times[0]) / (n - 1) if len(times) > 1 and n > 1 else None}
+
+
+def http_load(host: str, port: int, work, rate: float, logprobs: bool = True, seed: int = 0) -> dict:
+    """The workload with Poisson arrivals at `rate` requests/s (one thread per request)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
+    starts = np.cumsum(gaps) - gaps[0]
+    results = [None] * len(work)
+    t0 = time.perf_counter()
+
+    def client(i):
+        delay = t0 + starts[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        results[i] = stream_one(host, port, work[i][0], work[i][1], logprobs)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in results if r and r["status"] == 200 and "error" not in r]
+    wall = max(r["t_end"] for r in ok) - t0 if ok else float("nan")
+    out_tok = sum(r["tokens"] for r in ok)
+    row = {"section": "http", "setting": f"poisson rate={rate:g}/s n={len(work)}", "value": out_tok / wall,
+           "unit": "tok/s", "rate": rate, "req_s": len(ok) / wall, "ok": len(ok), "failed": len(work) - len(ok),
+           "errors": sorted({str(r.get("error", r["status"]))[:80] for r in results if r not in ok})[:3],
+           **latency_summary([r["ttft"] for r in ok if r["ttft"] is not None],
+                             [r["tpot"] for r in ok if r["tpot"] is not None])}
+    row["note"] = (f"{row['req_s']:.1f} req/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f}, "
+                   f"TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f}, {row['failed']} failed")
+    return emit(row)
+
+
+# -- peers (torch processes) ------------------------------------------------------------------
+def hf_llama(preset: str = "llama3_1b", device: str = "cuda"):
+    """A transformers LlamaForCausalLM of the preset's shape, random weights, bf16."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import models
+    c = models.preset(preset)
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.mlp_dim,
+                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                      head_dim=c.head_dim, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,
+                      max_position_embeddings=8192, rms_norm_eps=c.norm_eps,
+                      rope_scaling={"rope_type": "llama3", "factor": c.rope_scaling_factor,
+                                    "low_freq_factor": c.rope_low_freq_factor,
+                                    "high_freq_factor": c.rope_high_freq_factor,
+                                    "original_max_position_embeddings": c.rope_original_max_position})
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+
+
+def peer_continuous_batching(work, label="transformers continuous batching") -> dict:
+    """transformers' own continuous batching in its default configuration, per-request max_new_tokens."""
+    import torch
+    from transformers import GenerationConfig
+    model = hf_llama()
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in work), eos_token_id=-1)
+    done, first = {}, {}
+    with torch.no_grad(), model.continuous_batching_context_manager(generation_config=gen) as manager:
+        t = time.perf_counter()
+        ids = [manager.add_request(input_ids=p, max_new_tokens=m) for p, m in work]
+        while len(done) < len(ids):
+            res = manager.get_result(timeout=1)
+            if res is None:
+                if not manager.is_running():
+                    break
+                continue
+            first.setdefault(res.request_id, time.perf_counter())
+            if res.is_finished():
+                done[res.request_id] = (time.perf_counter(), len(res.generated_tokens))
+        wall = time.perf_counter() - t
+    out_tok = sum(n for _, n in done.values())
+    return emit({"section": "peer", "setting": f"{label} n={len(work)}", "value": out_tok / wall, "unit": "tok/s",
+                 "wall_s": wall, "output_tokens": out_tok, "finished": len(done),
+                 "note": f"{out_tok} tokens in {wall:.1f} s, {len(done)}/{len(work)} finished; torch "
+                         f"{torch.__version__}, default ContinuousBatchingConfig"})
+
+
+def peer_static_b1(ctx: int = 2048, n: int = 256) -> dict:
+    """HF generate at batch 1 with a static cache and torch.compile'd forward: decode tokens/s."""
+    import torch
+    model = hf_llama()
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    x = torch.randint(0, model.config.vocab_size, (1, ctx - n), device="cuda")
+
+    def run(k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    with torch.no_grad():
+        run(n), run(n), run(1)                                            # compile, capture graphs
+        t1, tn = run(1), run(n)
+    tpot = (tn - t1) / (n - 1)
+    return emit({"section": "peer", "setting": f"HF generate static cache + torch.compile b=1 ctx={ctx}",
+                 "value": 1 / tpot, "unit": "tok/s", "note": f"TPOT {tpot * 1e3:.2f} ms"})

@@ -1,0 +1,153 @@
+"""Serving under load (llama3_1b shape, bf16, random weights): offline, over HTTP, and the peers.
+
+    PYTHONPATH=$PWD python3 scripts/bench_serve.py [--jobs offline,peer_cb,peer_b1,http] [--n 512]
+    PYTHONPATH=$PWD python3 scripts/bench_serve.py --quick          # tiny model on CPU: the mechanics
+
+Workload (meshlab/infer/bench_serve.py): n requests, prompts uniform in [128, 1024] tokens,
+outputs uniform in [64, 256], greedy, no stop tokens. Jobs, each a child process (torch and JAX
+never share one), printing `ROW {json}` lines:
+
+  offline  Engine(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8).generate
+           on all n at once, after Engine.warmup (compiles every bucket); then --match requests
+           again one at a time: the share whose greedy tokens equal the concurrent run's
+  peer_cb  transformers' continuous batching (default configuration) on the first --peer-n requests
+  peer_b1  HF generate, static cache, torch.compile, batch 1 at ctx 2048
+  http     scripts/serve.py with the offline engine settings; the workload with Poisson arrivals
+           at each --rates (requests/s; 0 = all at once), streamed
+Writes bench_serve.json / .md under $OUT (or /tmp/bench_serve); on a GPU appends dated rows to
+docs/benchmarks.md and to $OUT/benchmarks_append.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def shape(args):
+    """(preset, dtype, workload kwargs, engine kwargs) of the run."""
+    if args.quick:
+        return "tiny", "float32", dict(prompt=(8, 40), output=(4, 16), vocab=257), \
+            dict(max_len=64, max_seqs=4, page_size=4, chunk=16, steps_per_call=4)
+    return "llama3_1b", "bfloat16", dict(vocab=128256), \
+        dict(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8)
+
+
+def child(args):
+    from meshlab.infer import bench_serve as bs
+    preset, dtype, wl, ek = shape(args)
+    work = bs.workload(args.n, seed=0, **wl)
+    if args.job == "peer_cb":
+        return bs.peer_continuous_batching(work[:args.peer_n])
+    if args.job == "peer_b1":
+        return bs.peer_static_b1()
+    if args.job == "offline":
+        import dataclasses
+        import models
+        from meshlab.infer.engine import Engine
+        from meshlab.infer.loading import random_params
+        from meshlab.train.state import model_def
+        cfg = dataclasses.replace(models.preset(preset), dtype=dtype)
+        eng = Engine(model_def(cfg), random_params(cfg), **ek)
+        t = time.perf_counter()
+        k = eng.warmup()
+        bs.emit({"section": "compile", "setting": "Engine.warmup: every bucket", "value": time.perf_counter() - t,
+                 "unit": "s", "note": f"{k} programs: decode b in {eng.DECODE}, packed n_dec in {eng.MIXED_DECODE} "
+                                      f"x chunk rows in {eng.PREFILL_ROWS}"})
+        row, reqs = bs.offline(eng, work, "engine")
+        bs.match_rate(eng, work[:args.match], reqs[:args.match])
+        return row
+    if args.job == "http":
+        return http(args, preset, dtype, wl, ek, bs, work)
+
+
+def http(args, preset, dtype, wl, ek, bs, work):
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", f"random:{preset}", "--port", "0",
+           "--dtype", dtype, "--max-len", str(ek["max_len"]), "--max-seqs", str(ek["max_seqs"]), "--page-size",
+           str(ek["page_size"]), "--chunk", str(ek["chunk"]), "--steps-per-call", str(ek["steps_per_call"]),
+           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n)]
+    srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
+    try:
+        line = srv.stdout.readline()
+        m = re.search(r"http://([\d.]+):(\d+)", line)
+        if not m:
+            raise RuntimeError(f"serve.py did not start: {line!r}")
+        host, port = m.group(1), int(m.group(2))
+        bs.http_load(host, port, bs.workload(max(args.n // 4, 1), seed=1, **wl), 1e6, seed=1)   # compiles
+        for rate in args.rates:
+            bs.http_load(host, port, work, rate if rate > 0 else 1e6)
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+
+def run_job(name, args, out: Path, timeout: float) -> list:
+    cmd = [sys.executable, __file__, "--job", name, "--n", str(args.n), "--peer-n", str(args.peer_n),
+           "--match", str(args.match), "--rates", ",".join(map(str, args.rates))] + (["--quick"] if args.quick else [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = out / f"{name}.log"
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=fh, text=True, timeout=timeout)
+            text, note = proc.stdout, f"exit {proc.returncode}" if proc.returncode else ""
+        except subprocess.TimeoutExpired as e:
+            text, note = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "TIMEOUT"
+    rows = [dict(json.loads(x[4:]), job=name) for x in text.splitlines() if x.startswith("ROW ")]
+    if note:
+        tail = " | ".join(log.read_text().splitlines()[-6:])[-300:]
+        rows.append({"section": name, "setting": note, "value": float("nan"), "unit": "", "job": name, "note": tail})
+    for r in rows:
+        print(f"[{name}] {r['section']:8} {r['setting'][:48]:48} {r['value']:10.1f} {r['unit']:6} {r.get('note', '')}"[:260],
+              flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", default="offline,peer_cb,peer_b1,http")
+    ap.add_argument("--n", type=int, default=512, help="requests in the workload")
+    ap.add_argument("--peer-n", type=int, default=512, help="requests the transformers peer runs (its first n)")
+    ap.add_argument("--match", type=int, default=16, help="requests rerun alone for the greedy match rate")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[8, 16, 32, 64, 0])
+    ap.add_argument("--timeout-s", type=float, default=600, help="per job")
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.job:
+        return child(args)
+    if args.quick:
+        args.n, args.peer_n, args.match, args.rates = min(args.n, 16), min(args.peer_n, 16), min(args.match, 4), [50, 0]
+    out = Path(os.environ.get("OUT") or "/tmp/bench_serve")
+    out.mkdir(parents=True, exist_ok=True)
+    t0, rows = time.perf_counter(), []
+    for name in [j for j in args.jobs.split(",") if j]:
+        if args.quick and name.startswith("peer"):
+            continue                                                  # torch peers need the GPU
+        rows += run_job(name, args, out, args.timeout_s)
+    day = datetime.date.today().isoformat()
+    table = "| date | job | section | setting | value | unit | note |\n| --- | --- | --- | --- | --- | --- | --- |\n"
+    table += "".join(f"| {day} | {r['job']} | {r['section']} | {r['setting']} | {r['value']:.1f} | {r['unit']} | "
+                     f"{str(r.get('note', '')).replace('|', '/')} |\n" for r in rows)
+    (out / "bench_serve.json").write_text(json.dumps(rows, indent=1, default=float))
+    (out / "bench_serve.md").write_text(table)
+    print("\n" + table)
+    if not args.quick:
+        block = f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n})\n\n" + table
+        (out / "benchmarks_append.md").write_text(block)
+        with open(args.docs, "a") as fh:
+            fh.write(block)
+    print(f"total {time.perf_counter() - t0:.0f} s; files in {out}")
+
+
+if __name__ == "__main__":
+    main()
