@@ -47,8 +47,12 @@ class LlamaConfig:
     vocab_multiple: int = 128             # pad the vocab for aligned matmul tiles
     # how it runs
     dtype: str = "bfloat16"               # compute dtype: bfloat16 | float16 (loss scaling) | float32
-    attention: str = "xla"                # xla | cudnn | pallas | auto
-    remat: str = "none"                   # none | full | save_dots | save_dots_no_batch | save_dots_attn
+    # auto: the fastest implementation measured on this platform (pallas_kernels/attention.py);
+    # on CPU that is xla, the reference, so CPU numerics are those of `xla`
+    attention: str = "auto"               # auto | xla | cudnn | pallas
+    # none | full | save_dots | save_dots_no_batch | save_dots_attn, or auto: an engine (the trainer,
+    # meshlab/train/fit.py) picks the fastest policy whose planned memory fits the device
+    remat: str = "none"
     # dense | chunked | pallas (fused linear + cross-entropy) | onepass (the loss sum's gradients
     # computed in its forward: 3 logits-sized GEMMs as dense, one [2048, V] slab at a time; jnp, so
     # it partitions under tensor-parallel rules too; token_losses gives the chunked values)
@@ -73,14 +77,31 @@ class LlamaConfig:
             raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+        if self.remat not in REMAT_POLICIES + ("auto",):
+            raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES + ('auto',)}"
+                             + _near(self.remat, REMAT_POLICIES + ("auto",)))
+        from pallas_kernels.attention import IMPLS
+        if self.attention not in IMPLS:
+            raise ValueError(f"model.attention={self.attention!r} is not one of {', '.join(IMPLS)}"
+                             + _near(self.attention, IMPLS))
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype={self.dtype!r} must be bfloat16, float16 or float32")
         if self.loss_chunk < 1:
             raise ValueError(f"model.loss_chunk={self.loss_chunk} must be a positive number of tokens")
-        if self.loss_impl not in ("dense", "chunked", "pallas", "onepass"):
-            raise ValueError(f"model.loss_impl={self.loss_impl!r} must be dense, chunked, pallas or onepass")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"model.loss_impl={self.loss_impl!r} must be one of {', '.join(LOSS_IMPLS)}"
+                             + _near(self.loss_impl, LOSS_IMPLS))
+
+
+# auto: an engine picks (the trainer: onepass on GPU, dense elsewhere; meshlab/train/fit.py)
+LOSS_IMPLS = ("dense", "chunked", "pallas", "onepass", "auto")
+
+
+def _near(value: str, choices) -> str:
+    """`; did you mean 'x'?` for a near-miss spelling, else ''."""
+    import difflib
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 PRESETS = {

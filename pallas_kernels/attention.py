@@ -9,8 +9,10 @@
           otherwise `pallas_kernels.flash_attention` (Triton lowering, CUDA sm_80+). Why: on the
           H200 the Mosaic kernel ran fwd+bwd 0.87-1.32x cuDNN where the Triton one ran 0.45-0.87x
           (docs/benchmarks.md, Attention).
-  auto    the first available of pallas -> cudnn -> xla, logged once; a shape the kernel refuses
-          (e.g. head_dim 96) steps down to cudnn/xla for that call.
+  auto    the fastest measured on this platform (`auto_order`), logged once: Hopper pallas (the
+          Mosaic kernel) -> cudnn -> xla; other GPUs cudnn -> pallas -> xla (the Triton kernel ran
+          fwd+bwd 0.45-0.87x cuDNN on the H200); CPU xla. A shape the kernel refuses (e.g.
+          head_dim 96) steps down to cudnn/xla for that call.
 An explicit choice that cannot run here is an error, never a silent fallback.
 Layout everywhere: q [b, q_len, heads, d], k/v [b, kv_len, kv_heads, d].
 """
@@ -121,6 +123,15 @@ def available(impl: str) -> bool:
 _auto_choice: str | None = None
 
 
+def auto_order() -> tuple[str, ...]:
+    """`auto`'s order on this platform, fastest first (measurements in the module docstring)."""
+    if _hopper():
+        return ("pallas", "cudnn", "xla")
+    if _gpu_available():
+        return ("cudnn", "pallas", "xla")
+    return ("xla",)
+
+
 def resolve(impl: str) -> str:
     """The implementation that will run: `auto` picked once and logged; unavailable explicit choices raise."""
     global _auto_choice
@@ -128,7 +139,7 @@ def resolve(impl: str) -> str:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
     if impl == "auto":
         if _auto_choice is None:
-            _auto_choice = next(i for i in ("pallas", "cudnn", "xla") if available(i))
+            _auto_choice = next(i for i in auto_order() if available(i))
             log.info("attention: auto chose %s", _auto_choice)
         return _auto_choice
     if not available(impl):

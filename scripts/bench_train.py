@@ -23,10 +23,8 @@ import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
-from meshlab.train.bench import pick_batch, time_steps  # noqa: E402
-from meshlab.train.peak import measured_matmul_flops  # noqa: E402
-
-DATASHEET = 989e12
+from meshlab.train.bench import pick_batch, time_steps, torch_gemm_tflops  # noqa: E402
+from meshlab.train.peak import measured_gemm_flops, peak_flops  # noqa: E402
 
 
 def run_peer(batch, seq, steps):
@@ -53,13 +51,22 @@ def main():
     p.add_argument("--budget-s", type=float, default=330, help="start no new variant after this many seconds")
     p.add_argument("--profile", action="store_true", help="trace 2 extra steps per variant; kernel table to $OUT")
     p.add_argument("--variants", nargs="*", help="only these, e.g. 'remat=none,loss_impl=pallas,fused_swiglu=1'")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="MFU's peak per device (default: the device kind's datasheet dense bf16 figure)")
+    p.add_argument("--no-torch-gemm", action="store_true", help="skip torch's GEMM rate (own process)")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = R.load_rules("dp")
     dev = jax.devices()[0]
     hbm = dev.memory_stats().get("bytes_limit", 80e9) if dev.platform == "gpu" else 8e9
-    peak = measured_matmul_flops(mesh)
-    print(f"device {dev.device_kind}; bf16 matmul {peak / 1e12:.0f} TFLOP/s measured; HBM {hbm / 2**30:.0f} GiB")
+    peak, peak_src = peak_flops(dev, args.peak_tflops)
+    if peak is None:
+        sys.exit(f"error: {peak_src}")
+    gemm = {"jax": measured_gemm_flops(dev) / 1e12 if dev.platform == "gpu" else None,
+            "torch": {} if args.no_torch_gemm or dev.platform != "gpu" else torch_gemm_tflops()}
+    print(f"device {dev.device_kind}; MFU peak: {peak_src}; HBM {hbm / 2**30:.0f} GiB")
+    print(f"bf16 GEMM 8192^3 measured (its own figure, not MFU's peak): jax {gemm['jax'] or 0:.0f} TFLOP/s, "
+          f"torch {gemm['torch'].get('tflops', 0):.0f} TFLOP/s {gemm['torch'].get('error', '')[:120]}", flush=True)
     base = models.preset(args.model)
     base.dtype = "bfloat16"
     rows = []
@@ -76,8 +83,8 @@ def main():
             return
         f = account.train_flops_per_token(cfg, seq)
         rows.append({"variant": label, "batch": batch, "seq": seq, "tokens_per_s": round(tok_s),
-                     "step_ms": round(dt * 1e3, 1), "mfu_measured": round(tok_s * f / peak, 4),
-                     "mfu_989": round(tok_s * f / DATASHEET, 4), "program_gib": round(mem / 2**30, 1),
+                     "step_ms": round(dt * 1e3, 1), "mfu": round(tok_s * f / peak, 4),
+                     "program_gib": round(mem / 2**30, 1),
                      "loss": round(loss, 3), "vocab": cfg.vocab_size})
         print(rows[-1], flush=True)
         if prof:
@@ -125,7 +132,7 @@ def main():
     if args.peer_json:
         lines = [x for x in Path(args.peer_json).read_text().splitlines() if x.startswith("{")]
         peer = json.loads(lines[-1]) if lines else {"error": Path(args.peer_json).read_text()[-300:]}
-    write_rows(dev, peak, rows, peer, args)
+    write_rows(dev, peak, gemm, rows, peer, args)
 
 
 def write_profile(trace_dir, label, step_s, dest):
@@ -140,24 +147,26 @@ def write_profile(trace_dir, label, step_s, dest):
     print(text, flush=True)
 
 
-def write_rows(dev, peak, rows, peer, args):
+def write_rows(dev, peak, gemm, rows, peer, args):
     # Against the peer only rows of its shape: the vocab rows change the model.
     ok = [r for r in rows if "tokens_per_s" in r and r["vocab"] == models.preset(args.model).vocab_size]
     best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
     date = datetime.date.today().isoformat()
     lines = [f"\n### Training, {args.model}, seq {args.seq} ({date}, {dev.device_kind}, jax {jax.__version__})\n",
-             f"bf16 matmul measured: {peak / 1e12:.0f} TFLOP/s. MFU = tokens/s x (6N + 6 L S d) / peak.\n",
-             "| variant | batch | tokens/s | step ms | MFU (measured peak) | MFU (989) | program GiB (compiled) | loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"MFU = tokens/s x (6N + 6 L S d) / {peak / 1e12:g} TFLOP/s (datasheet dense bf16). bf16 GEMM "
+             f"8192^3 measured in this call: jax {gemm['jax'] or 0:.0f}, torch {gemm['torch'].get('tflops', 0):.0f} "
+             "TFLOP/s.\n",
+             f"| variant | batch | tokens/s | step ms | MFU ({peak / 1e12:g}) | program GiB (compiled) | loss |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | - | FAILED: {r['error']} | | | | | |")
+            lines.append(f"| {r['variant']} | - | FAILED: {r['error']} | | | | |")
         else:
             lines.append(f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:,} | {r['step_ms']} | "
-                         f"{100 * r['mfu_measured']:.1f}% | {100 * r['mfu_989']:.1f}% | {r['program_gib']} | {r['loss']} |")
+                         f"{100 * r['mfu']:.1f}% | {r['program_gib']} | {r['loss']} |")
     if peer.get("tokens_per_s"):
         lines.append(f"| peer: transformers Llama, torch.compile + AMP bf16 + fused AdamW | {peer['batch']} | "
-                     f"{peer['tokens_per_s']:,.0f} | {peer['step_ms']:.1f} | | {100 * peer['mfu_989']:.1f}% | "
+                     f"{peer['tokens_per_s']:,.0f} | {peer['step_ms']:.1f} | {100 * peer['mfu_989']:.1f}% | "
                      f"{peer['peak_mem_gib']:.1f} | {peer['loss']:.3f} |")
         if best:
             lines.append(f"\nBest meshlab / peer: {best['tokens_per_s'] / peer['tokens_per_s']:.2f}x ({best['variant']}).")
@@ -171,7 +180,8 @@ def write_rows(dev, peak, rows, peer, args):
         f.write(text)
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_train.json").write_text(json.dumps({"rows": rows, "peer": peer}, indent=1))
+        Path(out, "bench_train.json").write_text(json.dumps({"rows": rows, "peer": peer, "gemm_tflops": gemm},
+                                                            indent=1))
     print(text)
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
-          ("mfu", "MFU (measured peak)"))
+          ("mfu", "MFU (datasheet peak)"))
 
 
 def load_run(run_dir: Path) -> list[dict]:
@@ -49,7 +49,7 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     for run in run_dirs:
         rows, label = load_run(run), label_of(run)
         for ax, (key, title) in zip(axes.flat, PANELS):
-            pts = [(r["step"], r[key]) for r in rows if key in r]
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]   # MFU n/a: no peak
             if pts:
                 ax.plot(*zip(*pts), label=label)
             if key == "loss":

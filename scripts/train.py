@@ -22,6 +22,10 @@ def parse(argv):
     p.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
                    help="continue from the run directory's latest checkpoint (or STEP)")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (CPU only)")
+    p.add_argument("--peak-tflops", type=float, help="MFU's peak, dense TFLOP/s per device (default: the "
+                   "datasheet figure of the device kind; needed where it is not in the table)")
+    p.add_argument("--device-memory-gib", type=float, help="memory per device the fit check and remat=auto "
+                   "budget against (default: the device's own)")
     p.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
@@ -41,6 +45,7 @@ def main(argv=None):
     from meshlab.train import distributed
     from meshlab.train.checkpoint import CheckpointError
     from meshlab.train.config import ConfigError, load_config
+    from meshlab.train.fit import OutOfMemoryError
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except distributed.DistributedError as e:
@@ -49,14 +54,15 @@ def main(argv=None):
     import jax
     overrides = list(args.overrides)
     for flag, key in ((args.rules, "rules"), (args.mesh, "mesh"), (args.steps, "steps"),
-                      (args.run_dir, "run_dir"), (args.resume, "checkpoint.resume")):
+                      (args.run_dir, "run_dir"), (args.resume, "checkpoint.resume"),
+                      (args.peak_tflops, "peak_tflops"), (args.device_memory_gib, "device_memory_gib")):
         if flag is not None:
             overrides.append(f"{key}={flag}")
     try:
         cfg = load_config(args.config, overrides)
         result = train(cfg)
     except (ConfigError, ValueError, FileNotFoundError, FloatingPointError, CheckpointError,
-            distributed.DistributedError) as e:
+            distributed.DistributedError, OutOfMemoryError) as e:
         sys.exit(f"error: {e}")
     if jax.process_index() != 0:
         return

@@ -35,13 +35,27 @@ def test_cpu_availability():
 
 def test_auto_picks_first_available_and_logs_once(caplog, monkeypatch):
     monkeypatch.setattr(attention, "available", lambda i: i in ("cudnn", "xla", "auto"))
+    monkeypatch.setattr(attention, "_hopper", lambda: True)   # pallas first, but not available here
     with caplog.at_level(logging.INFO, logger=attention.log.name):
         assert attention.resolve("auto") == "cudnn"
         assert attention.resolve("auto") == "cudnn"
     assert [r.getMessage() for r in caplog.records].count("attention: auto chose cudnn") == 1
     monkeypatch.setattr(attention, "_auto_choice", None)
     monkeypatch.setattr(attention, "available", lambda i: True)
+    monkeypatch.setattr(attention, "_hopper", lambda: True)
     assert attention.resolve("auto") == "pallas"
+
+
+@pytest.mark.parametrize("hopper,gpu,order", [(True, True, ("pallas", "cudnn", "xla")),
+                                              (False, True, ("cudnn", "pallas", "xla")),
+                                              (False, False, ("xla",))])
+def test_auto_order_is_the_measured_one_per_platform(monkeypatch, hopper, gpu, order):
+    """Hopper: the Mosaic kernel first; other GPUs: cuDNN before the (slower there) Triton kernel; CPU: xla."""
+    monkeypatch.setattr(attention, "_hopper", lambda: hopper)
+    monkeypatch.setattr(attention, "_gpu_available", lambda: gpu)
+    assert attention.auto_order() == order
+    monkeypatch.setattr(attention, "available", lambda i: True)
+    assert attention.resolve("auto") == order[0]
 
 
 def test_explicit_unavailable_choice_is_an_error(monkeypatch):
@@ -54,6 +68,7 @@ def test_explicit_unavailable_choice_is_an_error(monkeypatch):
 
 def test_auto_steps_past_pallas_for_shapes_it_refuses(monkeypatch, caplog):
     monkeypatch.setattr(attention, "available", lambda i: i in ("pallas", "xla", "auto"))
+    monkeypatch.setattr(attention, "auto_order", lambda: ("pallas", "cudnn", "xla"))
     q, k, v = _qkv(d=48)
     with caplog.at_level(logging.INFO, logger=attention.log.name):
         out = attention.dot_product_attention(q, k, v, impl="auto", causal=True)

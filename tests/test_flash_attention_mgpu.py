@@ -166,6 +166,24 @@ def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkv", "fused"])
+def test_causal_8192_d128_gqa4_each_kernel_in_its_own_process_gpu(kernel):
+    """bench_attention.py's causal 8192 x 128, GQA 4 (2 x 8192, 16 heads over 4): a compile there once
+    killed the process with an LLVM trace. Each kernel compiles and runs in a child process
+    (scripts/diag_mgpu_shapes.py), so a crash fails this test naming the kernel, not the whole run."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "diag_mgpu_shapes.py"
+    spec = importlib.util.spec_from_file_location("diag_mgpu_shapes", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    row = diag.run_one("8192:128:causal:4", kernel, timeout=300)
+    assert row["status"] == "ok", f"{kernel}: {row['status']} after {row['last_phase']}: {row.get('stderr_tail')}"
+    for name, err in row["rel_err"].items():
+        assert err < (2e-2 if name == "out" else 5e-2), f"{kernel} {name}: rel err {err:.3g}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_fp16_and_tile_variants_gpu(pingpong):
     bs = MgpuBlockSizes(block_q=128, block_kv=64, num_stages=3, pingpong=pingpong, block_q_dq=128, block_kv_dq=64,

@@ -40,6 +40,7 @@ class CheckpointConfig:
     keep_every: int = 0           # and every M-th step for good (0: none)
     async_save: bool = True       # write in the background while training goes on
     resume: str = ""              # "" (fresh run), "latest", or a step number
+    at_end: bool = True           # save after the last step (false: short measuring runs of big models)
 
 
 @dataclasses.dataclass
@@ -75,6 +76,12 @@ class TrainConfig:
     val: ValConfig = dataclasses.field(default_factory=ValConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     heartbeat_timeout: int = 300  # multi-process: stop when a process makes no progress this long (s)
+    # Device memory the fit check and remat=auto budget against, GiB per device. 0: the device's own
+    # (the allocator's bytes_limit); CPU devices report none, so there the check is off unless set.
+    device_memory_gib: float = 0.0
+    # MFU's denominator, dense TFLOP/s per device. 0: the datasheet figure of the device kind
+    # (meshlab/train/peak.py); an unknown kind gets MFU "n/a" and a line saying to set this.
+    peak_tflops: float = 0.0
 
 
 def shipped_configs() -> list[str]:
@@ -121,6 +128,9 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
         model_cfg = models.preset(model_name)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
+    # Training's own model defaults: the engine picks remat and the loss implementation (fit.py);
+    # a config file or override that names them wins.
+    model_cfg.remat, model_cfg.loss_impl = "auto", "auto"
     base = OmegaConf.structured(TrainConfig(model=model_cfg))
     try:
         merged = OmegaConf.merge(base, raw, OmegaConf.from_dotlist(list(overrides)))
@@ -140,6 +150,19 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
     r = cfg.checkpoint.resume
     if r not in ("", "latest") and not (r.isdigit()):
         raise ConfigError(f"checkpoint.resume={r!r} must be empty, 'latest' or a step number")
+    if cfg.steps < 1:
+        raise ConfigError(f"steps={cfg.steps}: a run trains at least one step; pass --steps N with N >= 1 "
+                          "(steps is the run's total, the learning-rate schedule's length)")
+    if r.isdigit() and int(r) > cfg.steps:   # == steps: refused after the restore (a damaged step errs first)
+        raise ConfigError(f"--resume {r} is past steps={cfg.steps}: nothing would be trained; pass --steps "
+                          f"greater than {r} (the run's total, not the steps to add)")
+    if cfg.device_memory_gib < 0 or cfg.peak_tflops < 0:
+        raise ConfigError("device_memory_gib and peak_tflops must be >= 0 (0: the device's own figure)")
+    from meshlab.train import fit   # model.remat=auto / loss_impl=auto -> concrete choices for this device
+    try:
+        fit.resolve_auto(cfg)
+    except fit.FitError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

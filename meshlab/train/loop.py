@@ -25,15 +25,16 @@ from meshlab.mesh import make_mesh, format_sizes
 from meshlab.plan import account
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
+from meshlab.train import fit
 from meshlab.train.checkpoint import Checkpointer, write_run_tokenizer
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
-from meshlab.train.peak import measured_matmul_flops
+from meshlab.train.peak import measured_gemm_flops, mfu, peak_flops
 from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, batch_spec, make_train_step
 
-DATASHEET_PEAK = 989e12  # H100/H200 dense bf16, the datasheet figure MFU is also reported against
+STEADY_FROM = 10   # the steady-state rate is the median over steps >= this (compilation and warm-up before)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class Trainer:
     step_fn: Any
     batches: Any
     rows: range
+    notes: list = dataclasses.field(default_factory=list)   # startup lines: auto choices, memory check
 
     @property
     def tokens_per_step(self) -> int:
@@ -96,7 +98,52 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     # This process's rows of each global batch (all of them in a single-process run).
     per_proc = cfg.data.global_batch // jax.process_count()
     rows = range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
-    return Trainer(cfg, mesh, rules, md, tx, shardings, step_fn, load_batches(cfg), rows)
+    return Trainer(cfg, mesh, rules, md, tx, shardings, step_fn, load_batches(cfg), rows,
+                   notes=list(getattr(cfg, "auto_notes", [])))
+
+
+def check_memory(tr: Trainer) -> None:
+    """Before anything is written or allocated: compile the step against abstract arrays and compare
+    its memory analysis with the device's memory (fit.py). The compiled program then runs the steps
+    (no second compile). Off where the device memory is unknown (CPU, unless device_memory_gib is
+    set) or the step is not a jitted function."""
+    cfg = tr.cfg
+    limit, source = fit.device_memory(cfg, tr.mesh.devices.flat[0])
+    if limit is None or not hasattr(tr.step_fn, "lower"):
+        return
+    fit.check_state(cfg, tr.md, tr.rules, tr.mesh, limit, source)
+    batch = device_batch(tr, tr.batches.batch(0, tr.rows))
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+    state = abstract_state(tr.md, tr.tx, tr.shardings, cfg.model.dtype == "float16")
+    try:
+        compiled = tr.step_fn.lower(state, abstract_batch).compile()
+    except Exception as e:   # XLA autotuning or buffer assignment out of memory: the same one message
+        if fit.is_out_of_memory(e):
+            raise fit.from_xla_error(cfg, e, limit, source, "compiling the step") from None
+        raise
+    tr.notes.append(fit.check_compiled(cfg, compiled, limit, source))
+    tr.step_fn = _FirstCallFallback(compiled, tr.step_fn)
+
+
+class _FirstCallFallback:
+    """Runs the compiled program; should its first call refuse the arguments (a sharding or layout
+    it was not compiled for, checked before anything runs or is donated), the jitted step instead."""
+
+    def __init__(self, compiled, jitted):
+        self.fn, self.jitted, self.checked = compiled, jitted, False
+
+    def __call__(self, state, batch):
+        if self.checked:
+            return self.fn(state, batch)
+        try:
+            out = self.fn(state, batch)
+        except (TypeError, ValueError) as e:
+            print(f"meshlab: the precompiled step refused its arguments ({str(e)[:200]}); using the jitted one",
+                  file=sys.stderr)
+            self.fn = self.jitted
+            out = self.fn(state, batch)
+        self.checked = True
+        return out
 
 
 def device_batch(tr: Trainer, host_batch: dict) -> dict:
@@ -207,6 +254,7 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
         raise ValueError("checkpoint.resume needs a run that writes its run directory (write=True)")
     step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
     state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step)
+    _check_resume_step(cfg, int(meta["step"]), ckpt, restored=True)
     saved = meta.get("data", {})
     now = {"seed": cfg.data.seed, "global_batch": cfg.data.global_batch, "seq_len": cfg.data.seq_len,
            "corpus": cfg.data.corpus}
@@ -215,6 +263,19 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
         print(f"meshlab: warning: data settings changed since the checkpoint {changed}; "
               "the batches after the resume differ from the original run's", file=sys.stderr)
     return state, int(meta["step"])
+
+
+def _check_resume_step(cfg: TrainConfig, step: int | None, ckpt, restored: bool = False) -> None:
+    """`steps` is the run's total: a resume from step S trains steps S+1..steps, so S must be below it.
+    Before the restore only a latest step past `steps` is refused (a damaged latest step falls back to
+    an earlier one, which may still be below it); after it, the restored step itself."""
+    if step is None or step < cfg.steps or (step == cfg.steps and not restored):
+        return
+    what = "restored checkpoint" if restored else "latest checkpoint"
+    raise ValueError(f"the {what} in {ckpt.directory} is step {step} and steps={cfg.steps}: nothing to "
+                     f"train. --steps is the run's total (the learning-rate schedule's length), not the steps "
+                     f"to add: pass --steps N with N > {step} to continue"
+                     + (" (config.yaml was rewritten; no checkpoint was touched)" if restored else ""))
 
 
 def _meta(tr: Trainer, step: int) -> dict:
@@ -230,8 +291,16 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     """Run up to `cfg.steps` steps; returns {"losses", "state", "run_dir", "rows", "trainer"} and,
     when stopped by a signal, "interrupted": the step saved."""
     tr = build_trainer(cfg, devices)
+    check_memory(tr)   # may stop with fit.OutOfMemoryError: nothing has been written yet
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0 and write
+    ckpt = _checkpointer(cfg, run_dir) if write and cfg.checkpoint.resume else None
+    if ckpt is not None and cfg.checkpoint.resume == "latest":
+        try:
+            _check_resume_step(cfg, ckpt.latest_step(), ckpt)
+        except ValueError:
+            ckpt.close()
+            raise
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -239,7 +308,8 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     if write and not cfg.checkpoint.resume:
         set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
-    ckpt = _checkpointer(cfg, run_dir) if write else None
+    if write and ckpt is None:
+        ckpt = _checkpointer(cfg, run_dir)
     fp16 = cfg.model.dtype == "float16"
     watchdog = distributed.Watchdog(cfg.heartbeat_timeout).start()
     try:
@@ -263,19 +333,28 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     writer = MetricsWriter(run_dir, enabled=is_main)
     lr_at = schedule(cfg.optim, cfg.steps)
     flops_tok = account.train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = measured_matmul_flops(tr.mesh)
+    ndev = tr.mesh.devices.size
+    peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
     validate = Validator(tr) if cfg.val.every > 0 else None
     profiler = ProfileWindow(cfg.profile, run_dir)
     if progress and is_main:
         print(f"meshlab: {cfg.model.name} ({account.param_count(tr.md):,} params), rules {tr.rules.name}, "
-              f"mesh {format_sizes(dict(tr.mesh.shape))} on {tr.mesh.devices.size} {jax.default_backend()} devices")
+              f"mesh {format_sizes(dict(tr.mesh.shape))} on {ndev} {jax.default_backend()} devices")
+        for note in tr.notes:
+            print(f"  {note}")
         print(f"  {account.mfu_formula(cfg.model, cfg.data.seq_len)}")
-        print(f"  peak = measured matmul rate {peak / 1e12:.3f} TFLOP/s (all devices); datasheet {DATASHEET_PEAK / 1e12:.0f}")
+        print(f"  peak = {peak_source}" + (f" x {ndev} devices" if peak else ""))
+        if jax.default_backend() == "gpu":   # a figure of its own, not MFU's denominator
+            try:
+                gemm = f"{measured_gemm_flops(tr.mesh.devices.flat[0]) / 1e12:.0f} TFLOP/s (8192^3, median of 5 x 10)"
+            except Exception as e:   # 400 MB it may not find beside a model that fills the device
+                gemm = f"not measured ({type(e).__name__})"
+            print(f"  bf16 GEMM measured on this device: {gemm}")
         if start:
             print(f"  resumed from step {start} ({ckpt.directory})")
     writer.write({"event": "resume" if start else "start", "step": start, "time": time.time(),
                   "rules": tr.rules.name, "mesh": format_sizes(dict(tr.mesh.shape))})
-    losses, rows_out = [], []
+    losses, rows_out, rates = [], [], []
     bar = Progress(cfg.steps, enabled=progress)
     batches = tr.batches.iterator(start, cfg.steps - start, tr.rows)
     pending, t_prev, done, interrupted = None, time.perf_counter(), start, None
@@ -283,10 +362,10 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     def record(step_done, metrics, step_ms, extra=None):
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         tok_s = tr.tokens_per_step / (step_ms / 1e3)
+        rates.append((step_done, tok_s))
         row = {"step": step_done, "loss": m["loss"], "grad_norm": m["grad_norm"],
-               "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / peak,
-               "mfu_datasheet": tok_s * flops_tok / (DATASHEET_PEAK * tr.mesh.devices.size),
-               "step_ms": step_ms, **(extra or {})}
+               "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": mfu(tok_s, flops_tok, peak, ndev),
+               "step_ms": step_ms, **{k: v for k, v in m.items() if k.startswith("moe_")}, **(extra or {})}
         # fp16: an overflow of the scaled loss is routine (the step skips it and halves the scale);
         # only once the scale is down to 1 is a non-finite step the model's own.
         overflow = not m["finite"] and m.get("loss_scale", 0.0) > 1.0
@@ -310,7 +389,14 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     for i in range(start, cfg.steps):
         profiler.before(i)
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
-            state, metrics = tr.step_fn(state, device_batch(tr, next(batches)))
+            try:
+                state, metrics = tr.step_fn(state, device_batch(tr, next(batches)))
+            except Exception as e:   # the allocator's own OOM at the first step: the same one message
+                if i != start or not fit.is_out_of_memory(e):
+                    raise
+                raise fit.from_xla_error(cfg, e, None, "", "running the first step",
+                                         written=f"Written so far: {run_dir}/config.yaml and the start row of "
+                                                 "metrics.jsonl; no checkpoint.") from None
         if pending is not None:   # one step late: step i's numbers while step i+1 runs
             now = time.perf_counter()
             record(i, pending, (now - t_prev) * 1e3)
@@ -328,7 +414,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             now = time.perf_counter()
             record(done, pending, (now - t_prev) * 1e3, extra)
             pending, t_prev = None, now
-        if ckpt and (ckpt.should_save(done) or stopping or done == cfg.steps):
+        if ckpt and (ckpt.should_save(done) or stopping or (done == cfg.steps and cfg.checkpoint.at_end)):
             with watchdog.paused():
                 ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
         if stopping:
@@ -339,13 +425,32 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     jax.block_until_ready(state)
     profiler.close()
     bar.close()
+    steady = steady_state(rates, flops_tok, peak, ndev)
+    if steady:
+        writer.write({"event": "summary", "step": done, **steady})
+        if progress and is_main:
+            print(f"steady state, steps {steady['from_step']}-{steady['to_step']}: median "
+                  f"{steady['tokens_per_s']:,.0f} tokens/s, " + (f"MFU {100 * steady['mfu']:.2f}%" if steady["mfu"]
+                                                                 is not None else "MFU n/a"), flush=True)
     writer.close()
-    out = {"losses": losses, "state": state, "run_dir": run_dir, "rows": rows_out, "trainer": tr, "step": done}
+    out = {"losses": losses, "state": state, "run_dir": run_dir, "rows": rows_out, "trainer": tr, "step": done,
+           "steady": steady}
     if interrupted is not None:
         out["interrupted"] = interrupted
         if ckpt is not None:
             out["checkpoint_dir"] = str(ckpt.directory)
     return out
+
+
+def steady_state(rates: list, flops_tok: float, peak, ndev: int) -> dict | None:
+    """Median tokens/s over the steps numbered >= STEADY_FROM (the first steps hold compilation and
+    warm-up); None for a run too short to have any."""
+    steady = [r for s, r in rates if s >= STEADY_FROM]
+    if not steady:
+        return None
+    med = float(np.median(steady))
+    return {"from_step": max(STEADY_FROM, rates[0][0]), "to_step": rates[-1][0], "tokens_per_s": med,
+            "mfu": mfu(med, flops_tok, peak, ndev), "steps_timed": len(steady)}
 
 
 class ProfileWindow:
@@ -378,7 +483,9 @@ class ProfileWindow:
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:
     from meshlab.infer.sample import sample_tokens
     tok = data_mod.ByteTokenizer()
-    params = jax.device_get(state["params"])   # the tiny model, gathered for a single-device sample
+    # Gathered onto one device once (not a host copy passed to every token's call, which would
+    # move the whole model host -> device per token).
+    params = jax.device_put(jax.device_get(state["params"]), jax.devices()[0])
     prompt = tok.encode(tr.cfg.sample_prompt)
     ids = sample_tokens(tr.md, params, prompt, tr.cfg.sample_tokens, tr.cfg.data.seq_len * 2, seed=tr.cfg.seed)
     text = tr.cfg.sample_prompt + tok.decode(ids)

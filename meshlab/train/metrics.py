@@ -77,8 +77,9 @@ class Progress:
         done = row["step"]
         elapsed = time.perf_counter() - self.start
         eta = elapsed / max(done, 1) * (self.total - done)
+        mfu = "  n/a " if row.get("mfu") is None else f"{100 * row['mfu']:5.2f}%"   # no known peak: n/a
         text = (f"step {done:>5}/{self.total}  loss {row['loss']:.4f}  {row['tokens_per_s']:>9,.0f} tok/s  "
-                f"MFU {100 * row['mfu']:5.2f}%  {row['step_ms']:7.1f} ms/step  ETA {eta:5.0f}s")
+                f"MFU {mfu}  {row['step_ms']:7.1f} ms/step  ETA {eta:5.0f}s")
         if self.tty:
             sys.stdout.write("\r" + text)
             sys.stdout.flush()
