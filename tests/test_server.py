@@ -17,7 +17,6 @@ from flax import nnx
 
 import models
 from meshlab.infer.engine import Engine
-from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.server import Server
 from meshlab.train.data import ByteTokenizer
 from meshlab.train.state import model_def
@@ -268,10 +267,6 @@ def _idle(srv, pages_free, timeout=20.0):
                          f"free pages {len(srv.engine.sched.pool.free)} of {pages_free}")
 
 
-needs_abort = pytest.mark.skipif(not hasattr(Engine, "abort"), reason="waits on Engine.abort")
-
-
-@needs_abort
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_and_frees_the_slot(server, stream):
     """A client that goes away mid-generation: its request is aborted, its row and pages freed at once,
@@ -293,10 +288,6 @@ def test_disconnect_aborts_and_frees_the_slot(server, stream):
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
 
 
-needs_logprobs = pytest.mark.skipif(
-    "logprobs" not in {f.name for f in dataclasses.fields(SamplingParams)}, reason="waits on engine logprobs")
-
-
 def _reference_logprobs(srv, prompt_ids, output_ids):
     """log_softmax of the model's fp32 logits over the real vocabulary, position by position."""
     ids = np.array([prompt_ids + output_ids], np.int32)
@@ -305,7 +296,6 @@ def _reference_logprobs(srv, prompt_ids, output_ids):
     return [lp[len(prompt_ids) - 1 + k] for k in range(len(output_ids))]
 
 
-@needs_logprobs
 def test_completion_logprobs_match_the_model(server):
     body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3}
     status, resp = call(server, "POST", "/v1/completions", body)
@@ -327,7 +317,6 @@ def test_completion_logprobs_match_the_model(server):
     assert np.allclose(streamed, lp["token_logprobs"], atol=1e-6)
 
 
-@needs_logprobs
 def test_chat_logprobs_format(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
     status, resp = call(server, "POST", "/v1/chat/completions", body)

@@ -89,21 +89,34 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     for name, used in UNSUPPORTED.items():
         if body.get(name) is not None and used(body[name], body):
             raise BadRequest(f"`{name}` is not supported by this server; leave it out", param=name)
-    if chat:
-        messages = chat_messages(body.get("messages"))
-        template = getattr(tok, "chat_template", None)
-        try:
-            text = template(messages) if template else plain_chat_prompt(messages)
-        except ValueError as e:
-            raise BadRequest(str(e), param="messages") from None
-        prompt = tok.encode(text)
-    else:
-        text, prompt = _completion_prompt(body.get("prompt"), tok)
+    text, prompt = _chat_prompt(body, tok) if chat else _completion_prompt(body.get("prompt"), tok)
     if not prompt:
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = _typed(body, "n", int, 1, 1, max_n)
     stream = _typed(body, "stream", bool, False)
     echo = False if chat else _typed(body, "echo", bool, False)
+    logprobs, max_tokens = _logprobs_and_length(body, chat, echo, len(prompt), max_len)
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and stream):
+        raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
+    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids)
+    return Plan(prompt, text, params, chat, stream, echo, logprobs, bool((opts or {}).get("include_usage")),
+                generate=max_tokens > 0)
+
+
+def _chat_prompt(body, tok):
+    """(text, ids): the messages through the tokenizer's chat template, else the plain format."""
+    messages = chat_messages(body.get("messages"))
+    template = getattr(tok, "chat_template", None)
+    try:
+        text = template(messages) if template else plain_chat_prompt(messages)
+    except ValueError as e:
+        raise BadRequest(str(e), param="messages") from None
+    return text, tok.encode(text)
+
+
+def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
+    """(top logprobs per token or None, max_tokens), with OpenAI's defaults and bounds."""
     if chat:
         want = _typed(body, "logprobs", bool, False)
         top = _typed(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
@@ -113,7 +126,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         max_tokens = _typed(body, "max_completion_tokens", int, None, 1)
         max_tokens = _typed(body, "max_tokens", int, max_tokens, 1)
         if max_tokens is None:                 # chat default: the rest of the context
-            max_tokens = max(max_len - len(prompt), 1)
+            max_tokens = max(max_len - prompt_len, 1)
     else:
         logprobs = _typed(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
         max_tokens = _typed(body, "max_tokens", int, 16, 0)
@@ -122,32 +135,26 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         if echo and logprobs is not None:
             raise BadRequest("`echo` with `logprobs` asks for the prompt's logprobs, which this server does not "
                              "compute; drop one of them", param="echo")
-    if len(prompt) + max_tokens > max_len:
-        raise BadRequest(f"prompt ({len(prompt)} tokens) + max_tokens={max_tokens} exceeds the context of "
+    if prompt_len + max_tokens > max_len:
+        raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} exceeds the context of "
                          f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens")
+    return logprobs, max_tokens
+
+
+def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids) -> list:
+    """One SamplingParams per choice: the same settings, seeds seed + i."""
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
     seed = _typed(body, "seed", int, 0, 0, 2 ** 31 - n)
-    opts = body.get("stream_options")
-    if opts is not None and not (isinstance(opts, dict) and stream):
-        raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
-    kw = {"temperature": _typed(body, "temperature", float, 0.0),
-          "top_p": _typed(body, "top_p", float, 1.0), "top_k": _typed(body, "top_k", int, 0),
-          "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0)}
-    if logprobs is not None and "logprobs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        raise BadRequest("`logprobs` needs an engine that records them; this one does not", param="logprobs")
-    params = []
-    for i in range(n):
-        try:
-            extra = {"logprobs": logprobs} if logprobs is not None else {}
-            params.append(SamplingParams(max_tokens=max(max_tokens, 1), seed=seed + i, stop=tuple(stop),
-                                         stop_token_ids=tuple(stop_ids), **kw, **extra).validate())
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-    return Plan(prompt, text, params, chat, stream, echo, logprobs, bool((opts or {}).get("include_usage")),
-                generate=max_tokens > 0)
+    kw = {"temperature": _typed(body, "temperature", float, 0.0), "top_p": _typed(body, "top_p", float, 1.0),
+          "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0)}
+    try:
+        return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+                               logprobs=logprobs, **kw).validate() for i in range(n)]
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def _completion_prompt(prompt, tok):
