@@ -361,3 +361,46 @@ def test_chat_uses_the_tokenizers_template(server, templated_tokenizer):
     finally:
         server.tok, server.engine.detokenize = old
     assert status == 200 and resp["usage"]["prompt_tokens"] == len(tok.encode(text))
+
+
+class _BrokenEngine:
+    """Enough of Engine for the server, whose step fails: requests in flight must not hang."""
+
+    def __init__(self):
+        import collections
+        import queue
+        from meshlab.infer.scheduler import Request
+        self.Request, self.inbox, self.aborts = Request, queue.Queue(), []
+        self.sched = type("S", (), {"max_len": 64, "waiting": collections.deque(), "running": lambda s: [],
+                                    "pool": type("P", (), {"free": []})()})()
+        self.stats = dict.fromkeys(("requests_finished", "prompt_tokens", "generated_tokens", "steps",
+                                    "device_calls", "preemptions", "busy_s"), 0)
+
+    def add_request(self, prompt, params, on_event=None):
+        req = self.Request(list(prompt), params, on_event=on_event)
+        self.inbox.put(req)
+        return req
+
+    def has_work(self):
+        return not self.inbox.empty()
+
+    def step(self):
+        raise RuntimeError("device lost")
+
+    def abort(self, req):
+        self.aborts.append(req)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_ends_requests_in_flight(stream):
+    srv = Server(_BrokenEngine(), ByteTokenizer(), "tiny", "127.0.0.1", 0).start()
+    try:
+        status, resp = call(srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": stream})
+        if stream:
+            assert status == 200 and '"the engine failed"' in resp
+        else:
+            assert status == 500 and "engine failed" in resp["error"]["message"]
+        assert call(srv, "GET", "/health")[0] == 503
+        assert call(srv, "POST", "/v1/completions", {"prompt": "x"})[0] == 503
+    finally:
+        srv.stop()

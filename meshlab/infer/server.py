@@ -14,6 +14,7 @@ freed at the next step). Every error is JSON {"error": {"message", "type", "para
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import sys
 import threading
@@ -41,8 +42,10 @@ class Server:
         self.running = True
         self.engine_error: str | None = None
         self.inflight = 0                     # HTTP generation requests being answered (event loop only)
+        self.calls: set = set()               # their Call objects (event loop only)
+        self.loop = None                      # the event loop, once a request came
         self.counts = {"rejected": 0, "aborted": 0}
-        self.finished: list = []              # metrics of finished requests (ttft, tpot)
+        self.finished = collections.deque(maxlen=1000)   # metrics of the last finished requests (ttft, tpot)
         self.app = self._app()
 
     # -- engine thread --------------------------------------------------------------------
@@ -54,10 +57,19 @@ class Server:
                 continue
             try:
                 self.engine.step()
-            except Exception:  # noqa: BLE001 - reported on /health and to new requests, not swallowed
+            except Exception:  # noqa: BLE001 - reported to every request and on /health, not swallowed
                 self.engine_error = traceback.format_exc()
                 print(f"meshlab serve: the engine failed:\n{self.engine_error}", file=sys.stderr, flush=True)
+                if self.loop is not None:
+                    self.loop.call_soon_threadsafe(self._fail_all)
                 return
+
+    def _fail_all(self):
+        """The engine is gone: every request in flight ends now with a 500 (or an error event)."""
+        for call in list(self.calls):
+            call.failed = True
+            for i in range(len(call.done)):
+                call.events.put_nowait((i, True))
 
     def start(self):
         import uvicorn
@@ -156,6 +168,7 @@ class Server:
 
     async def _generate(self, request, chat: bool):
         from starlette.responses import JSONResponse, Response, StreamingResponse
+        self.loop = asyncio.get_running_loop()
         try:
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
@@ -172,11 +185,13 @@ class Server:
             finished = await call.wait_all(request)
         finally:
             call.close()
+        if call.failed:
+            return error(BadRequest("the engine failed while answering; see the server's log", status=500))
         return JSONResponse(call.whole()) if finished else Response(status_code=499)   # nobody reads it
 
     def metrics_text(self) -> str:
         s, sched = self.engine.stats, self.engine.sched
-        done = self.finished[-1000:]
+        done = list(self.finished)
         ttft = [m["ttft_s"] for m in done if m["ttft_s"] is not None]
         tpot = [m["tpot_s"] for m in done if m["tpot_s"] is not None]
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
@@ -204,8 +219,8 @@ class _Task:
 
 def error(e: BadRequest):
     from starlette.responses import JSONResponse
-    kind = {404: "not_found_error", 429: "rate_limit_error", 503: "server_overloaded"}.get(e.status,
-                                                                                          "invalid_request_error")
+    kind = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+            503: "server_overloaded"}.get(e.status, "invalid_request_error")
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param}}, e.status, headers=headers)
 
@@ -218,7 +233,7 @@ class Call:
         self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
-        self.closed, self.lock = False, threading.Lock()
+        self.closed, self.failed, self.lock = False, False, threading.Lock()
         self.loop = asyncio.get_running_loop()
         n = len(plan.params)
         self.reqs = [None] * n if plan.generate else []
@@ -226,6 +241,7 @@ class Call:
         self.shown = [0] * n                  # characters of each choice's text already streamed
         self.lp_sent = [0] * n                # tokens whose logprobs were streamed
         server.inflight += 1
+        server.calls.add(self)
         if plan.generate:
             try:
                 self.reqs[0] = server.engine.add_request(plan.prompt, plan.params[0], on_event=self._on_event(0))
@@ -262,6 +278,7 @@ class Call:
                 return
             self.closed = True
         self.server.inflight -= 1
+        self.server.calls.discard(self)
         for r in self.reqs:
             if r is None:
                 continue
@@ -365,6 +382,9 @@ class Call:
                     yield self._chunk(i, "", "length", None)
             while not all(self.done):
                 i, done = await self._next()
+                if self.failed:
+                    yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
+                    return
                 chunk = self._delta(i, done)
                 if chunk:
                     yield chunk
