@@ -1,10 +1,10 @@
-# Both targets create .venv and install meshlab into it when missing.
+# Every target creates .venv and installs meshlab into it when missing.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test clean-venv
+.PHONY: train test notebooks clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -18,6 +18,16 @@ train: $(STAMP)
 # Two workers: the suite is compile-bound and single-threaded per test (about 11 min on 2 cores).
 test: $(STAMP)
 	$(VPY) -m pytest -n 2 $(ARGS)
+
+# The notebooks' extra (Jupyter, nbclient) on top of the dev install, installed once.
+NB_STAMP := $(VENV)/.notebooks-installed
+$(NB_STAMP): $(STAMP)
+	$(VPY) -m pip install -q -e '.[dev,notebooks]'
+	touch $(NB_STAMP)
+
+# Executes every notebook top to bottom (ARGS: names, e.g. ARGS=03_flash); outputs are not written back.
+notebooks: $(NB_STAMP)
+	$(VPY) notebooks/run.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
@@ -420,6 +421,27 @@ def flash_attention_block_bwd(q, k, v, do, lse, delta, *, causal_offset=None, se
                                _pad_seq(do.astype(q.dtype), cfg.q_pad), lse_p, delta_p, q_seg, kv_seg,
                                cfg, (grad_dtype,) * 3)
     return dq[:, :cfg.q_len], dk[:, :cfg.kv_len], dv[:, :cfg.kv_len]
+
+
+TILE_SKIPPED, TILE_MASKED, TILE_FULL = 0, 1, 2
+
+
+def forward_tile_plan(q_len: int, kv_len: int, *, causal: bool = True, head_dim: int = 64,
+                      block_sizes: BlockSizes | None = None) -> np.ndarray:
+    """What the forward kernel does with each (query tile, kv tile): int8 [q tiles, kv tiles] of
+    TILE_SKIPPED (the causal mask hides the whole tile: never loaded), TILE_MASKED (computed with the
+    mask) or TILE_FULL (computed without one). Read from the loop bounds the kernel itself uses
+    (`_kv_bounds`, same tiles and padding), so a picture of it shows what runs."""
+    shape = lambda n: jax.ShapeDtypeStruct((1, n, 1, head_dim), jnp.float32)  # noqa: E731
+    cfg, _, _ = _check_and_config(shape(q_len), shape(kv_len), shape(kv_len), None,
+                                  (kv_len - q_len) if causal else None, None, block_sizes, True)
+    bq, bk = _fit(cfg.blocks.block_q, q_len), _fit(cfg.blocks.block_k, kv_len)
+    plan = np.full((cfg.q_pad // bq, cfg.kv_pad // bk), TILE_SKIPPED, np.int8)
+    for i in range(plan.shape[0]):
+        n_full, hi = (int(x) for x in _kv_bounds(cfg, i * bq, bq, bk))
+        plan[i, :n_full] = TILE_FULL
+        plan[i, n_full:hi] = TILE_MASKED
+    return plan
 
 
 def flash_attention_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None,
