@@ -63,10 +63,10 @@ def main():
     if peak is None:
         sys.exit(f"error: {peak_src}")
     gemm = {"jax": measured_gemm_flops(dev) / 1e12 if dev.platform == "gpu" else None,
-            "torch": {} if args.no_torch_gemm or dev.platform != "gpu" else torch_gemm_tflops()}
+            "torch": {} if args.no_torch_gemm or dev.platform != "gpu" else torch_gemm_tflops(),
+            "peak": peak_src}
     print(f"device {dev.device_kind}; MFU peak: {peak_src}; HBM {hbm / 2**30:.0f} GiB")
-    print(f"bf16 GEMM 8192^3 measured (its own figure, not MFU's peak): jax {gemm['jax'] or 0:.0f} TFLOP/s, "
-          f"torch {gemm['torch'].get('tflops', 0):.0f} TFLOP/s {gemm['torch'].get('error', '')[:120]}", flush=True)
+    print(f"bf16 GEMM 8192^3 measured (its own figure, not MFU's peak): {gemm_text(gemm)}", flush=True)
     base = models.preset(args.model)
     base.dtype = "bfloat16"
     rows = []
@@ -135,6 +135,12 @@ def main():
     write_rows(dev, peak, gemm, rows, peer, args)
 
 
+def gemm_text(gemm) -> str:
+    tflops = lambda x: f"{x:.0f} TFLOP/s" if x else "not measured"   # noqa: E731
+    return (f"jax {tflops(gemm['jax'])}, torch {tflops(gemm['torch'].get('tflops'))}"
+            + (f" ({gemm['torch']['error'][:120]})" if gemm["torch"].get("error") else ""))
+
+
 def write_profile(trace_dir, label, step_s, dest):
     """Kernel-time table of the traced steps (the trace itself stays on the device machine)."""
     from meshlab.train.profile_summary import format_summary, summarize
@@ -153,9 +159,8 @@ def write_rows(dev, peak, gemm, rows, peer, args):
     best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
     date = datetime.date.today().isoformat()
     lines = [f"\n### Training, {args.model}, seq {args.seq} ({date}, {dev.device_kind}, jax {jax.__version__})\n",
-             f"MFU = tokens/s x (6N + 6 L S d) / {peak / 1e12:g} TFLOP/s (datasheet dense bf16). bf16 GEMM "
-             f"8192^3 measured in this call: jax {gemm['jax'] or 0:.0f}, torch {gemm['torch'].get('tflops', 0):.0f} "
-             "TFLOP/s.\n",
+             f"MFU = tokens/s x (6N + 6 L S d) / peak; peak: {gemm['peak']}. bf16 GEMM 8192^3 measured in "
+             f"this call: {gemm_text(gemm)}.\n",
              f"| variant | batch | tokens/s | step ms | MFU ({peak / 1e12:g}) | program GiB (compiled) | loss |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -7,7 +7,8 @@ compile (an LLVM stack trace, a killed process) names its kernel instead of taki
 
 A shape is S:D:causal|full:GROUP with bench_attention.py's sizes (B = 16384 / S rows, H = 2048 / D
 query heads, H / GROUP kv heads). The kernels under test get their inputs (O, lse, delta) from the
-float32 jnp reference, so each process compiles exactly one Mosaic kernel. Each child prints a JSON
+float32 jnp reference, so each process compiles exactly one Mosaic kernel (`fwdbwd`: all three, as a
+training step does). Each child prints a JSON
 line per phase (inputs, compiled, ran); the table gives the last phase reached, the exit status (a
 negative one is the signal that killed it) and the last lines of its stderr. Rows in $OUT/diag_mgpu.json.
 """
@@ -22,7 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-KERNELS = ("fwd", "dq", "dkv", "fused")
+# fwdbwd: the public function's forward and default backward in one program, as bench_attention.py
+# compiles them (if each kernel passes alone but this fails, the kernels' compiles interfere).
+KERNELS = ("fwd", "dq", "dkv", "fused", "fwdbwd")
 # The failing shape first (causal 8192 x 128, GQA 4), then what brackets it: the same at 2048 and
 # 4096 (those ran), full attention at 8192, and GQA 1.
 SHAPES = ("8192:128:causal:4", "4096:128:causal:4", "2048:128:causal:4", "8192:128:full:4", "8192:128:causal:1")
@@ -49,7 +52,8 @@ def child(spec: str, kernel: str) -> None:
     ks = jax.random.split(jax.random.key(s + d), 4)
     q, do = (jax.random.normal(k_, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for k_ in ks[:2])
     k, v = (jax.random.normal(k_, (b, s, h // group, d), jnp.float32).astype(jnp.bfloat16) for k_ in ks[2:])
-    bs = dataclasses.replace(fm.default_block_sizes(d), fused_bwd=kernel == "fused")
+    bs = fm.default_block_sizes(d)
+    bs = bs if kernel == "fwdbwd" else dataclasses.replace(bs, fused_bwd=kernel == "fused")
     cfg = fm._config(q, k, v, causal, None, bs, False)
     say(phase="config", tiles=dataclasses.asdict(cfg.bs), batch=b, heads=h, kv_heads=h // group)
     # Row 0 of the batch: the reference's inputs for the kernel, and what it must produce.
@@ -67,7 +71,8 @@ def child(spec: str, kernel: str) -> None:
     calls = {"fwd": (lambda q, k, v: fm._fwd_call(q, k, v, cfg), (q, k, v), ("out", None)),
              "dq": (lambda *a: fb._dq_call(*a, cfg), (q, k, v, do, lse, out), ("dq", None)),
              "dkv": (lambda *a: fb._dkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dk", "dv")),
-             "fused": (lambda *a: fb._dqkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dq", "dk", "dv"))}
+             "fused": (lambda *a: fb._dqkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dq", "dk", "dv")),
+             "fwdbwd": (lambda q, k, v, do: _fwd_bwd(q, k, v, do, causal), (q, k, v, do), ("out", "dq", "dk", "dv"))}
     fn, args, names = calls[kernel]
     t = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -85,6 +90,13 @@ def child(spec: str, kernel: str) -> None:
         g1, w = np.asarray(g[:1], np.float32), np.asarray(want[name], np.float32)
         errs[name] = float(np.linalg.norm(g1 - w) / np.linalg.norm(w)) if np.isfinite(g1).all() else float("nan")
     say(phase="ran", ms=round(ms, 3), rel_err=errs)
+
+
+def _fwd_bwd(q, k, v, do, causal):
+    import jax
+    from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal), q, k, v)
+    return (out, *vjp(do))
 
 
 def run_one(spec: str, kernel: str, timeout: float) -> dict:

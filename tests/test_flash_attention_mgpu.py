@@ -166,7 +166,7 @@ def test_fwd_bwd_matches_reference_gpu(b, s, h, kvh, d, causal, fused):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkv", "fused"])
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkv", "fused", "fwdbwd"])
 def test_causal_8192_d128_gqa4_each_kernel_in_its_own_process_gpu(kernel):
     """bench_attention.py's causal 8192 x 128, GQA 4 (2 x 8192, 16 heads over 4): a compile there once
     killed the process with an LLVM trace. Each kernel compiles and runs in a child process
