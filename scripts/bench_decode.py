@@ -30,7 +30,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   matmul        the four decode matmul kernels in a BlockSizes sweep against XLA, batch 1 and 16
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
-  engine        TTFT for 512..8k prompts, engine decode, the same engine through HTTP (fused layers)
+  engine        batch-1 decode at ctx 2048 through Engine against the roofline, TTFT for 512..8k
+                prompts (--quick: 512, 2048), TTFT with a 2k prefix cached, the same engine through
+                HTTP (decode vs roofline, TTFT); then a batch sweep 1..64 through one Engine
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -225,17 +227,29 @@ def run_child(args):
     elif args.job == "cublas":
         decode(1, "fused", impl="pallas", profile=True)
     elif args.job == "engine":
+        from meshlab.infer import bench_serve as bs
         from meshlab.infer.engine import Engine
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
                      steps_per_call=16, layers="fused")
-        for section, fn in (("ttft", lambda: bench.ttft(eng, sz["lengths"])),
-                            ("decode", lambda: bench.engine_tpot(eng, ctx=min(512, sz["ctx"]), n=sz["tpot_n"])),
-                            ("http", lambda: bench.server_rows(eng, ttft_len=min(2048, sz["lengths"][-1]),
-                                                               n=sz["tpot_n"], ctx=min(512, sz["ctx"])))):
+        eng.warmup()
+        ctx, n = sz["ctx"], sz["tpot_n"]
+        for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
+                            ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
+                            ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
+                            ("http", lambda: bs.server_rows(eng, bw, ttft_len=min(2048, sz["lengths"][-1]), n=n,
+                                                            ctx=ctx))):
             try:
                 fn()
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
+        del eng
+        try:
+            big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
+                         steps_per_call=16, layers="fused")
+            big.warmup()
+            bs.engine_sweep(big, bw, [b for b in (1, 8, 32, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
+        except Exception as e:  # noqa: BLE001
+            bench.fail_row("sweep", "engine", e)
 
 
 # -- parent side ------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_logprobs_are_the_models_log_softmax(tiny, engine):
 def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
     md, params, fwd = tiny
     eng = Engine(md, params, max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=2, max_step_tokens=20)
-    assert (eng.DECODE, eng.MIXED_DECODE, eng.PREFILL_ROWS) == ([1, 4], [0, 4], [1, 2])
+    assert (eng.DECODE, eng.MIXED_DECODE, eng.PREFILL_ROWS, eng.WIDTHS) == ([1, 4], [0, 4], [1, 2], [8])
     cache = jax.tree.map(np.asarray, eng.cache)
     assert eng.warmup() == 2 + 2 * 2
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, eng.cache), cache)

@@ -368,67 +368,6 @@ def kernel_peers(cfg, bw, batch, ctx=2048, page_size=16, configs=None, layers=No
     return out
 
 
-# -- engine and server ------------------------------------------------------------------------
-def ttft(engine, lengths) -> list[dict]:
-    """Time to first token of one prompt per length (prefill in chunks + the first sample)."""
-    rng = np.random.default_rng(0)
-    out = []
-    for n in lengths:
-        prompt = rng.integers(0, engine.md.cfg.vocab_size, size=n).tolist()
-        engine.generate([prompt], SamplingParams(max_tokens=1))              # warm (compiles once)
-        t = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1))
-        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}", "value": (time.perf_counter() - t) * 1e3,
-                         "unit": "ms", "note": f"chunk {engine.chunk}"}))
-    return out
-
-
-def engine_tpot(engine, ctx=512, n=256) -> dict:
-    """Decode tokens/s of one request through the engine (host loop included)."""
-    prompt = list(range(1, ctx))
-    engine.generate([prompt], SamplingParams(max_tokens=n))                  # warm
-    t = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=1))
-    t1 = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=n))
-    tpot = (time.perf_counter() - t1 - (t1 - t)) / (n - 1)
-    return emit({"section": "decode", "setting": f"engine b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
-                 "note": f"TPOT {tpot * 1e3:.2f} ms incl. host, {engine.steps_per_call} steps per call"})
-
-
-def _post(port, body):
-    import urllib.request
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out = json.loads(resp.read())
-    return time.perf_counter() - t, out
-
-
-def server_rows(engine, ttft_len=2048, n=256, ctx=512) -> list[dict]:
-    """The same engine behind the HTTP server: b=1 decode tokens/s and one TTFT."""
-    from meshlab.infer.server import Server
-    from meshlab.train.data import ByteTokenizer
-    srv = Server(engine, ByteTokenizer(), "bench", "127.0.0.1", 0).start()
-    out = []
-    try:
-        prompt = "x" * (ctx - 1)
-        _post(srv.port, {"prompt": prompt, "max_tokens": n})                  # warm
-        t1, _ = _post(srv.port, {"prompt": prompt, "max_tokens": 1})
-        tn, body = _post(srv.port, {"prompt": prompt, "max_tokens": n})
-        got = body["usage"]["completion_tokens"]
-        tpot = (tn - t1) / max(got - 1, 1)
-        out.append(emit({"section": "decode", "setting": f"http b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
-                         "note": f"TPOT {tpot * 1e3:.2f} ms, {got} tokens"}))
-        t, _ = _post(srv.port, {"prompt": "y" * ttft_len, "max_tokens": 1})
-        out.append(emit({"section": "ttft", "setting": f"http prompt={ttft_len}", "value": t * 1e3, "unit": "ms",
-                         "note": ""}))
-    finally:
-        srv.stop()
-    return out
-
-
 def fail_row(section: str, setting: str, e: BaseException) -> dict:
     print(f"{section} {setting} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     return emit({"section": section, "setting": setting, "value": float("nan"), "unit": "",

@@ -217,3 +217,122 @@ def peer_static_b1(ctx: int = 2048, n: int = 256) -> dict:
     tpot = (tn - t1) / (n - 1)
     return emit({"section": "peer", "setting": f"HF generate static cache + torch.compile b=1 ctx={ctx}",
                  "value": 1 / tpot, "unit": "tok/s", "note": f"TPOT {tpot * 1e3:.2f} ms"})
+
+
+# -- one engine, one request at a time (scripts/bench_decode.py's engine job) -----------------
+def weight_bytes(engine) -> int:
+    return sum(x.nbytes for x in __import__("jax").tree.leaves(engine.params))
+
+
+def roofline(engine, bw: float, ctx: int, batch: int = 1) -> float:
+    """Decode tokens/s if every step read the weights once and each row its ctx tokens' K/V at `bw`."""
+    from meshlab.infer import kv_cache
+    return bw / (weight_bytes(engine) + batch * ctx * kv_cache.cache_bytes(engine.md.cfg, 1)) * batch
+
+
+def _prompt(rng, engine, n):
+    return rng.integers(0, engine.md.cfg.vocab_size, size=n).tolist()
+
+
+def _time(engine, prompts, max_tokens) -> float:
+    from meshlab.infer.sampler import SamplingParams
+    t = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    return time.perf_counter() - t
+
+
+def ttft(engine, lengths) -> list[dict]:
+    """Time to first token of one fresh prompt per length (prefill in chunks + the first sample);
+    a warm call on another prompt first, so neither compiles nor the prefix cache count."""
+    rng = np.random.default_rng(0)
+    out = []
+    for n in lengths:
+        _time(engine, [_prompt(rng, engine, n)], 1)
+        t = _time(engine, [_prompt(rng, engine, n)], 1)
+        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}", "value": t * 1e3, "unit": "ms",
+                         "note": f"chunk {engine.chunk}, uncached"}))
+    return out
+
+
+def prefix_ttft(engine, n: int = 2048, tail: int = 16) -> dict:
+    """TTFT of a prompt whose first n - tail tokens are in the prefix cache, against the same
+    length uncached (both warm)."""
+    rng = np.random.default_rng(1)
+    _time(engine, [_prompt(rng, engine, n)], 1)
+    shared = _prompt(rng, engine, n - tail)
+    cold = _time(engine, [shared + _prompt(rng, engine, tail)], 1)
+    _time(engine, [shared + _prompt(rng, engine, tail)], 1)                  # warm the narrow program
+    hit_before = engine.stats["prefix_hit_tokens"]
+    warm = _time(engine, [shared + _prompt(rng, engine, tail)], 1)
+    hit = engine.stats["prefix_hit_tokens"] - hit_before
+    return emit({"section": "ttft", "setting": f"engine prompt={n}, {n - tail} cached", "value": warm * 1e3,
+                 "unit": "ms", "uncached_ms": cold * 1e3, "ratio": warm / cold,
+                 "note": f"{hit} tokens from the prefix cache; uncached {cold * 1e3:.1f} ms; "
+                         f"{warm / cold:.1%} of uncached"})
+
+
+def engine_tpot(engine, bw: float, ctx: int = 2048, n: int = 256) -> dict:
+    """Decode tokens/s of one request at context ~ctx through the engine (host loop included),
+    against the HBM roofline at `bw` (weights + ctx tokens' K/V per token)."""
+    prompt = list(range(1, ctx - n // 2))                                   # contexts average ctx
+    _time(engine, [prompt], n)                                              # warm; caches the prompt
+    t1 = _time(engine, [prompt], 1)
+    tpot = (_time(engine, [prompt], n) - t1) / (n - 1)
+    roof = roofline(engine, bw, ctx) if bw else float("nan")
+    return emit({"section": "decode", "setting": f"engine b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
+                 "tpot_ms": tpot * 1e3, "frac_roofline": 1 / tpot / roof,
+                 "note": f"TPOT {tpot * 1e3:.2f} ms incl. host, {engine.steps_per_call} steps per call; "
+                         f"{1 / tpot / roof:.0%} of the roofline {roof:.0f} tok/s at {bw / 1e9:.0f} GB/s"})
+
+
+def engine_sweep(engine, bw: float, batches, ctx: int = 2048, n: int = 128) -> list[dict]:
+    """b requests of distinct ~ctx-token prompts decoding together: TPOT and tokens/s per batch.
+    TPOT = (time of n tokens - time of 1 token) / (n - 1), both with the prompts already cached."""
+    rng = np.random.default_rng(2)
+    out = []
+    for b in batches:
+        prompts = [_prompt(rng, engine, ctx - n // 2) for _ in range(b)]   # contexts average ctx
+        _time(engine, prompts, 1)                                           # prefill once: now cached
+        t1 = _time(engine, prompts, 1)
+        tpot = (_time(engine, prompts, n) - t1) / (n - 1)
+        roof = roofline(engine, bw, ctx, b) if bw else float("nan")
+        out.append(emit({"section": "sweep", "setting": f"engine b={b} ctx={ctx}", "value": b / tpot,
+                         "unit": "tok/s", "batch": b, "tpot_ms": tpot * 1e3, "frac_roofline": b / tpot / roof,
+                         "note": f"TPOT {tpot * 1e3:.2f} ms; {b / tpot / roof:.0%} of the roofline "
+                                 f"{roof:.0f} tok/s"}))
+    return out
+
+
+def _post(port, body):
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    return time.perf_counter() - t, out
+
+
+def server_rows(engine, bw: float, ttft_len=2048, n=256, ctx=2048) -> list[dict]:
+    """The same engine behind the HTTP server: b=1 decode tokens/s (vs the roofline) and one TTFT."""
+    from meshlab.infer.server import Server
+    from meshlab.train.data import ByteTokenizer
+    srv = Server(engine, ByteTokenizer(), "bench", "127.0.0.1", 0).start()
+    out = []
+    try:
+        prompt = list(range(1, ctx - n // 2))
+        _post(srv.port, {"prompt": prompt, "max_tokens": n})                  # warm
+        t1, _ = _post(srv.port, {"prompt": prompt, "max_tokens": 1})
+        tn, body = _post(srv.port, {"prompt": prompt, "max_tokens": n})
+        got = body["usage"]["completion_tokens"]
+        tpot = (tn - t1) / max(got - 1, 1)
+        roof = roofline(engine, bw, ctx) if bw else float("nan")
+        out.append(emit({"section": "decode", "setting": f"http b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
+                         "frac_roofline": 1 / tpot / roof,
+                         "note": f"TPOT {tpot * 1e3:.2f} ms, {got} tokens; {1 / tpot / roof:.0%} of the roofline"}))
+        t, _ = _post(srv.port, {"prompt": _prompt(np.random.default_rng(3), engine, ttft_len), "max_tokens": 1})
+        out.append(emit({"section": "ttft", "setting": f"http prompt={ttft_len}", "value": t * 1e3, "unit": "ms",
+                         "note": "uncached"}))
+    finally:
+        srv.stop()
+    return out

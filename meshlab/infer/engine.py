@@ -16,6 +16,7 @@ ContiguousGenerator: one program shape covers prefill and decode: a step feeds t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import time
 from typing import Callable, Sequence
@@ -30,6 +31,8 @@ from meshlab.infer.programs import (CONCATENATED, FUSED, LAYER_MODES, _fuse, _un
 from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
+
+NARROW = 64     # the narrow chunk-row width (see Engine.WIDTHS)
 
 
 def reset_rows(seen, rows_mask):
@@ -138,7 +141,8 @@ class Engine:
                          for n are short);
       some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, max_seqs} decode
                          tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
-                         max_prefill_rows) chunk rows of `chunk` tokens;
+                         max_prefill_rows) chunk rows, each WIDTHS wide (`chunk`, or 64 when
+                         every piece fits);
     each with static greedy / logprobs flags (from the rows in the step).
     """
 
@@ -183,6 +187,9 @@ class Engine:
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
         self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, self.sched.max_prefill_rows)
         self.MIXED_DECODE = [0, max_seqs]
+        # Chunk rows are `chunk` wide, or NARROW when every prompt piece in the step fits: a cached
+        # prefix's short tail (or a short prompt) then costs a 64-token row, not a 512-token one.
+        self.WIDTHS = sorted({min(NARROW, self.chunk), self.chunk})
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
         self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
         self.inbox: queue.Queue = queue.Queue()
@@ -353,8 +360,8 @@ class Engine:
         self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
 
     def _packed(self, decodes, prefills, t0: float):
-        s, ps, c = self.sched, self.sched.page_size, self.chunk
-        m = len(decodes)
+        s, ps, m = self.sched, self.sched.page_size, len(decodes)
+        c = next(w for w in self.WIDTHS if w >= max(n for _, n in prefills))
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         t, r_out = nd + k * c, nd + k
@@ -387,7 +394,7 @@ class Engine:
         packed = {"tokens": tokens, "positions": positions, "slot": slot, "write_page": write_page,
                   "write_off": write_off, "dec_table": dec_table, "dec_len": dec_len, "pre_table": pre_table,
                   "out_idx": out_idx}
-        out, t_call, t_sync = self._call(("packed", nd, k, greedy, logprobs), self.packed_fn, packed,
+        out, t_call, t_sync = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_fn, packed,
                                          self._row_inputs(out_slot), counters, out_slot,
                                          greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
@@ -417,17 +424,15 @@ class Engine:
                 self._call(("decode", b, self.steps_per_call, greedy, logprobs), self.loop_fn, z, z, z,
                            s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z,
                            n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
-            for nd in self.MIXED_DECODE:
-                for k in self.PREFILL_ROWS:
-                    t, r = nd + k * self.chunk, nd + k
-                    z = np.zeros(t, np.int32)
-                    packed = {"tokens": z, "positions": z, "slot": np.full(t, b_max, np.int32),
-                              "write_page": np.full(t, num_pages, np.int32), "write_off": z,
-                              "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
-                              "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": np.zeros(r, np.int32)}
-                    zr = np.zeros(r, np.int32)
-                    self._call(("packed", nd, k, greedy, logprobs), self.packed_fn, packed, self._row_inputs(zr), zr,
-                               zr, greedy=greedy, logprobs=logprobs)
+            for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS):
+                t, r = nd + k * w, nd + k
+                z, zr = np.zeros(t, np.int32), np.zeros(r, np.int32)
+                packed = {"tokens": z, "positions": z, "slot": np.full(t, b_max, np.int32),
+                          "write_page": np.full(t, num_pages, np.int32), "write_off": z,
+                          "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
+                          "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": zr}
+                self._call(("packed", nd, k, w, greedy, logprobs), self.packed_fn, packed, self._row_inputs(zr), zr,
+                           zr, greedy=greedy, logprobs=logprobs)
         return self.stats["compiles"] - before
 
     # -- convenience ----------------------------------------------------------------------
