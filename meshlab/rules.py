@@ -33,7 +33,8 @@ LOGICAL_NAMES = PARAM_NAMES + ACT_NAMES + CACHE_NAMES
 TOP_KEYS = ("mesh", "batch", "rules", "state", "strategies")
 STATE_KINDS = ("params", "grads", "optimizer")
 STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None,
-                 "fsdp_gather": ("per_layer", "per_step", "keep")}
+                 "fsdp_gather": ("per_layer", "per_step", "keep"), "experts": None}
+EXPERT_DISPATCH = ("dropless", "capacity")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # per_step (gather a stage's weights once per step) and keep (keep them gathered) are named for the
 # ZeRO/overlap work; until they exist a file asking for them is refused, never silently run per layer.
@@ -141,6 +142,8 @@ class Rules:
     def state_spec(self, kind: str, names, shape, mesh, path: str = "") -> P:
         """Storage spec of a params/grads/optimizer leaf: `replicated` drops the batch axes."""
         drop = self.batch if self.state[kind] == "replicated" else ()
+        if "experts" in names:   # expert parallelism: each rank keeps its own experts at every ZeRO stage
+            drop = tuple(a for a in drop if a not in self.rules.get("experts", ()))
         return self.spec(names, shape, mesh, path=path, drop=drop)
 
     def data_parallel_size(self, mesh) -> int:
@@ -202,6 +205,7 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
             raise RulesError(f"{path}: `strategies.{k}: {v}` must be one of {STRATEGY_KEYS[k]}")
         strategies[k] = v
     strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
+    strategies["experts"] = _experts(strategies.get("experts"), path)
     if strategies["fsdp_gather"] not in FSDP_GATHER_IMPLEMENTED:
         raise RulesError(f"{path}: `strategies.fsdp_gather: {strategies['fsdp_gather']}` is not implemented yet; "
                          f"use {' or '.join(FSDP_GATHER_IMPLEMENTED)} (each layer's weights gathered where used)")
@@ -231,6 +235,22 @@ def _pipeline(value, path) -> dict | None:
         raise RulesError(f"{path}: schedule {schedule} with virtual {virtual}: `interleaved` takes virtual >= 2, "
                          "`1f1b` and `zb` take virtual: 1 (gpipe takes either)")
     return {"schedule": schedule, "virtual": virtual}
+
+
+def _experts(value, path) -> dict | None:
+    """`strategies.experts`: null, or {dispatch: dropless | capacity, capacity_factor: 1.25}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"dispatch", "capacity_factor"}:
+        raise RulesError(f"{path}: `strategies.experts: {value}` must be null or a mapping with keys dispatch "
+                         f"({' | '.join(EXPERT_DISPATCH)}) and capacity_factor (> 0), e.g. "
+                         "{dispatch: capacity, capacity_factor: 1.25}")
+    dispatch, factor = value.get("dispatch", "dropless"), value.get("capacity_factor", 1.25)
+    if dispatch not in EXPERT_DISPATCH:
+        raise RulesError(f"{path}: `strategies.experts.dispatch: {dispatch}` must be one of {', '.join(EXPERT_DISPATCH)}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise RulesError(f"{path}: `strategies.experts.capacity_factor: {factor}` must be a number > 0")
+    return {"dispatch": dispatch, "capacity_factor": float(factor)}
 
 
 # -- the active rules: set by the engines, read by the model's helpers ----------------------
@@ -294,8 +314,9 @@ def materialize(w, names: Sequence[str | None], dtype=None):
         return w
     if a.rules.state["params"] != "sharded":
         return w
+    # An `experts` dim stays split: expert parallelism moves tokens to the experts, not the weights.
     gathered = [(dim, tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual))
-                for dim, name in enumerate(names)]
+                for dim, name in enumerate(names) if name != "experts"]
     gathered = [(dim, axes) for dim, axes in gathered if axes]
     if not gathered:
         return w

@@ -28,12 +28,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="preset name (tiny, llama3_1b, llama3_3b, llama3_8b)")
     ap.add_argument("--mesh", default="", help="e.g. data=1,fsdp=-1,tensor=2 (default: the rule file's)")
     ap.add_argument("--devices", type=int, default=8, help="device count a -1 axis fills (default 8)")
+    ap.add_argument("--batch", type=int, default=0, help="global batch for the MoE all-to-all bytes (default: 1 row "
+                    "per data-parallel rank)")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length for the MoE all-to-all bytes")
     a = ap.parse_args(argv)
     try:
         rules = load_rules(a.rules)
         cfg = models.preset(a.model)
         mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices))
-        print(describe(model_def(cfg), rules, mesh))
+        print(describe(model_def(cfg), rules, mesh, a.batch or None, a.seq))
     except (RulesError, MeshError, KeyError) as e:
         print(f"explain.py: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

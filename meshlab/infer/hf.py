@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import llama_hf
+from models import llama_hf, moe_hf
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "I64": np.int64}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
@@ -96,10 +96,11 @@ def _leaf(km, cfg, st, shape, dtype, sharding):
 
     def layer(i):
         if i not in converted:
-            name = km.hf.format(i=i)
-            w = km.to_meshlab(np.asarray(st.get(name), np.float32), cfg)
+            name = km.hf.format(i=i, e="*")   # {e}: an expert bank, one tensor per expert (models/moe_hf.py)
+            raw = km.read(st.get, i) if hasattr(km, "read") else st.get(name)
+            w = km.to_meshlab(np.asarray(raw, np.float32), cfg)
             if w.shape != tuple(shape[1:] if km.stacked else shape):
-                raise CheckpointError(f"{name}: shape {st.get(name).shape} does not convert to meshlab "
+                raise CheckpointError(f"{name}: shape {np.shape(raw)} does not convert to meshlab "
                                       f"{km.path} {tuple(shape)}; config.json and weights disagree")
             converted[i] = w.astype(dtype)
         return converted[i]
@@ -122,7 +123,9 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
-    cfg = llama_hf.config_from_hf(json.loads((path / "config.json").read_text()), **cfg_overrides)
+    hf_cfg = json.loads((path / "config.json").read_text())
+    arch = moe_hf if hf_cfg.get("model_type") == "mixtral" else llama_hf    # Mixtral: the MoE model
+    cfg = arch.config_from_hf(hf_cfg, **cfg_overrides)
     md = model_def(cfg)
     st = SafetensorsDir(path)
     dtype_name = str(param_dtype or cfg.dtype)
@@ -130,7 +133,7 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
     specs = leaf_specs(md, rules, mesh, "params") if rules is not None else None
     default = NamedSharding(mesh, P()) if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params: dict = {}
-    for km in llama_hf.key_map(cfg):
+    for km in arch.key_map(cfg):
         shape = _get(md.abstract, km.path).shape
         sharding = NamedSharding(mesh, _get(specs, km.path)) if specs is not None else default
         _set(params, km.path, _leaf(km, cfg, st, shape, dtype, sharding))

@@ -66,20 +66,26 @@ def param_count(md: ModelDef) -> int:
 
 def matmul_param_count(cfg) -> int:
     """N of the 6N rule: every matmul weight, the LM head included (counted again when tied,
-    since the tied embedding is used as a matmul there), norms and the lookup excluded."""
+    since the tied embedding is used as a matmul there), norms and the lookup excluded. A config
+    that counts its own (a mixture of experts: the active weights) is asked."""
+    if hasattr(cfg, "matmul_param_count"):
+        return cfg.matmul_param_count()
     d, hd = cfg.d_model, cfg.head_dim
     per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.mlp_dim
     return cfg.n_layers * per_layer + d * cfg.padded_vocab
 
 
 def train_flops_per_token(cfg, seq_len: int) -> float:
-    """6N + causal attention 6*L*S*d_model (DESIGN.md, Measuring)."""
+    """6N + causal attention 6*L*S*d_model (DESIGN.md, Measuring); a config's own count first."""
+    if hasattr(cfg, "train_flops_per_token"):
+        return cfg.train_flops_per_token(seq_len)
     return 6.0 * matmul_param_count(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def mfu_formula(cfg, seq_len: int) -> str:
     n = matmul_param_count(cfg)
-    return (f"MFU = tokens/s x (6N + 6*L*S*d) / peak;  N={n:,} matmul params, L={cfg.n_layers}, "
+    what = "active matmul params" if hasattr(cfg, "active_mlp_dim") else "matmul params"
+    return (f"MFU = tokens/s x (6N + 6*L*S*d) / peak;  N={n:,} {what}, L={cfg.n_layers}, "
             f"S={seq_len}, d={cfg.n_heads * cfg.head_dim}  ->  {train_flops_per_token(cfg, seq_len):,.0f} FLOP/token")
 
 

@@ -95,13 +95,16 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
     store = account.param_table(md, rules, mesh, "params")
     grads = account.param_table(md, rules, mesh, "grads")
     opt = account.param_table(md, rules, mesh, "optimizer")
+    ep_axes = rules.axes("experts", mesh)
     for s, g, o in zip(store, grads, opt):
         layered = bool(s.names) and s.names[0] == "layers"
-        local_full = account.bytes_per_device(s.shape, np.float32, _drop(s.spec, batch), mesh)
-        s_ax = [a for a in _spec_axes(s.spec) if a in batch]
-        g_ax = [a for a in _spec_axes(g.spec) if a in batch and a not in s_ax]
-        o_ax = [a for a in _spec_axes(o.spec) if a in batch and a not in s_ax]
-        rest = tuple(a for a in batch if a not in s_ax and a not in g_ax)
+        # An expert bank's expert split is model parallel (never gathered, no gradient sum over it).
+        dp = tuple(a for a in batch if not ("experts" in s.names and a in ep_axes))
+        local_full = account.bytes_per_device(s.shape, np.float32, _drop(s.spec, dp), mesh)
+        s_ax = [a for a in _spec_axes(s.spec) if a in dp]
+        g_ax = [a for a in _spec_axes(g.spec) if a in dp and a not in s_ax]
+        o_ax = [a for a in _spec_axes(o.spec) if a in dp and a not in s_ax]
+        rest = tuple(a for a in dp if a not in s_ax and a not in g_ax)
         if s_ax:   # ZeRO-3: gather per use (compute dtype), its transpose reduce-scatters the gradient
             gathered = local_full // F32 * c
             passes = 1 if policy == "none" or not layered else 2   # remat re-gathers in the backward
@@ -127,6 +130,7 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
                             (L if layered else 1), (L if layered else 1) * k, f"{s.path} grads (tensor partial)",
                             True, propagated=True))
     out += _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy)
+    out += expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy)
     for x in out:
         x.group = group_size(mesh, x.axes)
     return [x for x in out if x.group > 1 and x.count > 0]
@@ -188,6 +192,34 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
         qkvo = lc.b * lc.s_attn * (2 * lc.h + 2 * lc.kvh) * lc.hd * c
         out.append(Comm("all-to-all", ("context",), qkvo, 2 * L * k, "ulysses head/sequence switch", False))
     return out
+
+
+def expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = "none") -> list[Comm]:
+    """Expert parallelism's all-to-alls per MoE layer (meshlab/parallel/experts.py): tokens out and results
+    back in the forward, their transposes in the backward (full remat: the forward's pair again).
+    capacity: the [E, rows, C, d] buffer; dropless: the padded [ep, A, d] buffer (A = rows*S*k; what
+    the CPU moves; the GPU's ragged_all_to_all moves only the A rows sent, ~1/ep of it) plus one
+    all-to-all of the [E] int32 assignment counts (forward only)."""
+    if not hasattr(cfg, "n_experts"):
+        return []
+    from meshlab.parallel import experts
+    ep_axes = rules.axes("experts", mesh)
+    ep = group_size(mesh, ep_axes)
+    if ep <= 1:
+        return []
+    mode = {**experts.DEFAULT, **(rules.strategies.get("experts") or {})}
+    rows = local_sizes(cfg, rules, mesh, global_batch, seq, k).b
+    passes = 4 + (2 if policy == "full" else 0)
+    L = cfg.n_layers
+    if mode["dispatch"] == "capacity":
+        C = experts.row_capacity(seq, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
+        return [Comm("all-to-all", ep_axes, cfg.n_experts * rows * C * cfg.d_model * c, passes * L * k,
+                     "expert dispatch + return (capacity buffers)", False)]
+    A = rows * seq * cfg.top_k
+    return [Comm("all-to-all", ep_axes, ep * A * cfg.d_model * c, passes * L * k,
+                 "expert dispatch + return (dropless, padded)", False),
+            Comm("all-to-all", ep_axes, cfg.n_experts * 4, (passes // 2 - 1) * L * k, "expert assignment counts",
+                 False)]
 
 
 def cpu_view(comms: list[Comm]) -> dict:

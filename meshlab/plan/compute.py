@@ -17,8 +17,11 @@ import math
 def layer_flops_per_token(cfg, seq: int) -> dict:
     """Forward FLOPs of one layer for one token at sequence length `seq` (causal)."""
     d, h, kvh, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+    router = 0
+    if hasattr(cfg, "active_mlp_dim"):   # mixture of experts: the k experts a token runs (+ shared), its router
+        f, router = cfg.active_mlp_dim, 2 * d * cfg.n_experts
     return {"projections": 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d,
-            "mlp": 3 * 2 * d * f,
+            "mlp": 3 * 2 * d * f + router,
             "attention": 2 * seq * h * hd}
 
 

@@ -2,6 +2,8 @@
 and bytes per device; totals for params, grads and Adam state; the main activations' specs."""
 from __future__ import annotations
 
+import numpy as np
+
 from meshlab.plan import account, memory
 
 ACTIVATIONS = {
@@ -14,7 +16,7 @@ ACTIVATIONS = {
 }
 
 
-def describe(md, rules, mesh) -> str:
+def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) -> str:
     fb = account.fmt_bytes
     sizes = {a: s for a, s in mesh.shape.items() if s > 1}
     lines = [f"rules {rules.name} ({rules.path}), mesh {sizes or 'single device'}, ZeRO stage "
@@ -31,6 +33,7 @@ def describe(md, rules, mesh) -> str:
     lines.append(f"\n{n:,} parameters; per device: params (fp32, = master) {fb(st['params'])}, grads (fp32 accumulator) "
                  f"{fb(st['grads'])}, optimizer (Adam mu+nu fp32) {fb(st['optimizer'])}, total {fb(st['total'])} "
                  f"({st['total'] / max(n, 1):.2f} B/param vs 16 B/param unsharded)")
+    lines += experts_lines(md, rules, mesh, params, grads, opt, global_batch, seq)
     lines.append("\nactivations (logical names -> PartitionSpec):")
     for what, names in ACTIVATIONS.items():
         try:
@@ -42,3 +45,32 @@ def describe(md, rules, mesh) -> str:
         from meshlab.plan.pipeline import stage_table
         lines += [""] + stage_table(md.cfg, rules, mesh, 4096)
     return "\n".join(lines)
+
+
+def experts_lines(md, rules, mesh, params, grads, opt, global_batch, seq) -> list[str]:
+    """A mixture of experts: total vs active parameters, the expert banks' bytes per device (params,
+    grads, Adam), and expert parallelism's all-to-all bytes per MoE layer (meshlab/plan/comm.py)."""
+    cfg = md.cfg
+    if not hasattr(cfg, "n_experts"):
+        return []
+    from meshlab.plan import comm
+    fb = account.fmt_bytes
+    counts = cfg.param_count()
+    bank = lambda rows: sum(r.bytes_per_device for r in rows if "experts" in r.names)  # noqa: E731
+    ep = comm.group_size(mesh, rules.axes("experts", mesh))
+    out = [f"\nmixture of experts: {cfg.n_experts} experts, top-{cfg.top_k}, expert width {cfg.expert_mlp_dim}"
+           f"{f', shared {cfg.shared_mlp_dim}' if cfg.shared_mlp_dim else ''}; {counts['total']:,} parameters, "
+           f"{counts['active']:,} active per token (FLOPs and MFU count {cfg.matmul_param_count():,} active matmul "
+           f"weights); experts split over {ep} device(s) ({cfg.n_experts // max(ep, 1)} each)",
+           f"expert weights per device: params {fb(bank(params))}, grads {fb(bank(grads))}, "
+           f"Adam mu+nu {fb(2 * bank(opt))}"]
+    batch = global_batch or rules.data_parallel_size(mesh)
+    c = np.dtype(cfg.dtype).itemsize
+    a2a = comm.expert_collectives(cfg, rules, mesh, batch, seq, 1, c)
+    if a2a:
+        for x in a2a:
+            out.append(f"all-to-all over {'x'.join(x.axes)} per MoE layer (batch {batch} x seq {seq}): "
+                       f"{x.count // cfg.n_layers} x {fb(x.nbytes)} ({x.what})")
+    else:
+        out.append("no expert all-to-all: the experts are not split over devices (`experts` maps to no axis > 1)")
+    return out

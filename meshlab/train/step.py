@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import models
 from meshlab import compat
 from meshlab import rules as rules_mod
 from meshlab.parallel.context import zigzag_batch
@@ -68,13 +69,17 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
         mbs = {k: v.reshape(microbatches, v.shape[0] // microbatches, *v.shape[1:]) for k, v in batch.items()}
         n_valid = jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
         n_valid = jax.lax.psum(n_valid, manual) if manual else n_valid
+        rows = batch["tokens"].shape[0] * math.prod(mesh.shape[a] for a in manual)   # global batch rows
 
         def loss_fn(params, mb):
             model = md.bind(params)
             # Unpacked data: no segment mask at all (cheaper, and cuDNN takes none).
-            h = model.hidden(mb["tokens"], mb["positions"], mb["segment_ids"] if packed else None)
+            h, aux = models.hidden_and_aux(model, mb["tokens"], mb["positions"], mb["segment_ids"] if packed else None)
             loss_sum = model.loss_sum(h, mb["labels"])
-            return loss_sum / jnp.maximum(n_valid, 1.0) * scale
+            ce = loss_sum / jnp.maximum(n_valid, 1.0) * scale
+            # Auxiliary terms (MoE router losses) are sums over rows: over the global row count they
+            # are the same mean on any mesh. Reported apart; `loss` stays the cross-entropy.
+            return ce + aux.pop("loss", 0.0) / rows * scale, (ce, aux)
 
         def scatter(g, st, ac):  # zero2: the accumulator is sharded where storage is not
             for dim, axes in _axes_in(ac, manual):
@@ -85,15 +90,15 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             return g
 
         def micro(carry, mb):
-            loss, g = jax.value_and_grad(loss_fn)(params, mb)
+            (_, loss_aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
             if manual:
                 with jax.named_scope("collectives"):
                     g = jax.tree.map(scatter, g, store, acc, is_leaf=is_p)
-            return jax.tree.map(jnp.add, carry, g), loss
+            return jax.tree.map(jnp.add, carry, g), loss_aux
 
         zeros = jax.tree.map(lambda s, a: jnp.zeros(_local_shape(a.shape, only_axes(s, manual), mesh), jnp.float32),
                              acc, md.abstract, is_leaf=is_p)
-        grads, losses = jax.lax.scan(micro, zeros, mbs)
+        grads, (losses, aux) = jax.lax.scan(micro, zeros, mbs)
 
         def finish(g, ac):  # the remaining data-parallel sum (dp, zero1: the one all-reduce)
             reduced = {a for _, ax in _axes_in(ac, manual) for a in ax}
@@ -105,7 +110,9 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
                 grads = jax.tree.map(finish, grads, acc, is_leaf=is_p)
         loss = jnp.sum(losses)
         loss = jax.lax.psum(loss, manual) if manual else loss
-        return loss / scale, grads, n_valid
+        aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+        aux = jax.lax.psum(aux, manual) if manual else aux
+        return loss / scale, grads, n_valid, models.aux_metrics(aux, rows)
 
     if not manual:
         return local
@@ -113,7 +120,7 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
     def sharded(params, batch, scale):
         in_specs = (jax.tree.map(lambda s: only_axes(s, manual), store, is_leaf=is_p),
                     {k: only_axes(batch_spec(rules, mesh), manual) for k in batch}, P())
-        out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), acc, is_leaf=is_p), P())
+        out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), acc, is_leaf=is_p), P(), P())
 
         def body(params, batch, scale):
             with rules_mod.manual_axes(manual, rules, mesh):
@@ -175,7 +182,7 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
             # (a sum over tokens) are unchanged; only int32 [B, S] arrays are permuted.
             batch = zigzag_batch(batch, n_context)
         scale = state["loss_scale"]["scale"] if loss_scale else jnp.float32(1.0)
-        loss, grads, n_valid = loss_and_grads(state["params"], batch, scale)
+        loss, grads, n_valid, *aux = loss_and_grads(state["params"], batch, scale)   # aux: {name: scalar} or none
         grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
         if loss_scale:
             grads = jax.tree.map(lambda g: g / scale, grads)
@@ -197,6 +204,7 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
         metrics = {"loss": loss, "grad_norm": grad_norm, "valid_tokens": n_valid, "finite": finite}
         if loss_scale:
             metrics["loss_scale"] = scale
+        metrics.update(aux[0] if aux else {})
         return new_state, metrics
 
     data_sharding = NamedSharding(mesh, batch_spec(rules, mesh))

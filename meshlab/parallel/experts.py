@@ -1,0 +1,220 @@
+"""Expert dispatch for mixture-of-experts layers: tokens grouped by expert, sent to the device that
+holds it (all-to-all over the rule file's `experts` axes), computed, sent back, restored to order.
+
+The model routes (models/moe.py: router, top-k, each assignment's place in its row's queue) and
+calls `moe_ffn`; the active rule file decides where the experts live:
+  experts: expert   expert parallelism. Each device of the `expert` axis holds E/ep experts and
+                    its own rows of the batch (`expert` is a batch axis: the dense layers are data
+                    parallel over it). Tokens travel by all-to-all; the weights never move.
+  mlp: tensor       each expert's hidden width split Megatron-style (gate/up column-parallel, down
+                    row-parallel, one psum over `tensor` after the down projection).
+Inside the train step's shard_map the batch axes are already manual; anything still Auto
+(tensor, or everything in an eval/serving program) becomes manual in a nested shard_map here.
+
+Two dispatch modes (`strategies.experts.dispatch` of the rule file):
+  capacity  each row of the batch gives every expert at most C = ceil(factor * s * k / E)
+            assignments, first choices first, then by position (GShard's priority). Those past C
+            are dropped (the residual stream carries the token on; the step reports the count).
+            C depends on the row only, so the same tokens drop on 1 device and on 8. Buffers are
+            [E, rows, C, d]: one plain all_to_all each way and a padded batched GEMM.
+  dropless  every assignment is computed: rows sorted by expert, grouped GEMMs over ragged
+            groups (pallas_kernels/grouped_matmul.py). With ep > 1 each device sends each peer
+            the rows for the peer's experts. Receive buffer: ep * A rows, A = local rows * s * k,
+            the exact worst case (every assignment of every peer lands on this device), so it
+            cannot overflow; the price is ep times the local assignment buffer in memory. The
+            exchange is `ragged_all_to_all` on GPU (only the rows sent move) and an all_to_all
+            of the padded [ep, A, d] buffer elsewhere (XLA:CPU cannot compile the ragged one):
+            same layout, same result.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshlab import compat
+from meshlab import rules as rules_mod
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+DISPATCH = ("dropless", "capacity")
+DEFAULT = {"dispatch": "dropless", "capacity_factor": 1.25}
+F32 = jnp.float32
+
+
+def settings() -> dict:
+    """The active rule file's `strategies.experts` over the defaults (dropless, factor 1.25)."""
+    return {**DEFAULT, **(rules_mod.strategy("experts") or {})}
+
+
+def queue_positions(expert_idx, n_experts: int):
+    """expert_idx [b, s, k] -> each assignment's place in its row's queue for its expert [b, s, k].
+    Order: the row's first choices by position, then its second choices, ... (GShard)."""
+    b, s, k = expert_idx.shape
+    flat = jnp.swapaxes(expert_idx, 1, 2).reshape(b, k * s)                  # [b, k*s] slot-major
+    onehot = jax.nn.one_hot(flat, n_experts, dtype=jnp.int32)                # [b, k*s, E]
+    pos = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)        # [b, k*s]
+    return jnp.swapaxes(pos.reshape(b, k, s), 1, 2)                          # [b, s, k]
+
+
+def row_capacity(seq: int, top_k: int, n_experts: int, factor: float) -> int:
+    """Assignments one row may give one expert in capacity mode."""
+    return max(1, math.ceil(factor * seq * top_k / n_experts))
+
+
+def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "auto"):
+    """x [b, s, d]; route = (expert_idx, combine_w, keep, pos), each [b, s, k] (combine_w fp32);
+    weights = (w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) in the compute dtype -> [b, s, d]."""
+    if dispatch not in DISPATCH:
+        raise ValueError(f"expert dispatch {dispatch!r} must be one of {DISPATCH}")
+    act = rules_mod.active()
+    if act is None:
+        return _local(x, *route, *weights, dispatch=dispatch, capacity=capacity, ep_axes=(), ep=1, tp_axes=(),
+                      backend=backend)
+    mesh, r = act.mesh, act.rules
+    ep_axes, tp_axes, batch = r.axes("experts", mesh), r.axes("mlp", mesh), r.axes("act_batch", mesh)
+    if not set(ep_axes) <= set(batch):
+        raise rules_mod.RulesError(f"{r.path}: rule `experts: {list(ep_axes)}` needs those axes in `act_batch` and "
+                                   f"`batch:` too (expert-parallel ranks hold different rows); act_batch is "
+                                   f"{list(batch)}")
+    kw = dict(dispatch=dispatch, capacity=capacity, ep_axes=ep_axes, ep=math.prod(mesh.shape[a] for a in ep_axes),
+              tp_axes=tp_axes, backend=backend)
+    auto = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in act.manual)
+    if not auto:
+        return _local(x, *route, *weights, **kw)
+    keep = lambda axes: tuple(a for a in axes if a in auto)  # noqa: E731
+    one = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
+    tok = P(one(keep(batch)))
+    w_in, w_out = P(one(keep(ep_axes)), None, one(keep(tp_axes))), P(one(keep(ep_axes)), one(keep(tp_axes)), None)
+
+    def local(x, idx, comb, kp, pos, wg, wu, wd):
+        return _local(x, idx, comb, kp, pos, wg, wu, wd, **kw)
+
+    return compat.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tok,) * 5 + (w_in, w_in, w_out),
+                            out_specs=tok, axis_names=set(auto))(x, *route, *weights)
+
+
+# -- per device -----------------------------------------------------------------------------------
+def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, ep, tp_axes, backend):
+    """Everything manual: x [b, s, d] this device's rows, weights its E/ep experts (and f/tp width)."""
+    b, s, d = x.shape
+    k = idx.shape[-1]
+    if dispatch == "capacity":
+        y = _capacity(x, idx, keep, pos, wg, wu, wd, capacity, ep_axes, ep, tp_axes)  # [b*s*k, d]
+    else:
+        y = _dropless(x.reshape(b * s, d), idx.reshape(-1), wg, wu, wd, ep_axes, ep, tp_axes, backend, k)
+    y = y.reshape(b, s, k, d).astype(F32) * comb[..., None]                  # [b, s, k, d]
+    return jnp.sum(y, axis=2).astype(x.dtype)
+
+
+def _swiglu(gate, up):
+    return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype)
+
+
+def _tp_sum(y, tp_axes):
+    """The down projection's partial sums over the expert width split (row-parallel)."""
+    return jax.lax.psum(y, tp_axes) if tp_axes else y
+
+
+def _exchange(buf, axes, split_axis, concat_axis):
+    return jax.lax.all_to_all(buf, axes if len(axes) > 1 else axes[0], split_axis, concat_axis, tiled=True)
+
+
+def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes):
+    """Padded buffers [E, b, C, d]; returns each assignment's expert output [b*s*k, d] (0 if dropped)."""
+    b, s, d = x.shape
+    k = idx.shape[-1]
+    E = wg.shape[0] * ep
+    e = idx.reshape(-1)                                                      # [A]
+    row = jnp.repeat(jnp.arange(b), s * k)                                   # [A]
+    slot = jnp.where(keep, pos, C).reshape(-1)                               # [A]; C: out of bounds, dropped
+    src = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(-1, d)    # [A, d]
+    buf = jnp.zeros((E, b, C, d), x.dtype).at[e, row, slot].set(src, mode="drop")
+    buf = buf.reshape(E, b * C, d)                                           # [E, bC, d]
+    if ep > 1:
+        buf = _exchange(buf, ep_axes, 0, 1)                                  # [E/ep, ep*bC, d] source-major
+    h = _swiglu(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t, f]
+    y = _tp_sum(jnp.einsum("etf,efd->etd", h, wd), tp_axes)                  # [El, t, d]
+    if ep > 1:
+        y = _exchange(y, ep_axes, 1, 0)                                      # [E, bC, d]
+    y = y.reshape(E, b, C, d)
+    return y.at[e, row, slot].get(mode="fill", fill_value=0)                 # [A, d]
+
+
+def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend):
+    """Rows sorted by local expert xs [R, d] -> [R, d]; rows past sum(group_sizes) give 0."""
+    gmm = lambda a, w: grouped_matmul(a, w, group_sizes, backend=backend)  # noqa: E731
+    h = _swiglu(gmm(xs, wg), gmm(xs, wu))                                    # [R, f]
+    return _tp_sum(gmm(h, wd), tp_axes)                                      # [R, d]
+
+
+def _inverse(order):
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+@jax.custom_vjp
+def _permute(x, order, inverse):
+    """x[order] for a permutation `order` whose inverse is `inverse`. Autodiff would transpose the gather
+    into a scatter-add (atomics on GPU); a permutation's transpose is the inverse gather."""
+    return x[order]
+
+
+def _permute_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_bwd(res, g):
+    order, inverse = res
+    return g[inverse], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, backend, k):
+    """xt [T, d] tokens, e [A = T*k] their experts -> expert outputs [A, d] in assignment order."""
+    El = wg.shape[0]
+    E = El * ep
+    order = jnp.argsort(e, stable=True)                                      # [A] grouped by expert
+    inv = _inverse(order)
+    xa = jnp.broadcast_to(xt[:, None, :], (xt.shape[0], k, xt.shape[1])).reshape(-1, xt.shape[1])  # [A, d]
+    xs = _permute(xa, order, inv)                                            # [A, d] sorted by expert
+    counts = jnp.bincount(e, length=E).astype(jnp.int32)                     # [E]
+    if ep == 1:
+        ys = _expert_mlp(xs, wg, wu, wd, counts, tp_axes, backend)
+        return _permute(ys, inv, order)
+    A = e.shape[0]
+    dest = e[order] // El                                                    # [A] owner device, ascending
+    per_dest = counts.reshape(ep, El).sum(axis=1)                            # [ep]
+    offset = jnp.arange(A) - (jnp.cumsum(per_dest) - per_dest)[dest]         # [A] place in dest's block
+    send = jnp.zeros((ep, A, xt.shape[1]), xt.dtype).at[dest, offset].set(xs)  # [ep, A, d]
+    recv_counts = _exchange(counts.reshape(ep, El), ep_axes, 0, 0)           # [ep src, El]
+    recv = exchange_rows(send, per_dest, recv_counts.sum(axis=1), ep_axes)   # [ep src, A, d]
+    # Regroup by local expert: source i's block holds its rows for my experts, sorted, then padding.
+    ends = jnp.cumsum(recv_counts, axis=1)                                   # [ep, El]
+    local_e = jax.vmap(lambda en: jnp.searchsorted(en, jnp.arange(A), side="right"))(ends)  # [ep, A], El = pad
+    order2 = jnp.argsort(local_e.reshape(-1), stable=True)                   # [ep*A]
+    inv2 = _inverse(order2)
+    xr = _permute(recv.reshape(ep * A, -1), order2, inv2)                    # [ep*A, d] by local expert
+    yr = _expert_mlp(xr, wg, wu, wd, recv_counts.sum(axis=0), tp_axes, backend)
+    back = _permute(yr, inv2, order2).reshape(ep, A, -1)                     # [ep src, A, d]
+    ret = exchange_rows(back, recv_counts.sum(axis=1), per_dest, ep_axes)    # [ep dest, A, d]
+    return _permute(ret[dest, offset], inv, order)                           # [A, d]
+
+
+def exchange_rows(buf, send_sizes, recv_sizes, ep_axes, impl: str = "auto"):
+    """buf [ep, A, d]: block j holds send_sizes[j] rows for peer j, then padding -> [ep, A, d]: block i
+    holds the recv_sizes[i] rows peer i sent, then zeros. `ragged` moves only the rows (GPU);
+    `padded` moves whole blocks with all_to_all (the padding is zero, so the results agree)."""
+    impl = ("ragged" if jax.default_backend() == "gpu" else "padded") if impl == "auto" else impl
+    if impl == "padded":
+        return _exchange(buf, ep_axes, 0, 0)
+    ep, A, d = buf.shape
+    name = ep_axes if len(ep_axes) > 1 else ep_axes[0]
+    me = jax.lax.axis_index(name)
+    starts = jnp.arange(ep, dtype=jnp.int32) * A
+    out = jax.lax.ragged_all_to_all(buf.reshape(ep * A, d), jnp.zeros((ep * A, d), buf.dtype), starts,
+                                    send_sizes.astype(jnp.int32), jnp.full((ep,), me * A, jnp.int32),
+                                    recv_sizes.astype(jnp.int32), axis_name=name)
+    return out.reshape(ep, A, d)
