@@ -185,8 +185,8 @@ class Engine:
         # and padding rows attend to nothing), chunk rows in powers of 2, and a mixed step carries
         # either no decode rows or all max_seqs (at most one step in a few pays for idle rows).
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
-        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, self.sched.max_prefill_rows)
-        self.MIXED_DECODE = [0, max_seqs]
+        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, min(self.sched.max_prefill_rows, max_seqs))
+        self.MIXED_DECODE = [0, max_seqs] if max_seqs > 1 else [0]          # one row cannot do both
         # Chunk rows are `chunk` wide, or NARROW when every prompt piece in the step fits: a cached
         # prefix's short tail (or a short prompt) then costs a 64-token row, not a 512-token one.
         self.WIDTHS = sorted({min(NARROW, self.chunk), self.chunk})
