@@ -123,6 +123,12 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
         "loss": jnp.zeros((), jnp.float32),
     }
     zero_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+    # The embedding and head are differentiated w.r.t. the parameters outside the layer stack only
+    # (no zero gradient of the whole stack made and added per micro-batch).
+    rest_of = lambda tree: {k: v for k, v in tree.items() if k != layers_key}  # noqa: E731
+
+    def add_rest(grads, g):
+        return {**grads, **jax.tree.map(jnp.add, rest_of(grads), g)}
 
     def ctx(row):
         op, mb, c = row[_C["op"]], row[_C["mb"]], row[_C["chunk"]]
@@ -149,10 +155,9 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
 
         def head(carry):   # the loss head and its gradient, at once: its cotangent waits in the inbox
             labels = _at(mbs["labels"], mb)
-            loss, vjp = jax.vjp(lambda prm, h: fns.head(prm, h, labels), params, y)
-            g_params, g_y = vjp(jnp.asarray(seed, loss.dtype))
-            return dict(carry, loss=carry["loss"] + loss,
-                        grads=jax.tree.map(jnp.add, carry["grads"], g_params),
+            loss, vjp = jax.vjp(lambda rest, h: fns.head({**rest, layers_key: layers}, h, labels), rest_of(params), y)
+            g_rest, g_y = vjp(jnp.asarray(seed, loss.dtype))
+            return dict(carry, loss=carry["loss"] + loss, grads=add_rest(carry["grads"], g_rest),
                         bin=carry["bin"].at[row[_C["bin"]]].set(g_y.astype(x_aval.dtype))), zero_x
         carry, out = jax.lax.cond(k["last"], head, lambda carry: (carry, y), carry)
         return carry, out, zero_x
@@ -166,9 +171,10 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
         """The first chunk hands dx to the embedding (its gradient); the others send it back."""
         def embed_grad(carry):
             tokens = _at(mbs["tokens"], k["mb"])
-            _, vjp = jax.vjp(lambda prm: fns.embed(prm, tokens).astype(x_aval.dtype), params)
+            _, vjp = jax.vjp(lambda rest: fns.embed({**rest, layers_key: layers}, tokens).astype(x_aval.dtype),
+                             rest_of(params))
             (g,) = vjp(dx)
-            return dict(carry, grads=jax.tree.map(jnp.add, carry["grads"], g)), zero_x
+            return dict(carry, grads=add_rest(carry["grads"], g)), zero_x
         return jax.lax.cond(k["first"], embed_grad, lambda carry: (carry, dx), carry)
 
     def backward(k, carry):

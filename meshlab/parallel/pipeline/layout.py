@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshlab.rules import RulesError
 
-class LayoutError(ValueError):
-    pass
+
+class LayoutError(RulesError):
+    """The model's layers do not split over the rule file's stages (a rule-file/model mismatch)."""
 
 
 def check_layers(n_layers: int, stages: int, virtual: int, where: str = "") -> int:

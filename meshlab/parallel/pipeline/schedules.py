@@ -30,6 +30,8 @@ from typing import Iterable
 
 import numpy as np
 
+from meshlab.rules import RulesError
+
 IDLE, F, B, BI, W = 0, 1, 2, 3, 4
 OP_NAMES = {IDLE: ".", F: "F", B: "B", BI: "I", W: "W"}
 COST = {IDLE: 0.0, F: 1.0, B: 2.0, BI: 1.0, W: 1.0}   # in forwards of one chunk (backward ~ 2 forward)
@@ -38,8 +40,8 @@ NCOL = len(COLS)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
-class ScheduleError(ValueError):
-    pass
+class ScheduleError(RulesError):
+    """A schedule that cannot be built for these stages / micro-batches, or a table that fails its check."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +173,10 @@ def _simulate_orders(orders, p, v) -> dict:
 
 def _simulate_zero_bubble(p, m) -> dict:
     """ZB-H1-like, chosen per tick: an input gradient first (it unblocks the stage before), then a
-    forward while fewer than p - s micro-batches hold residuals (1F1B's memory), then a deferred
-    weight gradient; the W passes fill what would be 1F1B's bubbles."""
+    forward while fewer than p micro-batches hold residuals (1F1B's peak, the first stage's), then a
+    deferred weight gradient; the W passes fill what would be 1F1B's bubbles. (Limiting stage s to
+    p - s, as 1F1B's warm-up does, forces W passes early and doubled the bubble; p + 1 reaches
+    (p-1)/(3m+p-1) at one more micro-batch of memory.)"""
     done: dict = {}
     nf, nbi, nw = [0] * p, [0] * p, [0] * p
     t = 0
@@ -182,7 +186,7 @@ def _simulate_zero_bubble(p, m) -> dict:
             if nbi[s] < m and _ready(BI, s, 0, nbi[s], done, t, p, 1):
                 ran.append((BI, s, 0, nbi[s]))
                 nbi[s] += 1
-            elif nf[s] < m and nf[s] - nw[s] < p - s and _ready(F, s, 0, nf[s], done, t, p, 1):
+            elif nf[s] < m and nf[s] - nw[s] < p and _ready(F, s, 0, nf[s], done, t, p, 1):
                 ran.append((F, s, 0, nf[s]))
                 nf[s] += 1
             elif nw[s] < nbi[s] and _ready(W, s, 0, nw[s], done, t, p, 1):
