@@ -90,8 +90,8 @@ def stage_table(cfg, rules, mesh, seq: int) -> list[str]:
     per = compute.layer_flops_per_token(cfg, seq)
     layer = sum(per.values())
     head = 2 * cfg.d_model * cfg.padded_vocab
-    lines = [f"pipeline: {pipe['schedule']} over {p} stages x {v} virtual (layers stored in model order; "
-             f"stage s runs chunks s, p+s, ..)"]
+    lines = [f"pipeline: {pipe['schedule']} over {p} stages x {v} virtual"
+             + (" (stage s runs chunks s, p+s, ..; the state keeps model order)" if v > 1 else "")]
     loads = []
     for s, chunks in enumerate(layout.stage_map(cfg.n_layers, p, v)):
         flops = layer * sum(len(ls) for _, ls in chunks) + (head if s == p - 1 else 0)
