@@ -243,3 +243,17 @@ def test_one_token_stream_carries_the_zero_row():
     text = str(jax.make_jaxpr(lambda t: model.cached(t, pos, cache, attend, layers=per_layer)[0])(jnp.ones((1, 1), jnp.int32)))
     assert text.count("concatenate") == 1
     assert re.findall(r"let paged_decode_attention\w* = \{ lambda ; \w+:f32\[(\d+),", text) == ["2"]
+
+
+def test_windowed_flash_equals_gathered_dense():
+    """Prompt-chunk rows through the flash kernel over a window ending at each chunk (starts 0, not
+    page-aligned, and at the end of the table) equal the gather + dense causal attention."""
+    from meshlab.infer import kv_cache
+    rng = np.random.default_rng(0)
+    cache = {n: jnp.asarray(rng.normal(size=(2, 20, 4, 2, 16)), jnp.float32) for n in "kv"}
+    table = jnp.asarray(np.stack([rng.permutation(np.arange(1, 20))[:8] for _ in range(3)]), jnp.int32)
+    start = jnp.asarray([0, 5, 24], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(3, 8, 4, 16)), jnp.float32)
+    want = kv_cache.gathered_attention(q, cache, 1, table, start[:, None] + jnp.arange(8)[None])
+    got = kv_cache.windowed_flash_attention(q, cache, 1, table, start, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

@@ -94,6 +94,26 @@ def gathered_attention(q, cache, layer, page_table, q_pos):
     return dense_attention(q, seq_k, seq_v, q_pos)
 
 
+def windowed_flash_attention(q, cache, layer, table, start, interpret: bool = False):
+    """Prompt-chunk rows q [k, c, h, d] whose first query sits at position start [k] (queries at
+    start + i; padding at the end), through the tiled flash kernel (no [c, s] score matrix in HBM).
+    Each row gathers the window of its sequence's s = max_pages * page_size positions that ends
+    with its chunk: key j is position start + c - s + j, so causality is the kernel's static
+    offset s - c (query i sees key j <= i + s - c), and positions below 0 are masked by segment
+    ids. The window is gathered per token (a row's start need not be page-aligned)."""
+    from pallas_kernels.flash_attention import flash_attention
+    k_rows, c = q.shape[:2]
+    page_size, max_pages = cache["k"].shape[2], table.shape[1]
+    s = max_pages * page_size
+    kpos = (start + c - s)[:, None] + jnp.arange(s)[None, :]                           # [k, s]
+    page = jnp.take_along_axis(table, jnp.clip(kpos // page_size, 0, max_pages - 1), axis=1)
+    off = kpos % page_size
+    kw, vw = cache["k"][layer, page, off], cache["v"][layer, page, off]                 # [k, s, kvh, d]
+    seg = (jnp.ones((k_rows, c), jnp.int32), (kpos >= 0).astype(jnp.int32))
+    return flash_attention(q, kw.astype(q.dtype), vw.astype(q.dtype), causal=True, segment_ids=seg,
+                           interpret=interpret)
+
+
 def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_table, impl: str = "xla",
                   interpret: bool = False):
     """attend() for a token-packed step: this step's T tokens as one stream [1, T], laid out as
@@ -105,7 +125,8 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
     cached, this one included; 0 = padding row); pre_table [k, max_pages]. Projections, MLPs
     and the cache write run over the packed stream; attention splits it: the decode tokens
     through the paged decode kernel (impl="pallas": reads pages in place) or the gather, the
-    chunk rows through the gather and dense causal attention over their sequence's pages.
+    chunk rows through the flash kernel over a gathered window (impl="pallas") or the gather and
+    dense causal attention over their sequence's pages (XLA: fp32 scores [k, h, c, s] in HBM).
     """
     n_dec, k_rows = dec_table.shape[0], pre_table.shape[0]
 
@@ -126,7 +147,11 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             chunk = (t - n_dec) // k_rows
             qp = q[0, n_dec:].reshape(k_rows, chunk, h, d)                                # [k, chunk, h, d]
             pos = positions[0, n_dec:].reshape(k_rows, chunk)
-            outs.append(gathered_attention(qp, new, layer, pre_table, pos).reshape(k_rows * chunk, h, d))
+            if impl in ("pallas", "pallas_unfused"):
+                o = windowed_flash_attention(qp, new, layer, pre_table, pos[:, 0], interpret)
+            else:
+                o = gathered_attention(qp, new, layer, pre_table, pos)
+            outs.append(o.reshape(k_rows * chunk, h, d))
         return jnp.concatenate(outs)[None], new                                           # [1, T, h, d]
     return attend
 
