@@ -63,6 +63,17 @@ def grads_bytes(tr) -> int:
     return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(out_sh)))
 
 
+def compiled_step(tr, state=None):
+    """The trainer's step compiled for its shardings (`.memory_analysis()`, `.as_text()`), on the
+    abstract state when none is given. Given the state a run returned, jax's cache hands back the
+    program that run compiled: reading its memory costs no second compile."""
+    from meshlab.train.state import abstract_state
+    if state is None:
+        state = abstract_state(tr.md, tr.tx, tr.shardings, tr.cfg.model.dtype == "float16")
+    with rules_mod.use_rules(tr.rules, tr.mesh):   # the model reads the active rules while tracing
+        return tr.step_fn.lower(state, abstract_batch(tr)).compile()
+
+
 _CACHE: dict = {}
 
 
@@ -75,8 +86,7 @@ def measure(cfg, keep_text: bool = False, grads: bool = True) -> Measured:
         return _CACHE[key]
     tr = build_trainer(cfg)
     st = abstract_state(tr.md, tr.tx, tr.shardings, cfg.model.dtype == "float16")
-    with rules_mod.use_rules(tr.rules, tr.mesh):   # the model reads the active rules while tracing
-        compiled = tr.step_fn.lower(st, abstract_batch(tr)).compile()
+    compiled = compiled_step(tr, st)
     in_sh = compiled.input_shardings[0][0]
     params = sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(in_sh["params"])))
     opt_leaves = [(a, s) for a, s in zip(jax.tree.leaves(st["opt"]), jax.tree.leaves(in_sh["opt"])) if a.ndim > 0]
