@@ -259,3 +259,21 @@ def test_greedy_decode_through_the_engine_equals_uncached_forward():
         seq = list(p) + list(o)
         logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0]
         assert o == logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name,sizes", [("ep", "expert=8"), ("fsdp_ep", "fsdp=2,expert=4"),
+                                        ("fsdp_tp_ep", "fsdp=2,tensor=2,expert=2")])
+def test_explain_splits_the_expert_banks_over_eight_devices(name, sizes):
+    """Each EP file on 8 devices leaves 1/8 of every expert bank per device (params, grads, Adam)."""
+    from meshlab.mesh import resolve_sizes
+    from meshlab.plan import account
+    from meshlab.plan.explain import describe
+    from meshlab.plan.search import PlanMesh
+    from meshlab.train.state import model_def
+    md, rules, mesh = model_def(models.preset("moe_tiny")), load_rules(name), PlanMesh(resolve_sizes(sizes, 8))
+    for kind in ("params", "grads", "optimizer"):
+        banks = [r for r in account.param_table(md, rules, mesh, kind) if "experts" in r.names]
+        assert len(banks) == 3
+        assert all(r.bytes_per_device * 8 == 4 * np.prod(r.shape) for r in banks), kind
+    text = describe(md, rules, mesh, 16, 32)
+    assert "experts split over" in text and "all-to-all over expert per MoE layer" in text
