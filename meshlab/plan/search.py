@@ -103,14 +103,15 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
         plan.reason = str(e).split(": ", 1)[-1][:160]
         return plan
     cfg = dataclasses.replace(md.cfg, remat=remat)
-    mem = memory.plan_memory(md, rules, mesh, global_batch, seq, k, remat)
-    if sched is not None:   # a stage's layers x the micro-batches in flight, not all layers x one
+    view_md, view_mesh = _stage_view(md, sizes) if sched is not None else (md, mesh)
+    mem = memory.plan_memory(view_md, rules, view_mesh, global_batch, seq, k, remat)
+    if sched is not None:   # a stage's layers x the micro-batches in flight, not its layers x one
         mem = pipeline_plan.activation_memory(md, rules, mesh, global_batch, seq, sched, mem)
     plan.memory, plan.mem_bytes = mem, mem["total"]
     plan.flops = compute.step_flops(cfg, global_batch, seq, remat)
     bubble = pipeline_plan.relative_bubble(sched) if sched is not None else 0.0
     plan.compute_s = compute.compute_time(cfg, global_batch, seq, mesh.size, hw, remat, bubble)
-    plan.comms = comm.step_collectives(md, rules, mesh, global_batch, seq, k, remat)
+    plan.comms = comm.step_collectives(view_md, rules, view_mesh, global_batch, seq, k, remat)
     if sched is not None:
         plan.comms += pipeline_plan.collectives(md, rules, mesh, global_batch, seq, sched)
     plan.comm = comm.comm_time(plan.comms, mesh, hw, hosts)
@@ -123,6 +124,21 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
         return plan
     plan.ok = True
     return plan
+
+
+_STAGE_MODELS: dict = {}
+
+
+def _stage_view(md, sizes: dict):
+    """One pipeline stage seen alone: a model of n_layers / stage layers (the embedding and head
+    included, as every stage stores them) on the mesh without `stage`. Its state bytes, activations
+    and per-layer collectives (FSDP gathers, tensor-parallel sums: per local layer and micro-batch)
+    are one device's of the pipeline; the pipeline's own traffic is added apart."""
+    cfg = dataclasses.replace(md.cfg, n_layers=md.cfg.n_layers // sizes.get("stage", 1))
+    key = repr(cfg)
+    if key not in _STAGE_MODELS:
+        _STAGE_MODELS[key] = model_def(cfg)
+    return _STAGE_MODELS[key], PlanMesh({**sizes, "stage": 1})
 
 
 def search(model_cfg, devices: int, global_batch: int, seq: int, hw, hosts: int = 1, rule_names=None,
