@@ -10,13 +10,15 @@ Backends, picked by `grouped_matmul(..., backend="auto")`:
           for the forward and dX (its transposed-RHS form), `transposed_ragged_dot_mgpu` for dW
           (per group x_g^T dy_g). They write only the rows of the groups: rows past
           sum(group_sizes) are left unwritten, so this wrapper masks them to zero (one select XLA
-          fuses into the consumer). Measured by its authors at ~600 TFLOP/s bf16 on an H200 at
-          32768 x 2048 x 1536, 16 groups. The default on a Hopper GPU.
+          fuses into the consumer; alone it is a pass over [M, N], ~7% of the GEMM at 32768 x 2048
+          x 1536). `all_rows=True` is the caller's promise that sum(group_sizes) == M (every row a
+          real assignment, as in a single device's dropless dispatch): no mask. Measured by its
+          authors at ~600 TFLOP/s bf16 on an H200 at that shape, 16 groups. The default on Hopper.
   xla     `jax.lax.ragged_dot` with its own autodiff: exact on CPU (the tests' path). On the
           H200 image it lowers to dense cuBLAS GEMMs over zero-padded operands (48 TFLOP/s at 16
           groups, GBs of temporaries), so it is never the GPU default.
 Our own Pallas kernel is not written: the Mosaic kernels are the peer to beat and the wrapper
-uses them, so `scripts/bench_moe.py` times this wrapper (mask included) against them directly.
+uses them, so `scripts/bench_moe.py` times this wrapper (with and without the mask) against them.
 
 The Mosaic kernels have no CPU interpret mode (the Mosaic GPU interpreter does not run wgmma
 with a shared-memory LHS, as flash_attention_mgpu found): `interpret=True` takes the xla path,
@@ -75,15 +77,17 @@ def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
     return "mosaic" if on_hopper else "xla"
 
 
-def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = Tiles(), interpret: bool = False):
-    """x [M, K], w [G, K, N], group_sizes [G] int32 -> [M, N] in x's dtype (fp32 accumulation)."""
+def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = Tiles(), interpret: bool = False,
+                   all_rows: bool = False):
+    """x [M, K], w [G, K, N], group_sizes [G] int32 -> [M, N] in x's dtype (fp32 accumulation).
+    all_rows: sum(group_sizes) == M is guaranteed by the caller (no padding rows to mask)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: x {x.shape} [M, K], w {w.shape} [G, K, N] and group_sizes "
                          f"{group_sizes.shape} [G] do not fit together")
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, interpret) == "xla":
         return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
-    return _mosaic_gmm(x, w.astype(x.dtype), group_sizes, tiles)
+    return _mosaic_gmm(x, w.astype(x.dtype), group_sizes, tiles, all_rows)
 
 
 # -- the Mosaic GPU path --------------------------------------------------------------------------
@@ -93,17 +97,19 @@ def _call(fn, *args, **kw):
     return fn(*args, **{k: v for k, v in kw.items() if k in params})
 
 
-def _row_mask(out, group_sizes):
+def _row_mask(out, group_sizes, all_rows=False):
+    if all_rows:
+        return out
     valid = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)                  # [M]
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _fwd_kernel(x, w, group_sizes, tiles: Tiles, transpose_rhs: bool):
+def _fwd_kernel(x, w, group_sizes, tiles: Tiles, transpose_rhs: bool, all_rows: bool):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     out = _call(ragged_dot_mgpu.ragged_dot, x, w, group_sizes=group_sizes, block_m=tiles.block_m,
                 block_n=tiles.block_n, block_k=tiles.block_k, max_concurrent_steps=tiles.max_concurrent_steps,
                 grid_block_n=tiles.grid_block_n, transpose_rhs=transpose_rhs)
-    return _row_mask(out, group_sizes)
+    return _row_mask(out, group_sizes, all_rows)
 
 
 def _dw_kernel(x, dy, group_sizes, tiles: Tiles):
@@ -113,19 +119,19 @@ def _dw_kernel(x, dy, group_sizes, tiles: Tiles):
                  max_concurrent_steps=tiles.t_max_concurrent_steps, grid_block_n=tiles.t_grid_block_n)  # [G, K, N]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mosaic_gmm(x, w, group_sizes, tiles):
-    return _fwd_kernel(x, w, group_sizes, tiles, transpose_rhs=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _mosaic_gmm(x, w, group_sizes, tiles, all_rows):
+    return _fwd_kernel(x, w, group_sizes, tiles, False, all_rows)
 
 
-def _mosaic_fwd(x, w, group_sizes, tiles):
-    return _mosaic_gmm(x, w, group_sizes, tiles), (x, w, group_sizes)
+def _mosaic_fwd(x, w, group_sizes, tiles, all_rows):
+    return _mosaic_gmm(x, w, group_sizes, tiles, all_rows), (x, w, group_sizes)
 
 
-def _mosaic_bwd(tiles, res, dy):
+def _mosaic_bwd(tiles, all_rows, res, dy):
     x, w, group_sizes = res
-    dy = _row_mask(dy.astype(x.dtype), group_sizes)     # zero rows past the total: dW's edge blocks multiply by 0
-    dx = _fwd_kernel(dy, w, group_sizes, tiles, transpose_rhs=True)          # [M, K] = dy [M, N] . w_g^T
+    dy = _row_mask(dy.astype(x.dtype), group_sizes, all_rows)   # rows past the total: 0 (dW's edge blocks x 0)
+    dx = _fwd_kernel(dy, w, group_sizes, tiles, True, all_rows)              # [M, K] = dy [M, N] . w_g^T
     dw = _dw_kernel(x, dy, group_sizes, tiles)                               # [G, K, N] = x_g^T dy_g
     return dx, dw.astype(w.dtype), None
 

@@ -88,10 +88,12 @@ def gemm_rows(m, k, n, experts, tiles_list):
             if r and "tflops" in r and (best is None or best[1]["experts"] != e or r["tflops"] > best[1]["tflops"]):
                 best = (tiles, r)
         tiles = best[0] if best else gm.Tiles()
-        timed("ours: grouped_matmul (mosaic + row mask), peer's best tiles",
+        timed("ours: grouped_matmul (mosaic, all rows real: the model's 1-device dropless path)",
+              lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles, all_rows=True), (x, w))
+        timed("ours with the padding-row mask (the expert-parallel path)",
               lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles), (x, w))
         timed("ours fwd+bwd (x3 FLOPs)", jax.grad(lambda x, w: jnp.sum(gm.grouped_matmul(
-            x, w, gs, backend="mosaic", tiles=tiles).astype(jnp.float32)), argnums=(0, 1)), (x, w),
+            x, w, gs, backend="mosaic", tiles=tiles, all_rows=True).astype(jnp.float32)), argnums=(0, 1)), (x, w),
             useful_flops=3 * useful, verify=False)
         if e <= 16:   # 64 groups: GBs of padded temporaries
             timed("jax.lax.ragged_dot", lambda x, w: jax.lax.ragged_dot(x, w, gs), (x, w))

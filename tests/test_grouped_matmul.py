@@ -46,21 +46,23 @@ def test_bad_shapes_and_backend_are_clear_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts", [8, 16])
-def test_mosaic_matches_ragged_dot_on_gpu(experts):
+@pytest.mark.parametrize("experts,pad", [(8, 100), (16, 100), (16, 0)])
+def test_mosaic_matches_ragged_dot_on_gpu(experts, pad):
     m, k, n = 1024, 256, 384
     rng = np.random.default_rng(experts)
-    sizes = rng.multinomial(m - 100, np.full(experts, 1 / experts)).tolist()      # 100 padding rows
+    sizes = rng.multinomial(m - pad, np.full(experts, 1 / experts)).tolist()      # `pad` padding rows
     sizes[1] = 0
     x, w, gs, ct = _inputs(m, k, n, sizes, jnp.bfloat16)
-    x = x.at[m - 100:].set(jnp.nan)          # padding rows are never read into a result
-    ours = jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic"))(x, w)
+    x = x.at[m - pad:].set(jnp.nan)          # padding rows are never read into a result
+    full = pad == 0                          # every row real: the unmasked path
+    ours = jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", all_rows=full))(x, w)
     ref = jax.lax.ragged_dot(jnp.nan_to_num(x), w, gs, preferred_element_type=jnp.float32)
     assert np.isfinite(np.asarray(ours, np.float32)).all()
     err = float(jnp.linalg.norm(ours.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     assert err < 1e-2
     x = jnp.nan_to_num(x)
-    g_ours = jax.jit(lambda x, w: _grads(lambda *a: gm.grouped_matmul(*a, backend="mosaic"), x, w, gs, ct))(x, w)
+    g_ours = jax.jit(lambda x, w: _grads(lambda *a: gm.grouped_matmul(*a, backend="mosaic", all_rows=full),
+                                         x, w, gs, ct))(x, w)
     g_ref = jax.jit(lambda x, w: _grads(lambda *a: gm.grouped_matmul(*a, backend="xla"), x, w, gs, ct))(x, w)
     for name, a, b in zip(("dx", "dw"), g_ours, g_ref):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

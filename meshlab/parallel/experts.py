@@ -142,9 +142,9 @@ def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes):
     return y.at[e, row, slot].get(mode="fill", fill_value=0)                 # [A, d]
 
 
-def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend):
-    """Rows sorted by local expert xs [R, d] -> [R, d]; rows past sum(group_sizes) give 0."""
-    gmm = lambda a, w: grouped_matmul(a, w, group_sizes, backend=backend)  # noqa: E731
+def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend, all_rows=False):
+    """Rows sorted by local expert xs [R, d] -> [R, d]; rows past sum(group_sizes) give 0 (all_rows: none)."""
+    gmm = lambda a, w: grouped_matmul(a, w, group_sizes, backend=backend, all_rows=all_rows)  # noqa: E731
     h = _swiglu(gmm(xs, wg), gmm(xs, wu))                                    # [R, f]
     return _tp_sum(gmm(h, wd), tp_axes)                                      # [R, d]
 
@@ -182,7 +182,7 @@ def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, backend, k):
     xs = _permute(xa, order, inv)                                            # [A, d] sorted by expert
     counts = jnp.bincount(e, length=E).astype(jnp.int32)                     # [E]
     if ep == 1:
-        ys = _expert_mlp(xs, wg, wu, wd, counts, tp_axes, backend)
+        ys = _expert_mlp(xs, wg, wu, wd, counts, tp_axes, backend, all_rows=True)   # counts sum to A
         return _permute(ys, inv, order)
     A = e.shape[0]
     dest = e[order] // El                                                    # [A] owner device, ascending
