@@ -149,6 +149,9 @@ def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipel
         raise rules_mod.RulesError(f"{rules.path}: the mesh has stage={mesh.shape['stage']} but the rule file names no "
                                    "`strategies.pipeline`; add e.g. `pipeline: {schedule: 1f1b, virtual: 1}` or use "
                                    "stage=1")
+    if rules.strategies.get("attention", "plain") != "plain":
+        raise rules_mod.RulesError(f"{rules.path}: a pipeline with `attention: {rules.strategies['attention']}` "
+                                   "(context parallelism) is not implemented; use attention: plain")
     sched = runner.schedule_for(rules, mesh, microbatches, md.cfg.n_layers, pipeline)
     return runner.make_loss_and_grads(stage_fns(md, packed), md.names, leaf_specs(md, rules, mesh, "params"),
                                       leaf_specs(md, rules, mesh, "grads"), rules, mesh, batch_spec(rules, mesh),
