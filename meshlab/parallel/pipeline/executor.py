@@ -48,6 +48,9 @@ class _Residuals:
         def probe(w, x, aux):
             _, vjp = jax.vjp(lambda w, x: layer(w, x, *aux), w, x)
             leaves, box["treedef"] = jax.tree.flatten(vjp)
+            if any(leaf is vjp for leaf in leaves):   # a pytree in jax 0.10 (api.VJP) and earlier (Partial)
+                raise RuntimeError(f"jax {jax.__version__}: jax.vjp's pullback is not a pytree; the pipeline "
+                                   "executor stores its arrays between ticks and needs one")
             box["where"] = self.param_positions(leaves, w)
             return [leaf for leaf, k in zip(leaves, box["where"]) if k < 0]
         self.avals = jax.eval_shape(probe, w1, x, aux)
