@@ -359,8 +359,13 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     batches = tr.batches.iterator(start, cfg.steps - start, tr.rows)
     pending, t_prev, done, interrupted = None, time.perf_counter(), start, None
 
-    def record(step_done, metrics, step_ms, extra=None):
+    def record(step_done, metrics, extra=None):
+        # The clock is read after the metrics arrive (the step has finished): read before, the
+        # first interval would end at an asynchronous dispatch and report an impossible rate.
+        nonlocal t_prev
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_ms, t_prev = (now - t_prev) * 1e3, now
         tok_s = tr.tokens_per_step / (step_ms / 1e3)
         rates.append((step_done, tok_s))
         row = {"step": step_done, "loss": m["loss"], "grad_norm": m["grad_norm"],
@@ -398,9 +403,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
                                          written=f"Written so far: {run_dir}/config.yaml and the start row of "
                                                  "metrics.jsonl; no checkpoint.") from None
         if pending is not None:   # one step late: step i's numbers while step i+1 runs
-            now = time.perf_counter()
-            record(i, pending, (now - t_prev) * 1e3)
-            t_prev = now
+            record(i, pending)
         pending, done = metrics, i + 1
         watchdog.beat(done)
         profiler.after(i, state)
@@ -411,9 +414,8 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         stopping = stop.requested(done)
         if extra or stopping or (ckpt and ckpt.should_save(done)) or done == cfg.steps:
             # A checkpoint (or a val row) only after this step's own numbers are checked finite.
-            now = time.perf_counter()
-            record(done, pending, (now - t_prev) * 1e3, extra)
-            pending, t_prev = None, now
+            record(done, pending, extra)
+            pending = None
         if ckpt and (ckpt.should_save(done) or stopping or (done == cfg.steps and cfg.checkpoint.at_end)):
             with watchdog.paused():
                 ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
@@ -421,7 +423,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             interrupted = done
             break
     if pending is not None:
-        record(done, pending, (time.perf_counter() - t_prev) * 1e3)
+        record(done, pending)
     jax.block_until_ready(state)
     profiler.close()
     bar.close()
