@@ -119,7 +119,7 @@ def route(cfg: MoeConfig, x, w_router):
 
 def router_stats(cfg: MoeConfig, logits, probs, top_i, keep) -> dict:
     """Sums over this device's rows: load-balancing and z-loss per row, assignments per expert, drops."""
-    E, (b, s, k) = cfg.n_experts, top_i.shape
+    E, (_, s, k) = cfg.n_experts, top_i.shape
     onehot = jax.nn.one_hot(top_i, E, dtype=F32)                             # [b, s, k, E]
     share = jnp.sum(onehot, axis=(1, 2)) / (s * k)                           # [b, E] f_e per row
     balance = E * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)          # [b]

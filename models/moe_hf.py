@@ -45,7 +45,8 @@ class ExpertKeyMap(llama_hf.KeyMap):
 def key_map(cfg: MoeConfig) -> list:
     pre = "model.layers.{i}.block_sparse_moe."
     dense = [km for km in llama_hf.key_map(cfg) if km.path[:2] != ("layers", "mlp")]
-    t_last = (lambda w, c: np.swapaxes(w, -1, -2), lambda w, c: np.swapaxes(w, -1, -2))   # [E, out, in] <-> [E, in, out]
+    swap = lambda w, c: np.swapaxes(w, -1, -2)  # noqa: E731
+    t_last = (swap, swap)                        # HF [E, out, in] <-> meshlab [E, in, out]
     experts = [ExpertKeyMap(("layers", "moe", name), pre + "experts.{e}." + hf + ".weight", *t_last,
                             n_experts=cfg.n_experts)
                for name, hf in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))]

@@ -202,7 +202,8 @@ def main():
     dev = jax.devices()[0]
     if "gemm" not in args.skip and gm.resolve_backend("auto") != "mosaic":
         sys.exit(f"bench_moe.py's GEMM part needs a Hopper GPU (found {dev.device_kind}); --skip gemm")
-    tiles = [gm.Tiles(), gm.Tiles(grid_block_n=1), gm.Tiles(grid_block_n=4), gm.Tiles(block_n=256, max_concurrent_steps=3, grid_block_n=1),
+    tiles = [gm.Tiles(), gm.Tiles(grid_block_n=1), gm.Tiles(grid_block_n=4),
+             gm.Tiles(block_n=256, max_concurrent_steps=3, grid_block_n=1),
              gm.Tiles(block_m=64, grid_block_n=2), gm.Tiles(max_concurrent_steps=5)]
     gemm = [] if "gemm" in args.skip else gemm_rows(args.m, args.k, args.n,
                                                      [int(e) for e in args.experts.split(",")], tiles)
