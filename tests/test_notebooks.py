@@ -12,7 +12,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 EXPECTED = {"01_mesh_and_rules", "02_train_and_compare", "03_flash_attention", "04_planner", "05_serving",
-            "06_context_parallel", "07_pipeline"}
+            "06_context_parallel", "07_pipeline", "08_moe_routing"}
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
