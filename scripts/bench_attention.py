@@ -6,7 +6,7 @@ last 256 query rows of batch 0 (forward, and dq/dk/dv with dO zero outside those
 the sliced reference exact); over the threshold it is a FAIL, not a time. Shapes run in priority
 order under a time budget, so a cut-short run still has the headline shapes.
 Usage: PYTHONPATH=$PWD python3 scripts/bench_attention.py --plan first --budget-s 300 --out $OUT
-       [--append-docs docs/benchmarks.md]   (--smoke: tiny interpret-mode run to check the script on CPU)
+       [--append-docs docs/archive/benchmarks-diary.md]   (--smoke: tiny interpret-mode run to check the script on CPU)
 """
 import argparse
 import dataclasses
@@ -251,7 +251,7 @@ def main():
     ap.add_argument("--bwd-variants", default="split,fused", help=f"names from {sorted(BWD_VARIANTS)}")
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
-    ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/benchmarks.md)")
+    ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/archive/benchmarks-diary.md)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: CPU check of the script")
     ap.add_argument("--ptxas", nargs="?", const="/tmp/meshlab_ptxas", default=None, metavar="DUMP_DIR",
                     help="record each Mosaic kernel's registers and spills (ptxas -v) in its rows and in "

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-max-bytes", default="64MiB", help="check hand-written ops against lax up to this size")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices")
     ap.add_argument("--out", default=str(ROOT / "profiles" / "collectives.json"))
-    ap.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--markdown", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--variants", default="", help=f"'all' or a comma list of {', '.join(VARIANTS)}, or ad hoc "
                     "NAME@KEY=VALUE[@KEY=VALUE] (environment; XLA_FLAGS appended): each in its own process after the "
                     "sweep (which then also runs in its own process, so no process holds the GPUs twice)")

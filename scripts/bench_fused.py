@@ -7,7 +7,7 @@ against the fp32-accumulated reference before any time is reported.
 
 Times: jit, 2 warm-up calls, then the median of --reps synchronised calls. Memory: the compiled
 program's memory_analysis (temp = scratch XLA allocates besides arguments and outputs).
-Writes table.md, rows.md (dated rows for docs/benchmarks.md) and results.json to --out.
+Writes table.md, rows.md (dated rows for docs/archive/benchmarks-diary.md) and results.json to --out.
 """
 import argparse
 import dataclasses
@@ -114,7 +114,7 @@ def bench_ce(rows, a):
         case(rows, "ce", shape, f"chunked_jnp(chunk={cs})",
              train_fn(lambda h, w, y, cs=cs: ce.chunked_cross_entropy(h, w, y, chunk_size=cs)),
              (h, w, y), ref, a.reps, 2e-2, flops)
-    # run 1 (docs/benchmarks.md) swept 128/128, 256/256 and 64/256 tiles; 256/256 was best (220 ms)
+    # run 1 (docs/archive/benchmarks-diary.md) swept 128/128, 256/256 and 64/256 tiles; 256/256 was best (220 ms)
     configs = [ce.BlockSizes(),  # the defaults (slab backward); run 2's rows below chose them
                ce.BlockSizes(fwd_v=256, bwd_v=256, bwd_chunk=0),
                ce.BlockSizes(fwd_v=256, bwd_v=256, dw_t=256, dw_v=128, bwd_chunk=0),

@@ -4,7 +4,7 @@ the plain kernels (our Pallas FlashAttention, cuDNN), causal, S = 8k..32k, bf16,
 Each result is first checked against a float32 reference on the last CHECK_ROWS query rows of
 batch 0 (forward; and dq/dk/dv with dO zero outside those rows, which makes the sliced reference
 exact); over the tolerance it is a FAIL, not a time. Prints a table, writes it to $OUT, and
-appends dated rows to docs/benchmarks.md under "## Context parallel".
+appends dated rows to docs/archive/benchmarks-diary.md under "## Context parallel".
 Usage: PYTHONPATH=$PWD python3 scripts/bench_ring.py [--budget-s 400] [--out $OUT] [--smoke]
 """
 import argparse
@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--docs", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                   "docs", "benchmarks.md"))
+                                                   "docs", "archive", "benchmarks-diary.md"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     args = ap.parse_args()
     global CHECK_ROWS

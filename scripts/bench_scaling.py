@@ -256,7 +256,7 @@ def write(rows, devices, peak):
     text = "\n".join(lines) + "\n"
     print(text)
     if devices[0].platform != "cpu":   # only real measurements go into the record
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
             f.write(text)
     out = os.environ.get("OUT")
     if out:

@@ -3,7 +3,7 @@ pallas attention, fused ops on and off, every remat policy, vocab 50257 vs 50304
 peer (own process; `--peer-json` takes its line when it ran before JAX took the GPU).
 
     PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--profile] [--variants ...]
-Appends dated rows to docs/benchmarks.md. The batch is chosen from the compiled memory analysis.
+Appends dated rows to docs/archive/benchmarks-diary.md. The batch is chosen from the compiled memory analysis.
 """
 import argparse
 import datetime
@@ -178,7 +178,7 @@ def write_rows(dev, peak, gemm, rows, peer, args):
     else:
         lines.append(f"\npeer: not measured ({peer.get('error', 'skipped')[:200]})")
     text = "\n".join(lines) + "\n"
-    path = ROOT / "docs" / "benchmarks.md"
+    path = ROOT / "docs" / "archive" / "benchmarks-diary.md"
     if not path.exists():
         path.write_text("# Benchmarks\n")
     with path.open("a") as f:

@@ -263,7 +263,7 @@ def fit(rows: list[dict]) -> dict:
 
 
 def append_markdown(rows: list[dict], prof: dict, path: Path):
-    """Dated rows under `## Collectives` in docs/benchmarks.md; only ever appends."""
+    """Dated rows under `## Collectives` in docs/archive/benchmarks-diary.md; only ever appends."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else ""
     add = "" if text else "# Benchmarks\n"
