@@ -73,6 +73,13 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _when(pred, yes, no, *args):
+    """lax.cond, or the branch itself when the predicate is a Python bool."""
+    if isinstance(pred, bool):
+        return (yes if pred else no)(*args)
+    return jax.lax.cond(pred, yes, no, *args)
+
+
 def _at(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -128,22 +135,25 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
     zero_x = jnp.zeros(x_aval.shape, x_aval.dtype)
     # The embedding and head are differentiated w.r.t. the parameters outside the layer stack only
     # (no zero gradient of the whole stack made and added per micro-batch).
-    rest_of = lambda tree: {k: v for k, v in tree.items() if k != layers_key}  # noqa: E731
+    rest_of = lambda tree: {key: val for key, val in tree.items() if key != layers_key}  # noqa: E731
 
     def add_rest(grads, g):
         return {**grads, **jax.tree.map(jnp.add, rest_of(grads), g)}
 
     def ctx(row):
-        op, mb, c = row[_C["op"]], row[_C["mb"]], row[_C["chunk"]]
-        return dict(row=row, mb=mb, c=c, first=(stage == 0) & (c == 0), last=(stage == p - 1) & (c == v - 1),
-                    w=_chunk(layers, c, lc, v), aux=aux_at(mb))
+        mb, c = row[_C["mb"]], row[_C["chunk"]]
+        # Python bools where the mesh decides alone (one stage, one chunk: every op embeds and runs the
+        # head), so no cond is traced there; traced predicates otherwise.
+        first = (stage == 0) if v == 1 else (stage == 0) & (c == 0)
+        last = (stage == p - 1) if v == 1 else (stage == p - 1) & (c == v - 1)
+        return dict(row=row, mb=mb, c=c, first=first, last=last, w=_chunk(layers, c, lc, v), aux=aux_at(mb))
 
     def idle(k, carry):
         return carry, zero_x, zero_x
 
     def forward(k, carry):
         row, mb = k["row"], k["mb"]
-        x = jax.lax.cond(k["first"], lambda: fns.embed(params, _at(mbs["tokens"], mb)).astype(x_aval.dtype),
+        x = _when(k["first"], lambda: fns.embed(params, _at(mbs["tokens"], mb)).astype(x_aval.dtype),
                          lambda: carry["fin"][row[_C["fin"]]])
 
         def body(state, wj_j):
@@ -162,7 +172,7 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
             g_rest, g_y = vjp(jnp.asarray(seed, loss.dtype))
             return dict(carry, loss=carry["loss"] + loss, grads=add_rest(carry["grads"], g_rest),
                         bin=carry["bin"].at[row[_C["bin"]]].set(g_y.astype(x_aval.dtype))), zero_x
-        carry, out = jax.lax.cond(k["last"], head, lambda carry: (carry, y), carry)
+        carry, out = _when(k["last"], head, lambda carry: (carry, y), carry)
         return carry, out, zero_x
 
     def layer_vjps(k, carry, j):
@@ -178,7 +188,7 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
                              rest_of(params))
             (g,) = vjp(dx)
             return dict(carry, grads=add_rest(carry["grads"], g)), zero_x
-        return jax.lax.cond(k["first"], embed_grad, lambda carry: (carry, dx), carry)
+        return _when(k["first"], embed_grad, lambda carry: (carry, dx), carry)
 
     def backward(k, carry):
         def body(g, j):
