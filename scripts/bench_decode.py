@@ -30,7 +30,8 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   matmul        the four decode matmul kernels in a BlockSizes sweep against XLA, batch 1 and 16
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
-  engine        batch-1 decode at ctx 2048 through Engine against the roofline, TTFT for 512..8k
+  engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
+                batch-1 decode at ctx 2048 through Engine against the roofline, TTFT for 512..8k
                 prompts (--quick: 512, 2048), TTFT with a 2k prefix cached, the same engine through
                 HTTP (decode vs roofline, TTFT); then batch 1, 16, 64 through one Engine
 
@@ -229,6 +230,7 @@ def run_child(args):
     elif args.job == "engine":
         from meshlab.infer import bench_serve as bs
         from meshlab.infer.engine import Engine
+        layers_gate("fused")               # fp32: packed steps (flash chunk rows on GPU) and decode vs uncached
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
                      steps_per_call=16, layers="fused")
         eng.warmup()

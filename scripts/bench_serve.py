@@ -57,12 +57,12 @@ def child(args):
         from meshlab.infer.loading import random_params
         from meshlab.train.state import model_def
         cfg = dataclasses.replace(models.preset(preset), dtype=dtype)
-        eng = Engine(model_def(cfg), random_params(cfg), **ek)
+        eng = Engine(model_def(cfg), random_params(cfg), prefill=args.prefill, **ek)
         t = time.perf_counter()
         k = eng.warmup()
         bs.emit({"section": "compile", "setting": "Engine.warmup: every bucket", "value": time.perf_counter() - t,
                  "unit": "s", "note": f"{k} programs: decode b in {eng.DECODE}, packed n_dec in {eng.MIXED_DECODE} "
-                                      f"x chunk rows in {eng.PREFILL_ROWS}"})
+                                      f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row
@@ -92,7 +92,8 @@ def http(args, preset, dtype, wl, ek, bs, work):
 
 def run_job(name, args, out: Path, timeout: float) -> list:
     cmd = [sys.executable, __file__, "--job", name, "--n", str(args.n), "--peer-n", str(args.peer_n),
-           "--match", str(args.match), "--rates", ",".join(map(str, args.rates))] + (["--quick"] if args.quick else [])
+           "--match", str(args.match), "--rates", ",".join(map(str, args.rates)), "--prefill", args.prefill] \
+        + (["--quick"] if args.quick else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -106,8 +107,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
         tail = " | ".join(log.read_text().splitlines()[-6:])[-300:]
         rows.append({"section": name, "setting": note, "value": float("nan"), "unit": "", "job": name, "note": tail})
     for r in rows:
-        print(f"[{name}] {r['section']:8} {r['setting'][:48]:48} {r['value']:10.1f} {r['unit']:6} {r.get('note', '')}"[:260],
-              flush=True)
+        line = f"[{name}] {r['section']:8} {r['setting'][:48]:48} {r['value']:10.1f} {r['unit']:6} {r.get('note', '')}"
+        print(line[:260], flush=True)
     return rows
 
 
@@ -120,6 +121,8 @@ def main():
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[8, 16, 32, 64, 0])
     ap.add_argument("--timeout-s", type=float, default=600, help="per job")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
+    ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
+                    help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +145,8 @@ def main():
     (out / "bench_serve.md").write_text(table)
     print("\n" + table)
     if not args.quick:
-        block = f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n})\n\n" + table
+        block = f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n})\n\n"
+        block += table
         (out / "benchmarks_append.md").write_text(block)
         with open(args.docs, "a") as fh:
             fh.write(block)

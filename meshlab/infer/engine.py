@@ -150,7 +150,7 @@ class Engine:
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "auto", interpret: bool = False,
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefill: str = "auto"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -174,7 +174,9 @@ class Engine:
             # A mixture of experts has no w_gate|w_up to concatenate (its `moe` layers): split.
             layers = "fused" if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"] else "split"
         self.impl, self.layers = impl, layers
-        self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers)
+        if prefill not in ("auto", "flash", "xla"):
+            raise ValueError(f"prefill={prefill!r} must be auto (the flash kernel with impl=pallas), flash or xla")
+        self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers)
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)

@@ -115,7 +115,7 @@ def windowed_flash_attention(q, cache, layer, table, start, interpret: bool = Fa
 
 
 def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_table, impl: str = "xla",
-                  interpret: bool = False):
+                  interpret: bool = False, prefill: str = "auto"):
     """attend() for a token-packed step: this step's T tokens as one stream [1, T], laid out as
     n_dec decode tokens (one per sequence) then k prompt-chunk rows of `chunk` tokens (one
     sequence per row, padding at its end): T = n_dec + k * chunk, shapes only (no flags).
@@ -125,8 +125,9 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
     cached, this one included; 0 = padding row); pre_table [k, max_pages]. Projections, MLPs
     and the cache write run over the packed stream; attention splits it: the decode tokens
     through the paged decode kernel (impl="pallas": reads pages in place) or the gather, the
-    chunk rows through the flash kernel over a gathered window (impl="pallas") or the gather and
-    dense causal attention over their sequence's pages (XLA: fp32 scores [k, h, c, s] in HBM).
+    chunk rows through the flash kernel over a gathered window (prefill="flash", or "auto" with
+    impl="pallas") or the gather and dense causal attention over their sequence's pages
+    (prefill="xla": fp32 scores [k, h, c, s] in HBM).
     """
     n_dec, k_rows = dec_table.shape[0], pre_table.shape[0]
 
@@ -147,7 +148,7 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             chunk = (t - n_dec) // k_rows
             qp = q[0, n_dec:].reshape(k_rows, chunk, h, d)                                # [k, chunk, h, d]
             pos = positions[0, n_dec:].reshape(k_rows, chunk)
-            if impl in ("pallas", "pallas_unfused"):
+            if prefill == "flash" or (prefill == "auto" and impl in ("pallas", "pallas_unfused")):
                 o = windowed_flash_attention(qp, new, layer, pre_table, pos[:, 0], interpret)
             else:
                 o = gathered_attention(qp, new, layer, pre_table, pos)

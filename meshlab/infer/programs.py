@@ -154,7 +154,8 @@ def _mark(seen, slots, tokens, valid):
     return seen.at[jnp.where(valid, slots, seen.shape[0]), tokens].set(True, mode="drop")
 
 
-def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
+def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers: str = "split",
+                         prefill: str = "auto"):
     """(packed_step, decode_loop) of the continuous-batching engine, jitted, cache and seen donated.
 
     packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs): p holds the
@@ -164,7 +165,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b].
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
-    when greedy is False.
+    when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend).
     """
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
@@ -172,7 +173,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
         model, per_layer = _bind(md, params, layers)
         attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
-                                        p["dec_len"], p["pre_table"], impl, interpret)
+                                        p["dec_len"], p["pre_table"], impl, interpret, prefill)
         h, cache = model.cached(p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
                                 layers=per_layer)                                     # [1, T, d]
         if not greedy:
