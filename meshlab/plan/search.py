@@ -258,6 +258,8 @@ def explain(plan: Plan, model_cfg, hw) -> str:
                      f"{t * 1e3:8.3f} ms  {'overlappable' if c.overlappable else 'exposed':<12} {c.what}")
     if plan.mesh.get("stage", 1) > 1:
         lines += pipeline_plan.stage_table(model_cfg, load_rules(plan.rules), PlanMesh(plan.mesh), lc.s_attn)
+        lines.append(pipeline_plan.bubble_line(load_rules(plan.rules), PlanMesh(plan.mesh), plan.microbatches,
+                                               model_cfg.n_layers))
     lines.append(f"step: no overlap {plan.compute_s * 1e3:.2f} + {plan.comm['total'] * 1e3:.2f} = "
                  f"{plan.step_s_serial * 1e3:.2f} ms; with overlap max({plan.compute_s * 1e3:.2f}, "
                  f"{plan.comm['overlappable'] * 1e3:.2f}) + {plan.comm['exposed'] * 1e3:.2f} = {plan.step_s * 1e3:.2f} ms; "
