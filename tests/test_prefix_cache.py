@@ -95,3 +95,21 @@ def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
     assert eng.sched.pool.evictions > 0
     again, n = computed(eng, prompt)
     assert again.output == base.output and again.prefix_hit_tokens < 20 and n == 21 - again.prefix_hit_tokens
+
+
+def test_cached_tail_runs_in_a_narrow_row(tiny):
+    """A prompt whose prefix is cached computes its short tail in one 64-wide row, not a chunk-wide
+    one; tokens equal the uncached forward's argmax."""
+    import jax.numpy as jnp
+    md, params = tiny
+    eng = Engine(md, params, max_len=256, max_seqs=2, page_size=16, chunk=128, steps_per_call=4)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(0, 257, size=96).tolist()
+    eng.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))
+    assert not any(key[0] == "packed" and key[3] == 64 for key in eng._programs)
+    req = eng.generate([shared + [4, 5, 6, 7]], SamplingParams(max_tokens=4))[0]
+    assert req.prefix_hit_tokens == 96
+    assert any(key[0] == "packed" and key[3] == 64 for key in eng._programs)
+    seq = req.prompt + req.output
+    logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
+    assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()

@@ -141,8 +141,8 @@ class Engine:
                          for n are short);
       some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, max_seqs} decode
                          tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
-                         max_prefill_rows) chunk rows, each WIDTHS wide (`chunk`, or 64 when
-                         every piece fits);
+                         max_prefill_rows) chunk rows `chunk` wide (or one row 64 wide when
+                         the step has one piece that fits);
     each with static greedy / logprobs flags (from the rows in the step).
     """
 
@@ -189,7 +189,7 @@ class Engine:
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
         self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, min(self.sched.max_prefill_rows, max_seqs))
         self.MIXED_DECODE = [0, max_seqs] if max_seqs > 1 else [0]          # one row cannot do both
-        # Chunk rows are `chunk` wide, or NARROW when every prompt piece in the step fits: a cached
+        # Chunk rows are `chunk` wide, or NARROW for a step with one prompt piece that fits: a cached
         # prefix's short tail (or a short prompt) then costs a 64-token row, not a 512-token one.
         self.WIDTHS = sorted({min(NARROW, self.chunk), self.chunk})
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
@@ -363,7 +363,7 @@ class Engine:
 
     def _packed(self, decodes, prefills, t0: float):
         s, ps, m = self.sched, self.sched.page_size, len(decodes)
-        c = next(w for w in self.WIDTHS if w >= max(n for _, n in prefills))
+        c = self.WIDTHS[0] if len(prefills) == 1 and prefills[0][1] <= self.WIDTHS[0] else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         t, r_out = nd + k * c, nd + k
@@ -426,7 +426,9 @@ class Engine:
                 self._call(("decode", b, self.steps_per_call, greedy, logprobs), self.loop_fn, z, z, z,
                            s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z,
                            n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
-            for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS):
+            shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
+                      if w == self.chunk or k == 1]
+            for nd, k, w in shapes:
                 t, r = nd + k * w, nd + k
                 z, zr = np.zeros(t, np.int32), np.zeros(r, np.int32)
                 packed = {"tokens": z, "positions": z, "slot": np.full(t, b_max, np.int32),
