@@ -55,6 +55,10 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
     md, params, _ = tiny
     with pytest.raises(ValueError, match="must be auto, xla or pallas"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, impl="cudnn")
+    with pytest.raises(ValueError, match="max_step_tokens=4 must exceed max_seqs=4"):
+        Engine(md, params, max_len=64, max_seqs=4, page_size=4, max_step_tokens=4)
+    with pytest.raises(ValueError, match="prefill='dense' must be auto"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, prefill="dense")
 
 
 @pytest.mark.parametrize("layers", ["split", "fused"])
