@@ -137,9 +137,10 @@ def stage_fns(md: ModelDef, packed: bool = False):
     if not hasattr(model, "layer_fn") or hasattr(model, "hidden_and_aux"):
         raise ValueError(f"model {md.cfg.name!r} has no pipeline stages (its auxiliary losses or its layers do not "
                          "split into embed_tokens / layer_fn / head_loss); train it on a mesh with stage=1")
-    layer = model.layer_fn()   # the block structure only; the weights come per call
+    # Built per call, inside the stage's manual region: the remat wrapper reads the active rules
+    # (strategies.fsdp_gather decides whether gathered weights are saved for the backward).
     return StageFns(embed=lambda params, tokens: md.bind(params).embed_tokens(tokens),
-                    layer=lambda w, x, positions, seg: layer(w, x, positions, seg if packed else None),
+                    layer=lambda w, x, positions, seg: model.layer_fn()(w, x, positions, seg if packed else None),
                     head=lambda params, x, labels: md.bind(params).head_loss(x, labels))
 
 
