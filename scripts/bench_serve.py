@@ -57,9 +57,20 @@ def child(args):
         from meshlab.infer.loading import random_params
         from meshlab.train.state import model_def
         cfg = dataclasses.replace(models.preset(preset), dtype=dtype)
-        eng = Engine(model_def(cfg), random_params(cfg), prefill=args.prefill, **ek)
+        md, params = model_def(cfg), random_params(cfg)
+        report = lambda key, sec: bs.emit({"section": "compile", "setting": str(key), "value": sec, "unit": "s",
+                                           "note": "first call (compile + one run on padding)"})
         t = time.perf_counter()
-        k = eng.warmup()
+        try:
+            eng = Engine(md, params, prefill=args.prefill, **ek)
+            k = eng.warmup(report=report)
+        except Exception as e:  # noqa: BLE001 - the flash chunk-row path failing must not lose the run
+            if args.prefill == "xla":
+                raise
+            bs.emit({"section": "compile", "setting": f"prefill={args.prefill} FAILED", "value": float("nan"),
+                     "unit": "", "note": f"{type(e).__name__}: {str(e)[:200]}; falling back to prefill=xla"})
+            eng = Engine(md, params, prefill="xla", **ek)
+            k = eng.warmup(report=report)
         bs.emit({"section": "compile", "setting": "Engine.warmup: every bucket", "value": time.perf_counter() - t,
                  "unit": "s", "note": f"{k} programs: decode b in {eng.DECODE}, packed n_dec in {eng.MIXED_DECODE} "
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})

@@ -414,18 +414,20 @@ class Engine:
                 self._emit(r, [out["tokens"][nd + j]], lp(nd + j))
         self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
 
-    def warmup(self, greedy: bool = True, logprobs=None) -> int:
+    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None) -> int:
         """Compile every bucket's program now (decode calls of steps_per_call steps, every packed
         shape) by calling each on padding only: nothing is written, no request is touched. A
-        server does this before its first request. Returns the number of programs compiled."""
+        server does this before its first request. report(key, seconds) after each program.
+        Returns the number of programs compiled."""
         s, b_max = self.sched, self.sched.max_seqs
         num_pages, before = self.cache["k"].shape[1], self.stats["compiles"]
         with placement(self.rules, self.mesh):
             for b in self.DECODE:
                 z = np.zeros(b, np.int32)
-                self._call(("decode", b, self.steps_per_call, greedy, logprobs), self.loop_fn, z, z, z,
-                           s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z,
-                           n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
+                key = ("decode", b, self.steps_per_call, greedy, logprobs)
+                _, t0, t1 = self._call(key, self.loop_fn, z, z, z, s.table[z], np.full(b, b_max, np.int32),
+                                       self._row_inputs(z), z, n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
+                report and report(key, t1 - t0)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
             for nd, k, w in shapes:
@@ -435,8 +437,10 @@ class Engine:
                           "write_page": np.full(t, num_pages, np.int32), "write_off": z,
                           "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
                           "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": zr}
-                self._call(("packed", nd, k, w, greedy, logprobs), self.packed_fn, packed, self._row_inputs(zr), zr,
-                           zr, greedy=greedy, logprobs=logprobs)
+                key = ("packed", nd, k, w, greedy, logprobs)
+                _, t0, t1 = self._call(key, self.packed_fn, packed, self._row_inputs(zr), zr, zr, greedy=greedy,
+                                       logprobs=logprobs)
+                report and report(key, t1 - t0)
         return self.stats["compiles"] - before
 
     # -- convenience ----------------------------------------------------------------------
