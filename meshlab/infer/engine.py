@@ -236,8 +236,8 @@ class Engine:
     def _emit(self, req, tokens, logprobs=None) -> bool:
         """Append sampled tokens until a stop; True when the request finished. logprobs: one
         (logprob, top ids, top logprobs) per token when the step computed them."""
-        new, cut = [], False
-        k = req.params.logprobs
+        new, k = [], req.params.logprobs
+        req.detokenize = self.detokenize
         for i, t in enumerate(tokens):
             if not req.output:
                 req.t_first = time.perf_counter()
@@ -252,13 +252,11 @@ class Engine:
                 text = self.detokenize(req.output)
                 hits = [text.index(s) for s in req.params.stop if s in text]
                 if hits:
-                    req.text, req.finish_reason, cut = text[:min(hits)], "stop", True
+                    req.text_stop, req.finish_reason = text[:min(hits)], "stop"
             if not req.finish_reason and len(req.output) >= req.params.max_tokens:
                 req.finish_reason = "length"
             if req.finish_reason:
                 break
-        if self.detokenize and not cut:
-            req.text = self.detokenize(req.output)
         self.stats["generated_tokens"] += len(new)
         if req.finish_reason:
             self._finish(req)

@@ -46,8 +46,9 @@ class Request:
     slot: int = -1
     pages: list = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None   # stop | length | abort
-    text: str = ""                        # detokenized output (when the engine has a detokenizer)
     on_event: Optional[Callable] = None   # on_event(request, new_tokens: list[int], finished: bool)
+    detokenize: Optional[Callable] = dataclasses.field(default=None, repr=False)   # the engine's
+    text_stop: Optional[str] = None       # the text cut before a stop string that matched
     # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
@@ -57,6 +58,21 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0            # prompt tokens found in the prefix cache (last admission)
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
+
+    @property
+    def text(self) -> str:
+        """The detokenized output, cut before a matched stop string; computed when read (by the
+        reader's thread, not the engine's) and kept per output length."""
+        if self.text_stop is not None:
+            return self.text_stop
+        if self.detokenize is None:
+            return ""
+        n, cached = getattr(self, "_text", (-1, ""))
+        if n != len(self.output):
+            n = len(self.output)
+            cached = self.detokenize(self.output[:n])
+            self._text = (n, cached)
+        return cached
 
     @property
     def tokens(self):
