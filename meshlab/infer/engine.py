@@ -236,24 +236,24 @@ class Engine:
     def _emit(self, req, tokens, logprobs=None) -> bool:
         """Append sampled tokens until a stop; True when the request finished. logprobs: one
         (logprob, top ids, top logprobs) per token when the step computed them."""
-        new, k = [], req.params.logprobs
-        req.detokenize = self.detokenize
-        for i, t in enumerate(tokens):
-            if not req.output:
-                req.t_first = time.perf_counter()
-            req.output.append(int(t))
-            new.append(int(t))
+        new, p, out = [], req.params, req.output
+        k, req.detokenize = p.logprobs, self.detokenize
+        if not out:
+            req.t_first = time.perf_counter()
+        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else map(int, tokens)):
+            out.append(t)
+            new.append(t)
             if k is not None and logprobs is not None:
                 lp, ids, vals = logprobs[i]
                 req.logprobs.append((float(lp), {int(a): float(b) for a, b in zip(ids[:k], vals[:k])}))
-            if int(t) in req.params.stop_token_ids:
+            if t in p.stop_token_ids:
                 req.finish_reason = "stop"
-            elif self.detokenize and req.params.stop:
-                text = self.detokenize(req.output)
-                hits = [text.index(s) for s in req.params.stop if s in text]
+            elif self.detokenize and p.stop:
+                text = self.detokenize(out)
+                hits = [text.index(s) for s in p.stop if s in text]
                 if hits:
                     req.text_stop, req.finish_reason = text[:min(hits)], "stop"
-            if not req.finish_reason and len(req.output) >= req.params.max_tokens:
+            if not req.finish_reason and len(out) >= p.max_tokens:
                 req.finish_reason = "length"
             if req.finish_reason:
                 break
@@ -403,13 +403,13 @@ class Engine:
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         for i, r in enumerate(decodes):
             r.cached += 1
-            self._emit(r, [out["tokens"][i]], lp(i))
+            self._emit(r, out["tokens"][i:i + 1], lp(i))
         for j, (r, n) in enumerate(prefills):
             r.cached += n
             self.stats["prefill_tokens"] += n
             s.register(r)
             if r.cached == r.n_tokens:
-                self._emit(r, [out["tokens"][nd + j]], lp(nd + j))
+                self._emit(r, out["tokens"][nd + j:nd + j + 1], lp(nd + j))
         self.stats["host_s"] += (t_call - t0) + (time.perf_counter() - t_sync)
 
     def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None) -> int:

@@ -146,6 +146,8 @@ class Scheduler:
         return max(0, -(-tokens // self.page_size) - len(req.pages))
 
     def _grow(self, req: Request, n: int) -> None:
+        if n <= 0:
+            return
         start = len(req.pages)
         req.pages += self.pool.take(n)
         self.table[req.slot, start:len(req.pages)] = req.pages[start:]
@@ -216,6 +218,8 @@ class Scheduler:
         """Pages for `tokens` cached tokens of req, preempting others when short; False if req itself went."""
         while True:
             need = self._pages_for(req, min(tokens, self.max_len))
+            if need == 0:                                  # the common case: the page is already there
+                return True
             if need <= self.pool.available:
                 self._grow(req, need)
                 return True
