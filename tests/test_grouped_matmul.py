@@ -51,7 +51,7 @@ def test_mosaic_matches_ragged_dot_on_gpu(experts, pad):
     m, k, n = 1024, 256, 384
     rng = np.random.default_rng(experts)
     sizes = rng.multinomial(m - pad, np.full(experts, 1 / experts)).tolist()      # `pad` padding rows
-    sizes[1] = 0
+    sizes[0], sizes[1] = sizes[0] + sizes[1], 0       # an empty group; the total stays m - pad
     x, w, gs, ct = _inputs(m, k, n, sizes, jnp.bfloat16)
     x = x.at[m - pad:].set(jnp.nan)          # padding rows are never read into a result
     full = pad == 0                          # every row real: the unmasked path
