@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import yaml
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshlab import compat
@@ -36,9 +37,13 @@ STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None,
                  "fsdp_gather": ("per_layer", "per_step", "keep"), "experts": None}
 EXPERT_DISPATCH = ("dropless", "capacity")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-# per_step (gather a stage's weights once per step) and keep (keep them gathered) are named for the
-# ZeRO/overlap work; until they exist a file asking for them is refused, never silently run per layer.
-FSDP_GATHER_IMPLEMENTED = ("per_layer",)
+# per_layer: each layer's weights gathered at use and dropped after its forward, gathered again in
+# its backward (FSDP's reshard-after-forward: one layer's gathered weights live at a time, one more
+# all-gather per layer under remat=none); keep: the forward's gathered weights saved for the backward
+# (no second gather, L layers' gathered weights live at the peak). per_step (a stage's weights
+# gathered once per step) is refused until it exists, never silently run per layer.
+FSDP_GATHER_IMPLEMENTED = ("per_layer", "keep")
+GATHERED = "fsdp_gathered"   # checkpoint name of a gathered weight (models/remat.py saves or drops it)
 
 
 class RulesError(ValueError):
@@ -290,6 +295,12 @@ def active() -> _Active | None:
     return _STACK[-1] if _STACK else None
 
 
+def gathers_weights() -> bool:
+    """Whether `materialize` all-gathers parameters here (ZeRO-3 inside a manual data-parallel region)."""
+    a = active()
+    return a is not None and bool(a.manual) and a.rules.state["params"] == "sharded"
+
+
 def strategy(key: str):
     a = active()
     return None if a is None else a.rules.strategies.get(key)
@@ -338,7 +349,7 @@ def materialize(w, names: Sequence[str | None], dtype=None):
         gather = compat.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=auto_spec,
                                   out_specs=auto_spec, axis_names=auto_axes)
     with jax.named_scope("collectives"):
-        return gather(w)
+        return checkpoint_name(gather(w), GATHERED)
 
 
 def named_sharding(mesh, spec: P) -> NamedSharding:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 
+from meshlab import rules
 from pallas_kernels.flash_attention import ATTENTION_LSE, ATTENTION_OUT
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn")
@@ -42,8 +43,31 @@ def remat_policy(policy: str):
             "save_dots_attn": lambda prim, *a, **p: dots(prim, *a, **p) or _saves_attention(prim, *a, **p)}[policy]
 
 
+def _not_gathered(prim, *_, **params) -> bool:
+    """Save every residual but a gathered weight. The name alone is not enough: its input, the
+    all-gather's output, would be saved instead. An all_gather inside the layer is the FSDP gather
+    (sequence-parallel gathers are placed by GSPMD, not written), as is a shard_map holding only
+    all_gathers (rules.materialize's nested gather under tensor parallelism)."""
+    if prim.name in ("all_gather", "name"):
+        return prim.name == "name" and params.get("name") != rules.GATHERED
+    if prim.name == "shard_map":
+        jaxpr = params.get("jaxpr")
+        eqns = getattr(jaxpr, "eqns", None) or getattr(getattr(jaxpr, "jaxpr", None), "eqns", [])
+        return not (eqns and all(e.primitive.name == "all_gather" for e in eqns))
+    return True
+
+
 def remat(fn, policy: str):
-    """fn under jax.checkpoint with `model.remat`'s policy (fn itself for "none")."""
+    """fn under jax.checkpoint with `model.remat`'s policy (fn itself for "none"). Where the layer
+    all-gathers its weights (ZeRO-3), `strategies.fsdp_gather` decides whether they are saved for the
+    backward (keep) or gathered again there (per_layer: under "none", everything else is saved)."""
+    gather = rules.strategy("fsdp_gather") if rules.gathers_weights() else None
     if policy == "none":
-        return fn
-    return jax.checkpoint(fn, policy=remat_policy(policy), prevent_cse=False)
+        if gather != "per_layer":
+            return fn
+        return jax.checkpoint(fn, policy=_not_gathered, prevent_cse=False)
+    base = remat_policy(policy)
+    if gather == "keep":
+        names = jax.checkpoint_policies.save_only_these_names(rules.GATHERED)
+        base = names if base is None else (lambda prim, *a, _b=base, **p: _b(prim, *a, **p) or names(prim, *a, **p))
+    return jax.checkpoint(fn, policy=base, prevent_cse=False)

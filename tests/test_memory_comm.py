@@ -2,8 +2,9 @@
 
 Per rule file (issue 2 "Memory" / "Communication", issue 8 "Proof against the compiler"):
 - params / grads / Adam bytes per device: the compiled program's input shardings (grads: the
-  compiled loss-and-grads region's output shardings) equal the planner's, exactly, and follow
-  the ZeRO arithmetic of the rule file;
+  compiled loss-and-grads region's output shardings; zero1's are the reduce-scattered Adam shards,
+  its full accumulator lives inside the region) equal the planner's, exactly, and follow the ZeRO
+  arithmetic of the rule file;
 - the planner's activation + temporary estimate is within 20% of `memory_analysis().temp`;
 - collectives counted in the HLO (loop bodies x n_layers) match the planner per kind within 10%.
 
@@ -61,8 +62,8 @@ def test_state_bytes_follow_zero_arithmetic_exactly():
         tr, mem, _ = _plan(cfg)
         st = mem["state"]
         assert (m.params, m.optimizer) == (st["params"], st["optimizer"]), r
-        if m.grads >= 0:
-            assert m.grads == st["grads"], r
+        if m.grads >= 0:   # zero1 returns its gradients reduce-scattered onto the Adam shards
+            assert m.grads == (st["optimizer"] // 2 if r == "zero1" else st["grads"]), r
         full = 4 * sum(math.prod(a.shape) for a in __import__("jax").tree.leaves(tr.md.abstract))
         rows.append((r, m.mesh, m.params, m.grads, m.optimizer, full))
     print(f"\n{'rules':<11} {'mesh':<28} {'params':>8} {'grads':>8} {'adam':>8}   (unsharded fp32 params {rows[0][5]})")
@@ -72,7 +73,7 @@ def test_state_bytes_follow_zero_arithmetic_exactly():
     full = by["dp"][3]
     assert by["dp"][0] == full and by["dp"][2] == 2 * full                  # ZeRO-0: all replicated
     assert by["zero1"][0] == full and by["zero1"][2] == 2 * full // 8      # ZeRO-1: Adam / 8
-    assert by["zero1"][1] == full
+    assert by["zero1"][1] == full // 8                                     # reduced onto Adam's shards
     assert by["zero2"][1] == full // 8 and by["zero2"][2] == 2 * full // 8  # ZeRO-2: grads too
     assert by["fsdp"][0] == full // 8 and by["fsdp"][2] == 2 * full // 8    # ZeRO-3: everything / 8
     assert by["tp"][0] < full // 1.8 and by["tp"][0] > full // 2.2          # Megatron: most weights / tensor

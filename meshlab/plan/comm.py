@@ -104,10 +104,12 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
         s_ax = [a for a in _spec_axes(s.spec) if a in dp]
         g_ax = [a for a in _spec_axes(g.spec) if a in dp and a not in s_ax]
         o_ax = [a for a in _spec_axes(o.spec) if a in dp and a not in s_ax]
-        rest = tuple(a for a in dp if a not in s_ax and a not in g_ax)
+        r_ax = [a for a in o_ax if a not in g_ax]   # ZeRO-1: reduce-scatter onto the optimizer shards
+        rest = tuple(a for a in dp if a not in s_ax and a not in g_ax and a not in r_ax)
         if s_ax:   # ZeRO-3: gather per use (compute dtype), its transpose reduce-scatters the gradient
             gathered = local_full // F32 * c
-            passes = 1 if policy == "none" or not layered else 2   # remat re-gathers in the backward
+            # per_layer (reshard-after-forward) gathers each layer again in its backward; keep does not
+            passes = 2 if layered and rules.strategies.get("fsdp_gather", "per_layer") == "per_layer" else 1
             n = gathered // L if layered else gathered
             cnt = (L if layered else 1) * k
             out.append(Comm("all-gather", tuple(s_ax), n, cnt * passes, f"{s.path} params (zero-3)", True))
@@ -116,10 +118,15 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
             uses = 2 if (cfg.tie_embeddings and s.names == ("vocab", "embed")) else 1
             out.append(Comm("reduce-scatter", tuple(s_ax), s.bytes_per_device // (L if layered else 1), cnt * uses,
                             f"{s.path} grads (zero-3)", True))
-        if g_ax:   # ZeRO-2: explicit psum_scatter per micro-batch into the sharded accumulator
-            out.append(Comm("reduce-scatter", tuple(g_ax), g.bytes_per_device, k, f"{s.path} grads (zero-2)", True))
-        if rest:   # the remaining data-parallel sum: one all-reduce after the last micro-batch
-            out.append(Comm("all-reduce", rest, g.bytes_per_device, 1, f"{s.path} grads", True))
+        if g_ax:   # ZeRO-2: psum_scatter at each use, per layer inside the backward scan (grad_sync)
+            uses = 2 if (cfg.tie_embeddings and s.names == ("vocab", "embed")) else 1
+            out.append(Comm("reduce-scatter", tuple(g_ax), g.bytes_per_device // (L if layered else 1),
+                            (L if layered else 1) * k * uses, f"{s.path} grads (zero-2)", True))
+        if r_ax:   # explicit psum_scatter after the last micro-batch: half an all-reduce's bytes
+            out.append(Comm("reduce-scatter", tuple(r_ax), o.bytes_per_device, 1, f"{s.path} grads (zero-1)", False))
+        if rest:   # the remaining data-parallel sum: one all-reduce after the backward (nothing hides it)
+            out.append(Comm("all-reduce", rest, o.bytes_per_device if r_ax else g.bytes_per_device, 1,
+                            f"{s.path} grads", False))
         if o_ax and not s_ax:   # ZeRO-1/2: the updated shards are gathered back into replicated params
             out.append(Comm("all-gather", tuple(o_ax), s.bytes_per_device, 1, f"{s.path} updated params", False,
                             propagated=True))
@@ -220,6 +227,23 @@ def expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = 
                  "expert dispatch + return (dropless, padded)", False),
             Comm("all-to-all", ep_axes, cfg.n_experts * 4, (passes // 2 - 1) * L * k, "expert assignment counts",
                  False)]
+
+
+def layer_overlap(rows, compute_s: float, n_layers: int, microbatches: int) -> dict:
+    """Exposed communication priced per layer. `rows`: comm_time's (Comm, seconds). A collective issued
+    per layer inside the layer scan (count a multiple of layers x micro-batches) and marked overlappable
+    hides behind one layer's compute (a gradient reduce-scatter behind the next layer's backward, an
+    FSDP gather behind the previous layer's work): exposed = slots x max(0, comm per layer - compute per
+    layer), with compute per layer = compute_s / slots (the embedding and head counted in: a slight
+    over-estimate of what hides). Everything else (dp's all-reduce and zero1's reduce-scatter after the
+    backward, the params' all-gather after the update, tensor-parallel activations) is exposed whole."""
+    slots = max(n_layers * microbatches, 1)
+    layered = sum(t for x, t in rows if x.overlappable and x.count >= slots and x.count % slots == 0)
+    whole = sum(t for _, t in rows) - layered
+    per_layer, layer_compute = layered / slots, compute_s / slots
+    exposed_layers = slots * max(0.0, per_layer - layer_compute)
+    return {"per_layer_comm": per_layer, "layer_compute": layer_compute, "hidden": layered - exposed_layers,
+            "exposed": whole + exposed_layers}
 
 
 def cpu_view(comms: list[Comm]) -> dict:

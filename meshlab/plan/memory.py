@@ -250,8 +250,8 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
 def gathered_weights(md, rules, mesh, policy: str) -> dict:
     """ZeRO-3: the all-gathered compute-dtype copies of the weights, per phase of the step. The embedding
     and head weights are gathered for the lookup and the loss head and freed after the head's backward.
-    Under `none` autodiff saves every layer's gathered copy for its backward (the gather is not
-    recomputed); under remat each layer's backward gathers its weights again, one layer at a time."""
+    `fsdp_gather: keep` saves every layer's gathered copy for its backward; `per_layer` (the default,
+    under every remat policy, models/remat.py) gathers each layer's weights again in its backward."""
     if rules.state["params"] != "sharded" or not rules.batch_axes(mesh):
         return {"loss head": 0, "layer backward": 0}
     c = np.dtype(md.cfg.dtype).itemsize
@@ -263,8 +263,9 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
             layer += full // r.shape[0]
         else:
             other += full
-    saved = md.cfg.n_layers * layer if policy == "none" else 0
-    return {"loss head": other + saved, "layer backward": saved + (layer if policy != "none" else 0)}
+    keep = rules.strategies.get("fsdp_gather", "per_layer") == "keep"
+    saved = md.cfg.n_layers * layer if keep else 0
+    return {"loss head": other + saved, "layer backward": saved + (0 if keep else layer)}
 
 
 def _drop(spec, axes):
@@ -357,17 +358,18 @@ def _grads_before_reduce(md, rules, mesh) -> tuple[int, int]:
     """(gradient buffers of one micro-batch's backward, one layer's fp32 weight gradients) per device.
     Non-layer leaves: the params storage spec with the data-parallel axes removed (each device holds
     the full local gradient until it is reduced). Layer leaves: the backward scan's stacked [L, ...]
-    gradient, full local size, except under ZeRO-3, which reduce-scatters each layer's gradient inside
-    the loop and stacks only the shards. The layer being differentiated adds its own full local fp32
+    gradient, full local size, except under ZeRO-2/3, which reduce-scatter each layer's gradient inside
+    the loop and stack only the shards. The layer being differentiated adds its own full local fp32
     gradients (the second number) until they are reduced or written into the stack."""
     batch = rules.batch_axes(mesh)
     rows = account.param_table(md, rules, mesh, "params")
+    grads = account.param_table(md, rules, mesh, "grads")
     total = layer = 0
-    for r in rows:
+    for r, g in zip(rows, grads):
         full = account.bytes_per_device(r.shape, np.float32, _drop(r.spec, batch), mesh)
         if r.names and r.names[0] == "layers":
             layer += full // r.shape[0]
-            if rules.state["params"] == "sharded":
-                full = r.bytes_per_device
+            if rules.state["grads"] == "sharded":
+                full = g.bytes_per_device
         total += full
     return total, layer

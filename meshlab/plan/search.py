@@ -115,7 +115,8 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
     if sched is not None:
         plan.comms += pipeline_plan.collectives(md, rules, mesh, global_batch, seq, sched)
     plan.comm = comm.comm_time(plan.comms, mesh, hw, hosts)
-    plan.step_s = max(plan.compute_s, plan.comm["overlappable"]) + plan.comm["exposed"]
+    plan.comm["overlap"] = comm.layer_overlap(plan.comm["rows"], plan.compute_s, md.cfg.n_layers, k)
+    plan.step_s = plan.compute_s + plan.comm["overlap"]["exposed"]
     plan.step_s_serial = plan.compute_s + plan.comm["total"]
     plan.mfu = compute.mfu(cfg, global_batch, seq, plan.step_s, mesh.size, hw.flops)
     budget = hw.memory_bytes * USABLE
@@ -261,7 +262,9 @@ def explain(plan: Plan, model_cfg, hw) -> str:
         lines.append(pipeline_plan.bubble_line(load_rules(plan.rules), PlanMesh(plan.mesh), plan.microbatches,
                                                model_cfg.n_layers))
     lines.append(f"step: no overlap {plan.compute_s * 1e3:.2f} + {plan.comm['total'] * 1e3:.2f} = "
-                 f"{plan.step_s_serial * 1e3:.2f} ms; with overlap max({plan.compute_s * 1e3:.2f}, "
-                 f"{plan.comm['overlappable'] * 1e3:.2f}) + {plan.comm['exposed'] * 1e3:.2f} = {plan.step_s * 1e3:.2f} ms; "
+                 f"{plan.step_s_serial * 1e3:.2f} ms; with overlap {plan.compute_s * 1e3:.2f} + exposed "
+                 f"{plan.comm['overlap']['exposed'] * 1e3:.2f} = {plan.step_s * 1e3:.2f} ms (per layer: "
+                 f"{plan.comm['overlap']['per_layer_comm'] * 1e3:.3f} ms of collectives behind "
+                 f"{plan.comm['overlap']['layer_compute'] * 1e3:.3f} ms of compute); "
                  f"MFU {plan.mfu:.1%}")
     return "\n".join(lines)

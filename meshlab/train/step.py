@@ -3,8 +3,10 @@
 Gradients are computed inside a `shard_map` that is manual over the data-parallel axes of the
 rule file (`batch:`) and Auto over the rest (tensor, context, ...), so the data-parallel
 collectives are written out rather than left to propagation:
-  dp / zero1   local accumulation over micro-batches, one all-reduce (psum) at the end;
-  zero2        a reduce-scatter (psum_scatter) per micro-batch into the sharded accumulator;
+  dp           local accumulation over micro-batches, one all-reduce (psum) at the end;
+  zero1        local accumulation, one reduce-scatter (psum_scatter) onto the optimizer shards;
+  zero2        per layer, inside the backward layer scan, a reduce-scatter (psum_scatter) of each
+               weight's gradient into the sharded accumulator (meshlab/parallel/grad_sync.py);
   fsdp         per-layer all-gather inside the layer scan (`rules.materialize`), whose
                transpose is the per-layer reduce-scatter of the gradient.
 XLA on CPU would lower a propagated reduce-scatter to all-reduce + slice (DESIGN.md), which
@@ -24,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import models
 from meshlab import compat
 from meshlab import rules as rules_mod
+from meshlab.parallel import grad_sync
 from meshlab.parallel.context import zigzag_batch
 from meshlab.train.state import ModelDef, leaf_specs, only_axes, to_shardings
 
@@ -54,7 +57,7 @@ def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False, pipeline=None):
-    """(params, batch, scale) -> (loss, grads in the accumulator sharding, valid tokens). A mesh with
+    """(params, batch, scale) -> (loss, grads reduced onto the optimizer's sharding, valid tokens). A mesh with
     `stage` > 1 runs the rule file's pipeline schedule instead of the micro-batch scan; `pipeline`
     ({schedule, virtual}) forces one, e.g. on a 1-stage mesh to measure the executor itself."""
     if pipeline is not None or mesh.shape["stage"] > 1:
@@ -62,7 +65,13 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
     manual = rules.batch_axes(mesh)
     store = leaf_specs(md, rules, mesh, "params")
     acc = leaf_specs(md, rules, mesh, "grads")
+    red = leaf_specs(md, rules, mesh, "optimizer")   # the reduced gradient: the optimizer's shards
     is_p = lambda x: isinstance(x, P)  # noqa: E731
+    treedef = jax.tree.structure(store, is_leaf=is_p)
+    # zero2: per leaf, the dims the accumulator splits over manual axes that storage does not.
+    plans = [grad_sync.scatter_plan(_axes_in(st, manual), _axes_in(ac, manual), len(ab.shape))
+             for st, ac, ab in zip(treedef.flatten_up_to(store), treedef.flatten_up_to(acc),
+                                   treedef.flatten_up_to(md.abstract))]
 
     def local(params, batch, scale):
         # Local rows: [b_local, s] -> [k, b_local/k, s]; every micro-batch is a slice of every device's rows.
@@ -81,33 +90,41 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             # are the same mean on any mesh. Reported apart; `loss` stays the cross-entropy.
             return ce + aux.pop("loss", 0.0) / rows * scale, (ce, aux)
 
-        def scatter(g, st, ac):  # zero2: the accumulator is sharded where storage is not
-            for dim, axes in _axes_in(ac, manual):
-                stored = {a for _, ax in _axes_in(st, manual) for a in ax}
-                axes = tuple(a for a in axes if a not in stored)
-                if axes:
-                    g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
-            return g
-
         def micro(carry, mb):
-            (_, loss_aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-            if manual:
-                with jax.named_scope("collectives"):
-                    g = jax.tree.map(scatter, g, store, acc, is_leaf=is_p)
+            if not any(plans):
+                (_, loss_aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+                return jax.tree.map(jnp.add, carry, g), loss_aux
+            # zero2: differentiate a sink of the accumulator's shard shape per leaf; each weight's use
+            # reduce-scatters its gradient into it inside the backward layer scan (grad_sync).
+            p_l, c_l = treedef.flatten_up_to(params), treedef.flatten_up_to(carry)
+            diff = treedef.unflatten([jnp.zeros_like(c) if pl else p for p, c, pl in zip(p_l, c_l, plans)])
+
+            def tied_loss(diff, mb):
+                used = [grad_sync.Tied(p, d, pl) if pl else d
+                        for p, d, pl in zip(p_l, treedef.flatten_up_to(diff), plans)]
+                return loss_fn(treedef.unflatten(used), mb)
+            (_, loss_aux), g = jax.value_and_grad(tied_loss, has_aux=True)(diff, mb)
             return jax.tree.map(jnp.add, carry, g), loss_aux
 
         zeros = jax.tree.map(lambda s, a: jnp.zeros(_local_shape(a.shape, only_axes(s, manual), mesh), jnp.float32),
                              acc, md.abstract, is_leaf=is_p)
         grads, (losses, aux) = jax.lax.scan(micro, zeros, mbs)
 
-        def finish(g, ac):  # the remaining data-parallel sum (dp, zero1: the one all-reduce)
+        def finish(g, ac, rd):
+            # The remaining data-parallel sum: zero1 reduce-scatters onto its optimizer shards (the
+            # update is sharded, the params all-gathered after it: one all-reduce's bytes); dp psums.
             reduced = {a for _, ax in _axes_in(ac, manual) for a in ax}
+            for dim, axes in _axes_in(rd, manual):
+                axes = tuple(a for a in axes if a not in reduced)
+                if axes:
+                    g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+                    reduced |= set(axes)
             rest = tuple(a for a in manual if a not in reduced)
             return jax.lax.psum(g, rest) if rest else g
 
         if manual:
             with jax.named_scope("collectives"):
-                grads = jax.tree.map(finish, grads, acc, is_leaf=is_p)
+                grads = jax.tree.map(finish, grads, acc, red, is_leaf=is_p)
         loss = jnp.sum(losses)
         loss = jax.lax.psum(loss, manual) if manual else loss
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
@@ -120,7 +137,7 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
     def sharded(params, batch, scale):
         in_specs = (jax.tree.map(lambda s: only_axes(s, manual), store, is_leaf=is_p),
                     {k: only_axes(batch_spec(rules, mesh), manual) for k in batch}, P())
-        out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), acc, is_leaf=is_p), P(), P())
+        out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), red, is_leaf=is_p), P(), P())
 
         def body(params, batch, scale):
             with rules_mod.manual_axes(manual, rules, mesh):
@@ -174,7 +191,7 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
     batch's segment ids (documents packed into one row) to attention; `pipeline` forces the
     pipeline executor (make_loss_and_grads)."""
     loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed, pipeline)
-    acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "grads"))
+    acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "optimizer"))   # reduced grads, as the update takes them
 
     n_context = mesh.shape["context"]
     zigzag = rules.strategies["attention"] == "ring" and n_context > 1

@@ -1,0 +1,148 @@
+"""ZeRO as the articles describe it, checked against the compiled step (8 CPU devices).
+
+- zero1 moves one all-reduce's bytes: a reduce-scatter of the gradients onto the Adam shards and an
+  all-gather of the updated params, (p-1)/p each on the ring; dp's all-reduce is 2(p-1)/p. Planner
+  and HLO both agree within 1%, and the HLO holds no gradient-sized all-reduce.
+- zero2 reduce-scatters each layer's gradient inside the backward layer loop (grad_sync), so its
+  compiled temporary memory is below zero1's by at least the full fp32 gradient.
+- fsdp with remat=none and `fsdp_gather: per_layer` drops each layer's gathered weights after the
+  forward and gathers them again in the backward: per extra layer its compiled temp grows by a
+  layer's gathered weights less than `keep`'s (the old behaviour), and by less than one layer's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_config
+from meshlab.plan import comm, compiled
+from meshlab.train.loop import build_trainer
+
+# Weight-heavy: one row per device and 16 tokens, so state and gathered weights dominate temp.
+HEAVY = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=32", "model.mlp_dim=512",
+         "model.vocab_size=512", "data.seq_len=16", "data.global_batch=8", "model.remat=none"]
+
+
+def _wire(comms) -> float:
+    """Bytes each device sends per step on the ring (Comm.nbytes is a reduce-scatter's output shard)."""
+    return sum(x.count * comm.wire_bytes(x.kind, x.nbytes * (x.group if x.kind == "reduce-scatter" else 1), x.group)
+               for x in comms)
+
+
+def _hlo_wire(m, p: int = 8) -> float:
+    """The same for the compiled HLO's collectives (all over the 8 devices here, none in a loop)."""
+    return sum(comm.wire_bytes(c.kind, c.bytes * (p if c.kind == "reduce-scatter" else 1), p) for c in m.collectives)
+
+
+def _plan(cfg):
+    tr = build_trainer(cfg)
+    return tr, comm.step_collectives(tr.md, tr.rules, tr.mesh, cfg.data.global_batch, cfg.data.seq_len,
+                                     cfg.data.microbatches, cfg.model.remat)
+
+
+def test_zero1_moves_one_all_reduce_of_bytes():
+    _, dp = _plan(small_config("dp"))
+    tr, z1 = _plan(small_config("zero1"))
+    print(f"\nplanner wire bytes per device: dp {_wire(dp):.0f}, zero1 {_wire(z1):.0f}")
+    assert abs(_wire(z1) / _wire(dp) - 1) <= 0.01
+    assert {x.kind for x in z1 if x.nbytes > 1024} == {"reduce-scatter", "all-gather"}
+    # The compiled programs (shared with test_memory_comm's cache): the same wire bytes, and zero1's
+    # only all-reduces are scalars (loss, token count, grad norm).
+    m_dp = compiled.measure(small_config("dp"), grads=False)
+    m_z1 = compiled.measure(small_config("zero1"), grads=True)
+    assert not [c for c in m_dp.collectives + m_z1.collectives if c.in_loop]   # k=1, dp-only: no loop collectives
+    got_dp, got_z1 = _hlo_wire(m_dp), _hlo_wire(m_z1)
+    print(f"HLO wire bytes per device: dp {got_dp:.0f}, zero1 {got_z1:.0f}")
+    assert abs(got_z1 / got_dp - 1) <= 0.01
+    assert sum(c.bytes for c in m_z1.collectives if c.kind == "all-reduce") < 1024
+    full = 4 * sum(math.prod(a.shape) for a in jax.tree.leaves(tr.md.abstract))
+    assert sum(c.bytes for c in m_z1.collectives if c.kind == "reduce-scatter") == full // 8
+
+
+def test_zero2_reduce_scatters_per_layer_inside_the_backward_loop():
+    cfg = small_config("zero2")
+    m = compiled.measure(cfg, grads=True)   # shared with test_memory_comm
+    tr = build_trainer(cfg)
+    L = cfg.model.n_layers
+    layered = sum(4 * math.prod(a.shape) for a in jax.tree.leaves(tr.md.abstract["layers"]))
+    rs = [c for c in m.collectives if c.kind == "reduce-scatter"]
+    inside = [c for c in rs if c.in_loop]
+    assert inside and all("transpose(" in c.line for c in inside), [c.line[:120] for c in rs]
+    assert sum(c.bytes for c in inside) * L == layered // 8        # every layer's grads, scattered per layer
+    outside = sum(c.bytes for c in rs if not c.in_loop)
+    rest = 4 * sum(math.prod(a.shape) for k, v in tr.md.abstract.items() if k != "layers" for a in jax.tree.leaves(v))
+    assert outside <= 2 * rest // 8                                 # embedding (used twice, tied) + final norm only
+    assert m.grads == (layered + rest) // 8
+
+
+def test_zero2_temp_below_zero1_by_the_full_gradient():
+    extra = HEAVY + ["model.n_layers=4", "data.microbatches=2", "data.global_batch=16"]
+    t1 = compiled.measure(small_config("zero1", extra=extra), grads=False).temp
+    t2 = compiled.measure(small_config("zero2", extra=extra), grads=False).temp
+    md = build_trainer(small_config("zero2", extra=extra)).md
+    full = 4 * sum(math.prod(a.shape) for a in jax.tree.leaves(md.abstract))
+    print(f"\ntemp zero1 {t1} B, zero2 {t2} B, full fp32 gradient {full} B")
+    assert t1 - t2 >= full
+
+
+def _fsdp_file(tmp, gather: str) -> str:
+    text = (Path(__file__).parents[1] / "sharding_rules" / "fsdp.yaml").read_text()
+    path = Path(tmp) / f"fsdp_{gather}.yaml"
+    path.write_text(text.replace("fsdp_gather: per_layer", f"fsdp_gather: {gather}"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fsdp_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rules")
+    return {g: _fsdp_file(tmp, g) for g in ("per_layer", "keep")}
+
+
+def test_fsdp_reshards_after_forward(fsdp_files):
+    temps = {}
+    for gather, path in fsdp_files.items():
+        for n in (2, 4):
+            temps[gather, n] = compiled.measure(small_config(path, extra=HEAVY + [f"model.n_layers={n}"]),
+                                                grads=False).temp
+    md = build_trainer(small_config(fsdp_files["keep"], extra=HEAVY + ["model.n_layers=2"])).md
+    layer = 4 * sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(md.abstract["layers"]))  # one layer, gathered
+    slope = {g: (temps[g, 4] - temps[g, 2]) / 2 for g in fsdp_files}
+    print(f"\nfsdp remat=none temp per extra layer: {slope} B; one layer's gathered weights {layer} B")
+    # Both grow by the sharded state's update temporaries (~3.6 x a layer's shard here); keep also
+    # by the layer's saved gathered weights, per_layer not (its growth stays under one layer's).
+    assert slope["keep"] - slope["per_layer"] >= 0.9 * layer
+    assert slope["per_layer"] < layer
+    assert temps["per_layer", 4] <= temps["keep", 4] - 2 * layer   # at most two layers' gathered weights live
+
+
+def test_fsdp_keep_matches_per_layer_numerically(fsdp_files):
+    from meshlab.train.loop import train
+    out = {g: train(small_config(p, steps=2), progress=False, write=False) for g, p in fsdp_files.items()}
+    np.testing.assert_allclose(out["keep"]["losses"], out["per_layer"]["losses"], rtol=1e-6)
+
+
+def test_planner_prices_overlap_per_layer():
+    """zero2's per-layer reduce-scatters hide behind the layers' compute; dp's all-reduce and zero1's
+    reduce-scatter run after the backward and are exposed whole; the step is compute + exposed."""
+    import models
+    from meshlab.plan import hardware, search
+    from meshlab.rules import load_rules
+    from meshlab.train.state import model_def
+    md, hw = model_def(models.preset("llama3_1b")), hardware.get_hardware("h200")
+    plans = {r: search.evaluate(md, load_rules(r), {"data": 8}, 32, 4096, "full", 1, hw)
+             for r in ("dp", "zero1", "zero2")}
+    for r, p in plans.items():
+        ov = p.comm["overlap"]
+        print(f"\n{r}: comm {p.comm['total'] * 1e3:.2f} ms, exposed {ov['exposed'] * 1e3:.2f} ms, "
+              f"step {p.step_s * 1e3:.1f} ms")
+        assert p.step_s == pytest.approx(p.compute_s + ov["exposed"])
+    grads = lambda p: sum(t for c, t in p.comm["rows"] if "grads" in c.what)   # noqa: E731
+    assert plans["dp"].comm["overlap"]["exposed"] >= grads(plans["dp"])          # after the backward: all exposed
+    z2 = plans["zero2"].comm["overlap"]
+    layered = sum(t for c, t in plans["zero2"].comm["rows"] if "grads" in c.what and c.count >= md.cfg.n_layers)
+    assert z2["per_layer_comm"] < z2["layer_compute"] and z2["hidden"] == pytest.approx(layered) and layered > 0
+    assert plans["zero2"].step_s < plans["zero1"].step_s
