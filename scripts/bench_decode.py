@@ -37,7 +37,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
-/tmp/bench_decode); on a GPU also appends dated rows to docs/benchmarks.md and writes that block
+/tmp/bench_decode); on a GPU also appends dated rows to docs/archive/benchmarks-diary.md and writes that block
 to $OUT/benchmarks_append.md (the device machine's checkout does not come back).
 """
 from __future__ import annotations
@@ -258,7 +258,8 @@ def run_job(name, args, deadline, out: Path, bw):
     """Run one job as a child until it ends or `deadline`; returns its rows (those printed so far)."""
     flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), JOBS[name][0]) if f)
     cache = Path("/tmp/bench_decode_cache")
-    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(cache),
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))   # keep carried packages
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     cmd = [sys.executable, __file__, "--job", name, "--out-dir", str(out)] + (["--bw", str(bw)] if bw else []) \
         + (["--quick"] if args.quick else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
@@ -341,7 +342,7 @@ def main():
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, in order; of {','.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="fewer prompt lengths")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the mechanics only")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=0.0, help=argparse.SUPPRESS)

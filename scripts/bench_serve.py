@@ -15,7 +15,7 @@ never share one), printing `ROW {json}` lines:
   http     scripts/serve.py with the offline engine settings; the workload with Poisson arrivals
            at each --rates (requests/s; 0 = all at once), streamed
 Writes bench_serve.json / .md under $OUT (or /tmp/bench_serve); on a GPU appends dated rows to
-docs/benchmarks.md and to $OUT/benchmarks_append.md.
+docs/archive/benchmarks-diary.md and to $OUT/benchmarks_append.md.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
