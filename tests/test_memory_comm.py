@@ -136,12 +136,12 @@ def test_collective_bytes_under_full_remat():
 
 
 def test_collective_placement():
-    """dp all-reduces grads; zero2/fsdp reduce-scatter them; fsdp gathers inside the layer loop; tp
-    all-reduces activations in the forward."""
+    """dp all-reduces grads (the layers' inside the backward layer loop); zero2/fsdp reduce-scatter them;
+    fsdp gathers inside the layer loop; tp all-reduces activations in the forward."""
     c = {r: compiled.measure(_cfg(r), grads=r in GRADS_READ).collectives for r in ("dp", "zero2", "fsdp", "tp")}
     _, mem, _ = _plan(_cfg("dp"))
     grads = mem["state"]["grads"]
-    assert sum(x.bytes for x in c["dp"] if x.kind == "all-reduce") >= grads
+    assert sum(x.bytes * (2 if x.in_loop else 1) for x in c["dp"] if x.kind == "all-reduce") >= grads   # 2 layers
     assert not [x for x in c["dp"] if x.kind in ("all-gather", "reduce-scatter")]
     for r in ("zero2", "fsdp"):
         assert sum(x.bytes * (2 if x.in_loop else 1) for x in c[r] if x.kind == "reduce-scatter") >= grads // 8

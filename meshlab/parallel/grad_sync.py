@@ -1,17 +1,21 @@
-"""ZeRO-2's gradient reduce-scatter at each weight's point of use, inside the backward layer scan.
+"""Data-parallel gradient reductions at each weight's point of use, inside the backward layer scan.
 
-Params are replicated but the gradient accumulator is split over the data-parallel axes. Left to
-autodiff, the layer scan's backward writes every layer's full-size gradient into one stacked
+ZeRO-2: params are replicated but the gradient accumulator is split over the data-parallel axes.
+Left to autodiff, the layer scan's backward writes every layer's full-size gradient into one stacked
 [n_layers, ...] buffer and the reduce-scatter runs after it: the full gradient exists at the peak.
-Here the step differentiates a *sink* per leaf instead: zeros of the accumulator's local (sharded)
-shape. `Tied(w, sink)` stands in the parameter tree where the weight was; the model reads a weight
-with `var[...]`, which calls `Tied.__getitem__`: an identity on `w` whose backward reduce-scatters
-the weight's gradient over the data-parallel axes and hands the shard to the sink. Under the layer
-scan both `w` and `sink` are sliced per layer, so the reduce-scatter sits in the backward loop body
-(XLA can overlap it with the next layer's backward) and the stacked buffer holds only shards.
+Here the step differentiates a *sink* per leaf instead: zeros of the reduced gradient's local shape.
+`Tied(w, sink, acc)` stands in the parameter tree where the weight was; the model reads a weight
+with `var[...]`, which calls `Tied.__getitem__`: an identity on `w` whose backward reduces the
+weight's gradient over the data-parallel axes and hands the result to the sink. Under the layer
+scan `w`, `sink` and `acc` are sliced per layer, so the collective sits in the backward loop body
+(XLA can overlap it with the next layer's backward) and the stacked buffer holds only the result.
 
-Cost: the same reduce-scatter bytes per micro-batch as one after the backward (a tied embedding,
-used twice, is reduce-scattered twice); memory: one layer's full gradient, transient, instead of all.
+dp / zero1 (DDP's no_sync): earlier micro-batches accumulate locally; in the last one each layer
+leaf's tie carries the local sum in (`acc`) and reduces sum + this micro-batch's gradient (dp: psum,
+zero1: psum_scatter onto the Adam shards) per layer: one reduction's bytes, as after the backward.
+
+Cost: the same bytes as one reduction after the backward (a tied embedding, used twice, is
+reduce-scattered twice under zero2); memory (zero2): one layer's full gradient, transient.
 """
 from __future__ import annotations
 
@@ -21,44 +25,47 @@ from functools import partial
 import jax
 
 
-def _scatter(g, plan):
-    for dim, axes in plan:   # dim counted from the end: the same after the scan drops the layer dim
+def _reduce(g, plan):
+    scatters, sums = plan
+    for dim, axes in scatters:   # dim counted from the end: the same after the scan drops the layer dim
         g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=g.ndim + dim, tiled=True)
-    return g
+    return jax.lax.psum(g, sums) if sums else g
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def tie(w, sink, plan):
-    """w, unchanged; its gradient goes to `sink`, reduce-scattered as `plan` says."""
-    del sink
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tie(w, sink, acc, plan):
+    """w, unchanged; its gradient (plus `acc`, the earlier micro-batches' local sum, if any) goes to
+    `sink`, reduced as `plan` says: ((scattered dim from the end, axes), ...), summed axes."""
+    del sink, acc
     return w
 
 
-def _tie_fwd(w, sink, plan):
+def _tie_fwd(w, sink, acc, plan):
     del sink
-    return w, None
+    return w, acc
 
 
-def _tie_bwd(plan, _, g):
+def _tie_bwd(plan, acc, g):
     with jax.named_scope("collectives"):
-        return None, _scatter(g, plan)
+        return None, _reduce(g if acc is None else g + acc, plan), None
 
 
 tie.defvjp(_tie_fwd, _tie_bwd)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["w", "sink"], meta_fields=["plan"])
+@partial(jax.tree_util.register_dataclass, data_fields=["w", "sink", "acc"], meta_fields=["plan"])
 @dataclasses.dataclass
 class Tied:
-    """A parameter leaf whose gradient is reduce-scattered at use (see the module docstring)."""
+    """A parameter leaf whose gradient is reduced at use (see the module docstring)."""
     w: jax.Array
     sink: jax.Array
-    plan: tuple   # ((dim from the end, mesh axes), ...)
+    acc: jax.Array | None
+    plan: tuple   # (((dim from the end, mesh axes), ...) scattered, mesh axes summed)
 
     def __getitem__(self, key):
         if key is not Ellipsis:
             raise TypeError("a ZeRO-2 parameter is read whole (var[...]); index the value it returns")
-        return tie(self.w, self.sink, self.plan)
+        return tie(self.w, self.sink, self.acc, self.plan)
 
     @property
     def shape(self):
@@ -74,12 +81,26 @@ class Tied:
 
 
 def scatter_plan(stored: tuple, accumulated: tuple, ndim: int) -> tuple:
-    """((dim from the end, axes), ...): the dims the accumulator splits over manual axes the stored
-    params do not (each as [(dim, axes)] from step._axes_in)."""
+    """ZeRO-2, every micro-batch: scatter the dims the accumulator splits over manual axes the stored
+    params do not (each as [(dim, axes)] from step._axes_in); () when there are none."""
     have = {a for _, axes in stored for a in axes}
     plan = []
     for dim, axes in accumulated:
         axes = tuple(a for a in axes if a not in have)
         if axes:
             plan.append((dim - ndim, axes))
-    return tuple(plan)
+    return (tuple(plan), ()) if plan else ()
+
+
+def final_plan(accumulated: tuple, reduced: tuple, manual: tuple, ndim: int) -> tuple:
+    """dp / zero1, last micro-batch: from the accumulator's split to the optimizer's (`reduced`),
+    scatter what the optimizer splits further (zero1), sum over the manual axes left (dp)."""
+    done = {a for _, axes in accumulated for a in axes}
+    scatters = []
+    for dim, axes in reduced:
+        axes = tuple(a for a in axes if a not in done)
+        if axes:
+            scatters.append((dim - ndim, axes))
+            done |= set(axes)
+    sums = tuple(a for a in manual if a not in done)
+    return (tuple(scatters), sums) if scatters or sums else ()

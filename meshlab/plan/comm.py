@@ -122,11 +122,15 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
             uses = 2 if (cfg.tie_embeddings and s.names == ("vocab", "embed")) else 1
             out.append(Comm("reduce-scatter", tuple(g_ax), g.bytes_per_device // (L if layered else 1),
                             (L if layered else 1) * k * uses, f"{s.path} grads (zero-2)", True))
-        if r_ax:   # explicit psum_scatter after the last micro-batch: half an all-reduce's bytes
-            out.append(Comm("reduce-scatter", tuple(r_ax), o.bytes_per_device, 1, f"{s.path} grads (zero-1)", False))
-        if rest:   # the remaining data-parallel sum: one all-reduce after the backward (nothing hides it)
-            out.append(Comm("all-reduce", rest, o.bytes_per_device if r_ax else g.bytes_per_device, 1,
-                            f"{s.path} grads", False))
+        # dp / zero1: a layer leaf is reduced per layer inside the last micro-batch's backward (it can
+        # overlap the next layer's), the others once after the backward (exposed). zero1 scatters.
+        per = L if layered and not g_ax else 1
+        if r_ax:   # explicit psum_scatter: half an all-reduce's bytes
+            out.append(Comm("reduce-scatter", tuple(r_ax), o.bytes_per_device // per, per, f"{s.path} grads (zero-1)",
+                            per > 1))
+        if rest:   # the remaining data-parallel sum
+            out.append(Comm("all-reduce", rest, (o.bytes_per_device if r_ax else g.bytes_per_device) // per, per,
+                            f"{s.path} grads", per > 1))
         if o_ax and not s_ax:   # ZeRO-1/2: the updated shards are gathered back into replicated params
             out.append(Comm("all-gather", tuple(o_ax), s.bytes_per_device, 1, f"{s.path} updated params", False,
                             propagated=True))

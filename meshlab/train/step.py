@@ -3,8 +3,9 @@
 Gradients are computed inside a `shard_map` that is manual over the data-parallel axes of the
 rule file (`batch:`) and Auto over the rest (tensor, context, ...), so the data-parallel
 collectives are written out rather than left to propagation:
-  dp           local accumulation over micro-batches, one all-reduce (psum) at the end;
-  zero1        local accumulation, one reduce-scatter (psum_scatter) onto the optimizer shards;
+  dp           local accumulation over micro-batches; in the last one's backward, per layer, an
+               all-reduce (psum) of that layer's summed gradient (meshlab/parallel/grad_sync.py);
+  zero1        the same with a reduce-scatter (psum_scatter) onto the optimizer shards;
   zero2        per layer, inside the backward layer scan, a reduce-scatter (psum_scatter) of each
                weight's gradient into the sharded accumulator (meshlab/parallel/grad_sync.py);
   fsdp         per-layer all-gather inside the layer scan (`rules.materialize`), whose
@@ -68,10 +69,19 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
     red = leaf_specs(md, rules, mesh, "optimizer")   # the reduced gradient: the optimizer's shards
     is_p = lambda x: isinstance(x, P)  # noqa: E731
     treedef = jax.tree.structure(store, is_leaf=is_p)
-    # zero2: per leaf, the dims the accumulator splits over manual axes that storage does not.
+    leaves = list(zip(*(treedef.flatten_up_to(t) for t in (store, acc, red, md.abstract))))
+    # Per leaf, the reductions at the weight's use (grad_sync): zero2 reduce-scatters every
+    # micro-batch; dp / zero1 reduce in the last micro-batch only (DDP's no_sync before it).
     plans = [grad_sync.scatter_plan(_axes_in(st, manual), _axes_in(ac, manual), len(ab.shape))
-             for st, ac, ab in zip(treedef.flatten_up_to(store), treedef.flatten_up_to(acc),
-                                   treedef.flatten_up_to(md.abstract))]
+             for st, ac, _, ab in leaves]
+    # Final ties on the layer leaves only: each is used once per layer, so the carried sum is added
+    # once (a tied embedding is used twice); the others are reduced after the backward (finish).
+    layered = [bool(n) and n[0] == "layers" for n in treedef.flatten_up_to(md.names)]
+    finals = [() if pl or not lay else grad_sync.final_plan(_axes_in(ac, manual), _axes_in(rd, manual), manual,
+                                                            len(ab.shape))
+              for pl, lay, (_, ac, rd, ab) in zip(plans, layered, leaves)]
+    sinks = [_local_shape(ab.shape, only_axes(rd if fp else ac, manual), mesh)
+             for fp, (_, ac, rd, ab) in zip(finals, leaves)]
 
     def local(params, batch, scale):
         # Local rows: [b_local, s] -> [k, b_local/k, s]; every micro-batch is a slice of every device's rows.
@@ -90,29 +100,41 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             # are the same mean on any mesh. Reported apart; `loss` stays the cross-entropy.
             return ce + aux.pop("loss", 0.0) / rows * scale, (ce, aux)
 
-        def micro(carry, mb):
-            if not any(plans):
+        def micro(carry, mb, last=False):
+            # A tied leaf differentiates a sink of its reduced shape; the weight's use reduces its
+            # gradient into it inside the backward layer scan (grad_sync). In the last micro-batch
+            # the dp / zero1 leaves carry the earlier micro-batches' sum in, and come out reduced.
+            ties = [(pl, None) if pl else (fp, True) if last and fp else None for pl, fp in zip(plans, finals)]
+            if not any(ties):
                 (_, loss_aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
                 return jax.tree.map(jnp.add, carry, g), loss_aux
-            # zero2: differentiate a sink of the accumulator's shard shape per leaf; each weight's use
-            # reduce-scatters its gradient into it inside the backward layer scan (grad_sync).
             p_l, c_l = treedef.flatten_up_to(params), treedef.flatten_up_to(carry)
-            diff = treedef.unflatten([jnp.zeros_like(c) if pl else p for p, c, pl in zip(p_l, c_l, plans)])
+            diff = [jnp.zeros(sh, jnp.float32) if t else p for p, t, sh in zip(p_l, ties, sinks)]
 
             def tied_loss(diff, mb):
-                used = [grad_sync.Tied(p, d, pl) if pl else d
-                        for p, d, pl in zip(p_l, treedef.flatten_up_to(diff), plans)]
+                used = [grad_sync.Tied(p, d, c if t[1] else None, t[0]) if t else d
+                        for p, d, c, t in zip(p_l, diff, c_l, ties)]
                 return loss_fn(treedef.unflatten(used), mb)
             (_, loss_aux), g = jax.value_and_grad(tied_loss, has_aux=True)(diff, mb)
-            return jax.tree.map(jnp.add, carry, g), loss_aux
+            g = [g_ if t and t[1] else c + g_ for g_, c, t in zip(g, c_l, ties)]   # the final ties hold the sum
+            return treedef.unflatten(g), loss_aux
 
-        zeros = jax.tree.map(lambda s, a: jnp.zeros(_local_shape(a.shape, only_axes(s, manual), mesh), jnp.float32),
-                             acc, md.abstract, is_leaf=is_p)
-        grads, (losses, aux) = jax.lax.scan(micro, zeros, mbs)
+        zeros = treedef.unflatten([jnp.zeros(_local_shape(ab.shape, only_axes(ac, manual), mesh), jnp.float32)
+                                   for _, ac, _, ab in leaves])
+        if any(finals):   # dp / zero1: the last micro-batch apart, its backward reduces per layer
+            grads = zeros
+            if microbatches > 1:
+                grads, early = jax.lax.scan(micro, zeros, jax.tree.map(lambda v: v[:-1], mbs))
+            grads, last_aux = micro(grads, jax.tree.map(lambda v: v[-1], mbs), last=True)
+            losses, aux = jax.tree.map(lambda b: b[None], last_aux)
+            if microbatches > 1:
+                losses, aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), early, (losses, aux))
+        else:
+            grads, (losses, aux) = jax.lax.scan(micro, zeros, mbs)
 
         def finish(g, ac, rd):
-            # The remaining data-parallel sum: zero1 reduce-scatters onto its optimizer shards (the
-            # update is sharded, the params all-gathered after it: one all-reduce's bytes); dp psums.
+            # The leaves no final tie reduced (embedding, final norm): zero1 reduce-scatters onto its
+            # optimizer shards (the params all-gathered after the update: one all-reduce's bytes).
             reduced = {a for _, ax in _axes_in(ac, manual) for a in ax}
             for dim, axes in _axes_in(rd, manual):
                 axes = tuple(a for a in axes if a not in reduced)
@@ -122,9 +144,10 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             rest = tuple(a for a in manual if a not in reduced)
             return jax.lax.psum(g, rest) if rest else g
 
-        if manual:
+        if manual:   # no-op where a final tie reduced already (finish then finds nothing left)
             with jax.named_scope("collectives"):
-                grads = jax.tree.map(finish, grads, acc, red, is_leaf=is_p)
+                grads = treedef.unflatten([g if fp else finish(g, ac, rd) for g, fp, (_, ac, rd, _)
+                                           in zip(treedef.flatten_up_to(grads), finals, leaves)])
         loss = jnp.sum(losses)
         loss = jax.lax.psum(loss, manual) if manual else loss
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
