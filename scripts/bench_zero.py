@@ -37,6 +37,7 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--remat", default="save_dots_attn")
+    p.add_argument("--no-record", action="store_true", help="print only; leave the benchmarks diary alone")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     dev = jax.devices()[0]
@@ -60,9 +61,9 @@ def main():
         lines.append(f"| {r['rules']} | {r.get('tokens_per_s', r.get('error'))} | {r.get('step_ms', '')} | "
                      f"{r.get('program_gib', '')} | {r.get('loss', '')} |")
     text = "\n".join(lines) + "\n"
-    path = ROOT / "docs" / "archive" / "benchmarks-diary.md"
-    with path.open("a") as f:
-        f.write(text)
+    if not args.no_record:
+        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
+            f.write(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_zero.json").write_text(json.dumps({"rows": rows, "xla_flags": FLAGS}, indent=1))
     print(text)
