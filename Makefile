@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test notebooks clean-venv
+.PHONY: train test lint notebooks clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -15,9 +15,13 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VPY) scripts/train.py --config default --rules fsdp_tp --cpu-devices 8 $(ARGS)
 
-# Two workers: the suite is compile-bound and single-threaded per test (about 11 min on 2 cores).
+# Two workers: the suite is compile-bound and single-threaded per test; --durations names the slow ones.
 test: $(STAMP)
-	$(VPY) -m pytest -n 2 $(ARGS)
+	$(VPY) -m pytest -n 2 --durations=15 $(ARGS)
+
+# ruff, configured in pyproject.toml (pyflakes + pycodestyle, line length 140).
+lint: $(STAMP)
+	$(VPY) -m ruff check .
 
 # The notebooks' extra (Jupyter, nbclient) on top of the dev install, installed once.
 NB_STAMP := $(VENV)/.notebooks-installed

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import yaml
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -393,7 +393,8 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     including the new one, whose position is lengths - 1 (0: inactive row, nothing written, zeros).
     Returns (o [qkv rows, n_heads, d], k_pages, v_pages) with the new rotated k and v written at
     page_table[b, (length-1) // page_size], slot (length-1) % page_size: in place when the caller
-    donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter + paged_attention it saves four XLA launches per layer
+    donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter +
+    paged_attention it saves four XLA launches per layer
     (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
     attention itself at batch 1 (H200 profile, docs/benchmarks.md)."""
     one_layer = k_pages.ndim == 4

@@ -43,8 +43,8 @@ KV_GROUP = 1  # --kv-group: query heads per KV head (llama3_1b: 4), the model's 
 
 
 # Mosaic GPU tile variants (--plan tiles), timed beside cuDNN at the model's shapes. "def" is
-# MgpuBlockSizes() (at d=64 no longer the default: default_block_sizes); each other changes one knob of the forward (block_q, block_kv, stages,
-# ping-pong) or of the backward (dQ's kv tile, dK/dV's q tile and kv rows, stages).
+# MgpuBlockSizes() (at d=64 no longer the default: default_block_sizes); each other changes one knob of the forward
+# (block_q, block_kv, stages, ping-pong) or of the backward (dQ's kv tile, dK/dV's q tile and kv rows, stages).
 MGPU_VARIANTS = {
     "def": {}, "kv64": dict(block_kv=64), "st3": dict(num_stages=3), "nopp": dict(pingpong=False),
     "q256": dict(block_q=256), "q256kv64": dict(block_q=256, block_kv=64), "dq128": dict(block_kv_dq=128),

@@ -10,11 +10,9 @@ program's memory_analysis (temp = scratch XLA allocates besides arguments and ou
 Writes table.md, rows.md (dated rows for docs/archive/benchmarks-diary.md) and results.json to --out.
 """
 import argparse
-import dataclasses
 import datetime
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp

@@ -74,13 +74,13 @@ def collectives(dev, world: int, sizes: list[int], iters: int) -> list[dict]:
             elems = max(n // 4 // world * world, world)
             x = torch.zeros(elems, dtype=torch.float32, device=dev)
             if op == "all-reduce":
-                run, wire = (lambda: dist.all_reduce(x)), 2 * f * elems * 4
+                run, wire = (lambda: dist.all_reduce(x)), 2 * f * elems * 4  # noqa: F821 (x is deleted after the timing loop)
             elif op == "all-gather":
                 out = torch.empty(elems * world, dtype=torch.float32, device=dev)
-                run, wire = (lambda: dist.all_gather_into_tensor(out, x)), (world - 1) * elems * 4
+                run, wire = (lambda: dist.all_gather_into_tensor(out, x)), (world - 1) * elems * 4  # noqa: F821 (x is deleted after the timing loop)
             else:
                 out = torch.empty(elems // world, dtype=torch.float32, device=dev)
-                run, wire = (lambda: dist.reduce_scatter_tensor(out, x)), f * elems * 4
+                run, wire = (lambda: dist.reduce_scatter_tensor(out, x)), f * elems * 4  # noqa: F821 (x is deleted after the timing loop)
             for _ in range(3):
                 run()
             _sync(dev)

@@ -99,7 +99,8 @@ def main():
 
     # The batch is sized for remat=none (the fastest policy when it fits), so every variant runs
     # at one batch and the remat rows show what recomputation costs and saves at equal work.
-    batch, mem_fit = (args.batch, None) if args.batch else pick_batch(variant(attention=args.attention.split(",")[0]), rules, mesh, args.seq, hbm)
+    first = variant(attention=args.attention.split(",")[0])
+    batch, mem_fit = (args.batch, None) if args.batch else pick_batch(first, rules, mesh, args.seq, hbm)
     print(f"batch {batch} (compiled at batch 2: args {mem_fit[0] / 2**30:.1f} GiB, temp/row <= "
           f"{mem_fit[2] / 2**30:.2f} GiB)" if mem_fit else f"batch {batch}", flush=True)
     # Most important first: a call that runs out of time still reports these.

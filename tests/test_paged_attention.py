@@ -203,7 +203,7 @@ def test_merge_kernel_matches_merge_splits_and_zero_pads():
 def test_fused_decode_with_padding_row():
     # b = 1 with the one-token GEMM's zero second row: row 0 as without it, row 1 zeros, same cache
     rng = np.random.default_rng(5)
-    h, kvh, d, page_size, pages = 8, 2, 32, 4, 6
+    h, kvh, d, page_size = 8, 2, 32, 4
     qkv = jnp.asarray(rng.normal(size=(1, h + 2 * kvh, d)), jnp.float32)
     k_cache, v_cache = (jnp.asarray(rng.normal(size=(1, 8, page_size, kvh, d)), jnp.float32) for _ in range(2))
     table, lengths = jnp.asarray([[2, 5, 1, 7, 3, 4]], jnp.int32), jnp.asarray([19], jnp.int32)

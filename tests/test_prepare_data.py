@@ -3,7 +3,6 @@ trained here, offline), EOD separators, a train/val split, resumability, clear e
 model trains on the result with data.corpus=DIR."""
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

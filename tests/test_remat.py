@@ -1,7 +1,6 @@
 """Remat policies trade recomputation for memory: the compiled temporary memory of `tiny`
 falls from `none` to `full` (read from the compiler's memory analysis, printed)."""
 import jax
-import numpy as np
 import pytest
 
 POLICIES = ("none", "save_dots", "save_dots_no_batch", "full")

@@ -2,7 +2,6 @@
 clear errors on head counts, collectives from the compiled program."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from test_ring_attention import check_against_reference, collectives, in_manual_region, inputs, make_mesh
 

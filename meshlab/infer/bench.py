@@ -191,7 +191,7 @@ def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=
     state = {"cache": cache, "seen": seen}
 
     def run():
-        toks, state["cache"], state["seen"] = compiled(served, state["cache"], state["seen"], tok, pos, active,
+        toks, state["cache"], state["seen"] = compiled(served, state["cache"], state["seen"], tok, pos, active,  # noqa: F821
                                                        table, rows, counters)
         return toks
     first = np.asarray(run())[:, 0].tolist()                                      # greedy tokens of row 0

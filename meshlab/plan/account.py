@@ -11,7 +11,7 @@ import math
 import jax
 import numpy as np
 
-from meshlab.train.state import ModelDef, is_names, leaf_specs, make_optimizer_specs, tree_paths
+from meshlab.train.state import ModelDef, is_names, leaf_specs, tree_paths
 
 DATASHEET_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
 
