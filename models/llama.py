@@ -350,6 +350,8 @@ class Block(nnx.Module):
 
 # -- the model -------------------------------------------------------------------------------
 class Llama(nnx.Module):
+    block_cls = Block                           # the layer; another architecture swaps only this (models/moe.py)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         cfg.validate()
         self.cfg = cfg
@@ -358,7 +360,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_blocks(r):
-            return Block(cfg, r)
+            return self.block_cls(cfg, r)
 
         self.layers = make_blocks(rngs)          # every leaf stacked: [n_layers, ...]
         self.final_norm = RMSNorm(cfg)

@@ -187,21 +187,7 @@ class MoeBlock(nnx.Module):
 # -- the model -------------------------------------------------------------------------------------
 class MoeLM(Llama):
     """Llama's embedding, head, losses and serving loop over MoE blocks."""
-
-    def __init__(self, cfg: MoeConfig, rngs: nnx.Rngs):
-        cfg.validate()
-        self.cfg = cfg
-        self.embed = _param(rngs, (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(r):
-            return MoeBlock(cfg, r)
-
-        self.layers = make_blocks(rngs)          # every leaf stacked: [n_layers, ...]
-        self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.padded_vocab), ("embed", "vocab"), cfg.init_std)
+    block_cls = MoeBlock
 
     def hidden_and_aux(self, tokens, positions=None, segment_ids=None):
         """tokens [b, s] -> (final-normed hidden [b, s, d], router terms). The router terms are sums
