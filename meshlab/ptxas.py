@@ -1,8 +1,8 @@
 """Registers and spills of the Mosaic GPU kernels a process compiles, from ptxas' own report.
 
 Why: a kernel that spills past its register budget loses time in every loop trip, and no timing
-says so. In session 8 the dK/dV FlashAttention kernel spilled 220 bytes per thread; fixing that
-made it 1-9% faster per change (docs/benchmarks.md). With MOSAIC_GPU_DUMP_TO set, Mosaic GPU writes
+says so. The dK/dV FlashAttention kernel once spilled 220 bytes per thread; fixing that made it
+1-9% faster per change (docs/benchmarks.md#attention). With MOSAIC_GPU_DUMP_TO set, Mosaic GPU writes
 `<kernel>_<n>.ptxas` for each kernel it compiles, beside its PTX, every MLIR pass and (where
 nvdisasm is found) its SASS: several MB per kernel, so point it at a scratch directory, not at a
 device call's $OUT. jaxlib reads the variables at each compile: `enable` takes effect from the

@@ -26,7 +26,7 @@ class Hardware:
     intra: Link             # inside one host (NVLink/NVSwitch)
     inter: Link             # across hosts (InfiniBand / RoCE, per GPU)
     devices_per_host: int = 8
-    efficiency: float = 0.55  # fraction of peak a well-tuned step reaches (the issue 2 goal); stated, not measured
+    efficiency: float = 0.55  # fraction of peak a well-tuned step reaches (the training MFU goal); stated, not measured
     source: str = "datasheet"
     axes: dict = dataclasses.field(default_factory=dict)   # measured per-axis Link, from a profile
 
