@@ -11,10 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
-
 HERE = Path(__file__).resolve().parent
 BUDGET_S = 120   # each notebook's target on 2 CPU cores; a slower one is reported, not failed
 
@@ -31,6 +27,8 @@ def notebooks(names=()) -> list[Path]:
 
 
 def run(path: Path, out: Path | None, timeout: int) -> float:
+    import nbformat                      # the `notebooks` extra; listing notebooks (the tests) needs none of it
+    from nbclient import NotebookClient
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
@@ -47,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write the executed notebooks (with outputs) here")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     a = ap.parse_args(argv)
+    from nbclient.exceptions import CellExecutionError
     failed, total = [], 0.0
     for path in notebooks(a.names):
         try:
