@@ -19,7 +19,7 @@ M; the padded rows are masked loads of nothing) against the [block_k, block_n] w
 weight byte is read once and the loop is software-pipelined (`num_stages`) so several tiles are
 in flight per program: the step is bound by HBM bandwidth, and latency hiding is all that matters.
 
-Measured (H200, llama3_1b, docs/benchmarks.md "Session 5"): correct, but slower than XLA's path:
+Measured (H200, llama3_1b, docs/benchmarks.md#decode-and-serving): correct, but slower than XLA's path:
 747-753 vs 931-935 tokens/s at batch 1. The two large matmuls run at 55-80% of XLA's rate
 (gate|up 25.6 vs 18.0 us, down 19.9 vs 9.9 us per layer). XLA's Triton GEMMs split K (q|k|v 4
 ways, wo 8, down 16; fp32 partials summed by the fusion that follows, e.g. with the residual add),

@@ -38,13 +38,13 @@ the shared helpers, the custom_vjp wrapper and the argument checks.
 Measured on an H200 (jax 0.11.2, bf16, B*S = 16k, H*D = 2048, 2026-11-30, docs/benchmarks.md):
 forward 145-608 TFLOP/s (608 at 1x16384x16x128 full). In one run over the issue's 20 shapes,
 fwd+bwd was 0.85-1.09x cuDNN at 19 of them. The exception was 8x2048x16x128 causal at 0.77x,
-which another call measured at 1.32x and session 9 at 1.08x (three rounds, alternating). The Triton kernel
+which another call measured at 1.32x and a later three-round call at 1.08x (three rounds, alternating). The Triton kernel
 was 0.45-0.87x. It is faster than JAX's
 Pallas `mha` and XLA at every shape. So `attention: pallas` runs this kernel on Hopper for the
 shapes it takes (pallas_kernels/attention.py), and the Triton kernel for everything else:
 segment ids, q_len != kv_len, other GPUs, CPU interpret mode. In the llama3_1b training step
 (causal 4x4096, GQA 32/8, d=64, fused backward) it was 1.001-1.014x cuDNN's tokens/s over six
-alternating pairs (session 9, docs/benchmarks.md). Tried there and slower: FA3's intra-warpgroup
+alternating pairs (docs/benchmarks.md#attention). Tried there and slower: FA3's intra-warpgroup
 pipelined forward (S_t with P_{t-1} V_{t-1}), 10-55% slower at that shape, with or without ping-pong.
 
 Layout is `jax.nn.dot_product_attention`'s: q [b, s, h, d], k/v [b, s, kv_h, d], q_len == kv_len,
@@ -78,7 +78,7 @@ LOG2E = math.log2(math.e)
 _REGS_COMPUTE, _REGS_PRODUCER = 232, 40  # 2*128*232 + 128*40 <= 64K registers per SM
 # FlashAttention-3's split, for the fused backward only: there ptxas spilled 244 bytes per thread at
 # 232 and 192 at 240, and the kernel ran 4-5% faster (causal 4x4096x32/8x64: 1.90-1.92 vs 2.00-2.01
-# ms, H200, same process, session 9). Elsewhere 240 changed nothing measurable (the split dK/dV
+# ms, H200, same process). Elsewhere 240 changed nothing measurable (the split dK/dV
 # kernel spills 24 -> 20 bytes) or was within noise (d=128).
 _REGS_FUSED = (240, 24)
 
@@ -119,9 +119,9 @@ def _bcast(vec, shape, dim):
 
 def _index_grid(shape, row_offset):
     """(row + row_offset, col) as int32 [rows, cols] broadcasts of two index vectors in the WGMMA
-    layout: 2 + cols/4 values per thread where two 2D iotas hold 2 * rows * cols / 128 (session 8:
+    layout: 2 + cols/4 values per thread where two 2D iotas hold 2 * rows * cols / 128 (measured:
     the dK/dV kernel's iotas were most of its register spill). The forward and dQ kernels did not
-    spill either way; there it measured even (session 9) and keeps one mask for all three kernels."""
+    spill either way; there it measured even and keeps one mask for all three kernels."""
     rows, cols = shape
     r = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1)) + row_offset
     col = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=plgpu.Layout.WGMMA.reduce(0))

@@ -22,8 +22,8 @@ from pallas_kernels.flash_attention_mgpu_tiles import dq_split
 def _dq_call(q, k, v, do, lse, out, cfg: _Cfg):
     """dQ, and delta = rowsum(dO * O) [b, h, s] fp32 for the dK/dV kernel: each compute warpgroup
     sums its rows from the dO tile it loads anyway and one O tile, which saves the XLA fusion that
-    computed delta before the kernels (0.9 ms of a llama3_1b step on the split kernels, session 7's
-    profile; that step now runs the fused backward, which still takes delta from XLA)."""
+    computed delta before the kernels (0.9 ms of a llama3_1b step on the split kernels in a profile,
+    docs/benchmarks.md#attention; that step now runs the fused backward, which still takes delta from XLA)."""
     bs = cfg.bs
     b_, s_, h_, d_ = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim
     dtype = q.dtype
@@ -150,8 +150,8 @@ def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
     (shared-memory operands, one wait), P^T = exp2(S^T c - lse) (zero above the diagonal when
     `masked`), dS^T = P^T (dP^T - delta). Returns (P^T, dS^T) in fp32, the register operands of the
     dV += P^T dO and dK += dS^T Q wgmmas that follow. Register pressure decides this shape (ptxas
-    reports, H200, session 8, docs/benchmarks.md): session 7 issued dV with dP^T and held the fp32
-    P^T across it: at block_q_dkv=128, d=64 ptxas spilled 220 bytes per thread past the compute
+    reports, H200, docs/benchmarks.md#attention): issuing dV with dP^T and holding the fp32
+    P^T across it, at block_q_dkv=128, d=64 ptxas spilled 220 bytes per thread past the compute
     warpgroups' 232 registers, 196 in this order. The full-attention kernel did not spill, so the
     rest was the causal mask's two [rows, bq] int32 iotas; built from a row and a column index
     vector, broadcast, it leaves 24 bytes. Each measured against the code before it, same process:

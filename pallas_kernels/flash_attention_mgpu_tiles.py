@@ -79,15 +79,15 @@ def dq_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int
 
 def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: bool) -> bool:
     """The backward kernel where `fused_bwd` is None. Measured on an H200 (jax 0.11.2, bf16, GQA 4 and
-    1, backward alone, ms, fused vs split; docs/benchmarks.md "Session 6"): d=64 full attention
+    1, backward alone, ms, fused vs split; docs/archive/benchmarks-diary.md): d=64 full attention
     3.17 vs 3.66 (S=4k), 6.22 vs 7.24 (8k), 1.65 vs 1.88 (2k); d=64 causal 3.48 vs 3.94 (8k, GQA 1),
     3.74 vs 3.91 (8k), 7.08 vs 7.69 (16k), but 2.10 vs 2.07 (4k) and 1.33 vs 1.17 (2k): short causal
     rows leave too few steps per CTA to pay for the fp32 dQ memset, reduce and convert. d=128
     (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal).
-    After session 8's register fixes both got faster and tied at causal 4k, d=64 (fused 1.999-2.031
+    With the dK/dV kernel's spills fixed both got faster and tied at causal 4k, d=64 (fused 1.999-2.031
     vs split 1.993-2.032 ms); with FA3's 240/24 register split (_REGS_FUSED) the fused kernel leads
-    there, 1.90-1.92 vs 1.98-2.05 (session 9), so causal S >= 4096 takes it too. Causal 2k was
-    1.33 vs 1.17 (session 6): not re-measured, left on the split kernels."""
+    there, 1.90-1.92 vs 1.98-2.05, so causal S >= 4096 takes it too. Causal 2k was
+    1.33 vs 1.17: not re-measured, left on the split kernels."""
     if head_dim != 64 or (causal and seq_len < 4096) or bs.block_q_dkv % 128:
         return False
     return fused_bwd_smem_bytes(bs, head_dim) <= _SMEM_BYTES
@@ -112,7 +112,7 @@ def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
     2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default. Both: the dQ kernel streams
     128-row K/V tiles (half the steps, each S/dP tile twice as wide): causal S=4096 GQA 4, dQ
     kernel alone 0.813-0.817 vs 0.918-0.929 ms at d=64, 0.640-0.651 vs 0.644-0.668 at d=128
-    (session 7, docs/benchmarks.md). At d=128 the 64-row tile is back: with the O tile for delta,
+    (docs/benchmarks.md#attention). At d=128 the 64-row tile is back: with the O tile for delta,
     128 rows do not fit (dq_smem_bytes), and they were within noise there."""
     if head_dim == 64:
         return MgpuBlockSizes(block_q_dkv=128, block_kv_dq=128)

@@ -85,7 +85,7 @@ def impls(d):
 
 BWD_VARIANTS = {   # changes to default_block_sizes(d): the backward kernels compared by --bwd-alone
     "split": dict(fused_bwd=False), "fused": dict(fused_bwd=True),   # fused: dQ by TMA reduce-add
-    "dq64": dict(fused_bwd=False, block_kv_dq=64),   # d=64: the dQ kernel's K/V tile before session 7 (d=128's default)
+    "dq64": dict(fused_bwd=False, block_kv_dq=64),   # d=64: the dQ kernel's earlier 64-row K/V tile (d=128's default)
 }
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/bench_collectives.py --mesh data=-1 --out profiles/h200.json
     python scripts/bench_collectives.py --cpu-devices 8 --mesh data=2,tensor=4 --max-bytes 1MiB
-    # 2 GPUs, issue 9: the four NCCL collectives 1 MiB .. 4 GiB, then why psum trails torch
+    # 2 GPUs: the four NCCL collectives 1 MiB .. 4 GiB, then why psum trails torch
     ... --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB --variants all
 
 What is measured and how (the collectives, the ppermute-built ones, the checks, the two times, the

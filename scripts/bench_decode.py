@@ -1,4 +1,4 @@
-"""Decode benchmark for issue 7 (llama3_1b shape, bf16, random weights), sized for one GPU call.
+"""Decode benchmark (llama3_1b shape, bf16, random weights), sized for one GPU call.
 
     PYTHONPATH=$PWD python3 scripts/bench_decode.py [--budget-s 440] [--jobs base,pallas] [--quick] [--cpu-smoke]
 

@@ -113,7 +113,7 @@ def append_docs(path, text):
         with open(path, "w") as f:
             f.write("# Benchmarks\n")
     lines = open(path).read().splitlines(keepends=True)
-    intro = (f"\n{SECTION}\n\n`scripts/bench_ring.py` (issue 5): ring attention at context size 1 (the ring code path "
+    intro = (f"\n{SECTION}\n\n`scripts/bench_ring.py`: ring attention at context size 1 (the ring code path "
              "forced on, so its overhead shows) against the plain kernels; causal, bf16, one process, fp32-checked "
              "before timing, median of 5 after 2 warm-ups. tok/s counts the query tokens of one call; "
              "'vs plain' > 1 means faster than our Pallas flash attention.\n\n")

@@ -1,6 +1,6 @@
 """The planner against the compiler: the real train step, compiled on abstract inputs, 8 CPU devices.
 
-Per rule file (issue 2 "Memory" / "Communication", issue 8 "Proof against the compiler"):
+Per rule file (the memory and communication accounts, proved against the compiler):
 - params / grads / Adam bytes per device: the compiled program's input shardings (grads: the
   compiled loss-and-grads region's output shardings; zero1's are the reduce-scattered Adam shards,
   its full accumulator lives inside the region) equal the planner's, exactly, and follow the ZeRO
