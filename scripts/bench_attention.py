@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab import ptxas
-from meshlab.benchtime import median_time  # noqa: E402
+from meshlab.bench import ptxas
+from meshlab.bench.timing import median_time  # noqa: E402
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 
 VARIANTS = {  # every variant tried is recorded; "def" is BlockSizes.default (C at d=128 since run 2)

@@ -6,7 +6,7 @@
     ... --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB --variants all
 
 What is measured and how (the collectives, the ppermute-built ones, the checks, the two times, the
-fit): meshlab/plan/collectives_bench.py.
+fit): meshlab/bench/collectives.py.
 --variants re-times the all-reduce in fresh processes, one change each (NCCL protocol/algorithm,
 XLA user/symmetric buffers, XLA's one-shot all-reduce kernel, one process per GPU, combining, in
 place). Flags checked to parse in jax 0.10.2; the GPU's jax may differ: an unknown one is an error row.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the variants' children run this file without PYTHONPATH
-from meshlab.plan.collectives_bench import OPS, parse_bytes, sweep, use_cpu_devices  # noqa: E402
-from meshlab.plan.collectives_variants import VARIANTS, child_variant, sweep_then_variants  # noqa: E402
+from meshlab.bench.collectives import OPS, parse_bytes, sweep, use_cpu_devices  # noqa: E402
+from meshlab.bench.collectives_variants import VARIANTS, child_variant, sweep_then_variants  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -108,7 +108,7 @@ def _sweep_configs():
 def setup(args):
     import jax
     import models
-    from meshlab.infer import bench
+    from meshlab.bench import decode as bench
     from meshlab.infer.loading import random_params
     from meshlab.train.state import model_def
     bench.emit({"section": "meta", "setting": args.job, "value": 0.0, "unit": "", "backend": jax.default_backend(),
@@ -132,7 +132,7 @@ def setup(args):
 
 
 def run_torch_copy(args):
-    from meshlab.infer import bench      # imports jax, but torch alone touches the GPU here
+    from meshlab.bench import decode as bench      # imports jax, but torch alone touches the GPU here
     if args.cpu_smoke:
         return
     for name, rate in bench.torch_copy_bandwidth().items():
@@ -143,7 +143,7 @@ def run_torch_copy(args):
 def run_child(args):
     if args.job == "copy_torch":
         return run_torch_copy(args)
-    from meshlab.infer import bench
+    from meshlab.bench import decode as bench
     cfg, md, params, bw, sz = setup(args)
     out, tag = Path(args.out_dir), JOBS[args.job][2]
 
@@ -217,7 +217,7 @@ def run_child(args):
             dm.default_block_sizes = lambda k, n, swiglu, bs=bs: bs   # this child process only
             decode(1, "kernels", impl="pallas", profile=True, variant=f"[{name}]")
     elif args.job == "matmul":
-        from meshlab.infer.bench_matmul import matmul_peers
+        from meshlab.bench.matmul import matmul_peers
         for batch in (1, 16):
             configs = _matmul_configs(quick=args.cpu_smoke)
             if batch > 1 and not args.cpu_smoke:
@@ -228,7 +228,7 @@ def run_child(args):
     elif args.job == "cublas":
         decode(1, "fused", impl="pallas", profile=True)
     elif args.job == "engine":
-        from meshlab.infer import bench_serve as bs
+        from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
         layers_gate("fused")               # fp32: packed steps (flash chunk rows on GPU) and decode vs uncached
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],

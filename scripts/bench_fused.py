@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab.benchtime import median_time  # noqa: E402
+from meshlab.bench.timing import median_time  # noqa: E402
 from pallas_kernels import cross_entropy_onepass as onepass
 from pallas_kernels import fused_cross_entropy as ce
 from pallas_kernels import fused_rmsnorm as rn

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
-from meshlab.benchtime import median_time  # noqa: E402
+from meshlab.bench.timing import median_time  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
@@ -106,7 +106,7 @@ def gemm_rows(m, k, n, experts, tiles_list):
 
 
 def train_rows(args):
-    from meshlab.train.bench import build
+    from meshlab.bench.train import build
     from meshlab.train.state import init_state
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     dense_rules = R.load_rules("dp")

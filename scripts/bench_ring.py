@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from meshlab.benchtime import median_time  # noqa: E402
+from meshlab.bench.timing import median_time  # noqa: E402
 from meshlab.parallel.ring_attention import ring_attention  # noqa: E402
 from pallas_kernels.attention import xla_attention  # noqa: E402
 

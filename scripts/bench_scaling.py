@@ -131,8 +131,8 @@ def main():
     from meshlab.plan import account
     from meshlab.plan.hardware import HardwareError, get_hardware
     from meshlab.plan.search import evaluate
-    from meshlab.train.bench import time_steps
-    from meshlab.train.peak import measured_matmul_flops
+    from meshlab.bench.train import time_steps
+    from meshlab.peak import measured_matmul_flops
     from meshlab.train.state import model_def
 
     devices = jax.devices()

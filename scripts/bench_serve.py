@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python3 scripts/bench_serve.py [--jobs offline,peer_cb,peer_b1,http] [--n 512]
     PYTHONPATH=$PWD python3 scripts/bench_serve.py --quick          # tiny model on CPU: the mechanics
 
-Workload (meshlab/infer/bench_serve.py): n requests, prompts uniform in [128, 1024] tokens,
+Workload (meshlab/bench/serve.py): n requests, prompts uniform in [128, 1024] tokens,
 outputs uniform in [64, 256], greedy, no stop tokens. Jobs, each a child process (torch and JAX
 never share one), printing `ROW {json}` lines:
 
@@ -43,7 +43,7 @@ def shape(args):
 
 
 def child(args):
-    from meshlab.infer import bench_serve as bs
+    from meshlab.bench import serve as bs
     preset, dtype, wl, ek = shape(args)
     work = bs.workload(args.n, seed=0, **wl)
     if args.job == "peer_cb":

@@ -23,8 +23,8 @@ import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
-from meshlab.train.bench import pick_batch, time_steps, torch_gemm_tflops  # noqa: E402
-from meshlab.train.peak import measured_gemm_flops, peak_flops  # noqa: E402
+from meshlab.bench.train import pick_batch, time_steps, torch_gemm_tflops  # noqa: E402
+from meshlab.peak import measured_gemm_flops, peak_flops  # noqa: E402
 
 
 def run_peer(batch, seq, steps):
@@ -144,7 +144,7 @@ def gemm_text(gemm) -> str:
 
 def write_profile(trace_dir, label, step_s, dest):
     """Kernel-time table of the traced steps (the trace itself stays on the device machine)."""
-    from meshlab.train.profile_summary import format_summary, summarize
+    from meshlab.bench.profile_summary import format_summary, summarize
     try:
         text = format_summary(summarize(trace_dir, steps=2), label, step_s * 1e3)
     except Exception as e:  # a profile that fails must not lose the timing rows

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
-from meshlab.train.bench import time_steps  # noqa: E402
+from meshlab.bench.train import time_steps  # noqa: E402
 
 
 def main():

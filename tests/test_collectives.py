@@ -1,7 +1,7 @@
 """scripts/bench_collectives.py mechanics on 8 simulated CPU devices: every op (the source's table,
 ppermute, the hand-written rings) equals the library collective over each mesh axis; the alpha/BW
 fit, the profile the planner reads, and the append-only markdown. Times are never asserted.
-The logic is meshlab.plan.collectives_bench / collectives_variants; the script is loaded for its
+The logic is meshlab.bench.collectives / collectives_variants; the script is loaded for its
 command line (main), which the variants' child processes go through too."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshlab.plan import collectives_bench as bench
-from meshlab.plan import collectives_variants as variants
+from meshlab.bench import collectives as bench
+from meshlab.bench import collectives_variants as variants
 from meshlab.plan import hardware
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_collectives.py"

@@ -12,7 +12,7 @@ from meshlab.plan import account, memory
 from meshlab.train import fit, loop
 from meshlab.train.checkpoint import Checkpointer
 from meshlab.train.config import ConfigError, load_config
-from meshlab.train.peak import datasheet_tflops, mfu, peak_flops
+from meshlab.peak import datasheet_tflops, mfu, peak_flops
 from tests.helpers import small_config
 
 def _dp(tmp_path, extra=(), steps=3):

@@ -1,5 +1,5 @@
 """hlo_traffic: bytes written per token by large copies in a compiled decode program (bench_decode)."""
-from meshlab.infer.bench import hlo_traffic
+from meshlab.bench.decode import hlo_traffic
 
 # A decode loop of 4 tokens around a layer loop of 2 layers, shaped like XLA's own text: the layer
 # body copies a dynamic slice of a stacked weight [2, 512, 1024] f32 (2 MiB per layer) before its

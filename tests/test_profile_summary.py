@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from meshlab.train.profile_summary import format_summary, kernel_class, summarize
+from meshlab.bench.profile_summary import format_summary, kernel_class, summarize
 
 
 def _trace(tmp_path, events):

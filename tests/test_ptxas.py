@@ -1,9 +1,9 @@
-"""meshlab.ptxas: reading Mosaic GPU's ptxas reports (the benchmarks' register and spill columns)."""
+"""meshlab.bench.ptxas: reading Mosaic GPU's ptxas reports (the benchmarks' register and spill columns)."""
 import os
 
 import pytest
 
-from meshlab import ptxas
+from meshlab.bench import ptxas
 
 SPILLED = """ptxas warning : Registers are spilled to local memory in function 'mgpu_flash_dkv_mosaic_gpu_kernel', 220 bytes spill stores, 240 bytes spill loads
 ptxas info    : 0 bytes gmem

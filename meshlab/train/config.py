@@ -80,7 +80,7 @@ class TrainConfig:
     # (the allocator's bytes_limit); CPU devices report none, so there the check is off unless set.
     device_memory_gib: float = 0.0
     # MFU's denominator, dense TFLOP/s per device. 0: the datasheet figure of the device kind
-    # (meshlab/train/peak.py); an unknown kind gets MFU "n/a" and a line saying to set this.
+    # (meshlab/peak.py); an unknown kind gets MFU "n/a" and a line saying to set this.
     peak_tflops: float = 0.0
 
 

@@ -30,7 +30,7 @@ from meshlab.train.checkpoint import Checkpointer, write_run_tokenizer
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
-from meshlab.train.peak import measured_gemm_flops, mfu, peak_flops
+from meshlab.peak import measured_gemm_flops, mfu, peak_flops
 from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, batch_spec, make_train_step
 

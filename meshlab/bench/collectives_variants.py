@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshlab.plan.collectives_bench import _input, parse_bytes, _timed, profile, report, wire_bytes
+from meshlab.bench.collectives import _input, parse_bytes, _timed, profile, report, wire_bytes
 
 ENTRY = Path(__file__).resolve().parents[2] / "scripts" / "bench_collectives.py"
 

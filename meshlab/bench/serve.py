@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from meshlab.infer.bench import emit
+from meshlab.bench.decode import emit
 
 
 def workload(n: int, prompt=(128, 1024), output=(64, 256), vocab: int = 128256, seed: int = 0):

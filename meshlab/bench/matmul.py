@@ -15,8 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshlab.benchtime import median_time
-from meshlab.infer.bench import emit
+from meshlab.bench.timing import median_time
+from meshlab.bench.decode import emit
 
 F32 = jnp.float32
 

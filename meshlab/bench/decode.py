@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab.benchtime import median_time
+from meshlab.bench.timing import median_time
 from meshlab.infer import kv_cache
 from meshlab.infer.engine import ContiguousGenerator, Engine, make_programs, serving_params
 from meshlab.infer.sampler import SamplingParams, row_arrays
@@ -216,7 +216,7 @@ def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=
 def profile(run, trace_dir, n, step_s) -> dict:
     """Device time per token by kernel class from a Perfetto trace of one call (XLA replaces
     command buffers by op-by-op launches while profiling, so busy% is a lower bound)."""
-    from meshlab.train.profile_summary import summarize
+    from meshlab.bench.profile_summary import summarize
     try:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             jax.block_until_ready(run())
