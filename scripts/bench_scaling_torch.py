@@ -33,7 +33,8 @@ def _bytes(s: str) -> int:
     return int(low)
 
 
-def llama_config(tiny: bool):
+def llama_config(tiny: bool, model: str = "llama3_1b"):
+    """transformers' LlamaConfig of meshlab's preset `model` (the same shape the JAX side trains)."""
     from transformers import LlamaConfig
     rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
@@ -41,10 +42,13 @@ def llama_config(tiny: bool):
         cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, rope_theta=500000.0,
                           tie_word_embeddings=True, rope_scaling=rope)
-    else:      # llama3_1b, as in scripts/bench_train_torch.py
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
-                          rope_theta=500000.0, tie_word_embeddings=True, rope_scaling=rope)
+    else:
+        import models
+        m = models.preset(model)
+        cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.mlp_dim,
+                          num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads,
+                          head_dim=m.head_dim, max_position_embeddings=8192, rope_theta=m.rope_theta,
+                          tie_word_embeddings=m.tie_embeddings, rope_scaling=rope)
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -111,14 +115,14 @@ def train(mode: str, dev, world: int, a) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
-    cfg = llama_config(a.tiny)
+    cfg = llama_config(a.tiny, a.model)
     torch.manual_seed(0)
     with dev:   # parameters created on the device (the CPU init of 1.2B parameters takes many seconds)
         model = LlamaForCausalLM(cfg)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     layers = model.model.layers
-    if a.compile == "blocks":   # one compiled decoder layer, reused by all 16 (torchtitan's recipe)
+    if a.compile == "blocks":   # one compiled decoder layer, reused by every layer (torchtitan's recipe)
         for i in range(len(layers)):
             layers[i] = torch.compile(layers[i])
     if mode == "ddp":
@@ -185,7 +189,7 @@ def train(mode: str, dev, world: int, a) -> dict:
     return {"tokens_per_s_per_gpu": tok_gpu, "step_ms": dt * 1e3, "peak_mem_gib": peak / 2**30,
             "mfu_989": tok_gpu * flops_per_token(cfg, n_params, a.seq) / 989e12, "loss": float(loss.detach()),
             "warmup_s": warm_s, "batch_per_gpu": a.batch, "seq": a.seq, "params": n_params,
-            "compile": a.compile, "precision": mp_note, "optimizer": opt_note}
+            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "model": "tiny" if a.tiny else a.model}
 
 
 def worker(rank: int, world: int, gpu: int, port: int, jobs: list[str], a, q, group: str):
@@ -335,6 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nccl-timeout-s", type=float, default=120)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--model", default="llama3_1b", help="meshlab preset whose shape the torch model takes")
     ap.add_argument("--out", default="", help="also append the JSON lines to this file")
     a = ap.parse_args(argv)
     start = time.time()
