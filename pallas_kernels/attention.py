@@ -3,18 +3,13 @@
 `impl` is one of:
   xla     the reference: einsum + softmax in fp32, materialises [b, h, q, k] scores.
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (GPU only).
-  pallas  Pallas FlashAttention. On Hopper (sm_90) the Mosaic GPU kernel
-          (`pallas_kernels.flash_attention_mgpu`: wgmma + TMA) for the shapes it takes (no segment
-          ids, q_len == kv_len, head_dim 64/128, bf16/fp16, seq a multiple of its 128-row blocks);
-          otherwise `pallas_kernels.flash_attention` (Triton lowering, CUDA sm_80+). Why: on the
-          H200 the Mosaic kernel ran fwd+bwd 0.87-1.32x cuDNN where the Triton one ran 0.45-0.87x
-          (docs/benchmarks.md, Attention).
-  auto    the fastest measured on this platform (`auto_order`), logged once: Hopper pallas (the
-          Mosaic kernel) -> cudnn -> xla; other GPUs cudnn -> pallas -> xla (the Triton kernel ran
-          fwd+bwd 0.45-0.87x cuDNN on the H200); CPU xla. A shape the kernel refuses (e.g.
-          head_dim 96) steps down to cudnn/xla for that call.
+  pallas  Pallas FlashAttention: on Hopper (sm_90) the Mosaic GPU kernel (flash_attention_mgpu.py)
+          for the shapes it takes (`mgpu_supports`), else the Triton kernel (flash_attention.py).
+  auto    the fastest measured on this platform (`auto_order`), logged once; a shape the kernel
+          refuses (e.g. head_dim 96) steps down to cudnn/xla for that call.
 An explicit choice that cannot run here is an error, never a silent fallback.
 Layout everywhere: q [b, q_len, heads, d], k/v [b, kv_len, kv_heads, d].
+Why this order: docs/benchmarks.md#attention.
 """
 from __future__ import annotations
 
@@ -22,6 +17,8 @@ import logging
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import flash_attention, flash_attention_mgpu
 
 IMPLS = ("xla", "cudnn", "pallas", "auto")
 log = logging.getLogger(__name__)
@@ -90,9 +87,8 @@ def _hopper() -> bool:
 
 
 def mgpu_supports(q, k, *, segment_ids=None) -> bool:
-    """Shapes the Mosaic GPU kernel takes (its _config errors), given a Hopper GPU."""
-    from pallas_kernels.flash_attention_mgpu import default_block_sizes
-    bs = default_block_sizes(q.shape[-1])
+    """Shapes the Mosaic GPU kernel takes (its make_config errors), given a Hopper GPU."""
+    bs = flash_attention_mgpu.default_block_sizes(q.shape[-1])
     blocks = (bs.block_q, bs.block_kv, bs.block_q_dq, bs.block_kv_dq, bs.block_kv_dkv, bs.block_q_dkv)
     return (segment_ids is None and q.shape[1] == k.shape[1] and q.shape[-1] in (64, 128)
             and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k.dtype
@@ -112,10 +108,6 @@ def available(impl: str) -> bool:
     if impl == "cudnn":
         return _gpu_available()
     if impl == "pallas":
-        try:
-            from pallas_kernels import flash_attention  # noqa: F401
-        except ImportError:
-            return False
         return _triton_gpu_available()
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
 
@@ -124,7 +116,9 @@ _auto_choice: str | None = None
 
 
 def auto_order() -> tuple[str, ...]:
-    """`auto`'s order on this platform, fastest first (measurements in the module docstring)."""
+    """`auto`'s order on this platform, fastest first (docs/benchmarks.md#attention): Hopper runs the
+    Mosaic kernel ahead of cuDNN; other GPUs cuDNN first, since there "pallas" is the Triton kernel,
+    which ran fwd+bwd slower than cuDNN; CPU xla."""
     if _hopper():
         return ("pallas", "cudnn", "xla")
     if _gpu_available():
@@ -176,7 +170,5 @@ def dot_product_attention(q, k, v, *, impl: str = "xla", causal: bool = True, se
                                       f"and {k.shape[1]}); use attention=pallas or xla for chunked prefill")
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn")
     if _hopper() and mgpu_supports(q, k, segment_ids=segment_ids):
-        from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
-        return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
-    from pallas_kernels.flash_attention import flash_attention
-    return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
+        return flash_attention_mgpu.flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
+    return flash_attention.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)

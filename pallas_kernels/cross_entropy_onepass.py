@@ -3,46 +3,14 @@
     onepass_cross_entropy_sum(hidden [T, d], weight [d, V], labels [T]) -> scalar fp32
         = sum_t loss_t,  loss_t = lse_t - logit_t[label_t] + z_loss * lse_t**2  (0 where ignored)
 
-Why one pass: the training loss is a *sum* of per-token losses (meshlab/train/step.py), so its
-cotangent is a single scalar g, and d(sum)/dlogits = softmax - onehot does not depend on g. The
-forward can therefore finish the whole gradient while each chunk's logits are in hand, save
-dh [T, d] and dW [d, V], and the backward only scales them by g. The fused kernel's slab mode
-(fused_cross_entropy.py) cannot do this: its per-token API needs the per-token cotangent, so it
-recomputes the logits in the backward.
-
-Design, per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
-    logits = h_c @ W                  bf16 GEMM, fp32 output           [N, V]
-    lse, label logit, loss            fp32 reductions over V           [N]
-    dlogits = (1 + 2 z lse) softmax - onehot, 0 on ignored rows, in the weights' dtype (bf16):
-                                      the dense model rounds its fp32 dlogits to bf16 once as well
-                                      (models/llama.py mm_f32_out), so the GEMMs see the same operands
-    dh_c  = dlogits @ W^T             [N, d], written into dh
-    dW   += h_c^T @ dlogits           fp32 carry [d, V]; XLA can fuse the add into the GEMM (beta=1)
-FLOPs: 3 logits-sized GEMMs (2TdV each), the minimum and what XLA's dense loss does, against 4 for
-the slab mode (which recomputes h @ W in the backward). Memory: one [N, V] fp32 logits slab and its
-bf16 dlogits at a time (never [T, V]), the fp32 dW carry [d, V] and dh [T, d]. Cost beside the
-GEMMs: dW is read-modified-written once per chunk after the first, 2*d*V*4 bytes (2.1 GB at
-d=2048, V=128256), so T/N chunks cost T/N - 1 of those; larger chunks trade that traffic for a
-larger slab.
-
-Saved for the backward: dh in h's dtype (as the dense path's dh GEMM writes it), and dW in fp32: it is the loop's carry, so saving it costs
-no extra buffer (a bf16 copy would coexist with the carry while converting), it lives only from
-the loss forward to the head's backward, which are adjacent in the step, and the scaled gradient
-g * dW is then rounded to the weights' dtype once. dh is rounded twice (at save, after scaling).
-
-This is jnp + cuBLAS on purpose, not a Pallas kernel: the three GEMMs are [N, d] x [d, V]-sized and
-run at cuBLAS speed, which a Triton GEMM with a softmax epilogue does not beat (the slab mode
-hands its dh and dW GEMMs to cuBLAS for that reason), and the epilogue cannot finish a tile
-before the full-vocab lse is known anyway, so fusing it would mean a second pass over the logits.
-Plain jnp also lets GSPMD partition it: with the head weight sharded over vocab (tensor-parallel
-rule files) the GEMMs split over V, the reductions over V become [N]-sized all-reduces and dh_c
-an [N, d] one (Megatron's vocab-parallel cross-entropy); W is never gathered.
-
-Chunks are strided: with n = T // N chunks, chunk j = tokens {j, j + n, j + 2n, ...}. A token
-dimension that is sharded (context parallelism) stays sharded inside every chunk, so each device
-works on its own tokens, where contiguous chunks would make the loop slice across shards. Its cost
-there: GSPMD keeps the dW carry replicated, so each chunk's partial dW is all-reduced over the
-token shards (T/N all-reduces of d*V*4 bytes where one at the end would do).
+Why one pass: the training loss is a *sum* of per-token losses, so its cotangent is one scalar g
+and d(sum)/dlogits = softmax - onehot does not depend on g. The forward finishes the gradient while
+each chunk's logits are in hand, saves dh [T, d] and dW [d, V], and the backward only scales them.
+3 logits-sized GEMMs (the minimum) against 4 for fused_cross_entropy.py's slab mode; one [N, V]
+logits slab at a time. Plain jnp + cuBLAS, not Pallas: the GEMMs run at cuBLAS speed and GSPMD
+partitions them (a vocab-sharded head weight is never gathered). Design and costs: `_sweep`.
+Limits: no per-token output; differentiate the sum (or a scalar multiple of it).
+Speed and memory against the dense loss: docs/benchmarks.md#fused-ops.
 """
 from __future__ import annotations
 
@@ -52,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.fused_cross_entropy import _check, _finish
+from pallas_kernels.cross_entropy_common import check_args, token_loss
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ b^T
@@ -68,7 +36,7 @@ def _chunk(h, w, y, ignore_index, z_loss, grads):
     # the reductions; the onehot is needed for dlogits anyway.
     hit = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]     # [n, V]
     label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)              # [n]
-    loss = jnp.sum(_finish(lse, label_logit, y, ignore_index, z_loss))
+    loss = jnp.sum(token_loss(lse, label_logit, y, ignore_index, z_loss))
     if not grads:
         return loss
     valid = y != ignore_index                                                # [n]
@@ -82,7 +50,21 @@ def _chunk(h, w, y, ignore_index, z_loss, grads):
 
 
 def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
-    """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32)."""
+    """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32).
+
+    Per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
+        logits = h_c @ W             bf16 GEMM, fp32 output                          [N, V]
+        lse, label logit, loss       fp32 reductions over V                          [N]
+        dlogits = (1 + 2 z lse) softmax - onehot, 0 on ignored rows, in the weights' dtype: the
+                                     dense model rounds its fp32 dlogits to bf16 once as well
+        dh_c  = dlogits @ W^T        [N, d], written into dh
+        dW   += h_c^T @ dlogits      fp32 carry [d, V]; XLA can fuse the add into the GEMM (beta=1)
+    Cost beside the GEMMs: dW is read-modified-written once per chunk after the first, 2*d*V*4
+    bytes, so larger chunks trade that traffic for a larger slab.
+    Chunks are strided (chunk j = tokens {j, j + n, j + 2n, ...}, n = T // N): a sharded token
+    dimension (context parallelism) stays sharded inside every chunk, where contiguous chunks
+    would slice across shards. There GSPMD keeps the dW carry replicated, so each chunk's partial
+    dW is all-reduced over the token shards (T/N all-reduces of d*V*4 bytes where one would do)."""
     t, d = hidden.shape
     c = min(chunk_size, t)
     n = t // c
@@ -136,6 +118,9 @@ def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weigh
 
 
 def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, res, g):
+    # Saved: dh in h's dtype (as the dense path's dh GEMM writes it) and dW in fp32: it is the loop's
+    # carry, so saving it costs no extra buffer (a bf16 copy would coexist with the carry while
+    # converting); it lives only from the loss forward to the head's backward, adjacent in the step.
     dh, dw = res
     g = g.astype(F32)
     # Scaled in fp32 and rounded once to the operands' dtypes; labels are integers: no cotangent.
@@ -151,7 +136,7 @@ def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss
     computed (module doc). hidden and weight may be bf16 (GEMM operands, fp32 accumulation) or fp32.
     Differentiate the sum itself (any scalar multiple of it is fine): this has no per-token output.
     """
-    _check(hidden, weight, labels, ignore_index, z_loss)
+    check_args(hidden, weight, labels, ignore_index, z_loss)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{chunk_size=} must be a positive int (tokens per [chunk_size, V] logits slab)")
     return _onepass(hidden, weight, labels, int(ignore_index), float(z_loss), chunk_size,

@@ -5,34 +5,13 @@
         swiglu=True:     w = gate | up [k, 2f] -> silu(x @ gate) * (x @ up)             [m, f]
         residual=[m, n]: residual + x @ w                       (the block's residual adds)
 
-Why: at decode batch 1..16 a transformer layer is four weight reads (q|k|v, wo, gate|up, down)
-and the rest is vectors of d_model or mlp_dim floats. XLA runs each norm, residual add, SwiGLU
-product and the zero-row padding of its one-token GEMMs as its own kernel, 1.2-3 us apiece
-against 2-18 us for the GEMMs (H200 profile of llama3_1b at batch 1, docs/benchmarks.md): about
-a third of the step. Here a layer is four of these launches plus the attention kernel. The
-epilogues cost nothing (registers); the norm prologue re-reads x, a few KB, from L2 in every
-program, which is why it is for few rows only.
-
-Kernel: one program per `block_n` output columns (per gate and up column block with swiglu),
-a loop over k in `block_k` chunks, a tensor-core dot of the rows padded to 16 (Triton's smallest
-M; the padded rows are masked loads of nothing) against the [block_k, block_n] weight tile. Every
-weight byte is read once and the loop is software-pipelined (`num_stages`) so several tiles are
-in flight per program: the step is bound by HBM bandwidth, and latency hiding is all that matters.
-
-Measured (H200, llama3_1b, docs/benchmarks.md#decode-and-serving): correct, but slower than XLA's path:
-747-753 vs 931-935 tokens/s at batch 1. The two large matmuls run at 55-80% of XLA's rate
-(gate|up 25.6 vs 18.0 us, down 19.9 vs 9.9 us per layer). XLA's Triton GEMMs split K (q|k|v 4
-ways, wo 8, down 16; fp32 partials summed by the fusion that follows, e.g. with the residual add),
-so its down GEMM runs 16x as many programs as output tiles; here down has 64-128 programs for 132
-SMs. Split-K with the epilogue in a last-arriving program is the next step. Serving uses this
-only with layers="kernels" (meshlab/infer/engine.py), not by default, with the weights as stored
-([k, n]); w_layout="nk" reads them transposed ([n, k], contiguous per output), which timed the
-down matmul alone at 17.1 vs 20.6 us but is not wired into serving (it would store a second copy
-or transpose the prefill path's weights).
-
-Numerics follow the model's XLA path (models/llama.py): fp32 accumulation; the normed x is
-rounded to x's dtype before the dot; the matmul output is rounded to x's dtype before the residual
-add (fp32, rounded again) and before SwiGLU's fp32 silu(gate) * up.
+Why: at decode batch 1..16 a layer is four weight reads and the rest is vectors, which XLA runs as
+small kernels of their own; here a layer is four launches plus attention, the epilogues in registers.
+Limits: for few rows (m <= 16: the norm prologue re-reads x in every program); the step is bound
+by HBM bandwidth, so the kernel (`_kernel`) is about keeping weight tiles in flight. Serving uses it
+only with layers="kernels" (meshlab/infer), not by default. Numerics follow the model's XLA path
+(models/llama.py): fp32 accumulation, the normed x and the matmul output rounded to x's dtype.
+Speed against XLA's path (currently slower): docs/benchmarks.md#decode-and-serving.
 """
 from __future__ import annotations
 
@@ -45,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams
-from pallas_kernels.fused_cross_entropy import _load, _store
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
+from pallas_kernels.triton_tiles import load_tile, store_tile
 
 ROWS = 16   # rows per program: Triton's smallest tensor-core M; also the most rows this is for
 F32 = jnp.float32
@@ -94,7 +73,7 @@ def decode_matmul_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, s
 def _rstd(x_ref, *, m, k, bk, eps, mask_k):
     """[ROWS] 1/rms of x's rows (fp32), summed over k in bk chunks; padded rows get rsqrt(eps)."""
     def body(i, ss):
-        xk = _load(x_ref, 0, ROWS, m, i * bk, bk, k, mask_r=True, mask_c=mask_k).astype(F32)   # [ROWS, bk]
+        xk = load_tile(x_ref, 0, ROWS, m, i * bk, bk, k, mask_r=True, mask_c=mask_k).astype(F32)   # [ROWS, bk]
         return ss + jnp.sum(xk * xk, axis=1)
     ss = lax.fori_loop(0, pl.cdiv(k, bk), body, jnp.zeros((ROWS,), F32))
     return lax.rsqrt(ss / k + eps)
@@ -104,11 +83,17 @@ def _weight_tile(w_ref, k0, bk, k, c0, bn, *, nk, mask_k, mask_n):
     """The [bk, bn] weight tile at (k0, c0); nk: w stored [n, k] (each output's weights contiguous),
     loaded as [bn, bk] and fed transposed to the dot (Triton folds the transpose into the MMA)."""
     if nk:
-        return _load(w_ref, c0, bn, w_ref.shape[0], k0, bk, k, mask_r=mask_n, mask_c=mask_k).T
-    return _load(w_ref, k0, bk, k, c0, bn, w_ref.shape[1], mask_r=mask_k, mask_c=mask_n)
+        return load_tile(w_ref, c0, bn, w_ref.shape[0], k0, bk, k, mask_r=mask_n, mask_c=mask_k).T
+    return load_tile(w_ref, k0, bk, k, c0, bn, w_ref.shape[1], mask_r=mask_k, mask_c=mask_n)
 
 
 def _kernel(*refs, m, k, n_out, bn, bk, eps, norm, swiglu, residual, mask_k, mask_n, nk):
+    """One program per `block_n` output columns (per gate and up column block with swiglu): a loop
+    over k in `block_k` chunks, a tensor-core dot of the rows padded to 16 (Triton's smallest M; the
+    padded rows are masked loads of nothing) against the [block_k, block_n] weight tile. Every weight
+    byte is read once and the loop is software-pipelined (`num_stages` tiles in flight). XLA's own
+    GEMMs split K across programs where this does not (down: 64-128 programs for 132 SMs), which is
+    where this kernel loses; w_layout="nk" reads [n, k] weights (contiguous per output column)."""
     x_ref, w_ref, *refs = refs
     scale_ref = refs.pop(0) if norm else None
     res_ref = refs.pop(0) if residual else None
@@ -122,7 +107,7 @@ def _kernel(*refs, m, k, n_out, bn, bk, eps, norm, swiglu, residual, mask_k, mas
     precision = lax.Precision.HIGHEST if w_ref.dtype == F32 else None
 
     def body(i, accs):
-        xk = _load(x_ref, 0, ROWS, m, i * bk, bk, k, mask_r=True, mask_c=mask_k)                 # [ROWS, bk]
+        xk = load_tile(x_ref, 0, ROWS, m, i * bk, bk, k, mask_r=True, mask_c=mask_k)                 # [ROWS, bk]
         if norm:
             scale = plgpu.load(scale_ref.at[pl.ds(i * bk, bk)], **(
                 dict(mask=i * bk + jnp.arange(bk) < k, other=0) if mask_k else {})).astype(F32)  # [bk]
@@ -140,8 +125,8 @@ def _kernel(*refs, m, k, n_out, bn, bk, eps, norm, swiglu, residual, mask_k, mas
         up = accs[1].astype(dt).astype(F32)
         y = y * jax.nn.sigmoid(y) * up
     if residual:
-        y = y + _load(res_ref, 0, ROWS, m, c0, bn, n_out, mask_r=True, mask_c=mask_n).astype(F32)
-    _store(o_ref, 0, ROWS, m, c0, bn, n_out, y.astype(dt), mask_r=True, mask_c=mask_n)
+        y = y + load_tile(res_ref, 0, ROWS, m, c0, bn, n_out, mask_r=True, mask_c=mask_n).astype(F32)
+    store_tile(o_ref, 0, ROWS, m, c0, bn, n_out, y.astype(dt), mask_r=True, mask_c=mask_n)
 
 
 def default_block_sizes(k: int, n_out: int, swiglu: bool) -> BlockSizes:

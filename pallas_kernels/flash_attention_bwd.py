@@ -1,8 +1,11 @@
-"""FlashAttention backward kernels (FlashAttention-2 split): one kernel owns a query tile and
-accumulates dQ over kv tiles; another owns a kv tile and accumulates dK, dV over query tiles (and
-over the q heads of its GQA group, so the group's dK/dV sum happens in registers, not in HBM).
-Both recompute probabilities from the forward's saved lse (base 2), so no S x S matrix is stored.
-Inputs arrive padded to the tile multiples by `flash_attention.py`.
+"""Backward kernels of the Triton-lowered FlashAttention (FlashAttention-2 split).
+
+One kernel owns a query tile and accumulates dQ over kv tiles; another owns a kv tile and
+accumulates dK, dV over query tiles (and over the q heads of its GQA group, so the group's dK/dV
+sum happens in registers, not in HBM). Both recompute probabilities from the forward's saved lse
+(base 2), so no S x S matrix is stored. Layout: q/do [b, q_pad, h, d], k/v [b, kv_pad, kv_h, d],
+lse2/delta [b, h, q_pad], padded to tile multiples by the wrapper in flash_attention.py, which
+calls `bwd_call`. Tiles and loop bounds: flash_attention_tiles.py. Speed: docs/benchmarks.md#attention.
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import LOG2E, _Cfg, _dot, _fit, _kv_bounds, _loop, _mask, _params, _q_bounds
+from pallas_kernels.flash_attention_tiles import (FlashConfig, compiler_params, dot, fit, kv_bounds, q_bounds, tile_loop,
+                                                  visible_mask)
+from pallas_kernels.flash_common import LOG2E
 
 
-def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
+def _dq_kernel(*refs, cfg: FlashConfig, block_q: int, block_k: int):
     if cfg.has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref = refs
     else:
@@ -32,23 +37,23 @@ def _dq_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         k_start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
-        p = jnp.exp2(_dot(q, k, trans_b=True) * c - lse[:, None])
+        p = jnp.exp2(dot(q, k, trans_b=True) * c - lse[:, None])
         if masked:
             cols = k_start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             kv_seg = kseg_ref[pl.ds(k_start, block_k)] if cfg.has_seg else None
-            mask = _mask(cfg, rows, cols, q_seg, kv_seg)
+            mask = visible_mask(cfg, rows, cols, q_seg, kv_seg)
             p = p if mask is None else jnp.where(mask, p, 0.0)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    n_full, hi = _kv_bounds(cfg, q_start, block_q, block_k)
-    dq = _loop(0, n_full, functools.partial(body, masked=False), dq)
-    dq = _loop(n_full, hi, functools.partial(body, masked=True), dq)
+    n_full, hi = kv_bounds(cfg, q_start, block_q, block_k)
+    dq = tile_loop(0, n_full, functools.partial(body, masked=False), dq)
+    dq = tile_loop(n_full, hi, functools.partial(body, masked=True), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
+def _dkv_kernel(*refs, cfg: FlashConfig, block_q: int, block_k: int):
     g = cfg.groups
     k_ref, v_ref = refs[0], refs[1]
     q_refs, do_refs, lse_refs, delta_refs = (refs[2 + i * g: 2 + (i + 1) * g] for i in range(4))
@@ -70,39 +75,39 @@ def _dkv_kernel(*refs, cfg: _Cfg, block_q: int, block_k: int):
         do = do_refs[hg][pl.ds(q_start, block_q), :]
         lse = lse_refs[hg][pl.ds(q_start, block_q)]
         delta = delta_refs[hg][pl.ds(q_start, block_q)]
-        p = jnp.exp2(_dot(q, k, trans_b=True) * c - lse[:, None])       # [bq, bk]
+        p = jnp.exp2(dot(q, k, trans_b=True) * c - lse[:, None])       # [bq, bk]
         if masked:
             rows = q_start + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
             q_seg = qseg_ref[pl.ds(q_start, block_q)] if cfg.has_seg else None
-            mask = _mask(cfg, rows, cols, q_seg, kv_seg)
+            mask = visible_mask(cfg, rows, cols, q_seg, kv_seg)
             p = p if mask is None else jnp.where(mask, p, 0.0)
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+        dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     d = k.shape[-1]
     carry = (jnp.zeros((block_k, d), jnp.float32), jnp.zeros((block_k, d), jnp.float32))
-    lo, mid, nq = _q_bounds(cfg, k_start, block_q, block_k)
+    lo, mid, nq = q_bounds(cfg, k_start, block_q, block_k)
     # static loop over the group's q heads: each is a separate operand (same buffer), so every ref
     # stays a plain 2-D tile and the kernel needs no strided head indexing
     for hg in range(g):
-        carry = _loop(lo, mid, functools.partial(body, hg=hg, masked=True), carry)
-        carry = _loop(mid, nq, functools.partial(body, hg=hg, masked=False), carry)
+        carry = tile_loop(lo, mid, functools.partial(body, hg=hg, masked=True), carry)
+        carry = tile_loop(mid, nq, functools.partial(body, hg=hg, masked=False), carry)
     dk, dv = carry
     dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def bwd_call(q, k, v, do, lse2, delta, q_seg, kv_seg, cfg: _Cfg, dtypes):
+def bwd_call(q, k, v, do, lse2, delta, q_seg, kv_seg, cfg: FlashConfig, dtypes):
     """Padded q/k/v/do, lse2 (base 2, +inf for empty rows) and delta [b, h, q_pad] -> dq, dk, dv."""
     b, _, h, d = q.shape
     kvh = k.shape[2]
     g = cfg.groups
     bs = cfg.blocks
-    params = _params(bs.num_warps_bwd, bs.num_stages_bwd)
+    params = compiler_params(bs.num_warps_bwd, bs.num_stages_bwd)
 
-    bq, bk = _fit(bs.block_q_dq, cfg.q_len), _fit(bs.block_k_dq, cfg.kv_len)
+    bq, bk = fit(bs.block_q_dq, cfg.q_len), fit(bs.block_k_dq, cfg.kv_len)
     q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
     kv_all = pl.BlockSpec((None, cfg.kv_pad, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
     row = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
@@ -120,7 +125,7 @@ def bwd_call(q, k, v, do, lse2, delta, q_seg, kv_seg, cfg: _Cfg, dtypes):
         compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
     )(*args)
 
-    bq, bk = _fit(bs.block_q_dkv, cfg.q_len), _fit(bs.block_k_dkv, cfg.kv_len)
+    bq, bk = fit(bs.block_q_dkv, cfg.q_len), fit(bs.block_k_dkv, cfg.kv_len)
     kv_tile = pl.BlockSpec((None, bk, None, d), lambda j, bi, hk: (bi, j, hk, 0))
     q_all = [pl.BlockSpec((None, cfg.q_pad, None, d), lambda j, bi, hk, hg=hg: (bi, 0, hk * g + hg, 0))
              for hg in range(g)]

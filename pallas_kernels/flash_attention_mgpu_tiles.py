@@ -1,13 +1,20 @@
-"""Tiles of the Mosaic GPU FlashAttention (flash_attention_mgpu.py): the tuning dataclass, the
-default per head dim, the shared-memory budgets that reject tiles before Mosaic does, and the rule
-that picks the fused or split backward. Kept apart so the choices and their measurements read in
-one place; every number quoted is in docs/benchmarks.md."""
+"""Tiles of the Mosaic GPU FlashAttention (flash_attention_mgpu.py), and the rules that pick them.
+
+- `MgpuBlockSizes`: the tuning dataclass (rows per CTA, streamed tile rows, ring depths, ping-pong,
+  fused or split backward); `default_block_sizes(head_dim)`: the measured defaults.
+- `use_fused_bwd`: where `fused_bwd=None` takes the one-kernel backward (head_dim 64 only).
+- `resolve_block_sizes`: the tiles a call runs, with one clear error, before Mosaic would fail, for
+  tiles that do not fit in shared memory, do not divide seq_len, or ask for the fused backward at
+  a head dim it does not take.
+Pure Python (no jax import): the choices read in one place. The measurements behind each default:
+docs/benchmarks.md#attention.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
 
-_COMPUTE_WGS = 2   # compute warpgroups per CTA in every kernel (plus one producer)
+COMPUTE_WGS = 2   # compute warpgroups per CTA in every kernel (plus one producer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +24,7 @@ class MgpuBlockSizes:
     streamed tiles (`block_kv`, `block_kv_dq`, `block_q_dkv`) are multiples of 64. `num_stages`:
     shared-memory ring depth of the streamed tiles. `pingpong`: the FA3 warpgroup ping-pong in
     the forward. Shared memory at d=128 bf16: fwd 32 KiB (Q) + 2*stages*block_kv*256 B (K, V).
-    `fused_bwd`: one backward kernel (dQ by TMA reduce-add, flash_attention_mgpu_bwd._dqkv_call)
+    `fused_bwd`: one backward kernel (head_dim 64 only; dQ by TMA reduce-add, flash_attention_mgpu_bwd.dqkv_call)
     instead of the dQ and dK/dV kernels; None chooses by `use_fused_bwd`."""
     block_q: int = 128
     block_kv: int = 128
@@ -32,8 +39,8 @@ class MgpuBlockSizes:
 
     def __post_init__(self):
         for name in ("block_q", "block_q_dq", "block_kv_dkv"):
-            if getattr(self, name) % (64 * _COMPUTE_WGS):
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of {64 * _COMPUTE_WGS} "
+            if getattr(self, name) % (64 * COMPUTE_WGS):
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of {64 * COMPUTE_WGS} "
                                  f"(64 rows per compute warpgroup)")
         for name in ("block_kv", "block_kv_dq", "block_q_dkv"):
             if getattr(self, name) % 64:
@@ -44,14 +51,12 @@ class MgpuBlockSizes:
 
 def dq_split(block_q_dkv: int, head_dim: int) -> tuple[int, int]:
     """The [m, n] piece of a [block_q_dkv, head_dim] dQ tile that each compute warpgroup of the fused
-    backward computes and reduce-adds: half the q rows when block_q_dkv >= 128 (a wgmma M-tile of 64
-    or more each), else half the head dim (block_q_dkv = 64 leaves no row split; d must be 128)."""
+    backward computes and reduce-adds: half the q rows (a wgmma M-tile of 64 or more each), all
+    columns. block_q_dkv = 64 leaves no row split."""
     if block_q_dkv % 128 == 0:
-        return block_q_dkv // _COMPUTE_WGS, head_dim
-    if head_dim % 128 == 0:
-        return block_q_dkv, head_dim // _COMPUTE_WGS
-    raise ValueError(f"fused_bwd needs block_q_dkv a multiple of 128 or head_dim 128; got {block_q_dkv=}, "
-                     f"{head_dim=} (set fused_bwd=False or block_q_dkv=128)")
+        return block_q_dkv // COMPUTE_WGS, head_dim
+    raise ValueError(f"fused_bwd needs block_q_dkv a multiple of 128; got {block_q_dkv=} "
+                     f"(set fused_bwd=False or block_q_dkv=128)")
 
 
 def fused_bwd_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int:
@@ -59,7 +64,7 @@ def fused_bwd_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2)
     both warpgroups; each warpgroup's fp32 dQ staging tile; lse/delta rows."""
     m, n = dq_split(bs.block_q_dkv, head_dim)
     bkv, bq, st = bs.block_kv_dkv, bs.block_q_dkv, bs.num_stages_bwd
-    return (2 * bkv * head_dim + 2 * st * bq * head_dim + 2 * bkv * bq) * itemsize + _COMPUTE_WGS * m * n * 4 \
+    return (2 * bkv * head_dim + 2 * st * bq * head_dim + 2 * bkv * bq) * itemsize + COMPUTE_WGS * m * n * 4 \
         + 2 * st * bq * 4
 
 
@@ -78,16 +83,12 @@ def dq_smem_bytes(bs: "MgpuBlockSizes", head_dim: int, itemsize: int = 2) -> int
 
 
 def use_fused_bwd(bs: "MgpuBlockSizes", head_dim: int, seq_len: int, causal: bool) -> bool:
-    """The backward kernel where `fused_bwd` is None. Measured on an H200 (jax 0.11.2, bf16, GQA 4 and
-    1, backward alone, ms, fused vs split; docs/archive/benchmarks-diary.md): d=64 full attention
-    3.17 vs 3.66 (S=4k), 6.22 vs 7.24 (8k), 1.65 vs 1.88 (2k); d=64 causal 3.48 vs 3.94 (8k, GQA 1),
-    3.74 vs 3.91 (8k), 7.08 vs 7.69 (16k), but 2.10 vs 2.07 (4k) and 1.33 vs 1.17 (2k): short causal
-    rows leave too few steps per CTA to pay for the fp32 dQ memset, reduce and convert. d=128
-    (head-dim split of dQ, block_q_dkv=64) was slower at every shape tried (2.35 vs 1.76 at 4k causal).
-    With the dK/dV kernel's spills fixed both got faster and tied at causal 4k, d=64 (fused 1.999-2.031
-    vs split 1.993-2.032 ms); with FA3's 240/24 register split (_REGS_FUSED) the fused kernel leads
-    there, 1.90-1.92 vs 1.98-2.05, so causal S >= 4096 takes it too. Causal 2k was
-    1.33 vs 1.17: not re-measured, left on the split kernels."""
+    """The backward kernel where `fused_bwd` is None: the fused one at head_dim 64 for full attention
+    and causal seq_len >= 4096, where it measured faster than the split kernels (H200, backward alone;
+    docs/benchmarks.md#attention). Short causal rows leave too few steps per CTA to pay for the fp32
+    dQ memset, reduce-adds and convert, so causal seq_len < 4096 keeps the split kernels. At head_dim
+    128 only a head-dim split of dQ fits in shared memory, which was slower at every shape measured
+    and did not finish compiling at seq_len 8192: refused there (`check_fused_bwd`)."""
     if head_dim != 64 or (causal and seq_len < 4096) or bs.block_q_dkv % 128:
         return False
     return fused_bwd_smem_bytes(bs, head_dim) <= _SMEM_BYTES
@@ -106,25 +107,38 @@ def deterministic_requested() -> bool:
 
 
 def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
-    """Tiles per head dim. d=64: dK/dV streams 128-row q tiles (half the K/V-resident kernel's
-    loop trips; its smem is 64 KiB smaller at d=64 than at d=128, so 2 stages of 128 rows fit).
-    H200, GQA 32/8, causal fwd+bwd ms, tiles run of 2026-12-01 (docs/benchmarks.md): S=2k 1.71 vs
-    2.36, 4k 3.02 vs 3.11, 8k 5.50 vs 5.64 with the 64-row default. Both: the dQ kernel streams
-    128-row K/V tiles (half the steps, each S/dP tile twice as wide): causal S=4096 GQA 4, dQ
-    kernel alone 0.813-0.817 vs 0.918-0.929 ms at d=64, 0.640-0.651 vs 0.644-0.668 at d=128
-    (docs/benchmarks.md#attention). At d=128 the 64-row tile is back: with the O tile for delta,
-    128 rows do not fit (dq_smem_bytes), and they were within noise there."""
+    """Tiles per head dim, each the faster of the variants measured (docs/benchmarks.md#attention).
+    d=64: dK/dV streams 128-row q tiles (half the K/V-resident kernel's loop trips; its smem is
+    64 KiB smaller at d=64 than at d=128, so 2 stages of 128 rows fit), and the dQ kernel streams
+    128-row K/V tiles (half the steps, each S/dP tile twice as wide). d=128: 64-row dQ K/V tiles,
+    since beside the O tile for delta 128 rows do not fit (dq_smem_bytes), and split backward."""
     if head_dim == 64:
         return MgpuBlockSizes(block_q_dkv=128, block_kv_dq=128)
     return MgpuBlockSizes()   # block_kv_dq=128 does not fit beside the dQ kernel's O tile (dq_smem_bytes)
 
 
+FUSED_BWD_HEAD_DIMS = (64,)
+
+
+def check_fused_bwd(bs: MgpuBlockSizes, head_dim: int) -> None:
+    """One clear error for `fused_bwd=True` at a head dim the fused backward does not take. At 128
+    only its head-dim split of dQ fits in shared memory: slower than the split kernels at every shape
+    measured, and its compile at causal seq_len 8192 did not finish in 200 s (LLVM), so it is refused
+    instead of reached."""
+    if bs.fused_bwd and head_dim not in FUSED_BWD_HEAD_DIMS:
+        raise ValueError(f"fused_bwd=True takes head_dim {' or '.join(map(str, FUSED_BWD_HEAD_DIMS))}, got "
+                         f"{head_dim=}; use fused_bwd=None (the default: at head_dim {head_dim} the split dQ and "
+                         "dK/dV kernels) or fused_bwd=False")
+
+
 def resolve_block_sizes(block_sizes: MgpuBlockSizes | None, head_dim: int, seq_len: int,
                         causal: bool) -> MgpuBlockSizes:
     """The tiles a call runs: the default for head_dim when None, `fused_bwd=None` decided (the
-    split kernels when XLA is asked for determinism), then one clear error for tiles that do not
-    fit in shared memory or do not divide seq_len, before Mosaic would fail on them."""
+    split kernels when XLA is asked for determinism), then one clear error, before Mosaic would fail
+    or stall on them, for the fused backward at a head dim it does not take and for tiles that do
+    not fit in shared memory or do not divide seq_len."""
     bs = block_sizes or default_block_sizes(head_dim)
+    check_fused_bwd(bs, head_dim)
     if bs.fused_bwd is None:
         fused = use_fused_bwd(bs, head_dim, seq_len, causal) and not deterministic_requested()
         bs = dataclasses.replace(bs, fused_bwd=fused)
@@ -135,7 +149,7 @@ def resolve_block_sizes(block_sizes: MgpuBlockSizes | None, head_dim: int, seq_l
     if bs.fused_bwd and (need := fused_bwd_smem_bytes(bs, head_dim)) > _SMEM_BYTES:
         raise ValueError(f"fused_bwd with block_kv_dkv={bs.block_kv_dkv}, block_q_dkv={bs.block_q_dkv}, "
                          f"num_stages_bwd={bs.num_stages_bwd} at {head_dim=} needs {need} bytes of shared memory "
-                         f"(> {_SMEM_BYTES}); use smaller tiles (d=128: block_q_dkv=64) or fused_bwd=False")
+                         f"(> {_SMEM_BYTES}); use smaller tiles or fused_bwd=False")
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
         if seq_len % (blk := getattr(bs, name)):
             raise ValueError(f"seq_len={seq_len} must be a multiple of {name}={blk}")

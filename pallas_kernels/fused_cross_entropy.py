@@ -1,34 +1,16 @@
 """Output projection + softmax cross-entropy without ever holding [tokens, vocab] logits.
 
-Three implementations of the same per-token loss
-    loss_t = lse_t - logit_t[label_t] + z_loss * lse_t**2     (0 where label_t == ignore_index)
-with logits = hidden @ weight (fp32 accumulation, optionally rounded to `logit_dtype`):
-
-  cross_entropy_reference  plain jnp; materialises [T, V] logits (and XLA keeps them, or p,
-                           for the backward). For llama3_1b at 16k tokens that is 8.4 GB fp32.
-  chunked_cross_entropy    jnp, lax.map over token chunks with jax.checkpoint around each chunk:
-                           forward and backward hold one [chunk, V] tile at a time; matmuls go to
-                           cuBLAS. Runs on every backend; the portable peer.
-  fused_cross_entropy      Pallas (Triton) kernels, custom_vjp:
-     forward  grid (vocab split s, token block i); each program walks its vocab blocks, computes a
-              [bt, bv] logits tile by a loop over d chunks, folds it into an online log-sum-exp
-              (FlashAttention's rescaling) and picks out the label logit. Splits are merged in jnp
-              from [S, T] partial (max, sum) pairs.
-     dhidden  grid (token block i): recompute each logits tile, g = c_p * softmax - c_y * onehot,
-              dh[i] += g @ W[:, j]^T. The [bt, d] fp32 accumulator is too large for registers at
-              d=2048, so it lives in the output and is read-modified-written per tile: that traffic,
-              T*V*d*8/bv bytes, is this design's main cost besides the recomputed matmul.
-     dweight  grid (vocab block j): same recomputation, dW[:, j] += h[i]^T @ g, RMW as above
-              (T*V*d*8/bt bytes).
-     So the backward does 3 logits-sized matmuls plus one recomputation (4 in total, vs 2 for XLA)
-     in exchange for O(T*d + d*V) memory.
-     BlockSizes(bwd_chunk=N) switches to "G slabs": a Pallas kernel (a GEMM with a softmax-grad
-     epilogue) writes dlogits for N tokens at a time in the weights' dtype, and dh, dW are plain
-     GEMMs (cuBLAS on GPU): one [N, V] slab alive, never [T, V].
-Whether each pays in time on a given card is measured by scripts/bench_fused.py and recorded in
-docs/benchmarks.md (H200, run 1: the tile backward was 2.8x slower than XLA's unfused loss for
-~8x less memory; see there for the slab mode and the defaults chosen from it).
-Vocab, token and d tails are masked in-kernel (no padded copy of the weight).
+Three implementations of the per-token loss (pallas_kernels/cross_entropy_common.py) of
+logits = hidden [T, d] @ weight [d, V] (fp32 accumulation, optionally rounded to `logit_dtype`):
+  cross_entropy_reference  plain jnp; materialises [T, V] logits. The ground truth and XLA's peer.
+  chunked_cross_entropy    jnp, lax.map over token chunks under jax.checkpoint: one [chunk, V] tile
+                           alive in either pass; runs on every backend.
+  fused_cross_entropy      Pallas (Triton) kernels, custom_vjp. Forward: an online log-sum-exp over
+                           [bt, bv] logits tiles (`_fwd_kernel`). Backward: by default "G slabs"
+                           (`_backward_slabs`: dlogits for bwd_chunk tokens, dh and dW as cuBLAS
+                           GEMMs); bwd_chunk=0 is the pure tile backward (`_backward`), O(T*d + d*V)
+                           memory, slower. Vocab, token and d tails are masked in-kernel.
+Speed and memory of each: docs/benchmarks.md#fused-ops.
 """
 from __future__ import annotations
 
@@ -41,17 +23,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
+from pallas_kernels.cross_entropy_common import check_args, token_loss
+from pallas_kernels.triton_tiles import load_tile, load_vec, store_tile
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes (powers of two, Triton's requirement) and launch parameters.
 
-    Defaults from the H200 sweep in docs/benchmarks.md (bf16, T=16k, d=2048, V=128256):
-    forward tiles 128 x 256 matched XLA's forward (16.0 vs 16.2 ms); the slab backward with
-    2048-token chunks ran fwd+bwd in 64 ms against XLA's 80 ms, where the pure tile backward
-    (bwd_chunk=0) took 177-309 ms. fp32 operands halve block_d so shared memory stays the same.
+    Defaults from the H200 sweep (docs/benchmarks.md#fused-ops): forward tiles 128 x 256 matched
+    XLA's forward; the slab backward with 2048-token chunks beat XLA's fwd+bwd, the pure tile
+    backward (bwd_chunk=0) was several times slower. fp32 operands halve block_d so shared memory
+    stays the same.
     """
     fwd_t: int = 128        # tokens per forward program
     fwd_v: int = 256        # vocab columns per forward tile
@@ -81,44 +65,23 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name}={v} must be a power of two >= 16 (Triton tiles and dot)")
 
 
-def _check(hidden, weight, labels, ignore_index, z_loss):
-    if hidden.ndim != 2:
-        raise ValueError(f"{hidden.shape=} must be [tokens, d]")
-    if weight.ndim != 2 or weight.shape[0] != hidden.shape[1]:
-        raise ValueError(f"{weight.shape=} must be [d, vocab] with d = hidden.shape[1] = {hidden.shape[1]}")
-    if labels.shape != hidden.shape[:1]:
-        raise ValueError(f"{labels.shape=} must be [tokens] = {hidden.shape[:1]}")
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"{labels.dtype=} must be an integer type")
-    if z_loss < 0:
-        raise ValueError(f"{z_loss=} must be >= 0")
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"{ignore_index=} must be a python int")
-
-
-def _finish(lse, label_logit, labels, ignore_index, z_loss):
-    valid = labels != ignore_index
-    loss = lse - label_logit + (z_loss * lse * lse if z_loss else 0.0)
-    return jnp.where(valid, loss, 0.0)
-
-
 # --------------------------------------------------------------------------- references
 
 def cross_entropy_reference(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, logit_dtype=jnp.float32):
     """Plain jnp: full [T, V] logits. The ground truth and XLA's fusion peer."""
-    _check(hidden, weight, labels, ignore_index, z_loss)
+    check_args(hidden, weight, labels, ignore_index, z_loss)
     logits = jnp.dot(hidden, weight, preferred_element_type=jnp.float32).astype(logit_dtype).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     safe = jnp.clip(labels, 0, weight.shape[1] - 1)
     label_logit = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
-    return _finish(lse, label_logit, labels, ignore_index, z_loss)
+    return token_loss(lse, label_logit, labels, ignore_index, z_loss)
 
 
 def chunked_cross_entropy(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, logit_dtype=jnp.float32,
                           chunk_size=2048):
     """lax.map over token chunks; jax.checkpoint makes the backward recompute each chunk's logits
     instead of saving them, so at most one [chunk_size, V] tile is alive in either pass."""
-    _check(hidden, weight, labels, ignore_index, z_loss)
+    check_args(hidden, weight, labels, ignore_index, z_loss)
     if chunk_size < 1:
         raise ValueError(f"{chunk_size=} must be >= 1")
     t, d = hidden.shape
@@ -139,46 +102,12 @@ def chunked_cross_entropy(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0
 
 # --------------------------------------------------------------------------- kernels
 
-def _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c):
-    """[nr, nc] in-bounds mask of a tile, or None when both dims are statically whole (masks
-    cost registers and predicate the access, so they are built only where needed)."""
-    mask = None
-    if mask_r:
-        mask = ((r0 + jnp.arange(nr)) < rlim)[:, None]
-    if mask_c:
-        mc = ((c0 + jnp.arange(nc)) < clim)[None, :]
-        mask = mc if mask is None else mask & mc
-    return None if mask is None else jnp.broadcast_to(mask, (nr, nc))
-
-
-def _load(ref, r0, nr, rlim, c0, nc, clim, *, mask_r, mask_c, other=0):
-    """2-D tile load, masked only along dims that are not a multiple of the tile."""
-    mask = _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c)
-    view = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
-    return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=other)
-
-
-def _store(ref, r0, nr, rlim, c0, nc, clim, val, *, mask_r, mask_c):
-    mask = _tile_mask(r0, nr, rlim, c0, nc, clim, mask_r, mask_c)
-    view = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
-    if mask is None:
-        plgpu.store(view, val)
-    else:
-        plgpu.store(view, val, mask=mask)
-
-
-def _load_vec(ref, r0, n, lim, other, mask_r):
-    if not mask_r:
-        return plgpu.load(ref.at[pl.ds(r0, n)])
-    return plgpu.load(ref.at[pl.ds(r0, n)], mask=(r0 + jnp.arange(n)) < lim, other=other)
-
-
 def _logits_tile(h_ref, w_ref, r0, c0, *, bt, bv, bk, T, d, V, mt, mv, md, logit_dtype):
     """[bt, bv] fp32 logits tile = h[r0:r0+bt] @ W[:, c0:c0+bv], looping over d in bk chunks.
     Out-of-range vocab columns come back as -inf so they drop out of every softmax sum."""
     def body(k, acc):
-        hk = _load(h_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
-        wk = _load(w_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
+        hk = load_tile(h_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
+        wk = load_tile(w_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
         return acc + jnp.dot(hk, wk, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, pl.cdiv(d, bk), body, jnp.zeros((bt, bv), jnp.float32))
@@ -192,7 +121,7 @@ def _logits_tile(h_ref, w_ref, r0, c0, *, bt, bv, bk, T, d, V, mt, mv, md, logit
 def _fwd_kernel(h_ref, w_ref, lab_ref, m_ref, l_ref, ll_ref, *, T, d, V, bt, bv, bk, nvs, logit_dtype, mt, mv, md):
     s, i = pl.program_id(0), pl.program_id(1)
     r0 = i * bt
-    lab = _load_vec(lab_ref, r0, bt, T, -1, mt)
+    lab = load_vec(lab_ref, r0, bt, T, -1, mt)
     cols0 = jnp.arange(bv)
 
     def body(jj, carry):
@@ -228,8 +157,8 @@ def _grad_tile(h_ref, w_ref, vecs, r0, c0, *, bt, bv, bk, T, d, V, mt, mv, md, l
 
 
 def _row_vecs(lse_ref, cp_ref, cy_ref, lab_ref, r0, bt, T, mt):
-    return (_load_vec(lse_ref, r0, bt, T, 0.0, mt), _load_vec(cp_ref, r0, bt, T, 0.0, mt),
-            _load_vec(cy_ref, r0, bt, T, 0.0, mt), _load_vec(lab_ref, r0, bt, T, -1, mt))
+    return (load_vec(lse_ref, r0, bt, T, 0.0, mt), load_vec(cp_ref, r0, bt, T, 0.0, mt),
+            load_vec(cy_ref, r0, bt, T, 0.0, mt), load_vec(lab_ref, r0, bt, T, -1, mt))
 
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b^T
@@ -244,7 +173,7 @@ def _dh_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dh_ref, *, T, d, 
 
     @pl.loop(0, nk)
     def _(k):
-        _store(dh_ref, r0, bt, T, k * bk, bk, d, jnp.zeros((bt, bk), jnp.float32), mask_r=mt, mask_c=md)
+        store_tile(dh_ref, r0, bt, T, k * bk, bk, d, jnp.zeros((bt, bk), jnp.float32), mask_r=mt, mask_c=md)
 
     @pl.loop(0, pl.cdiv(V, bv))
     def _(j):
@@ -254,10 +183,10 @@ def _dh_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dh_ref, *, T, d, 
 
         @pl.loop(0, nk)
         def _(k):
-            wk = _load(w_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
-            acc = _load(dh_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
+            wk = load_tile(w_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
+            acc = load_tile(dh_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
             acc = acc + lax.dot_general(g, wk, _NT, preferred_element_type=jnp.float32)
-            _store(dh_ref, r0, bt, T, k * bk, bk, d, acc, mask_r=mt, mask_c=md)
+            store_tile(dh_ref, r0, bt, T, k * bk, bk, d, acc, mask_r=mt, mask_c=md)
 
 
 def _dw_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dw_ref, *, T, d, V, bt, bv, bk, mt, mv, md,
@@ -267,7 +196,7 @@ def _dw_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dw_ref, *, T, d, 
 
     @pl.loop(0, nk)
     def _(k):
-        _store(dw_ref, k * bk, bk, d, c0, bv, V, jnp.zeros((bk, bv), jnp.float32), mask_r=md, mask_c=mv)
+        store_tile(dw_ref, k * bk, bk, d, c0, bv, V, jnp.zeros((bk, bv), jnp.float32), mask_r=md, mask_c=mv)
 
     @pl.loop(0, pl.cdiv(T, bt))
     def _(i):
@@ -278,10 +207,10 @@ def _dw_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, dw_ref, *, T, d, 
 
         @pl.loop(0, nk)
         def _(k):
-            hk = _load(h_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
-            acc = _load(dw_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
+            hk = load_tile(h_ref, r0, bt, T, k * bk, bk, d, mask_r=mt, mask_c=md)
+            acc = load_tile(dw_ref, k * bk, bk, d, c0, bv, V, mask_r=md, mask_c=mv)
             acc = acc + lax.dot_general(hk, g, _TN, preferred_element_type=jnp.float32)
-            _store(dw_ref, k * bk, bk, d, c0, bv, V, acc, mask_r=md, mask_c=mv)
+            store_tile(dw_ref, k * bk, bk, d, c0, bv, V, acc, mask_r=md, mask_c=mv)
 
 
 def _g_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, g_ref, *, T, d, V, bt, bv, bk, mt, mv, md,
@@ -291,7 +220,7 @@ def _g_kernel(h_ref, w_ref, lse_ref, cp_ref, cy_ref, lab_ref, g_ref, *, T, d, V,
     vecs = _row_vecs(lse_ref, cp_ref, cy_ref, lab_ref, r0, bt, T, mt)
     g = _grad_tile(h_ref, w_ref, vecs, r0, c0, bt=bt, bv=bv, bk=bk, T=T, d=d, V=V, mt=mt, mv=mv, md=md,
                    logit_dtype=logit_dtype, out_dtype=g_ref.dtype)
-    _store(g_ref, r0, bt, T, c0, bv, V, g, mask_r=mt, mask_c=mv)
+    store_tile(g_ref, r0, bt, T, c0, bv, V, g, mask_r=mt, mask_c=mv)
 
 
 def _backward_slabs(hidden, weight, labels, lse, cp, cy, logit_dtype, bs, interpret):
@@ -365,6 +294,12 @@ def _forward(hidden, weight, labels, logit_dtype, bs, interpret):
 
 
 def _backward(hidden, weight, labels, lse, cp, cy, logit_dtype, bs, interpret):
+    """The pure tile backward. dhidden: grid (token block i), recompute each logits tile,
+    g = c_p * softmax - c_y * onehot, dh[i] += g @ W[:, j]^T; dweight: grid (vocab block j), the same
+    recomputation, dW[:, j] += h[i]^T @ g. The fp32 accumulators are too large for registers at
+    d=2048, so they live in the outputs and are read-modified-written per tile: T*V*d*8/bv (dh) and
+    T*V*d*8/bt (dW) bytes, the main cost besides the recomputed matmul (4 logits-sized matmuls in
+    all, against 2 for XLA)."""
     t, d, v, bk = _dims(hidden, weight, bs)
     bt, bv = _fit(bs.bwd_t, t), _fit(bs.bwd_v, v)
     common = dict(T=t, d=d, V=v, bt=bt, bv=bv, bk=bk, mt=t % bt != 0, mv=v % bv != 0, md=d % bk != 0,
@@ -387,12 +322,12 @@ def _backward(hidden, weight, labels, lse, cp, cy, logit_dtype, bs, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fused_ce(hidden, weight, labels, ignore_index, z_loss, logit_dtype, bs, interpret):
     lse, ll = _forward(hidden, weight, labels, logit_dtype, bs, interpret)
-    return _finish(lse, ll, labels, ignore_index, z_loss)
+    return token_loss(lse, ll, labels, ignore_index, z_loss)
 
 
 def _fused_ce_fwd(hidden, weight, labels, ignore_index, z_loss, logit_dtype, bs, interpret):
     lse, ll = _forward(hidden, weight, labels, logit_dtype, bs, interpret)
-    return _finish(lse, ll, labels, ignore_index, z_loss), (hidden, weight, labels, lse)
+    return token_loss(lse, ll, labels, ignore_index, z_loss), (hidden, weight, labels, lse)
 
 
 def _fused_ce_bwd(ignore_index, z_loss, logit_dtype, bs, interpret, res, dloss):
@@ -415,7 +350,7 @@ def fused_cross_entropy(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, 
 
     hidden [T, d] and weight [d, V] may be bf16 (tensor-core operands; fp32 accumulation) or fp32.
     """
-    _check(hidden, weight, labels, ignore_index, z_loss)
+    check_args(hidden, weight, labels, ignore_index, z_loss)
     bs = block_sizes or BlockSizes()
     if not isinstance(bs, BlockSizes):
         raise ValueError(f"{block_sizes=} must be a BlockSizes or None")

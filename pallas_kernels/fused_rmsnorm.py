@@ -8,12 +8,9 @@ Forward: one program per block of rows; each row is read once (x and residual), 
 and the fp32 1/rms are written once. Backward: one kernel reads s, 1/rms, dnormed (and ds from
 the residual stream) once, writes dx (= dresidual) and per-program partial sums of dweight;
 the [programs, D] partials are summed in jnp (tiny).
-
-Where it pays: this op is memory-bound (a few bytes per flop), and XLA already fuses the add,
-the reduction and the scale into one or two loops. Measured on an H200 (jax 0.11.2, bf16,
-16384 x 2048, docs/benchmarks.md): forward 0.226 ms vs XLA 0.266 ms (1.18x), forward+backward
-0.485 ms vs 0.397 ms (0.82x, XLA faster). So for training XLA's fusion of the reference is as
-good or better: keep rms_norm_reference as the model's default; the kernel wins only forward-only.
+Limits: memory-bound, and XLA already fuses the reference into one or two loops; measured, the
+kernel wins forward-only and loses fwd+bwd, so the model's default is rms_norm_reference
+(docs/benchmarks.md#fused-ops).
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 BACKENDS = ("auto", "mosaic", "xla")
 
@@ -105,7 +106,6 @@ def _row_mask(out, group_sizes, all_rows=False):
 
 
 def _fwd_kernel(x, w, group_sizes, tiles: Tiles, transpose_rhs: bool, all_rows: bool):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     out = _call(ragged_dot_mgpu.ragged_dot, x, w, group_sizes=group_sizes, block_m=tiles.block_m,
                 block_n=tiles.block_n, block_k=tiles.block_k, max_concurrent_steps=tiles.max_concurrent_steps,
                 grid_block_n=tiles.grid_block_n, transpose_rhs=transpose_rhs)
@@ -113,7 +113,6 @@ def _fwd_kernel(x, w, group_sizes, tiles: Tiles, transpose_rhs: bool, all_rows: 
 
 
 def _dw_kernel(x, dy, group_sizes, tiles: Tiles):
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
     return _call(transposed_ragged_dot_mgpu.transposed_ragged_dot, x, dy, group_sizes=group_sizes,
                  block_m=tiles.t_block_m, block_n=tiles.t_block_n, block_k=tiles.t_block_k,
                  max_concurrent_steps=tiles.t_max_concurrent_steps, grid_block_n=tiles.t_grid_block_n)  # [G, K, N]

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
 
 NEG = -1e30       # a finite "minus infinity": exp(NEG - NEG) stays finite for empty splits
 MIN_DOT = 16      # smallest M, N and K of a Triton tensor-core dot

@@ -8,13 +8,9 @@ with angles and products in fp32, the result cast back to the input dtype.
 The kernel reads positions once per row block, computes cos/sin in registers (no [s, d] table
 in memory) and rotates every Q and K head of those rows in one launch. Backward is the same
 kernel with the angle negated (a rotation's transpose), so nothing but positions is saved.
-
-Where it pays: nowhere yet. RoPE is purely memory-bound (read q, k; write q, k) and XLA fuses
-the jnp reference into one loop per tensor. Measured on an H200 (jax 0.11.2, bf16, b=4 s=4096
-32/8 heads of 64, docs/benchmarks.md): XLA 0.197 ms forward and 0.337 ms forward+backward, this
-kernel 1.05 and 1.66 ms (5x slower; 64-row blocks were no better). Likely cause, not yet
-profiled: the [rows, heads, 32] half-row tiles give 64-byte strided accesses. The model should
-use apply_rope_reference; this kernel stays as a correct, tested starting point.
+Limits: slower than XLA's fusion of the reference (likely the [rows, heads, d/2] half-row tiles'
+strided accesses; not yet profiled), so the model uses apply_rope_reference and this kernel stays
+a correct, tested starting point (docs/benchmarks.md#fused-ops).
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 

@@ -2,19 +2,13 @@
 
     swiglu(x [T, d], w_gate [d, f], w_up [d, f]) = silu(x @ w_gate) * (x @ w_up)
 
-Forward: one GEMM-like kernel over [bm, bn] output tiles with two fp32 accumulators (gate and
-up share each loaded x tile), silu(a) * b applied in registers, only the product written. The
-[T, f] pre-activations a and b never reach memory and are not saved for the backward: the
-custom_vjp keeps x, w_gate, w_up only (saves 2 x T x f activations per layer, the point of
-the fusion under remat-free training).
+Forward: one GEMM-like kernel over [bm, bn] output tiles with two fp32 accumulators (gate and up
+share each loaded x tile), silu(a) * b applied in registers, only the product written. The [T, f]
+pre-activations never reach memory and are not saved: the custom_vjp keeps x, w_gate, w_up only.
 Backward: one kernel recomputes a, b tile by tile and writes da = dy * b * silu'(a) and
-db = dy * silu(a) (transient, freed within the backward); the four large matmuls
-(dx = da Wg^T + db Wu^T, dWg = x^T da, dWu = x^T db) go to XLA/cuBLAS, which a Triton GEMM
-does not beat. Cost: one extra 2-GEMM recomputation in the backward (about +1/3 FLOPs of this
-layer's backward) in exchange for the saved activations.
-Measured on an H200 (jax 0.11.2, bf16, T=16384 d=2048 f=8192, docs/benchmarks.md): forward
-2.19 ms vs XLA 2.10 ms (0.95x); forward+backward 7.36 ms vs 9.85 ms (1.34x faster) with 1.07 GB
-vs 2.48 GB of compiled memory.
+db = dy * silu(a); the four large matmuls go to XLA/cuBLAS, which a Triton GEMM does not beat.
+Cost: one extra 2-GEMM recomputation in the backward (about +1/3 of this layer's backward FLOPs)
+for 2 x T x f activations saved per layer. Speed and memory: docs/benchmarks.md#fused-ops.
 """
 from __future__ import annotations
 
@@ -26,9 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fused_cross_entropy import _load, _store
-
-from pallas_kernels._compat import TritonCompilerParams as _CompilerParams  # noqa: E402
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
+from pallas_kernels.triton_tiles import load_tile, store_tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +48,9 @@ def swiglu_reference(x, w_gate, w_up):
 def _gate_up(x_ref, wg_ref, wu_ref, r0, c0, *, bm, bn, bk, T, d, f, mt, mf, md):
     def body(k, acc):
         a, b = acc
-        xk = _load(x_ref, r0, bm, T, k * bk, bk, d, mask_r=mt, mask_c=md)
-        gk = _load(wg_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
-        uk = _load(wu_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
+        xk = load_tile(x_ref, r0, bm, T, k * bk, bk, d, mask_r=mt, mask_c=md)
+        gk = load_tile(wg_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
+        uk = load_tile(wu_ref, k * bk, bk, d, c0, bn, f, mask_r=md, mask_c=mf)
         return (a + jnp.dot(xk, gk, preferred_element_type=jnp.float32),
                 b + jnp.dot(xk, uk, preferred_element_type=jnp.float32))
 
@@ -69,7 +62,7 @@ def _fwd_kernel(x_ref, wg_ref, wu_ref, o_ref, **kw):
     r0, c0 = pl.program_id(0) * kw["bm"], pl.program_id(1) * kw["bn"]
     a, b = _gate_up(x_ref, wg_ref, wu_ref, r0, c0, **kw)
     out = a * jax.nn.sigmoid(a) * b
-    _store(o_ref, r0, kw["bm"], kw["T"], c0, kw["bn"], kw["f"], out.astype(o_ref.dtype), mask_r=kw["mt"],
+    store_tile(o_ref, r0, kw["bm"], kw["T"], c0, kw["bn"], kw["f"], out.astype(o_ref.dtype), mask_r=kw["mt"],
            mask_c=kw["mf"])
 
 
@@ -77,14 +70,14 @@ def _bwd_kernel(x_ref, wg_ref, wu_ref, dy_ref, da_ref, db_ref, **kw):
     bm, bn, T, f, mt, mf = kw["bm"], kw["bn"], kw["T"], kw["f"], kw["mt"], kw["mf"]
     r0, c0 = pl.program_id(0) * bm, pl.program_id(1) * bn
     a, b = _gate_up(x_ref, wg_ref, wu_ref, r0, c0, **kw)
-    dy = _load(dy_ref, r0, bm, T, c0, bn, f, mask_r=mt, mask_c=mf).astype(jnp.float32)
+    dy = load_tile(dy_ref, r0, bm, T, c0, bn, f, mask_r=mt, mask_c=mf).astype(jnp.float32)
     sig = jax.nn.sigmoid(a)
     silu = a * sig
     # silu'(a) = sig * (1 + a * (1 - sig))
     da = dy * b * sig * (1.0 + a * (1.0 - sig))
     db = dy * silu
-    _store(da_ref, r0, bm, T, c0, bn, f, da.astype(da_ref.dtype), mask_r=mt, mask_c=mf)
-    _store(db_ref, r0, bm, T, c0, bn, f, db.astype(db_ref.dtype), mask_r=mt, mask_c=mf)
+    store_tile(da_ref, r0, bm, T, c0, bn, f, da.astype(da_ref.dtype), mask_r=mt, mask_c=mf)
+    store_tile(db_ref, r0, bm, T, c0, bn, f, db.astype(db_ref.dtype), mask_r=mt, mask_c=mf)
 
 
 def _kw(x, w_gate, bs):

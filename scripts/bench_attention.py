@@ -90,8 +90,12 @@ BWD_VARIANTS = {   # changes to default_block_sizes(d): the backward kernels com
 
 
 def bwd_variants(d):
+    """BWD_VARIANTS at head dim d, the ones a user can reach: the fused backward takes d=64 only
+    (FUSED_BWD_HEAD_DIMS; elsewhere the argument check refuses it)."""
     from pallas_kernels.flash_attention_mgpu import default_block_sizes
-    return {name: dataclasses.replace(default_block_sizes(d), **over) for name, over in BWD_VARIANTS.items()}
+    from pallas_kernels.flash_attention_mgpu_tiles import FUSED_BWD_HEAD_DIMS
+    return {name: dataclasses.replace(default_block_sizes(d), **over) for name, over in BWD_VARIANTS.items()
+            if not over.get("fused_bwd") or d in FUSED_BWD_HEAD_DIMS}
 
 
 def bench_bwd_alone(s, d, causal, names, tracker=None):
@@ -108,9 +112,11 @@ def bench_bwd_alone(s, d, causal, names, tracker=None):
         row = dict(kind="bwd_alone", impl=name, S=s, D=d, B=b, H=h, KVH=h // KV_GROUP, causal=causal)
         rows.append(row)
         try:
-            cfg = fm._config(q, k, v, causal, None, bwd_variants(d)[name], False)
-            out, lse = jax.jit(lambda q, k, v, cfg=cfg: fm._fwd_call(q, k, v, cfg))(q, k, v)
-            bwd = jax.jit(lambda q, k, v, out, lse, do, cfg=cfg: fm._attn_bwd(cfg, (q, k, v), (out, lse), (do,)))
+            if name not in bwd_variants(d):
+                raise ValueError(f"{name} is not a backward this head dim takes ({d=})")
+            cfg = fm.make_config(q, k, v, causal, None, bwd_variants(d)[name], False)
+            out, lse = jax.jit(lambda q, k, v, cfg=cfg: fm.forward_call(q, k, v, cfg))(q, k, v)
+            bwd = jax.jit(lambda q, k, v, out, lse, do, cfg=cfg: fm.backward(cfg, (q, k, v), (out, lse), (do,)))
             got = bwd(q, k, v, out, lse, do)
             want = want or got
             row["err_vs_first"] = err = max(rel(g, w) for g, w in zip(got, want))
@@ -119,8 +125,8 @@ def bench_bwd_alone(s, d, causal, names, tracker=None):
                 continue
             row["bwd_ms"] = timeit(bwd, q, k, v, out, lse, do) * 1e3
             if not cfg.bs.fused_bwd:
-                row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dq_call(*a, cfg)), q, k, v, do, lse, out) * 1e3
-                row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb._dkv_call(*a, cfg)),
+                row["dq_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb.dq_call(*a, cfg)), q, k, v, do, lse, out) * 1e3
+                row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb.dkv_call(*a, cfg)),
                                        q, k, v, do, lse, output_grad_rowsum(out, do)) * 1e3
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -156,12 +162,10 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     q, k, v, do = random_inputs(s + d + causal, b, s, h, d)
     # checking: only the checked rows carry a cotangent; timing uses the full random dO (never zeros)
     do_chk = do.at[:, : s - CHECK_ROWS].set(0)
-    fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
 
     def fb(q, k, v, do):
         o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
         return vjp(do.astype(o.dtype))
-    fwdbwd = jax.jit(fb)
     key = (s, d, causal)
     if key not in ref_cache:
         f32 = lambda x: x[:1].astype(jnp.float32)  # noqa: E731
@@ -173,7 +177,8 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     row = dict(impl=name, S=s, D=d, B=b, H=h, KVH=h // KV_GROUP, causal=causal)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     try:
-        err = rel(fwd(q, k, v)[:1, -CHECK_ROWS:], ro)
+        fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+        err = rel(first_call(row, "fwd", fwd, q, k, v)[:1, -CHECK_ROWS:], ro)
         row["fwd_err"] = err
         if not err < FWD_TOL:
             row["fwd"] = "FAIL"
@@ -181,7 +186,8 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
             t = timeit(fwd, q, k, v)
             row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
         if not fwd_only:
-            dq, dk, dv = fwdbwd(q, k, v, do_chk)
+            fwdbwd = jax.jit(fb)
+            dq, dk, dv = first_call(row, "fwdbwd", fwdbwd, q, k, v, do_chk)
             err = max(rel(dq[:1, -CHECK_ROWS:], rdq), rel(dk[:1], rdk), rel(dv[:1], rdv))
             row["bwd_err"] = err
             if not err < BWD_TOL:
@@ -192,6 +198,16 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     return row
+
+
+def first_call(row, what, jitted, *args):
+    """jitted(*args), announced before it starts and its seconds (compile + one run) kept in
+    row[f"{what}_first_s"]: a compile that stalls names its row in the log."""
+    print(f"compiling {row['impl']} {what} S={row['S']} D={row['D']} causal={row['causal']} ...", flush=True)
+    t = time.perf_counter()
+    out = jax.block_until_ready(jitted(*args))
+    row[f"{what}_first_s"] = round(time.perf_counter() - t, 1)
+    return out
 
 
 def plan(which):
@@ -208,13 +224,17 @@ def plan(which):
         dims = {"full": (64, 128), "full64": (64,), "full128": (128,)}[which]
         return [(s, d, c, ["ours_mgpu", "cudnn", "pallas_mha", "xla", "mgpu_fp16_fwd"])
                 for s in (2048, 4096, 8192, 16384, 1024) for d in dims for c in (True, False)]
-    if which == "mgpu":  # the Mosaic GPU kernel beside ours and cuDNN at the issue's headline shapes
+    if which == "mgpu":
+        # The Mosaic GPU kernel (ours_mgpu: flash_attention_mgpu's defaults, default_block_sizes(d), and
+        # the backward use_fused_bwd picks: fused at d=64 causal S >= 4096, split dQ + dK/dV elsewhere,
+        # so the split kernels at every d=128 shape) beside the Triton kernel and cuDNN
         shapes = [(2048, 64, True), (8192, 64, True), (2048, 128, True), (8192, 128, True), (8192, 128, False)]
         return [(s, d, c, ["ours_mgpu", "oursdef", "cudnn"]) for s, d, c in shapes]
     if which == "fused":  # the one-kernel backward against the split one and cuDNN, each twice (drift)
         names = ["cudnn", "ours_mgpu", "mgpu_bwd_fused"] * 2
+        # d=64 only: at d=128 the fused backward is refused (flash_attention_mgpu_tiles.check_fused_bwd)
         return [(s, d, c, names) for s, d, c in ((4096, 64, True), (2048, 64, True), (8192, 64, True),
-                                                 (4096, 128, True), (8192, 128, True), (4096, 64, False))]
+                                                 (4096, 64, False))]
     if which == "bwd":  # the backward variants (BWD_VARIANTS) against cuDNN at the model's shapes
         names = ["cudnn", "mgpu_bwd_split", "mgpu_bwd_dq64"] * 2
         return [(s, d, True, names) for s, d in ((4096, 64), (4096, 128), (2048, 64), (8192, 64))]
@@ -240,6 +260,17 @@ _UNMEASURED = [(2048, 128, True), (16384, 128, True), (8192, 64, True), (1024, 1
                (1024, 64, True), (1024, 128, False), (2048, 64, False), (16384, 64, False), (1024, 64, False)]
 
 
+def parse_shape(spec):
+    """S:D:causal|full -> (S, D, causal), one clear error otherwise."""
+    try:
+        s, d, mask = spec.split(":")
+        if mask not in ("causal", "full"):
+            raise ValueError
+        return int(s), int(d), mask == "causal"
+    except ValueError:
+        raise SystemExit(f"error: --shapes entry {spec!r} must be S:D:causal or S:D:full, e.g. 8192:128:causal")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
@@ -249,6 +280,8 @@ def main():
     ap.add_argument("--bwd-alone", default=None, help="S,D,causal[;...]: first time the backward kernels alone "
                     "(--bwd-variants, twice each), e.g. '4096,64,1;4096,128,1'")
     ap.add_argument("--bwd-variants", default="split,fused", help=f"names from {sorted(BWD_VARIANTS)}")
+    ap.add_argument("--shapes", default=None, help="comma-separated S:D:causal|full: only these shapes of the plan "
+                    "run (e.g. 8192:128:causal)")
     ap.add_argument("--impls", default=None, help="comma-separated impl names: only these run (e.g. ours_mgpu,cudnn)")
     ap.add_argument("--kv-group", type=int, default=1, help="query heads per KV head (GQA); 4 is llama3_1b's")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file (docs/archive/benchmarks-diary.md)")
@@ -275,7 +308,10 @@ def main():
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
             print(json.dumps(row), flush=True)
+    only = {parse_shape(x) for x in args.shapes.split(",")} if args.shapes else None
     for s, d, causal, names in plan(args.plan):
+        if only is not None and (s, d, causal) not in only:
+            continue
         if s > TOKENS:
             s = TOKENS // 2
         table = impls(d)

@@ -8,9 +8,12 @@ compile (an LLVM stack trace, a killed process) names its kernel instead of taki
 A shape is S:D:causal|full:GROUP with bench_attention.py's sizes (B = 16384 / S rows, H = 2048 / D
 query heads, H / GROUP kv heads). The kernels under test get their inputs (O, lse, delta) from the
 float32 jnp reference, so each process compiles exactly one Mosaic kernel (`fwdbwd`: all three, as a
-training step does). Each child prints a JSON
-line per phase (inputs, compiled, ran); the table gives the last phase reached, the exit status (a
-negative one is the signal that killed it) and the last lines of its stderr. Rows in $OUT/diag_mgpu.json.
+training step does). Each child prints a JSON line per phase (config, inputs, compiled, ran); the
+table gives the last phase reached, the exit status (a negative one is the signal that killed it)
+and the last lines of its stderr. A kernel the argument checks refuse (the fused backward at head
+dim 128) is status `refused` with its error, not a failure. --meshlab-flags: the children import
+meshlab first, so XLA_FLAGS are bench_attention.py's (it imports meshlab; this script otherwise does
+not). Rows in $OUT/diag_mgpu.json.
 """
 import argparse
 import dataclasses
@@ -40,11 +43,13 @@ def parse_shape(spec: str):
 
 def child(spec: str, kernel: str) -> None:
     """One kernel at one shape; prints {"phase": ...} lines as it gets past each step."""
+    if os.environ.get("DIAG_MESHLAB_FLAGS") == "1":
+        import meshlab  # noqa: F401  (sets XLA_FLAGS as bench_attention.py's process has them)
     import jax
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels import flash_attention_mgpu as fm, flash_attention_mgpu_bwd as fb
-    from pallas_kernels.flash_attention import flash_attention_reference, output_grad_rowsum
+    from pallas_kernels.flash_common import LOG2E, flash_attention_reference, output_grad_rowsum
 
     s, d, causal, group = parse_shape(spec)
     b, h = 16384 // s, 2048 // d
@@ -54,7 +59,11 @@ def child(spec: str, kernel: str) -> None:
     k, v = (jax.random.normal(k_, (b, s, h // group, d), jnp.float32).astype(jnp.bfloat16) for k_ in ks[2:])
     bs = fm.default_block_sizes(d)
     bs = bs if kernel == "fwdbwd" else dataclasses.replace(bs, fused_bwd=kernel == "fused")
-    cfg = fm._config(q, k, v, causal, None, bs, False)
+    try:
+        cfg = fm.make_config(q, k, v, causal, None, bs, False)
+    except ValueError as e:   # a kernel the argument checks refuse (e.g. the fused backward at d=128)
+        say(phase="refused", error=str(e))
+        return
     say(phase="config", tiles=dataclasses.asdict(cfg.bs), batch=b, heads=h, kv_heads=h // group)
     # Row 0 of the batch: the reference's inputs for the kernel, and what it must produce.
     f32 = lambda x: x[:1].astype(jnp.float32)  # noqa: E731
@@ -65,13 +74,13 @@ def child(spec: str, kernel: str) -> None:
     # Every row's O and lse (base 2, as the forward writes it) from the reference, row by row.
     outs, lses = zip(*(ref(*(x[i:i + 1].astype(jnp.float32) for x in (q, k, v))) for i in range(b)))
     out = jnp.concatenate(outs).astype(jnp.bfloat16)
-    lse = jnp.concatenate(lses) * fm.LOG2E
+    lse = jnp.concatenate(lses) * LOG2E
     delta = output_grad_rowsum(out, do)
     say(phase="inputs")
-    calls = {"fwd": (lambda q, k, v: fm._fwd_call(q, k, v, cfg), (q, k, v), ("out", None)),
-             "dq": (lambda *a: fb._dq_call(*a, cfg), (q, k, v, do, lse, out), ("dq", None)),
-             "dkv": (lambda *a: fb._dkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dk", "dv")),
-             "fused": (lambda *a: fb._dqkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dq", "dk", "dv")),
+    calls = {"fwd": (lambda q, k, v: fm.forward_call(q, k, v, cfg), (q, k, v), ("out", None)),
+             "dq": (lambda *a: fb.dq_call(*a, cfg), (q, k, v, do, lse, out), ("dq", None)),
+             "dkv": (lambda *a: fb.dkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dk", "dv")),
+             "fused": (lambda *a: fb.dqkv_call(*a, cfg), (q, k, v, do, lse, delta), ("dq", "dk", "dv")),
              "fwdbwd": (lambda q, k, v, do: _fwd_bwd(q, k, v, do, causal), (q, k, v, do), ("out", "dq", "dk", "dv"))}
     fn, args, names = calls[kernel]
     t = time.perf_counter()
@@ -116,7 +125,9 @@ def run_one(spec: str, kernel: str, timeout: float) -> dict:
     for ph in phases:
         row.update({k: v for k, v in ph.items() if k != "phase"})
     row["last_phase"] = phases[-1]["phase"] if phases else "start"
-    if row["rc"] != 0:
+    if row["last_phase"] == "refused":   # the argument checks' one clear error, at once
+        row["status"] = "refused"
+    elif row["rc"] != 0:
         noise = ("For simplicity, JAX has removed", "-----")
         tail = [x for x in stderr.splitlines() if x.strip() and not x.startswith(noise)]
         row["stderr_tail"] = tail[-12:]
@@ -133,10 +144,13 @@ def main():
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {','.join(KERNELS)}")
     p.add_argument("--timeout", type=float, default=240, help="seconds per kernel process")
     p.add_argument("--budget-s", type=float, default=420, help="start no new process after this many seconds")
+    p.add_argument("--meshlab-flags", action="store_true", help="children import meshlab first (its XLA_FLAGS)")
     p.add_argument("--child", nargs=2, metavar=("SHAPE", "KERNEL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(*args.child)
+    if args.meshlab_flags:
+        os.environ["DIAG_MESHLAB_FLAGS"] = "1"
     kernels = args.kernels.split(",")
     if bad := [k for k in kernels if k not in KERNELS]:
         raise SystemExit(f"error: unknown kernels {bad}; choose from {KERNELS}")
@@ -159,8 +173,11 @@ def main():
                 print(f"    | {line[:200]}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "diag_mgpu.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        if r["status"] == "refused":
+            print(f"{r['shape']} {r['kernel']}: refused: {r['error']}")
     failed = [f"{r['shape']} {r['kernel']}: {r['status']} after {r.get('last_phase')}" for r in rows
-              if r["status"] not in ("ok", "not run (budget)")]
+              if r["status"] not in ("ok", "refused", "not run (budget)")]
     print("failed: " + ("; ".join(failed) if failed else "none"))
 
 
