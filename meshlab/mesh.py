@@ -113,3 +113,16 @@ def axis_size(mesh, axes) -> int:
         axes = (axes,)
     return math.prod(mesh.shape[a] for a in axes)
 
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, "fsdp" or ("data", "fsdp")) as a tuple of mesh axis names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_entry(axes):
+    """The inverse: a tuple of axis names as a PartitionSpec entry (None, one name, or the tuple)."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes

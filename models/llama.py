@@ -71,6 +71,17 @@ class LlamaConfig:
     def padded_vocab(self) -> int:
         return int(math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple)
 
+    def matmul_param_count(self) -> int:
+        """N of the 6N rule: every matmul weight, the LM head included (counted again when tied,
+        since the tied embedding is used as a matmul there), norms and the lookup excluded."""
+        d, hd = self.d_model, self.head_dim
+        per_layer = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * d * self.mlp_dim
+        return self.n_layers * per_layer + d * self.padded_vocab
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """6N + causal attention 6*L*S*d_model (DESIGN.md, Measuring)."""
+        return 6.0 * self.matmul_param_count() + 6.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
+
     def validate(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")

@@ -110,7 +110,7 @@ def setup(args):
     import models
     from meshlab.bench import decode as bench
     from meshlab.infer.loading import random_params
-    from meshlab.train.state import model_def
+    from models import model_def
     bench.emit({"section": "meta", "setting": args.job, "value": 0.0, "unit": "", "backend": jax.default_backend(),
                 "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""), "note": ""})

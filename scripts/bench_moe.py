@@ -137,10 +137,10 @@ def train_rows(args):
                 del state
             dt = float(np.median(times))
             tok_s = args.batch * args.seq / dt
-            fl = account.train_flops_per_token(cfg, args.seq)
+            fl = cfg.train_flops_per_token(args.seq)
             row = {"variant": label, "tokens_per_s": round(tok_s), "step_ms": round(dt * 1e3, 1),
                    "mfu": tok_s * fl / PEAK, "loss": round(loss, 3), "compile_s": round(compile_s, 1),
-                   "active_params": account.matmul_param_count(cfg), **metrics}
+                   "active_params": cfg.matmul_param_count(), **metrics}
             if not np.isfinite(loss):
                 row = {"variant": label, "error": f"non-finite loss {loss}"}
         except Exception as ex:

@@ -35,7 +35,9 @@ from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.parallel.pipeline import bubble, build, theory_bubble  # noqa: E402
 from meshlab.parallel.pipeline.schedules import COLS  # noqa: E402
-from meshlab.train.state import init_state, model_def, state_specs, to_shardings  # noqa: E402
+from meshlab.layout import to_shardings  # noqa: E402
+from meshlab.train.state import init_state, state_specs  # noqa: E402
+from models import model_def  # noqa: E402
 from meshlab.train.optimizer import OptimConfig, make_optimizer  # noqa: E402
 from meshlab.train.step import make_loss_and_grads  # noqa: E402
 

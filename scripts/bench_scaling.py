@@ -128,12 +128,11 @@ def main():
     import models
     from meshlab import rules as R
     from meshlab.mesh import make_mesh
-    from meshlab.plan import account
     from meshlab.plan.hardware import HardwareError, get_hardware
     from meshlab.plan.search import evaluate
     from meshlab.bench.train import time_steps
     from meshlab.peak import measured_matmul_flops
-    from meshlab.train.state import model_def
+    from models import model_def
 
     devices = jax.devices()
     peak = measured_matmul_flops(make_mesh("data=1", devices[:1]))   # one device's bf16 rate
@@ -220,7 +219,7 @@ def main():
         if n == 1:
             base.setdefault((model, seq), per_gpu)
         ref = base.get((model, seq))
-        flops = account.train_flops_per_token(cfg, seq)
+        flops = cfg.train_flops_per_token(seq)
         row = {"run": label, "batch": batch, "tok_s_gpu": per_gpu, "mfu": per_gpu * flops / peak,
                "mfu_989": per_gpu * flops / 989e12, "gib": mem / 2**30, "eff": per_gpu / ref if ref else None,
                "step_ms": dt * 1e3, "plan_ms": plan.step_s * 1e3 if plan.step_s else None,

@@ -55,7 +55,7 @@ def child(args):
         import models
         from meshlab.infer.engine import Engine
         from meshlab.infer.loading import random_params
-        from meshlab.train.state import model_def
+        from models import model_def
         cfg = dataclasses.replace(models.preset(preset), dtype=dtype)
         md, params = model_def(cfg), random_params(cfg)
         report = lambda key, sec: bs.emit({"section": "compile", "setting": str(key), "value": sec, "unit": "s",

@@ -22,7 +22,6 @@ import jax  # noqa: E402
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
-from meshlab.plan import account  # noqa: E402
 from meshlab.bench.train import pick_batch, time_steps, torch_gemm_tflops  # noqa: E402
 from meshlab.peak import measured_gemm_flops, peak_flops  # noqa: E402
 
@@ -81,7 +80,7 @@ def main():
             rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(rows[-1], flush=True)
             return
-        f = account.train_flops_per_token(cfg, seq)
+        f = cfg.train_flops_per_token(seq)
         rows.append({"variant": label, "batch": batch, "seq": seq, "tokens_per_s": round(tok_s),
                      "step_ms": round(dt * 1e3, 1), "mfu": round(tok_s * f / peak, 4),
                      "program_gib": round(mem / 2**30, 1),

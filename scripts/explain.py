@@ -19,7 +19,7 @@ from meshlab.mesh import MeshError, resolve_sizes  # noqa: E402
 from meshlab.plan.explain import describe  # noqa: E402
 from meshlab.plan.search import PlanMesh  # noqa: E402
 from meshlab.rules import RulesError, load_rules  # noqa: E402
-from meshlab.train.state import model_def  # noqa: E402
+from models import model_def  # noqa: E402
 
 
 def main(argv=None) -> int:

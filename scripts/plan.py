@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     except (KeyError, ValueError, HardwareError, RulesError) as e:
         print(f"plan.py: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    print(f"{cfg.name}: {account.matmul_param_count(cfg) / 1e9:.2f}B matmul params, batch {batch} x {a.seq} tokens, "
+    print(f"{cfg.name}: {cfg.matmul_param_count() / 1e9:.2f}B matmul params, batch {batch} x {a.seq} tokens, "
           f"{a.devices} devices on {a.hosts} host(s), {hw.name}")
     print(f"attention FLOPs pass the projections+MLP above S = {compute.crossover_seq(cfg):.0f}\n")
     head = f"{'#':>3} {'rules':<11} {'mesh':<26} {'remat':<19} {'k':>2} {'mem/dev':>10} {'compute':>9} {'comm':>9} {'step':>9} {'MFU':>5}"

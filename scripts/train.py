@@ -43,7 +43,7 @@ def main(argv=None):
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
     from meshlab.train import distributed
-    from meshlab.train.checkpoint import CheckpointError
+    from meshlab.checkpoint import CheckpointError
     from meshlab.train.config import ConfigError, load_config
     from meshlab.train.fit import OutOfMemoryError
     try:

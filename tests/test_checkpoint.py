@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from meshlab.train import loop
-from meshlab.train.checkpoint import Checkpointer, CheckpointError, read_meta
+from meshlab.checkpoint import Checkpointer, CheckpointError, read_meta
 from meshlab.train.metrics import read_metrics
 from tests.helpers import small_config
 
@@ -140,7 +140,7 @@ def test_step_without_commit_marker_is_partial(uninterrupted, tmp_path):
 KILL_DURING_SAVE = """
 import os, signal, sys
 import jax, jax.numpy as jnp
-from meshlab.train.checkpoint import Checkpointer
+from meshlab.checkpoint import Checkpointer
 ck = Checkpointer(sys.argv[1])
 ck.save(1, {"w": jnp.ones((256, 1024)), "step": jnp.int32(1)}, {"n": 1}, wait=True)
 big = {"w": jax.random.normal(jax.random.key(0), (32, 1024, 1024)), "step": jnp.int32(2)}

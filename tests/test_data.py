@@ -1,7 +1,8 @@
 """Batches are a function of (seed, step, row); packed documents get segment ids and positions."""
 import numpy as np
 
-from meshlab.train.data import ByteTokenizer, GlobalBatches, TokenWindows, make_example
+from meshlab.tokenizer import ByteTokenizer
+from meshlab.train.data import GlobalBatches, make_example, TokenWindows
 
 
 def windows(tmp_path, dtype="uint16", n=5000, vocab=300):

@@ -11,7 +11,7 @@ import models
 from meshlab.plan import account, explain, memory
 from meshlab.plan.search import PlanMesh
 from meshlab.rules import load_rules
-from meshlab.train.state import model_def
+from models import model_def
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "explain.py"
 
@@ -27,7 +27,7 @@ def _script():
                                                ("zero2", {"data": 8}, (1, 8, 8)), ("fsdp", {"fsdp": 8}, (8, 8, 8))])
 def test_state_totals_follow_zero_stage(rules, mesh, shards):
     md = model_def(models.preset("tiny"))
-    full = 4 * account.param_count(md)
+    full = 4 * md.param_count()
     st = memory.state_memory(md, load_rules(rules), PlanMesh(mesh))
     assert (st["params"], st["grads"], st["optimizer"]) == (full // shards[0], full // shards[1], 2 * full // shards[2])
 
@@ -40,7 +40,7 @@ def test_rows_add_up_and_name_every_leaf():
     assert sum(r.bytes_per_device for r in rows) == memory.state_memory(md, rules, mesh)["params"]
     # everything / 64 except the norm scales, split over fsdp only
     norms = sum(4 * r.shape[-1] * (r.shape[0] if len(r.shape) > 1 else 1) for r in rows if "norm" in r.path)
-    assert sum(r.bytes_per_device for r in rows) == (4 * account.param_count(md) - norms) // 64 + norms // 8
+    assert sum(r.bytes_per_device for r in rows) == (4 * md.param_count() - norms) // 64 + norms // 8
     text = explain.describe(md, rules, mesh)
     assert "['layers']['mlp']['w_gate']" in text and "(None, 'fsdp', 'tensor')" in text
     assert "residual stream" in text and "P('fsdp', None, 'tensor')" in text

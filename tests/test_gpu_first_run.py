@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshlab.plan import account, memory
+from meshlab.plan import memory
 from meshlab.train import fit, loop
-from meshlab.train.checkpoint import Checkpointer
+from meshlab.checkpoint import Checkpointer
 from meshlab.train.config import ConfigError, load_config
 from meshlab.peak import datasheet_tflops, mfu, peak_flops
 from tests.helpers import small_config
@@ -175,8 +175,8 @@ def test_tiny_flops_per_token_by_hand():
     # per layer: q 64x64 + k, v 64x32 each + o 64x64 = 12,288; SwiGLU 3 x 64x192 = 36,864; 4 layers;
     # the LM head 64 x 384 (vocab 257 padded to a multiple of 128) counted as a matmul (tied).
     n = 4 * (4096 + 2048 + 2048 + 4096 + 36864) + 64 * 384
-    assert account.matmul_param_count(cfg) == n == 221_184
-    assert account.train_flops_per_token(cfg, 128) == 6 * n + 6 * 4 * 128 * (4 * 16) == 1_523_712
+    assert cfg.matmul_param_count() == n == 221_184
+    assert cfg.train_flops_per_token(128) == 6 * n + 6 * 4 * 128 * (4 * 16) == 1_523_712
 
 
 def test_datasheet_peaks_by_device_kind():
@@ -197,7 +197,7 @@ def test_printed_mfu_is_tokens_flops_over_peak_and_devices_unclamped(tmp_path, c
     out = loop.train(cfg, progress=True)
     assert isinstance(out["trainer"].step_fn, loop._FirstCallFallback) and out["trainer"].step_fn.fn is not \
         out["trainer"].step_fn.jitted, "the precompiled step should run the steps"
-    flops = account.train_flops_per_token(cfg.model, cfg.data.seq_len)
+    flops = cfg.model.train_flops_per_token(cfg.data.seq_len)
     for r in out["rows"]:
         assert r["mfu"] == r["tokens_per_s"] * flops / (1e7 * 8)
     assert max(r["mfu"] for r in out["rows"]) > 1.0   # no clamp: a tiny peak gives > 100%

@@ -11,7 +11,7 @@ import models
 from meshlab.infer.engine import ContiguousGenerator, Engine
 from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import AdmissionError
-from meshlab.train.state import model_def
+from models import model_def
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     from jax.sharding import NamedSharding
     from meshlab.mesh import make_mesh
     from meshlab.rules import load_rules
-    from meshlab.train.state import leaf_specs
+    from meshlab.layout import leaf_specs
     md, params, _ = tiny
     rules, mesh = load_rules("fsdp_tp"), make_mesh("data=1,fsdp=4,tensor=2")
     specs = leaf_specs(md, rules, mesh, "params")

@@ -231,14 +231,15 @@ def test_bad_experts_strategy_is_one_clear_error(tmp_path):
 
 # -- counts and serving ------------------------------------------------------------------------------
 def test_active_and_total_counts_follow_the_config():
-    from meshlab.plan import account
-    from meshlab.train.state import model_def
+    from models import model_def
     cfg = models.preset("moe_tiny")
-    assert cfg.param_count()["total"] == account.param_count(model_def(cfg))   # stored = counted
+    assert cfg.param_count()["total"] == model_def(cfg).param_count()   # stored = counted
     dense = dataclasses.replace(models.preset("tiny"), n_layers=cfg.n_layers, mlp_dim=cfg.active_mlp_dim)
     # active matmul weights = a dense model of the active width + the router
-    assert cfg.matmul_param_count() == account.matmul_param_count(dense) + cfg.n_layers * cfg.d_model * cfg.n_experts
-    assert account.train_flops_per_token(cfg, 128) == cfg.train_flops_per_token(128)
+    assert cfg.matmul_param_count() == dense.matmul_param_count() + cfg.n_layers * cfg.d_model * cfg.n_experts
+    # FLOPs: 6 per active matmul weight more than the dense model's, the attention term unchanged
+    assert cfg.train_flops_per_token(128) - dense.train_flops_per_token(128) == \
+        6 * (cfg.matmul_param_count() - dense.matmul_param_count())
 
 
 def test_greedy_decode_through_the_engine_equals_uncached_forward():
@@ -247,7 +248,7 @@ def test_greedy_decode_through_the_engine_equals_uncached_forward():
     from flax import nnx
     from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
-    from meshlab.train.state import model_def
+    from models import model_def
     cfg = dataclasses.replace(models.preset("moe_tiny"), dtype="float32", init_std=0.2)
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
@@ -269,7 +270,7 @@ def test_explain_splits_the_expert_banks_over_eight_devices(name, sizes):
     from meshlab.plan import account
     from meshlab.plan.explain import describe
     from meshlab.plan.search import PlanMesh
-    from meshlab.train.state import model_def
+    from models import model_def
     md, rules, mesh = model_def(models.preset("moe_tiny")), load_rules(name), PlanMesh(resolve_sizes(sizes, 8))
     for kind in ("params", "grads", "optimizer"):
         banks = [r for r in account.param_table(md, rules, mesh, kind) if "experts" in r.names]

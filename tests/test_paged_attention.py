@@ -93,7 +93,7 @@ def test_engine_with_kernel_matches_uncached(layers, max_seqs):
     import models
     from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
-    from meshlab.train.state import model_def
+    from models import model_def
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
@@ -232,7 +232,7 @@ def test_one_token_stream_carries_the_zero_row():
     import models
     from meshlab.infer import kv_cache
     from meshlab.infer.engine import _unfused_placeholders, serving_params
-    from meshlab.train.state import model_def
+    from models import model_def
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
     md = model_def(cfg)
     served = serving_params(md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param)), "fused")

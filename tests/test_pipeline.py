@@ -22,7 +22,8 @@ from meshlab.parallel.pipeline import LayoutError, ScheduleError, bubble, build,
 from meshlab.plan import hlo
 from meshlab.plan import pipeline as plan_pp
 from meshlab.train import step as S
-from meshlab.train.state import leaf_specs, model_def
+from meshlab.layout import leaf_specs
+from models import model_def
 from tests.helpers import rel_err
 
 RTOL = 1e-5

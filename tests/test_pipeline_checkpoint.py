@@ -9,9 +9,11 @@ import numpy as np
 
 from meshlab import rules as R
 from meshlab.mesh import make_mesh
-from meshlab.train.checkpoint import Checkpointer
+from meshlab.checkpoint import Checkpointer
 from meshlab.train.optimizer import make_optimizer
-from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
+from meshlab.layout import to_shardings
+from meshlab.train.state import abstract_state, init_state, state_specs
+from models import model_def
 from tests.helpers import small_config
 
 

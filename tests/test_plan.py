@@ -8,16 +8,16 @@ import pytest
 
 import models
 from helpers import MESH_FOR, small_config
-from meshlab.plan import account, comm, compiled, compute, memory, search
+from meshlab.plan import comm, compiled, compute, memory, search
 from meshlab.plan.hardware import HARDWARE, HardwareError, get_hardware
 from meshlab.rules import load_rules
-from meshlab.train.state import model_def
+from models import model_def
 
 
 def test_flop_split_matches_the_6n_rule_and_crossover():
     cfg = models.preset("llama3_8b")
     f = compute.step_flops(cfg, 1, 4096, "none")
-    assert f["model"] == pytest.approx(account.train_flops_per_token(cfg, 4096) * 4096, rel=1e-9)
+    assert f["model"] == pytest.approx(cfg.train_flops_per_token(4096) * 4096, rel=1e-9)
     s = compute.crossover_seq(cfg)
     per = compute.layer_flops_per_token(cfg, int(s))
     assert per["attention"] == pytest.approx(per["projections"] + per["mlp"], rel=1e-3)

@@ -10,7 +10,7 @@ import models
 from meshlab.infer.engine import Engine
 from meshlab.infer.pages import PagePool, page_keys
 from meshlab.infer.sampler import SamplingParams
-from meshlab.train.state import model_def
+from models import model_def
 
 
 def test_page_keys_chain_over_the_prefix():

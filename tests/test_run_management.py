@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from meshlab.train import loop
-from meshlab.train.checkpoint import Checkpointer
+from meshlab.checkpoint import Checkpointer
 from meshlab.train.metrics import read_metrics
 from tests.helpers import SMALL, small_config
 from tests.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)

@@ -15,8 +15,8 @@ import jax
 import pytest
 
 from meshlab.infer.loading import load_checkpoint, run_tokenizer
-from meshlab.train.checkpoint import write_run_tokenizer
-from meshlab.train.data import ByteTokenizer
+from meshlab.checkpoint import write_run_tokenizer
+from meshlab.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

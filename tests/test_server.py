@@ -18,8 +18,8 @@ from flax import nnx
 import models
 from meshlab.infer.engine import Engine
 from meshlab.infer.server import Server
-from meshlab.train.data import ByteTokenizer
-from meshlab.train.state import model_def
+from meshlab.tokenizer import ByteTokenizer
+from models import model_def
 
 ROOT = Path(__file__).resolve().parent.parent
 

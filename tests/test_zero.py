@@ -152,7 +152,7 @@ def test_planner_prices_overlap_per_layer():
     import models
     from meshlab.plan import hardware, search
     from meshlab.rules import load_rules
-    from meshlab.train.state import model_def
+    from models import model_def
     md, hw = model_def(models.preset("llama3_1b")), hardware.get_hardware("h200")
     plans = {r: search.evaluate(md, load_rules(r), {"data": 8}, 32, 4096, "full", 1, hw)
              for r in ("dp", "zero1", "zero2")}

@@ -236,7 +236,7 @@ def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b"
     import dataclasses
     import models
     from meshlab.infer.loading import random_params
-    from meshlab.train.state import model_def
+    from models import model_def
     cfg = dataclasses.replace(models.preset(preset), n_layers=2, dtype="float32",
                               init_std=0.05 if preset == "llama3_1b" else 0.2)   # spread logits: no argmax ties
     md, params = model_def(cfg), random_params(cfg, seed=1)

@@ -318,7 +318,7 @@ def _post(port, body):
 def server_rows(engine, bw: float, ttft_len=2048, n=256, ctx=2048) -> list[dict]:
     """The same engine behind the HTTP server: b=1 decode tokens/s (vs the roofline) and one TTFT."""
     from meshlab.infer.server import Server
-    from meshlab.train.data import ByteTokenizer
+    from meshlab.tokenizer import ByteTokenizer
     srv = Server(engine, ByteTokenizer(), "bench", "127.0.0.1", 0).start()
     out = []
     try:

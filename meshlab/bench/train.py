@@ -10,7 +10,9 @@ from jax.sharding import NamedSharding
 
 from meshlab import rules as R
 from meshlab.train.optimizer import OptimConfig, make_optimizer
-from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
+from meshlab.layout import to_shardings
+from meshlab.train.state import abstract_state, init_state, state_specs
+from models import model_def
 from meshlab.train.step import batch_spec, make_train_step
 
 

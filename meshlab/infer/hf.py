@@ -119,7 +119,8 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
 
     param_dtype: storage dtype of the params (default: the compute dtype, as serving needs no fp32 master).
     """
-    from meshlab.train.state import leaf_specs, model_def
+    from meshlab.layout import leaf_specs
+    from models import model_def
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")

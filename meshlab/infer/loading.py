@@ -8,7 +8,7 @@ Serving places the parameters itself: on one device by default, or by a serving 
 mesh of the devices present (`serving_placement`); never on the training run's mesh, which the
 serving machine may not have. A run is read, not rebuilt: the model config from its config.yaml,
 the parameters (not the optimizer state) from its checkpoint, the tokenizer from the files
-training wrote beside them (`meshlab.train.checkpoint.write_run_tokenizer`). Nothing is written.
+training wrote beside them (`meshlab.checkpoint.write_run_tokenizer`). Nothing is written.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from flax import nnx
 
 import models
 from meshlab.infer.hf import CheckpointError, load_hf
-from meshlab.train.data import ByteTokenizer
+from meshlab.tokenizer import ByteTokenizer
 
 
 class HFTokenizer:
@@ -111,7 +111,7 @@ def random_params(cfg, seed: int = 0, dtype=None):
 
 def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=None, **cfg_overrides):
     """(cfg, md, params, tokenizer) for a --checkpoint value (see the module docstring)."""
-    from meshlab.train.state import model_def
+    from models import model_def
     if spec.startswith("random:"):
         _, name, *seed = spec.split(":")
         cfg = dataclasses.replace(models.preset(name), **({"dtype": dtype} if dtype else {}), **cfg_overrides)
@@ -146,7 +146,7 @@ def _hf_eos(path: Path) -> list[int]:
 
 def _shardings(md, rules, mesh):
     from jax.sharding import NamedSharding
-    from meshlab.train.state import leaf_specs
+    from meshlab.layout import leaf_specs
     return jax.tree.map(lambda s: NamedSharding(mesh, s), leaf_specs(md, rules, mesh, "params"),
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
@@ -171,7 +171,7 @@ def run_model_config(path: Path, overrides: dict):
 
 def run_tokenizer(path: Path, raw: dict):
     """The tokenizer the run trained with, from the run directory (see write_run_tokenizer)."""
-    from meshlab.train.checkpoint import TOKENIZER_META
+    from meshlab.checkpoint import TOKENIZER_META
     meta_file = path / TOKENIZER_META
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
     corpus = (raw.get("data") or {}).get("corpus", "stdlib")
@@ -191,8 +191,8 @@ def run_tokenizer(path: Path, raw: dict):
 
 def _load_run(path: Path, dtype, rules, mesh, overrides: dict):
     """Params of a meshlab training run's latest checkpoint, restored onto the serving placement."""
-    from meshlab.train.checkpoint import restore_params
-    from meshlab.train.state import model_def
+    from meshlab.checkpoint import restore_params
+    from models import model_def
     cfg, raw = run_model_config(path, dict(overrides, **({"dtype": dtype} if dtype else {})))
     md = model_def(cfg)
     if rules is not None and mesh is not None:

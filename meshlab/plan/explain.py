@@ -29,7 +29,7 @@ def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) 
         lines.append(f"{p.path:<34} {str(p.shape):<22} {str(tuple(p.spec)):<28} {fb(p.bytes_per_device):>10} "
                      f"{str(tuple(g.spec)):<28} {str(tuple(o.spec)):<28}")
     st = memory.state_memory(md, rules, mesh)
-    n = account.param_count(md)
+    n = md.param_count()
     lines.append(f"\n{n:,} parameters; per device: params (fp32, = master) {fb(st['params'])}, grads (fp32 accumulator) "
                  f"{fb(st['grads'])}, optimizer (Adam mu+nu fp32) {fb(st['optimizer'])}, total {fb(st['total'])} "
                  f"({st['total'] / max(n, 1):.2f} B/param vs 16 B/param unsharded)")

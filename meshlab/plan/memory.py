@@ -121,7 +121,7 @@ def _residuals(cfg, policy: str, attention: str, seq: int) -> tuple[list, list]:
     the parameters and the batch (counted as state / input already) left out."""
     import jax
     import jax.numpy as jnp
-    from meshlab.train.state import model_def
+    from models import model_def
     md = model_def(dataclasses.replace(cfg, n_layers=2, remat=policy, attention=attention))
     tok = jax.ShapeDtypeStruct((1, seq), jnp.int32)
 
@@ -269,7 +269,7 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
 
 
 def _drop(spec, axes):
-    from meshlab.train.state import only_axes
+    from meshlab.layout import only_axes
     keep = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e) if a not in axes]
     return only_axes(spec, keep)
 

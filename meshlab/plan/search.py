@@ -17,7 +17,7 @@ from meshlab.mesh import AXES, format_sizes
 from meshlab.plan import account, comm, compute, memory
 from meshlab.plan import pipeline as pipeline_plan
 from meshlab.rules import RulesError, load_rules, shipped_rules
-from meshlab.train.state import model_def
+from models import model_def
 
 POLICIES = ("none", "save_dots_no_batch", "save_dots", "full")
 USABLE = 0.92   # of device memory: the runtime, NCCL buffers and fragmentation take the rest (stated, not measured)

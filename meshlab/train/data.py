@@ -15,20 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-EOD = 256          # end of document
+from meshlab.tokenizer import EOD, ByteTokenizer
+
 PAD_LABEL = -1     # label of positions that carry no loss
-
-
-class ByteTokenizer:
-    """Bytes 0..255 plus an end-of-document token; the model pads the vocab to a multiple of 128."""
-    vocab_size = 257
-    eod_id = EOD
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
 def stdlib_files() -> list[Path]:

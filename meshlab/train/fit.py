@@ -60,7 +60,7 @@ def _planner_inputs(cfg):
 def planned_bytes(model_cfg, rules, mesh, global_batch: int, seq: int, microbatches: int) -> int:
     """The planner's per-device total (state + the step's peak), meshlab/plan/memory.py; no compile."""
     from meshlab.plan import memory
-    from meshlab.train.state import model_def
+    from models import model_def
     md = model_def(model_cfg)
     return int(memory.plan_memory(md, rules, mesh, global_batch, seq, microbatches, model_cfg.remat,
                                   _attention(model_cfg))["total"])

@@ -20,19 +20,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+import models
 from meshlab import rules as rules_mod
+from meshlab.checkpoint import Checkpointer, write_run_tokenizer
+from meshlab.layout import to_shardings
 from meshlab.mesh import make_mesh, format_sizes
-from meshlab.plan import account
+from meshlab.tokenizer import ByteTokenizer
+from meshlab.peak import measured_gemm_flops, mfu, peak_flops
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
 from meshlab.train import fit
-from meshlab.train.checkpoint import Checkpointer, write_run_tokenizer
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
-from meshlab.peak import measured_gemm_flops, mfu, peak_flops
-from meshlab.train.state import abstract_state, init_state, model_def, state_specs, to_shardings
+from meshlab.train.state import abstract_state, init_state, state_specs
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, batch_spec, make_train_step
+from models import model_def
 
 STEADY_FROM = 10   # the steady-state rate is the median over steps >= this (compilation and warm-up before)
 
@@ -332,17 +335,17 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     cfg = tr.cfg
     writer = MetricsWriter(run_dir, enabled=is_main)
     lr_at = schedule(cfg.optim, cfg.steps)
-    flops_tok = account.train_flops_per_token(cfg.model, cfg.data.seq_len)
+    flops_tok = cfg.model.train_flops_per_token(cfg.data.seq_len)
     ndev = tr.mesh.devices.size
     peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
     validate = Validator(tr) if cfg.val.every > 0 else None
     profiler = ProfileWindow(cfg.profile, run_dir)
     if progress and is_main:
-        print(f"meshlab: {cfg.model.name} ({account.param_count(tr.md):,} params), rules {tr.rules.name}, "
+        print(f"meshlab: {cfg.model.name} ({tr.md.param_count():,} params), rules {tr.rules.name}, "
               f"mesh {format_sizes(dict(tr.mesh.shape))} on {ndev} {jax.default_backend()} devices")
         for note in tr.notes:
             print(f"  {note}")
-        print(f"  {account.mfu_formula(cfg.model, cfg.data.seq_len)}")
+        print(f"  {models.mfu_formula(cfg.model, cfg.data.seq_len)}")
         print(f"  peak = {peak_source}" + (f" x {ndev} devices" if peak else ""))
         if jax.default_backend() == "gpu":   # a figure of its own, not MFU's denominator
             try:
@@ -483,8 +486,8 @@ class ProfileWindow:
 
 
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:
-    from meshlab.infer.sample import sample_tokens
-    tok = data_mod.ByteTokenizer()
+    from models.sample import sample_tokens
+    tok = ByteTokenizer()
     # Gathered onto one device once (not a host copy passed to every token's call, which would
     # move the whole model host -> device per token).
     params = jax.device_put(jax.device_get(state["params"]), jax.devices()[0])

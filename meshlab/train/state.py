@@ -7,78 +7,23 @@ file: params use the storage spec (`state.params`), Adam moments the optimizer s
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import models
+from meshlab.layout import is_spec, leaf_specs
 from meshlab.rules import Rules
-
-
-@dataclasses.dataclass
-class ModelDef:
-    """A model without its weights: graph, abstract params and their logical names."""
-    cfg: Any
-    graphdef: Any
-    abstract: dict          # path -> ShapeDtypeStruct (nested dict)
-    names: dict             # path -> tuple of logical names (nested dict)
-
-    def bind(self, params):
-        """A callable model over these params (inside jit: no copies)."""
-        return nnx.merge(self.graphdef, params)
-
-
-def model_def(cfg) -> ModelDef:
-    abstract_model = nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract_model, nnx.Param)
-    names: dict = {}
-    for path, var in nnx.to_flat_state(state):
-        n = tuple(var.get_metadata()["logical"])
-        if len(var.get_value().shape) == len(n) + 1:  # stacked by the layer scan
-            n = ("layers",) + n
-        node = names
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = n
-    return ModelDef(cfg, graphdef, nnx.to_pure_dict(state), names)
-
-
-def is_names(x):
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
-
-
-def tree_paths(tree) -> dict:
-    return jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p), tree)
-
-
-def leaf_specs(md: ModelDef, rules: Rules, mesh, kind: str) -> dict:
-    """PartitionSpec per parameter leaf for `kind` in params | grads | optimizer."""
-    return jax.tree.map(
-        lambda names, a, path: rules.state_spec(kind, names, a.shape, mesh, path=f"params{path}"),
-        md.names, md.abstract, tree_paths(md.abstract), is_leaf=is_names)
-
-
-def only_axes(spec: P, axes) -> P:
-    """Keep only `axes` in a spec (the manual ones of a shard_map region)."""
-    def keep(entry):
-        if entry is None:
-            return None
-        entry = (entry,) if isinstance(entry, str) else entry
-        kept = tuple(a for a in entry if a in axes)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-    return P(*(keep(e) for e in spec))
+from models import ModelDef
 
 
 def make_optimizer_specs(tx, md: ModelDef, opt_param_specs: dict):
     """Shardings of the optax state: moments mirror the params' optimizer spec, counters replicated."""
     abstract_opt = jax.eval_shape(tx.init, md.abstract)
     return optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, opt_param_specs,
-                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+                                 transform_non_params=lambda _: P(), is_leaf=is_spec)
 
 
 def state_specs(md: ModelDef, rules: Rules, mesh, tx, loss_scaling: bool) -> dict:
@@ -87,10 +32,6 @@ def state_specs(md: ModelDef, rules: Rules, mesh, tx, loss_scaling: bool) -> dic
     if loss_scaling:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
     return specs
-
-
-def to_shardings(mesh, specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _init_fn(md: ModelDef, tx, loss_scaling: bool, initial_scale: float):

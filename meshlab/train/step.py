@@ -29,7 +29,8 @@ from meshlab import compat
 from meshlab import rules as rules_mod
 from meshlab.parallel import grad_sync
 from meshlab.parallel.context import zigzag_batch
-from meshlab.train.state import ModelDef, leaf_specs, only_axes, to_shardings
+from meshlab.layout import leaf_specs, only_axes, to_shardings
+from models import ModelDef
 
 BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids")
 

@@ -2,7 +2,7 @@
 
 One compiled program: the prompt is written into a fixed [1, max_len] buffer and each step
 reads the logits at the last filled position; causal attention makes the unfilled tail harmless.
-The serving engine (KV cache, batching) lives beside this in `meshlab/infer/`.
+The serving engine (KV cache, batching) is meshlab/infer/; this needs only the model.
 """
 from __future__ import annotations
 
