@@ -1,21 +1,40 @@
 """The one pipeline executor: walks a schedule table (schedules.py) tick by tick inside a shard_map
 that is manual over `stage`, every stage running its own row of the table.
 
-Per tick every stage runs one op in a `lax.switch` (idle, F, B, BI, W), then every stage, whatever
-its op, takes part in the same two `ppermute`s: activations one stage on, cotangents one stage
-back. No collective over `stage` sits inside a branch (a branch only some stages take would wait
-for the others forever); collectives over other axes may (FSDP's gathers, tensor-parallel sums):
-every device of such a group belongs to the same stage and takes the same branch.
+Per tick every stage runs the ops its row names, each in its own two-way `lax.cond` (run it, or
+pass through): F (a chunk's forward), the loss head (F on the last chunk), B, BI, W, the embedding's
+gradient (B/BI on the first chunk). Then every stage, whatever it ran, takes part in the same two
+`ppermute`s: activations one stage on, cotangents one stage back. No collective over `stage` sits
+inside a cond (one that only some stages take would wait for the others forever); collectives over
+other axes may (FSDP's gathers, tensor-parallel sums): every device of such a group belongs to the
+same stage and takes the same branch.
 
 The backward is written by hand, one `jax.vjp` per layer and micro-batch: autodiff cannot interleave
 the forward and backward of different micro-batches (1F1B). F runs the chunk's layers with
 `jax.vjp` and stores each layer's residuals (the vjp closure's arrays, not the parameters it
-closes over) in a stash slot; B replays them in reverse; BI stores the cotangent entering each
-layer instead of the weight gradients, and W turns those into weight gradients later (zero
-bubble). The model's remat policy applies per layer as in the plain step. On the first chunk F
-embeds the tokens and B takes the embedding's gradient; on the last chunk F also runs the loss
-head and its gradient at once, leaving the cotangent of the last layer's output in the backward
-inbox, so the stash never holds the head's logits.
+closes over) in a stash slot; B replays them in reverse, adding each layer's weight gradient into
+its row of the accumulator as it goes; BI stores the cotangent entering each layer instead of the
+weight gradients, and W turns those into weight gradients later (zero bubble). The model's remat
+policy applies per layer as in the plain step. The first chunk's F embeds the tokens; the last
+chunk's loss head and its gradient run at once, leaving the cotangent of the last layer's output
+in the backward inbox, so the stash never holds the head's logits.
+
+Buffers stay in place. The stash, the inboxes and the gradient accumulators are the tick loop's
+carry; each cond takes only the buffers its op writes and hands them back untouched when it does
+not run. That shape is the one XLA's copy insertion keeps in place: one `lax.switch` over all ops
+with the whole carry (three or more branches, or conds nested inside a branch) made it copy every
+carried buffer on every tick (the stash and the fp32 gradients: about 8 GB at llama3_1b, seq 4096,
+1 stage, ~4 ms a tick on an H200). Layer gradients go into their accumulator row by row inside the
+backward layer scan (a dynamic-update-slice of one layer), never through a stacked [layers, ...]
+temporary and a whole-stack add.
+
+Per-tick overhead budget (what an empty tick costs): the table row's scalars, one predicate per
+op (F, head, B, and on the first chunk the embedding's gradient; BI and W for zero bubble), each
+cond's pass-through (no data moves; on GPU the predicate is read by the host: ~10 us each), one
+zero [b, s, d] activation per cond output that did not run (one micro-batch's residual stream:
+16 MB at llama3_1b, seq 4096, a few us of memset), the two inbox writes of what arrived (the same
+size, to the trash slot when nothing did), and with stage > 1 the two ppermutes of that size. No
+buffer bigger than one micro-batch's activation is touched by a tick that runs nothing.
 """
 from __future__ import annotations
 
@@ -25,7 +44,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from meshlab.parallel.pipeline.schedules import COLS, IDLE, Schedule
+from meshlab.parallel.pipeline.schedules import B, BI, COLS, F, IDLE, W, Schedule
 
 _C = {c: i for i, c in enumerate(COLS)}
 
@@ -73,6 +92,14 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _and(a, b):
+    """a & b where either may be a Python bool (decided by the mesh alone: no predicate traced)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        a, b = (a, b) if isinstance(a, bool) else (b, a)
+        return b if a else False
+    return a & b
+
+
 def _when(pred, yes, no, *args):
     """lax.cond, or the branch itself when the predicate is a Python bool."""
     if isinstance(pred, bool):
@@ -80,24 +107,29 @@ def _when(pred, yes, no, *args):
     return jax.lax.cond(pred, yes, no, *args)
 
 
+def _maybe(pred, fn, state, *zeros):
+    """fn(state) -> (state, *outs) when pred holds; else state untouched and `zeros` for the outs.
+    The one cond shape that updates `state` in place (module docstring)."""
+    return _when(pred, fn, lambda s: (s, *zeros), state)
+
+
 def _at(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _chunk(layers, c, size: int, virtual: int):
-    if virtual == 1:
-        return layers
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * size, size), layers)
+def _put(buf, val, i, j):
+    """buf[i, j] = val (one layer's slice of a [slots, layers, ...] stash), in place."""
+    return jax.lax.dynamic_update_slice(buf, val[None, None].astype(buf.dtype), (i, j) + (0,) * val.ndim)
 
 
-def _add_chunk(acc, g, c, size: int, virtual: int):
-    if virtual == 1:
-        return jax.tree.map(jnp.add, acc, g)
+def _get(buf, i, j):
+    return jax.lax.dynamic_slice(buf, (i, j) + (0,) * (buf.ndim - 2), (1, 1) + buf.shape[2:])[0, 0]
 
-    def one(a, d):
-        cur = jax.lax.dynamic_slice_in_dim(a, c * size, size)
-        return jax.lax.dynamic_update_slice_in_dim(a, cur + d.astype(a.dtype), c * size, 0)
-    return jax.tree.map(one, acc, g)
+
+def _add_row(acc, g, i):
+    """acc[i] += g for every leaf: one layer's gradient into its row, in place."""
+    return jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, _at(a, i) + d.astype(a.dtype), i, 0),
+                        acc, g)
 
 
 def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dict, seed, axis: str = "stage"):
@@ -121,6 +153,8 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
     w1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     res = _Residuals(fns.layer, w1, x_aval, jax.eval_shape(lambda: aux_at(0)))
     split = sched.slots["gch"] > 0
+    # The embedding and head are differentiated w.r.t. the parameters outside the layer stack only.
+    rest = {key: val for key, val in params.items() if key != layers_key}
 
     def buf(n, shape, dtype):
         return jnp.zeros((n,) + tuple(shape), dtype)
@@ -129,121 +163,106 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
         "bin": buf(sched.slots["bin"] + 1, x_aval.shape, x_aval.dtype),
         "res": [buf(sched.slots["res"], (lc,) + a.shape, a.dtype) for a in res.avals],
         "gch": buf(sched.slots["gch"] if split else 0, (lc,) + x_aval.shape, x_aval.dtype),
-        "grads": jax.tree.map(jnp.zeros_like, params),
+        "glayers": jax.tree.map(jnp.zeros_like, layers),
+        "grest": jax.tree.map(jnp.zeros_like, rest),
         "loss": jnp.zeros((), jnp.float32),
     }
     zero_x = jnp.zeros(x_aval.shape, x_aval.dtype)
-    # The embedding and head are differentiated w.r.t. the parameters outside the layer stack only
-    # (no zero gradient of the whole stack made and added per micro-batch).
-    rest_of = lambda tree: {key: val for key, val in tree.items() if key != layers_key}  # noqa: E731
-
-    def add_rest(grads, g):
-        return {**grads, **jax.tree.map(jnp.add, rest_of(grads), g)}
 
     def ctx(row):
         mb, c = row[_C["mb"]], row[_C["chunk"]]
-        # Python bools where the mesh decides alone (one stage, one chunk: every op embeds and runs the
+        # Python bools where the mesh decides alone (one stage, one chunk: every F embeds and runs the
         # head), so no cond is traced there; traced predicates otherwise.
         first = (stage == 0) if v == 1 else (stage == 0) & (c == 0)
         last = (stage == p - 1) if v == 1 else (stage == p - 1) & (c == v - 1)
-        return dict(row=row, mb=mb, c=c, first=first, last=last, w=_chunk(layers, c, lc, v), aux=aux_at(mb))
+        return dict(row=row, mb=mb, first=first, last=last, base=c * lc, aux=aux_at(mb),
+                    res=row[_C["res"]], bin=row[_C["bin"]], gch=row[_C["gch"]])
 
-    def idle(k, carry):
-        return carry, zero_x, zero_x
+    def layer_vjp(k, stash, j):
+        wj = _at(layers, k["base"] + j)
+        return res.join([_get(s, k["res"], j) for s in stash], wj)
 
-    def forward(k, carry):
-        row, mb = k["row"], k["mb"]
-        x = _when(k["first"], lambda: fns.embed(params, _at(mbs["tokens"], mb)).astype(x_aval.dtype),
-                         lambda: carry["fin"][row[_C["fin"]]])
-
-        def body(state, wj_j):
-            x, stash = state
-            wj, j = wj_j
-            y, vjp = jax.vjp(lambda w, x: fns.layer(w, x, *k["aux"]), wj, x)
-            kept = res.split(vjp, wj)
-            stash = [s.at[row[_C["res"]], j].set(r) for s, r in zip(stash, kept)]
-            return (y, stash), None
-        (y, stash), _ = jax.lax.scan(body, (x, carry["res"]), (k["w"], jnp.arange(lc)))
-        carry = dict(carry, res=stash)
-
-        def head(carry):   # the loss head and its gradient, at once: its cotangent waits in the inbox
-            labels = _at(mbs["labels"], mb)
-            loss, vjp = jax.vjp(lambda rest, h: fns.head({**rest, layers_key: layers}, h, labels), rest_of(params), y)
-            g_rest, g_y = vjp(jnp.asarray(seed, loss.dtype))
-            return dict(carry, loss=carry["loss"] + loss, grads=add_rest(carry["grads"], g_rest),
-                        bin=carry["bin"].at[row[_C["bin"]]].set(g_y.astype(x_aval.dtype))), zero_x
-        carry, out = _when(k["last"], head, lambda carry: (carry, y), carry)
-        return carry, out, zero_x
-
-    def layer_vjps(k, carry, j):
-        row = k["row"]
-        wj = _at(k["w"], j)
-        return wj, res.join([s[row[_C["res"]], j] for s in carry["res"]], wj)
-
-    def input_grad(k, carry, dx):
-        """The first chunk hands dx to the embedding (its gradient); the others send it back."""
-        def embed_grad(carry):
-            tokens = _at(mbs["tokens"], k["mb"])
-            _, vjp = jax.vjp(lambda rest: fns.embed({**rest, layers_key: layers}, tokens).astype(x_aval.dtype),
-                             rest_of(params))
-            (g,) = vjp(dx)
-            return dict(carry, grads=add_rest(carry["grads"], g)), zero_x
-        return _when(k["first"], embed_grad, lambda carry: (carry, dx), carry)
-
-    def backward(k, carry):
-        def body(g, j):
-            _, vjp = layer_vjps(k, carry, j)
-            dw, dx = vjp(g)
-            return dx, dw
-        dx, dw = jax.lax.scan(body, carry["bin"][k["row"][_C["bin"]]], jnp.arange(lc), reverse=True)
-        carry = dict(carry, grads={**carry["grads"], layers_key: _add_chunk(carry["grads"][layers_key], dw,
-                                                                            k["c"], lc, v)})
-        carry, out = input_grad(k, carry, dx)
-        return carry, zero_x, out
-
-    def backward_input(k, carry):
-        slot = k["row"][_C["gch"]]
+    def forward(k, fin, stash):
+        """The chunk's layers on the embedded tokens or the inbox; each layer's residuals into the stash."""
+        x = _when(k["first"], lambda: fns.embed(params, _at(mbs["tokens"], k["mb"])).astype(x_aval.dtype),
+                  lambda: fin[k["row"][_C["fin"]]])
 
         def body(state, j):
+            x, stash = state
+            wj = _at(layers, k["base"] + j)
+            y, vjp = jax.vjp(lambda w, x: fns.layer(w, x, *k["aux"]), wj, x)
+            stash = [_put(s, r, k["res"], j) for s, r in zip(stash, res.split(vjp, wj))]
+            return (y, stash), None
+        (y, stash), _ = jax.lax.scan(body, (x, stash), jnp.arange(lc))
+        return stash, y
+
+    def head(k, state, y):
+        """The loss head and its gradient at once: its cotangent waits in the backward inbox."""
+        labels = _at(mbs["labels"], k["mb"])
+        loss, vjp = jax.vjp(lambda rest, h: fns.head({**rest, layers_key: layers}, h, labels), rest, y)
+        g_rest, g_y = vjp(jnp.asarray(seed, loss.dtype))
+        return {"loss": state["loss"] + loss, "grest": jax.tree.map(jnp.add, state["grest"], g_rest),
+                "bin": jax.lax.dynamic_update_index_in_dim(state["bin"], g_y.astype(x_aval.dtype), k["bin"], 0)}
+
+    def backward(k, stash, bin_, glayers):
+        """Input and weight gradients of the chunk, each layer's added into its accumulator row."""
+        def body(state, j):
+            g, acc = state
+            dw, dx = layer_vjp(k, stash, j)(g)
+            return (dx, _add_row(acc, dw, k["base"] + j)), None
+        (dx, glayers), _ = jax.lax.scan(body, (bin_[k["bin"]], glayers), jnp.arange(lc), reverse=True)
+        return glayers, dx
+
+    def backward_input(k, stash, bin_, gch):
+        """Input gradients only; the cotangent entering each layer kept for W."""
+        def body(state, j):
             g, chain = state
-            _, vjp = layer_vjps(k, carry, j)
-            _, dx = vjp(g)
-            return (dx, chain.at[slot, j].set(g)), None
-        (dx, chain), _ = jax.lax.scan(body, (carry["bin"][k["row"][_C["bin"]]], carry["gch"]), jnp.arange(lc),
-                                      reverse=True)
-        carry, out = input_grad(k, dict(carry, gch=chain), dx)
-        return carry, zero_x, out
+            _, dx = layer_vjp(k, stash, j)(g)
+            chain = _put(chain, g, k["gch"], j)
+            return (dx, chain), None
+        (dx, gch), _ = jax.lax.scan(body, (bin_[k["bin"]], gch), jnp.arange(lc), reverse=True)
+        return gch, dx
 
-    def backward_weight(k, carry):
-        slot = k["row"][_C["gch"]]
+    def backward_weight(k, stash, gch, glayers):
+        def body(acc, j):
+            dw, _ = layer_vjp(k, stash, j)(_get(gch, k["gch"], j))
+            return _add_row(acc, dw, k["base"] + j), None
+        return jax.lax.scan(body, glayers, jnp.arange(lc))[0]
 
-        def body(_, j):
-            _, vjp = layer_vjps(k, carry, j)
-            dw, _ = vjp(carry["gch"][slot, j])
-            return None, dw
-        _, dw = jax.lax.scan(body, None, jnp.arange(lc))
-        grads = {**carry["grads"], layers_key: _add_chunk(carry["grads"][layers_key], dw, k["c"], lc, v)}
-        return dict(carry, grads=grads), zero_x, zero_x
+    def embed_grad(k, grest, dx):
+        tokens = _at(mbs["tokens"], k["mb"])
+        _, vjp = jax.vjp(lambda rest: fns.embed({**rest, layers_key: layers}, tokens).astype(x_aval.dtype), rest)
+        (g,) = vjp(dx)
+        return jax.tree.map(jnp.add, grest, g)
 
-    branches = [idle, forward, backward] + ([backward_input, backward_weight] if split else [])
     fwd_perm = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
     bwd_perm = [(d, s) for s, d in fwd_perm]
 
     def tick(carry, rows):
         row = jax.lax.dynamic_index_in_dim(rows, stage, keepdims=False) if p > 1 else rows[0]
-        k = ctx(row)
-        op = jnp.minimum(row[_C["op"]], len(branches) - 1)
-        carry, out_f, out_b = jax.lax.switch(op, [lambda c, f=f: f(k, c) for f in branches], carry)
-        # Outside any branch: every stage sends and receives every tick.
+        k, op = ctx(row), row[_C["op"]]
+        c = dict(carry)
+        c["res"], out_f = _maybe(op == F, lambda s: forward(k, c["fin"], s), c["res"], zero_x)
+        head_state = {key: c[key] for key in ("loss", "grest", "bin")}
+        c.update(_maybe(_and(op == F, k["last"]), lambda s: (head(k, s, out_f),), head_state)[0])
+        c["glayers"], out_b = _maybe(op == B, lambda g: backward(k, c["res"], c["bin"], g), c["glayers"], zero_x)
+        if split:
+            c["gch"], dx_i = _maybe(op == BI, lambda g: backward_input(k, c["res"], c["bin"], g), c["gch"], zero_x)
+            c["glayers"] = _maybe(op == W, lambda g: (backward_weight(k, c["res"], c["gch"], g),), c["glayers"])[0]
+            out_b = jnp.where(op == BI, dx_i, out_b)
+        c["grest"] = _maybe(_and((op == B) | (op == BI), k["first"]), lambda g: (embed_grad(k, g, out_b),),
+                            c["grest"])[0]
+        # Outside any cond: every stage sends and receives every tick (what it did not compute is
+        # a zero, or a value its neighbour drops in the trash slot).
         if p > 1:
             out_f = jax.lax.ppermute(out_f, axis, fwd_perm)
             out_b = jax.lax.ppermute(out_b, axis, bwd_perm)
-        carry = dict(carry, fin=carry["fin"].at[row[_C["recv_f"]]].set(out_f),
-                     bin=carry["bin"].at[row[_C["recv_b"]]].set(out_b))
-        return carry, None
+        c["fin"] = jax.lax.dynamic_update_index_in_dim(c["fin"], out_f, row[_C["recv_f"]], 0)
+        c["bin"] = jax.lax.dynamic_update_index_in_dim(c["bin"], out_b, row[_C["recv_b"]], 0)
+        return c, None
 
     carry, _ = jax.lax.scan(tick, carry0, table)
-    return carry["loss"], carry["grads"]
+    return carry["loss"], {**carry["grest"], layers_key: carry["glayers"]}
 
 
 __all__ = ["StageFns", "run", "IDLE"]
