@@ -9,6 +9,8 @@
 2. Empty-tick overhead: the same compiled program (the table is an argument, so no second compile)
    run with an all-idle table of the same length: its time / ticks bounds one empty tick from above
    (it includes the step's fixed work: zeroing the accumulators, the final sums).
+   --previous-executor FILE times an earlier executor.py in the same call, alternated with the others
+   (its program and its all-idle table): old against new on the same card and shapes.
 3. Bubble table (host only): p = 2, 4, 8 and m = 4 .. 64, theory vs the schedule table (idle op
    ticks, and lockstep time with F = 1, B = 2, BI = W = 1).
 Prints the tables; appends them, dated, to docs/archive/benchmarks-diary.md ($OUT/bench_pipeline.json too).
@@ -16,6 +18,7 @@ Prints the tables; appends them, dated, to docs/archive/benchmarks-diary.md ($OU
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -33,7 +36,7 @@ import numpy as np  # noqa: E402
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
-from meshlab.parallel.pipeline import bubble, build, theory_bubble  # noqa: E402
+from meshlab.parallel.pipeline import bubble, build, runner, theory_bubble  # noqa: E402
 from meshlab.parallel.pipeline.schedules import COLS  # noqa: E402
 from meshlab.layout import to_shardings  # noqa: E402
 from meshlab.train.state import init_state, state_specs  # noqa: E402
@@ -76,7 +79,11 @@ def main():
     ap.add_argument("--attention", default="cudnn")
     ap.add_argument("--loss-impl", default="dense")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per side and round (3 rounds)")
+    ap.add_argument("--layers", type=int, default=0, help="model.n_layers (0: the preset's)")
+    ap.add_argument("--previous-executor", metavar="FILE", help="an earlier executor.py to time beside this one "
+                    "(git show REV:meshlab/parallel/pipeline/executor.py > FILE)")
     ap.add_argument("--host-only", action="store_true", help="only the bubble table")
+    ap.add_argument("--no-record", action="store_true", help="print only; leave the benchmarks diary alone")
     a = ap.parse_args()
     brows = bubble_rows()
     out = {"bubble": brows}
@@ -91,16 +98,50 @@ def main():
         lines += dev_lines
     text = "\n".join(lines) + "\n"
     print(text)
-    with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-        f.write(text)
+    if not a.no_record:
+        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
+            f.write(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_pipeline.json").write_text(json.dumps(out, indent=1))
+
+
+def load_executor(path):
+    """A previous executor.py (`git show REV:meshlab/parallel/pipeline/executor.py > FILE`), to time beside this one."""
+    spec = importlib.util.spec_from_file_location("bench_pipeline_previous_executor", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_pipe(md, rules, mesh, m, args, executor=None):
+    """The executor forced on the 1-stage mesh (1F1B table), traced with `executor` standing in for
+    meshlab/parallel/pipeline/executor.py when given (the runner looks it up when it traces)."""
+    saved = runner.executor
+    runner.executor = executor or saved
+    try:
+        fn = make_loss_and_grads(md, rules, mesh, m, pipeline={"schedule": "1f1b", "virtual": 1})
+        return jax.jit(fn).lower(*args).compile()
+    finally:
+        runner.executor = saved
+
+
+def idle_table(sched):
+    """The schedule's shape with every stage idle and nothing received: the same compiled program runs it."""
+    idle = np.zeros_like(sched.table)
+    idle[..., COLS.index("recv_f")] = sched.slots["fin"]
+    idle[..., COLS.index("recv_b")] = sched.slots["bin"]
+    return jnp.asarray(idle)
+
+
+def grad_norm(g):
+    return float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g))))
 
 
 def device_part(a):
     dev = jax.devices()[0]
     cfg = dataclasses.replace(models.preset(a.model), dtype="bfloat16", remat=a.remat, attention=a.attention,
-                              loss_impl=a.loss_impl)
+                              loss_impl=a.loss_impl, **({"n_layers": a.layers} if a.layers else {}))
     md = model_def(cfg)
     rules = R.load_rules("dp")
     mesh = make_mesh("data=1", devices=[dev])
@@ -112,49 +153,62 @@ def device_part(a):
              "positions": np.broadcast_to(np.arange(a.seq, dtype=np.int32), (m, a.seq)).copy()}
     batch = jax.device_put(batch, dev)
     one = jnp.float32(1.0)
+    sched = build("1f1b", 1, m)
+    table, idle = jnp.asarray(sched.table), idle_table(sched)
+    compile_s, progs = {}, {}
     with R.use_rules(rules, mesh):
         params = init_state(md, tx, to_shardings(mesh, state_specs(md, rules, mesh, tx, False)), 0, False)["params"]
-        plain = jax.jit(make_loss_and_grads(md, rules, mesh, m))
-        pipe_fn = make_loss_and_grads(md, rules, mesh, m, pipeline={"schedule": "1f1b", "virtual": 1})
-        pipe = jax.jit(pipe_fn)
-        sched = build("1f1b", 1, m)
-        table = jnp.asarray(sched.table)
-        idle = np.zeros_like(sched.table)                      # every stage idle, nothing received
-        idle[..., COLS.index("recv_f")] = sched.slots["fin"]
-        idle[..., COLS.index("recv_b")] = sched.slots["bin"]
-        idle = jnp.asarray(idle)
-        norm = lambda g: float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g))))  # noqa: E731
-        t_plain, t_pipe, t_idle = [], [], []
-        for _ in range(3):   # alternate the two sides: clocks and neighbours drift
-            ts, ref = timed(plain, (params, batch, one), a.reps)
-            t_plain += ts
-            ts, got = timed(pipe, (params, batch, one, table), a.reps)
-            t_pipe += ts
-            ts, _ = timed(pipe, (params, batch, one, idle), a.reps)
-            t_idle += ts
-    loss_err = abs(float(got[0]) - float(ref[0])) / abs(float(ref[0]))
-    gn_ref, gn_got = norm(ref[1]), norm(got[1])
-    gn_err = abs(gn_got - gn_ref) / gn_ref
-    ok = loss_err < 1e-2 and gn_err < 2e-2
-    med = {k: statistics.median(v) * 1e3 for k, v in (("plain", t_plain), ("pipe", t_pipe), ("idle", t_idle))}
-    res = {"device": dev.device_kind, "jax": jax.__version__, "model": a.model, "seq": a.seq, "microbatches": m,
-           "remat": a.remat, "attention": a.attention, "loss_rel_err": loss_err, "grad_norm_rel_err": gn_err,
-           "ok": ok, "ms": med, "ticks": sched.ticks}
-    lines = [f"\nExecutor forced on one stage: {a.model}, {m} micro-batches of 1 x {a.seq}, bf16, remat {a.remat}, "
-             f"attention {a.attention}, {dev.device_kind}, jax {jax.__version__}; loss-and-gradients of one step, "
-             f"median of {3 * a.reps} alternated calls. Loss rel err {loss_err:.1e}, grad norm rel err {gn_err:.1e}.\n",
-             "| program | ms | vs plain |", "|---|---|---|"]
+        t = time.perf_counter()
+        plain = jax.jit(make_loss_and_grads(md, rules, mesh, m)).lower(params, batch, one).compile()
+        compile_s["plain"] = time.perf_counter() - t
+        progs["plain"] = (plain, (params, batch, one))
+        sides = [("pipe", None)] + ([("previous", load_executor(a.previous_executor))] if a.previous_executor else [])
+        for name, mod in sides:
+            t = time.perf_counter()
+            fn = compile_pipe(md, rules, mesh, m, (params, batch, one, table), mod)
+            compile_s[name] = time.perf_counter() - t
+            progs[name] = (fn, (params, batch, one, table))
+            progs[name + " idle"] = (fn, (params, batch, one, idle))
+    times, outs = {k: [] for k in progs}, {}
+    for _ in range(3):   # alternate the sides: clocks and neighbours drift
+        for name, (fn, args) in progs.items():
+            ts, outs[name] = timed(fn, args, a.reps)
+            times[name] += ts
+    ref = outs["plain"]
+    errs = {}
+    for name, _ in sides:
+        got = outs[name]
+        errs[name] = (abs(float(got[0]) - float(ref[0])) / abs(float(ref[0])),
+                      abs(grad_norm(got[1]) - grad_norm(ref[1])) / grad_norm(ref[1]))
+    ok = all(le < 1e-2 and ge < 2e-2 for le, ge in errs.values())
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    res = {"device": dev.device_kind, "jax": jax.__version__, "model": a.model, "n_layers": cfg.n_layers, "seq": a.seq,
+           "microbatches": m, "remat": a.remat, "attention": a.attention, "rel_err": errs, "ok": ok, "ms": med,
+           "compile_s": compile_s, "ticks": sched.ticks}
+    return res, device_lines(a, cfg, dev, sched, med, errs, ok, compile_s)
+
+
+def device_lines(a, cfg, dev, sched, med, errs, ok, compile_s):
+    err_text = "; ".join(f"{k}: loss {le:.1e}, grad norm {ge:.1e}" for k, (le, ge) in errs.items())
+    lines = [f"\nExecutor forced on one stage: {a.model} ({cfg.n_layers} layers), {a.rows} micro-batches of 1 x {a.seq}, "
+             f"bf16, remat {a.remat}, attention {a.attention}, loss {a.loss_impl}, {dev.device_kind}, jax {jax.__version__}; "
+             f"loss-and-gradients of one step, median of {3 * a.reps} alternated calls. Relative errors vs plain: "
+             f"{err_text}. Compile s: " + ", ".join(f"{k} {v:.0f}" for k, v in compile_s.items()) + ".\n",
+             "| program | ms | vs plain | per tick (us) |", "|---|---|---|---|"]
     if not ok:
-        lines.append(f"| FAILED: the pipelined gradients differ from the plain step's (loss {loss_err:.1e}, "
-                     f"grad norm {gn_err:.1e}); no time reported | | |")
-    else:
-        lines += [f"| plain micro-batch scan (M={m}) | {med['plain']:.1f} | 1.000 |",
-                  f"| pipeline executor, 1F1B table, 1 stage ({sched.ticks} ticks) | {med['pipe']:.1f} | "
-                  f"{med['pipe'] / med['plain']:.3f} |",
-                  f"| same program, all {sched.ticks} ticks idle | {med['idle']:.2f} | {med['idle'] / med['plain']:.3f} |",
-                  f"\nEmpty tick: at most {med['idle'] / sched.ticks * 1e3:.0f} us; executor overhead "
-                  f"{(med['pipe'] / med['plain'] - 1) * 100:+.2f}% (target < 3%)."]
-    return res, lines
+        return lines + [f"| FAILED: the pipelined gradients differ from the plain step's ({err_text}); no time reported | | | |"]
+    names = {"plain": f"plain micro-batch scan (M={a.rows})",
+             "pipe": f"pipeline executor, 1F1B table, 1 stage ({sched.ticks} ticks)",
+             "pipe idle": f"same program, all {sched.ticks} ticks idle",
+             "previous": f"previous executor ({a.previous_executor}), same table",
+             "previous idle": "previous executor, all ticks idle"}
+    for k, ms in med.items():
+        tick = f"{ms / sched.ticks * 1e3:.0f}" if k.endswith("idle") else ""
+        lines.append(f"| {names[k]} | {ms:.2f} | {ms / med['plain']:.3f} | {tick} |")
+    lines.append(f"\nExecutor overhead {(med['pipe'] / med['plain'] - 1) * 100:+.2f}% (target < 3%); an empty tick at most "
+                 f"{med['pipe idle'] / sched.ticks * 1e3:.0f} us (the idle run includes the step's fixed work: zeroing the "
+                 "fp32 gradient accumulators and the stash).")
+    return lines
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Compiles are shared: the schedule table is an input of the compiled program, so GPipe, 1F1B and
 the zero-bubble table of one (stages, micro-batches) shape run through one program (padded to a
-common shape, `Schedule.padded`). The memory curves' programs (1F1B/ZB and GPipe at M = 2, 3, 6 on
-2 stages) are checked for exact gradients too.
+common shape, `Schedule.padded`). The memory curves' programs (1F1B/ZB and GPipe at M = 2 and 6 on
+2 stages) are checked for exact gradients too, and one of them for in-place buffers in its tick loop.
+Seven programs in all (the reference, three on 2 stages, one on 4, two interleaved), compiled with
+LLVM's cheapest codegen.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from models import model_def
 from tests.helpers import rel_err
 
 RTOL = 1e-5
+# Compiling dominates these tests: LLVM's cheapest codegen (the HLO, and so the buffers and numerics, unchanged).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 ROWS, SEQ, MB_ROWS = 12, 16, 2          # a micro-batch is MB_ROWS rows: M micro-batches take the first M x 2 rows
 CFG = dataclasses.replace(models.preset("tiny"), n_layers=8, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                           mlp_dim=64, dtype="float32")
@@ -59,7 +63,7 @@ def setup(tmp_path_factory):
             m = md.bind(params)
             return m.loss_sum(m.hidden(r["tokens"][None], r["positions"][None]), r["labels"][None])
         return jax.value_and_grad(loss_sum)(params)
-    per_row = jax.device_get(jax.jit(jax.vmap(row, in_axes=(None, 0)))(params, batch))
+    per_row = jax.device_get(jax.jit(jax.vmap(row, in_axes=(None, 0)), compiler_options=FAST_COMPILE)(params, batch))
     return {"md": md, "params": params, "batch": batch, "per_row": per_row, "dir": tmp_path_factory.mktemp("rules")}
 
 
@@ -92,7 +96,7 @@ class Program:
                                              S.batch_spec(self.rules, self.mesh), m, first)
         batch = {k: v[:self.rows] for k, v in setup["batch"].items()}
         self.args = (setup["params"], batch, jnp.float32(1.0), jnp.asarray(first.table))
-        self.compiled = jax.jit(self.fn).lower(*self.args).compile()
+        self.compiled = jax.jit(self.fn).lower(*self.args).compile(FAST_COMPILE)
 
     def run(self, name):
         loss, grads, _ = self.compiled(*self.args[:3], jnp.asarray(self.scheds[name].table))
@@ -176,6 +180,23 @@ def test_temp_memory_flat_for_1f1b_and_zb_growing_for_gpipe(curves):
     print(f"\ncompiled temp bytes at M = {sorted(curves)}: 1F1B/ZB {flat}, GPipe {grow}")
     assert max(flat) <= 1.05 * min(flat), flat
     assert grow[1] > 1.5 * grow[0], grow
+
+
+def test_the_tick_loop_copies_no_buffer_bigger_than_an_activation(curves):
+    """The stash, the inboxes and the gradient accumulators stay in place from tick to tick: inside the
+    loop (outside fusions) no copy is bigger than one micro-batch's activation. One lax.switch over
+    the whole carry failed this: XLA copied every carried buffer every tick."""
+    prog = curves[2][0]                               # 2 stages, every op's cond (F, head, B, BI, W, embedding)
+    x_bytes = MB_ROWS * SEQ * CFG.d_model * 4
+    comp, big = None, []
+    for line in prog.compiled.as_text().splitlines():
+        if (m := hlo.COMPUTATION.match(line)):
+            comp = "ENTRY" if line.startswith("ENTRY") else m.group(1)
+        elif " copy(" in line and comp != "ENTRY" and not comp.startswith(("fused", "wrapped")):
+            out = line.split("=", 1)[1].split(" copy(")[0]
+            if hlo.shape_bytes(out) > x_bytes:
+                big.append((comp, out.strip()))
+    assert not big, f"whole-buffer copies per tick: {big[:4]}"
 
 
 def test_no_collective_over_stage_inside_a_branch(setup):
