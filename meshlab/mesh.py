@@ -107,11 +107,8 @@ def _hybrid_device_array(sizes, devices, num_hosts):
 
 
 def axis_size(mesh, axes) -> int:
-    if axes is None:
-        return 1
-    if isinstance(axes, str):
-        axes = (axes,)
-    return math.prod(mesh.shape[a] for a in axes)
+    """Devices along a spec entry's axes (1 for None)."""
+    return math.prod(mesh.shape[a] for a in entry_axes(axes))
 
 
 

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshlab import compat
-from meshlab.mesh import AXES
+from meshlab.mesh import AXES, entry_axes
 
 PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers")
 ACT_NAMES = ("act_batch", "act_seq", "act_attn_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
@@ -342,7 +342,7 @@ def materialize(w, names: Sequence[str | None], dtype=None):
     # saving in the gathered weights). A dim split over manual and auto axes at once keeps the
     # plain path: its gathered order would not be the auto axis' contiguous split.
     auto_spec = a.rules.spec(names, None, a.mesh, drop=a.manual)
-    auto_axes = {ax for entry in auto_spec if entry for ax in ((entry,) if isinstance(entry, str) else entry)}
+    auto_axes = {ax for entry in auto_spec for ax in entry_axes(entry)}
     mixed = any(auto_spec[dim] if dim < len(auto_spec) else None for dim, _ in gathered)
     if auto_axes and not mixed:
         gather = compat.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=auto_spec,

@@ -120,21 +120,20 @@ def train_rows(args):
     for label, name, rules in variants:
         cfg = dataclasses.replace(models.preset(name), dtype="bfloat16", attention=args.attention, remat=args.remat)
         try:
-            with R.use_rules(rules, mesh):
-                md, tx, sh, step, b = build(cfg, rules, mesh, args.batch, args.seq)
-                state = init_state(md, tx, sh, 0, False)
-                t0 = time.perf_counter()
+            md, tx, sh, step, b = build(cfg, rules, mesh, args.batch, args.seq)
+            state = init_state(md, tx, sh, 0, False)
+            t0 = time.perf_counter()
+            state, m = step(state, b)
+            float(m["loss"])
+            compile_s = time.perf_counter() - t0
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
                 state, m = step(state, b)
-                float(m["loss"])
-                compile_s = time.perf_counter() - t0
-                times = []
-                for _ in range(args.steps):
-                    t = time.perf_counter()
-                    state, m = step(state, b)
-                    loss = float(m["loss"])
-                    times.append(time.perf_counter() - t)
-                metrics = {k: float(v) for k, v in jax.device_get(m).items() if k.startswith("moe_")}
-                del state
+                loss = float(m["loss"])
+                times.append(time.perf_counter() - t)
+            metrics = {k: float(v) for k, v in jax.device_get(m).items() if k.startswith("moe_")}
+            del state
             dt = float(np.median(times))
             tok_s = args.batch * args.seq / dt
             fl = cfg.train_flops_per_token(args.seq)

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab import rules as R
 from meshlab.train.loop import build_trainer, device_batch
 from meshlab.train.state import init_state
 from tests.helpers import small_config
@@ -15,24 +14,23 @@ def test_dynamic_loss_scaling():
                                                    "data.global_batch=4"])
     tr = build_trainer(cfg, devices=jax.devices()[:2])
     batch = device_batch(tr, tr.batches.batch(0))
-    with R.use_rules(tr.rules, tr.mesh):
-        state = init_state(tr.md, tr.tx, tr.shardings, 0, True)
-        assert float(state["loss_scale"]["scale"]) == 2.0 ** 15
-        before = jax.device_get(state["params"])
-        # Overflow: the scaled loss is inf, so the update must be skipped and the scale halved.
-        state["loss_scale"]["scale"] = jnp.asarray(3e38, jnp.float32)
-        state, m = tr.step_fn(state, batch)
-        assert not bool(m["finite"]) and float(state["loss_scale"]["scale"]) == np.float32(3e38) / 2
-        same = jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), jax.device_get(state["params"]), before))
-        assert all(same)
-        # Back to a sane scale: two finite steps update the params and double the scale once.
-        state["loss_scale"] = {"scale": jnp.asarray(1024.0, jnp.float32), "good_steps": jnp.asarray(0, jnp.int32)}
-        state, m1 = tr.step_fn(state, batch)
-        state, m2 = tr.step_fn(state, batch)
-        assert bool(m1["finite"]) and bool(m2["finite"]) and np.isfinite(float(m2["loss"]))
-        assert float(state["loss_scale"]["scale"]) == 2048.0
-        moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), jax.device_get(state["params"]), before))
-        assert max(moved) > 0
+    state = init_state(tr.md, tr.tx, tr.shardings, 0, True)
+    assert float(state["loss_scale"]["scale"]) == 2.0 ** 15
+    before = jax.device_get(state["params"])
+    # Overflow: the scaled loss is inf, so the update must be skipped and the scale halved.
+    state["loss_scale"]["scale"] = jnp.asarray(3e38, jnp.float32)
+    state, m = tr.step_fn(state, batch)
+    assert not bool(m["finite"]) and float(state["loss_scale"]["scale"]) == np.float32(3e38) / 2
+    same = jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), jax.device_get(state["params"]), before))
+    assert all(same)
+    # Back to a sane scale: two finite steps update the params and double the scale once.
+    state["loss_scale"] = {"scale": jnp.asarray(1024.0, jnp.float32), "good_steps": jnp.asarray(0, jnp.int32)}
+    state, m1 = tr.step_fn(state, batch)
+    state, m2 = tr.step_fn(state, batch)
+    assert bool(m1["finite"]) and bool(m2["finite"]) and np.isfinite(float(m2["loss"]))
+    assert float(state["loss_scale"]["scale"]) == 2048.0
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), jax.device_get(state["params"]), before))
+    assert max(moved) > 0
 
 
 def test_fp16_run_survives_overflow_steps(tmp_path):

@@ -154,18 +154,16 @@ def single_device(tmp_path_factory):
 
 def _compiled_run(cfg):
     """3 steps through the step compiled once (what train() runs), keeping its HLO: (rows, params, text)."""
-    from meshlab import rules as R
     from meshlab.plan.compiled import abstract_batch
     from meshlab.train.loop import build_trainer, device_batch
     from meshlab.train.state import abstract_state, init_state
     tr = build_trainer(cfg)
-    with R.use_rules(tr.rules, tr.mesh):
-        step = tr.step_fn.lower(abstract_state(tr.md, tr.tx, tr.shardings, False), abstract_batch(tr)).compile()
-        state = init_state(tr.md, tr.tx, tr.shardings, cfg.seed, False)
-        rows = []
-        for i in range(cfg.steps):
-            state, m = step(state, device_batch(tr, tr.batches.batch(i, tr.rows)))
-            rows.append({"step": i + 1, **{k: float(v) for k, v in jax.device_get(m).items()}})
+    step = tr.step_fn.lower(abstract_state(tr.md, tr.tx, tr.shardings, False), abstract_batch(tr)).compile()
+    state = init_state(tr.md, tr.tx, tr.shardings, cfg.seed, False)
+    rows = []
+    for i in range(cfg.steps):
+        state, m = step(state, device_batch(tr, tr.batches.batch(i, tr.rows)))
+        rows.append({"step": i + 1, **{k: float(v) for k, v in jax.device_get(m).items()}})
     return rows, jax.device_get(state["params"]), step.as_text(), tr
 
 

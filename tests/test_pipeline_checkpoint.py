@@ -32,8 +32,7 @@ def test_pipeline_checkpoint_restores_under_fsdp_and_back(tmp_path):
     layer_spec = pp_sh["params"]["layers"]["attn"]["wq"].spec
     assert layer_spec[0] == "stage", layer_spec                 # the stack really is split by depth
 
-    with R.use_rules(pp_rules, pp_mesh):
-        state = init_state(md, tx, pp_sh, 0, False)
+    state = init_state(md, tx, pp_sh, 0, False)
     # Distinct values per layer, so a permuted layer order could not pass.
     state = jax.tree.map(lambda x, s: jax.device_put(x + np.arange(x.size).reshape(x.shape).astype(x.dtype) * 1e-3, s)
                          if x.ndim else x, state, pp_sh)
@@ -41,15 +40,13 @@ def test_pipeline_checkpoint_restores_under_fsdp_and_back(tmp_path):
 
     first = Checkpointer(tmp_path / "a", async_save=False)
     first.save(1, state, {"rules": pp_rules.name}, wait=True)
-    with R.use_rules(fsdp_rules, fsdp_mesh):
-        on_fsdp, _ = first.restore(abstract_state(md, tx, fsdp_sh, False))
+    on_fsdp, _ = first.restore(abstract_state(md, tx, fsdp_sh, False))
     assert on_fsdp["params"]["layers"]["attn"]["wq"].sharding.spec == fsdp_sh["params"]["layers"]["attn"]["wq"].spec
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(on_fsdp), want)
 
     second = Checkpointer(tmp_path / "b", async_save=False)
     second.save(1, on_fsdp, {"rules": "fsdp"}, wait=True)
-    with R.use_rules(pp_rules, pp_mesh):
-        back, _ = second.restore(abstract_state(md, tx, pp_sh, False))
+    back, _ = second.restore(abstract_state(md, tx, pp_sh, False))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(back), want)
     first.close()
     second.close()

@@ -6,28 +6,26 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from meshlab import rules as R
+from meshlab.layout import Layout, to_shardings
 from meshlab.train.optimizer import OptimConfig, make_optimizer
-from meshlab.layout import to_shardings
 from meshlab.train.state import abstract_state, init_state, state_specs
+from meshlab.train.step import make_train_step
 from models import model_def
-from meshlab.train.step import batch_spec, make_train_step
 
 
 def build(cfg, rules, mesh, batch, seq):
     """(model def, optimizer, state shardings, jitted step, a sharded random batch)."""
     md = model_def(cfg)
     tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=2), 100, md.names)
-    sh = to_shardings(mesh, state_specs(md, rules, mesh, tx, False))
-    step = make_train_step(md, rules, mesh, tx, sh)
+    layout = Layout.build(md, rules, mesh)
+    sh = to_shardings(mesh, state_specs(md, rules, mesh, tx, False, layout=layout))
+    step = make_train_step(md, rules, mesh, tx, sh, layout=layout)   # traced under its own rules and mesh
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     host = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.zeros((batch, seq), np.int32),
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
-    sharding = NamedSharding(mesh, batch_spec(rules, mesh))
-    return md, tx, sh, step, {k: jax.device_put(v, sharding) for k, v in host.items()}
+    return md, tx, sh, step, {k: jax.device_put(v, layout.batch_sharding) for k, v in host.items()}
 
 
 def program_memory(step, md, tx, sh, batch, compiled=None) -> tuple[int, int, int]:
@@ -42,9 +40,8 @@ def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80, multiple=1):
     """One compile at 2 x `multiple` rows; its temporaries per row (an upper bound: they include
     fixed buffers) set the largest batch keeping arguments + temporaries under `budget` of HBM."""
     rows = 2 * multiple
-    with R.use_rules(rules, mesh):
-        md, tx, sh, step, b = build(cfg, rules, mesh, rows, seq)
-        args, temp, _ = program_memory(step, md, tx, sh, b)
+    md, tx, sh, step, b = build(cfg, rules, mesh, rows, seq)
+    args, temp, _ = program_memory(step, md, tx, sh, b)
     per_row = max(temp / rows, 1)
     batch = int((budget * hbm_bytes - args) // per_row) // multiple * multiple
     return max(multiple, min(batch, 64 * multiple)), (args, temp, per_row)
@@ -53,30 +50,29 @@ def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80, multiple=1):
 def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2):
     """(tokens/s, median step s, last loss, program bytes per device). With `profile_dir`, a
     Perfetto trace of `profile_steps` more steps is written there after the timed ones."""
-    with R.use_rules(rules, mesh):
-        md, tx, sh, jitted, b = build(cfg, rules, mesh, batch, seq)
-        # One compile: its memory analysis is this program's own footprint (the allocator's peak is
-        # process-wide across variants), and it runs the steps.
-        step = jitted.lower(abstract_state(md, tx, sh, False), b).compile()
-        _, _, program_bytes = program_memory(jitted, md, tx, sh, b, compiled=step)
-        state = init_state(md, tx, sh, 0, False)
-        try:
-            state, m = step(state, b)       # first step
-        except (TypeError, ValueError):     # arguments the compiled program refuses (checked before it runs)
-            step = jitted
-            state, m = step(state, b)
-        float(m["loss"])
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            state, m = step(state, b)
-            loss = float(m["loss"])         # sync each step: a clean per-step time
-            times.append(time.perf_counter() - t)
-        if profile_dir:
-            with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
-                for _ in range(profile_steps):
-                    state, m = step(state, b)
-                float(m["loss"])
+    md, tx, sh, jitted, b = build(cfg, rules, mesh, batch, seq)
+    # One compile: its memory analysis is this program's own footprint (the allocator's peak is
+    # process-wide across variants), and it runs the steps.
+    step = jitted.lower(abstract_state(md, tx, sh, False), b).compile()
+    _, _, program_bytes = program_memory(jitted, md, tx, sh, b, compiled=step)
+    state = init_state(md, tx, sh, 0, False)
+    try:
+        state, m = step(state, b)       # first step
+    except (TypeError, ValueError):     # arguments the compiled program refuses (checked before it runs)
+        step = jitted
+        state, m = step(state, b)
+    float(m["loss"])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step(state, b)
+        loss = float(m["loss"])         # sync each step: a clean per-step time
+        times.append(time.perf_counter() - t)
+    if profile_dir:
+        with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+            for _ in range(profile_steps):
+                state, m = step(state, b)
+            float(m["loss"])
     if not np.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss}")
     dt = float(np.median(times))

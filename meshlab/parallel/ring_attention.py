@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlab.parallel.attention_blocks import (NEG, _block_fns, jnp_block_bwd, jnp_block_fwd,  # noqa: F401
                                                jnp_flash_attention, resolve_block_impl)
+from meshlab.mesh import axes_entry, entry_axes
 from pallas_kernels.flash_attention import output_grad_rowsum
 
 
@@ -241,10 +242,7 @@ def shard_map_region(mesh, axis_name, *axis_groups):
                          "call context attention outside that region")
 
     def drop(axes):
-        if axes is None:
-            return None
-        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
+        return axes_entry(a for a in entry_axes(axes) if a not in manual)
     groups = tuple(drop(tuple(g) if isinstance(g, list) else g) for g in axis_groups)
     if not manual:
         return mesh, None, groups
@@ -252,7 +250,7 @@ def shard_map_region(mesh, axis_name, *axis_groups):
 
 
 def _axis_size(mesh, axes) -> int:
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    axes = entry_axes(axes)
     return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
 
 

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from meshlab.mesh import AXES
+from meshlab.mesh import AXES, entry_axes
 from meshlab.plan import account
 from meshlab.plan.memory import F32, _drop, local_sizes
 
@@ -81,7 +81,7 @@ def wire_bytes(kind: str, n: float, p: int) -> float:
 
 
 def _spec_axes(spec) -> list:
-    return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    return [a for e in spec for a in entry_axes(e)]
 
 
 def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches: int = 1,

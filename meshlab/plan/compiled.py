@@ -5,6 +5,8 @@ abstract inputs (ShapeDtypeStructs with shardings: nothing is allocated, so mid-
 compile on a laptop) and returns per-device state bytes from the program's input shardings,
 gradient bytes from the loss-and-grads region's output shardings, the memory analysis, and
 the collectives of the HLO with loop bodies multiplied by their trip count (the layer scan).
+The one import of the training engine from the planner (tests/test_floors.py names it): the
+planner proves itself against the real step, so this module must build it.
 One compile costs 10-40 s on 2 CPU cores (the grads read-out compiles the loss-and-grads region
 again: `grads=False` skips it); results are cached per config.
 """
@@ -16,9 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
-from meshlab import rules as rules_mod
 from meshlab.plan import hlo
 
 
@@ -43,8 +43,8 @@ def _shard_bytes(sds, sharding) -> int:
 
 
 def abstract_batch(tr):
-    from meshlab.train.step import BATCH_KEYS, batch_spec
-    sh = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
+    from meshlab.train.step import BATCH_KEYS
+    sh = tr.layout.batch_sharding
     shape = (tr.cfg.data.global_batch, tr.cfg.data.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh) for k in BATCH_KEYS}
 
@@ -54,10 +54,9 @@ def grads_bytes(tr) -> int:
     shardings (the train step consumes them internally, so its own signature does not show them)."""
     from meshlab.train.step import make_loss_and_grads
     from meshlab.train.state import abstract_state
-    fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches)
+    fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches, layout=tr.layout)
     st = abstract_state(tr.md, tr.tx, tr.shardings, False)
-    with rules_mod.use_rules(tr.rules, tr.mesh):
-        compiled = jax.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()
+    compiled = tr.layout.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()
     out_sh = compiled.output_shardings[1]
     shapes = jax.eval_shape(lambda p: p, st["params"])
     return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(out_sh)))
@@ -70,8 +69,7 @@ def compiled_step(tr, state=None):
     from meshlab.train.state import abstract_state
     if state is None:
         state = abstract_state(tr.md, tr.tx, tr.shardings, tr.cfg.model.dtype == "float16")
-    with rules_mod.use_rules(tr.rules, tr.mesh):   # the model reads the active rules while tracing
-        return tr.step_fn.lower(state, abstract_batch(tr)).compile()
+    return tr.step_fn.lower(state, abstract_batch(tr)).compile()   # traced under its own rules (Layout.jit)
 
 
 _CACHE: dict = {}

@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from meshlab.layout import only_axes
+from meshlab.mesh import entry_axes
 from meshlab.plan import account
 from meshlab.plan.compute import is_flash
 
@@ -269,8 +271,7 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
 
 
 def _drop(spec, axes):
-    from meshlab.layout import only_axes
-    keep = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e) if a not in axes]
+    keep = [a for e in spec for a in entry_axes(e) if a not in axes]
     return only_axes(spec, keep)
 
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 import models
 from meshlab import rules as rules_mod
 from meshlab.checkpoint import Checkpointer, write_run_tokenizer
-from meshlab.layout import to_shardings
+from meshlab.layout import Layout, to_shardings
 from meshlab.mesh import make_mesh, format_sizes
 from meshlab.tokenizer import ByteTokenizer
 from meshlab.peak import measured_gemm_flops, mfu, peak_flops
@@ -34,7 +34,7 @@ from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
 from meshlab.train.optimizer import make_optimizer, schedule
 from meshlab.train.state import abstract_state, init_state, state_specs
-from meshlab.train.step import BATCH_KEYS, LossScaleConfig, batch_spec, make_train_step
+from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
 from models import model_def
 
 STEADY_FROM = 10   # the steady-state rate is the median over steps >= this (compilation and warm-up before)
@@ -52,6 +52,7 @@ class Trainer:
     batches: Any
     rows: range
     notes: list = dataclasses.field(default_factory=list)   # startup lines: auto choices, memory check
+    layout: Layout | None = None   # the step's specs (state shardings, batch), built once in build_trainer
 
     @property
     def tokens_per_step(self) -> int:
@@ -94,15 +95,16 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     md = model_def(cfg.model)
     tx = make_optimizer(cfg.optim, cfg.steps, md.names)
     fp16 = cfg.model.dtype == "float16"
-    shardings = to_shardings(mesh, state_specs(md, rules, mesh, tx, fp16))   # validates every spec
+    layout = Layout.build(md, rules, mesh)   # validates every spec
+    shardings = to_shardings(mesh, state_specs(md, rules, mesh, tx, fp16, layout=layout))
     loss_scale = LossScaleConfig(growth_interval=cfg.loss_scale_growth) if fp16 else None
     step_fn = make_train_step(md, rules, mesh, tx, shardings, microbatches=cfg.data.microbatches,
-                              loss_scale=loss_scale, packed=cfg.data.segment_docs)
+                              loss_scale=loss_scale, packed=cfg.data.segment_docs, layout=layout)
     # This process's rows of each global batch (all of them in a single-process run).
     per_proc = cfg.data.global_batch // jax.process_count()
     rows = range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
     return Trainer(cfg, mesh, rules, md, tx, shardings, step_fn, load_batches(cfg), rows,
-                   notes=list(getattr(cfg, "auto_notes", [])))
+                   notes=list(getattr(cfg, "auto_notes", [])), layout=layout)
 
 
 def check_memory(tr: Trainer) -> None:
@@ -151,7 +153,7 @@ class _FirstCallFallback:
 
 def device_batch(tr: Trainer, host_batch: dict) -> dict:
     """Host rows -> global sharded arrays (each process contributes its own rows)."""
-    sharding = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
+    sharding = tr.layout.batch_sharding
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in host_batch.items()}
     shape = (tr.cfg.data.global_batch, tr.cfg.data.seq_len)
@@ -159,18 +161,18 @@ def device_batch(tr: Trainer, host_batch: dict) -> dict:
 
 
 def make_eval(tr: Trainer):
-    """(params, batch) -> (sum of token losses, valid tokens): the validation forward, no grads."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from meshlab.train.step import batch_spec
-    data_sh = NamedSharding(tr.mesh, batch_spec(tr.rules, tr.mesh))
+    """(params, batch) -> (sum of token losses, valid tokens): the validation forward, no grads,
+    traced under the step's rules and mesh (Layout.jit)."""
+    from jax.sharding import PartitionSpec as P
+    data_sh = tr.layout.batch_sharding
     rep = NamedSharding(tr.mesh, P())
 
     def loss_sums(params, batch):
         model = tr.md.bind(params)
         h = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
         return model.loss_sum(h, batch["labels"]), jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
-    return jax.jit(loss_sums, in_shardings=(tr.shardings["params"], {k: data_sh for k in BATCH_KEYS}),
-                   out_shardings=(rep, rep))
+    return tr.layout.jit(loss_sums, in_shardings=(tr.shardings["params"], {k: data_sh for k in BATCH_KEYS}),
+                         out_shardings=(rep, rep))
 
 
 class Validator:
@@ -316,7 +318,7 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     fp16 = cfg.model.dtype == "float16"
     watchdog = distributed.Watchdog(cfg.heartbeat_timeout).start()
     try:
-        with rules_mod.use_rules(tr.rules, tr.mesh), StopRequest() as stop:
+        with StopRequest() as stop:   # the step and eval programs carry their own rules (Layout.jit)
             state, start = _start_state(tr, ckpt, fp16)
             result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog)
     finally:

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import models
-from meshlab.layout import is_spec, leaf_specs
+from meshlab.layout import Layout, is_spec
 from meshlab.rules import Rules
 from models import ModelDef
 
@@ -26,9 +26,10 @@ def make_optimizer_specs(tx, md: ModelDef, opt_param_specs: dict):
                                  transform_non_params=lambda _: P(), is_leaf=is_spec)
 
 
-def state_specs(md: ModelDef, rules: Rules, mesh, tx, loss_scaling: bool) -> dict:
-    specs = {"step": P(), "params": leaf_specs(md, rules, mesh, "params"),
-             "opt": make_optimizer_specs(tx, md, leaf_specs(md, rules, mesh, "optimizer"))}
+def state_specs(md: ModelDef, rules: Rules, mesh, tx, loss_scaling: bool, layout: Layout | None = None) -> dict:
+    """Spec tree of the whole train state; `layout`: the step's, whose parameter trees it reuses."""
+    layout = layout or Layout.build(md, rules, mesh)
+    specs = {"step": P(), "params": layout.params, "opt": make_optimizer_specs(tx, md, layout.optimizer)}
     if loss_scaling:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
     return specs

@@ -28,8 +28,9 @@ import models
 from meshlab import compat
 from meshlab import rules as rules_mod
 from meshlab.parallel import grad_sync
+from meshlab.layout import Layout, batch_spec, is_spec, only_axes  # noqa: F401 (batch_spec: the step's batch placement, read as step.batch_spec)
+from meshlab.mesh import entry_axes
 from meshlab.parallel.context import zigzag_batch
-from meshlab.layout import leaf_specs, only_axes, to_shardings
 from models import ModelDef
 
 BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids")
@@ -40,35 +41,29 @@ class LossScaleConfig(NamedTuple):
     factor: float = 2.0
 
 
-def batch_spec(rules, mesh) -> P:
-    """Global [B, S] batch arrays: rows over the batch axes, sequence over act_seq's axes."""
-    rows = rules.batch_axes(mesh)
-    seq = tuple(a for a in rules.axes("act_seq", mesh) if a not in rows and a == "context")
-    return P(rows if len(rows) > 1 else (rows[0] if rows else None), seq[0] if seq else None)
-
-
 def _axes_in(spec: P, axes) -> list[tuple[int, tuple[str, ...]]]:
     """(dim, axes of `axes` that shard dim) for each dim of a spec."""
     out = []
     for dim, entry in enumerate(spec):
-        entry = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in entry if a in axes)
+        kept = tuple(a for a in entry_axes(entry) if a in axes)
         if kept:
             out.append((dim, kept))
     return out
 
 
-def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False, pipeline=None):
+def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bool = False, pipeline=None,
+                        layout: Layout | None = None):
     """(params, batch, scale) -> (loss, grads reduced onto the optimizer's sharding, valid tokens). A mesh with
     `stage` > 1 runs the rule file's pipeline schedule instead of the micro-batch scan; `pipeline`
-    ({schedule, virtual}) forces one, e.g. on a 1-stage mesh to measure the executor itself."""
+    ({schedule, virtual}) forces one, e.g. on a 1-stage mesh to measure the executor itself. `layout`:
+    the step's own (built here when not given). Traced by itself, it needs `layout.active()` (Layout.jit)."""
     if pipeline is not None or mesh.shape["stage"] > 1:
-        return _pipelined(md, rules, mesh, microbatches, packed, pipeline)
-    manual = rules.batch_axes(mesh)
-    store = leaf_specs(md, rules, mesh, "params")
-    acc = leaf_specs(md, rules, mesh, "grads")
-    red = leaf_specs(md, rules, mesh, "optimizer")   # the reduced gradient: the optimizer's shards
-    is_p = lambda x: isinstance(x, P)  # noqa: E731
+        return _pipelined(md, rules, mesh, microbatches, packed, pipeline, layout)
+    layout = layout or Layout.build(md, rules, mesh)
+    manual = layout.manual
+    store, acc = layout.params, layout.grads
+    red = layout.optimizer   # the reduced gradient: the optimizer's shards
+    is_p = is_spec
     treedef = jax.tree.structure(store, is_leaf=is_p)
     leaves = list(zip(*(treedef.flatten_up_to(t) for t in (store, acc, red, md.abstract))))
     # Per leaf, the reductions at the weight's use (grad_sync): zero2 reduce-scatters every
@@ -160,7 +155,7 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
 
     def sharded(params, batch, scale):
         in_specs = (jax.tree.map(lambda s: only_axes(s, manual), store, is_leaf=is_p),
-                    {k: only_axes(batch_spec(rules, mesh), manual) for k in batch}, P())
+                    {k: only_axes(layout.batch, manual) for k in batch}, P())
         out_specs = (P(), jax.tree.map(lambda s: only_axes(s, manual), red, is_leaf=is_p), P(), P())
 
         def body(params, batch, scale):
@@ -185,7 +180,7 @@ def stage_fns(md: ModelDef, packed: bool = False):
                     head=lambda params, x, labels: md.bind(params).head_loss(x, labels))
 
 
-def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipeline):
+def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipeline, layout: Layout | None):
     from meshlab.parallel.pipeline import runner
     if pipeline is None and not rules.strategies.get("pipeline"):
         raise rules_mod.RulesError(f"{rules.path}: the mesh has stage={mesh.shape['stage']} but the rule file names no "
@@ -195,27 +190,28 @@ def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipel
         raise rules_mod.RulesError(f"{rules.path}: a pipeline with `attention: {rules.strategies['attention']}` "
                                    "(context parallelism) is not implemented; use attention: plain")
     sched = runner.schedule_for(rules, mesh, microbatches, md.cfg.n_layers, pipeline)
-    return runner.make_loss_and_grads(stage_fns(md, packed), md.names, leaf_specs(md, rules, mesh, "params"),
-                                      leaf_specs(md, rules, mesh, "grads"), rules, mesh, batch_spec(rules, mesh),
-                                      microbatches, sched)
+    layout = layout or Layout.build(md, rules, mesh)
+    return runner.make_loss_and_grads(stage_fns(md, packed), md.names, layout.params, layout.grads, rules, mesh,
+                                      layout.batch, microbatches, sched)
 
 
 def _local_shape(shape, spec, mesh):
     shape = list(shape)
     for dim, entry in enumerate(spec):
-        if entry is not None:
-            axes = (entry,) if isinstance(entry, str) else entry
-            shape[dim] //= math.prod(mesh.shape[a] for a in axes)
+        shape[dim] //= math.prod(mesh.shape[a] for a in entry_axes(entry))
     return tuple(shape)
 
 
 def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatches: int = 1,
-                    loss_scale: LossScaleConfig | None = None, packed: bool = False, pipeline=None):
-    """The jitted step. `loss_scale` turns on fp16 dynamic loss scaling; `packed` applies the
-    batch's segment ids (documents packed into one row) to attention; `pipeline` forces the
-    pipeline executor (make_loss_and_grads)."""
-    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed, pipeline)
-    acc_shardings = to_shardings(mesh, leaf_specs(md, rules, mesh, "optimizer"))   # reduced grads, as the update takes them
+                    loss_scale: LossScaleConfig | None = None, packed: bool = False, pipeline=None,
+                    layout: Layout | None = None):
+    """The jitted step, traced and run under its own rules and mesh (Layout.jit): callers install
+    nothing. `loss_scale` turns on fp16 dynamic loss scaling; `packed` applies the batch's segment
+    ids (documents packed into one row) to attention; `pipeline` forces the pipeline executor
+    (make_loss_and_grads); `layout`: the one the state's shardings came from (built when not given)."""
+    layout = layout or Layout.build(md, rules, mesh)
+    loss_and_grads = make_loss_and_grads(md, rules, mesh, microbatches, packed, pipeline, layout=layout)
+    acc_shardings = layout.shardings("optimizer")   # reduced grads, as the update takes them
 
     n_context = mesh.shape["context"]
     zigzag = rules.strategies["attention"] == "ring" and n_context > 1
@@ -252,7 +248,6 @@ def make_train_step(md: ModelDef, rules, mesh, tx, state_shardings, *, microbatc
         metrics.update(aux[0] if aux else {})
         return new_state, metrics
 
-    data_sharding = NamedSharding(mesh, batch_spec(rules, mesh))
-    batch_shardings = {k: data_sharding for k in BATCH_KEYS}
-    return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    batch_shardings = {k: layout.batch_sharding for k in BATCH_KEYS}
+    return layout.jit(step, in_shardings=(state_shardings, batch_shardings),
+                      out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
