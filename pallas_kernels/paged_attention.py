@@ -47,8 +47,10 @@ MIN_DOT = 16      # smallest M, N and K of a Triton tensor-core dot
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    # Pages per program (flash-decoding split). None: derived from max_pages, batch and kv heads
-    # so that batch * kv_heads * splits >= min_programs. Rounded up to whole page blocks.
+    # Pages per program at the table's full width (flash-decoding split): it sets the number of
+    # splits, max_pages / pages_per_split; at run time a sequence's pages are dealt evenly over them
+    # (_split_range). None: derived from max_pages, batch and kv heads so that batch * kv_heads *
+    # splits >= min_programs. Rounded up to whole page blocks.
     pages_per_split: int | None = None
     # Pages gathered per loop iteration (a power of two): 8 pages of 16 tokens = a [128, d] K
     # tile (16 KiB of bf16 K+V at d=64 per iteration, vs 4 KiB for one page). Larger tiles mean
@@ -63,6 +65,8 @@ class BlockSizes:
     score: str = "dot"
     num_warps: int = 4
     num_stages: int = 2
+    # Load a block's V together with its K, before the scores (latency) rather than after (registers).
+    v_first: bool = False
 
 
 # Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in
@@ -73,12 +77,14 @@ class BlockSizes:
 #   dot16_w8  [256, 64] tiles on 8 warps: most bytes in flight per program, fewest iterations
 #   vpu2      elementwise fp32 scores on [32, 64] tiles (no tensor cores, small register tiles)
 #   old       the previous kernel: 16 pages per split, one page per iteration, elementwise
+#   dot8_vfirst  dot8 with V loaded alongside K (BlockSizes.v_first)
 CONFIGS = {
     "dot8": BlockSizes(),
     "dot4": BlockSizes(pages_per_block=4),
     "dot16_w8": BlockSizes(pages_per_block=16, num_warps=8),
     "vpu2": BlockSizes(pages_per_block=2, score="vpu"),
     "old": BlockSizes(pages_per_split=16, pages_per_block=1, score="vpu"),
+    "dot8_vfirst": BlockSizes(v_first=True),
 }
 
 
@@ -101,11 +107,13 @@ def _first_rows(x, rows: int):
 
 
 def _page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks, visible, page_size, ppb,
-               sm_scale, use_dot):
+               sm_scale, use_dot, per_row=False, v_first=False):
     """Online softmax of the query rows over page blocks [first, first + n_blocks) of one sequence's
     kv head: (m [rows], l [rows], acc [rows, d]) unnormalised. Positions >= `visible` are masked.
     qparts: (q,) [rows, d], or the two rotate-half halves of a RoPE'd q, ([rows, d/2],) * 2,
-    against which K is loaded in the same column halves (Triton has no concatenate)."""
+    against which K is loaded in the same column halves (Triton has no concatenate).
+    per_row: `visible` is [rows] (causal prompt rows: a row may see none of a block that others
+    see, so its probabilities are masked too, not only its scores)."""
     rows, max_pages, tile = qparts[0].shape[0], table_ref.shape[1], ppb * page_size
     d = sum(qp.shape[1] for qp in qparts)
     col = [pl.ds(sum(qp.shape[1] for qp in qparts[:i]), qp.shape[1]) for i, qp in enumerate(qparts)]
@@ -123,9 +131,12 @@ def _page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks
         # positions are >= max_pages * page_size >= length, so masked), where padding the
         # table outside would cost one more XLA kernel per call
         ids = table_ref[b, jnp.minimum(start + jnp.arange(ppb), max_pages - 1)]
+        ks = [k_ref[layer, ids, :, kh, c].reshape(tile, -1) for c in col]         # gather: [tile, d or d/2]
+        # v_first: V's load issued before any math (at batch 1 a program runs one or two iterations,
+        # so the chain K load -> scores -> V load is its latency), at the cost of both tiles' registers
+        v = v_ref[layer, ids, :, kh, :].reshape(tile, -1) if v_first else None     # [tile, d]
         scores = 0.0
-        for qp, c in zip(qparts, col):
-            k = k_ref[layer, ids, :, kh, c].reshape(tile, -1)                     # gather: [tile, d or d/2]
+        for qp, k in zip(qparts, ks):
             if use_dot:
                 scores = scores + jax.lax.dot_general(qp, k, (((1,), (1,)), ((), ())), precision=precision,
                                                       preferred_element_type=jnp.float32)  # [rows, tile]
@@ -133,12 +144,16 @@ def _page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks
                 scores = scores + jnp.sum(qp[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
         if use_dot:
             scores = scores * sm_scale
-        v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)                         # [tile, d]
+        if v is None:
+            v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)
         pos = start * page_size + jnp.arange(tile)
-        scores = jnp.where(pos[None, :] < visible, scores, NEG)                  # past the length
+        seen = pos[None, :] < (visible[:, None] if per_row else visible)          # [rows or 1, tile]
+        scores = jnp.where(seen, scores, NEG)                                     # past the length
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         alpha = jnp.exp(m - m_new)
         probs = jnp.exp(scores - m_new[:, None])                                  # [rows, tile]
+        if per_row:                                # a row with nothing visible yet has m_new = NEG
+            probs = jnp.where(seen, probs, 0.0)
         l = l * alpha + jnp.sum(probs, axis=-1)
         if use_dot:
             pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
@@ -152,9 +167,14 @@ def _page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks
     return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
-def _n_blocks(length, first, *, page_size, pages_per_split, ppb):
-    n_pages = jnp.clip((length + page_size - 1) // page_size - first, 0, pages_per_split)
-    return (n_pages + ppb - 1) // ppb
+def _split_range(length, s, *, splits, page_size, ppb):
+    """(first page, page blocks) of split s: the blocks holding a sequence's first `length` tokens
+    are dealt evenly over the `splits` programs at run time. A split size fixed by the table's width
+    would leave a short sequence in a wide table (an engine sized for 8k serving 2k) on a few
+    programs of several serial iterations each while the others idle."""
+    blocks = (length + ppb * page_size - 1) // (ppb * page_size)
+    per = (blocks + splits - 1) // splits
+    return s * per * ppb, jnp.clip(blocks - s * per, 0, per)
 
 
 def _write_partials(outs, m, l, acc):
@@ -168,24 +188,22 @@ def _write_partials(outs, m, l, acc):
         ref[...] = _first_rows(x, out_rows)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, pages_per_split,
-            pages_per_block, rows, sm_scale, use_dot):
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
+            pages_per_block, rows, sm_scale, use_dot, v_first):
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
-    first = s * pages_per_split                                                   # first page of the split
+    first, n_blocks = _split_range(length, s, splits=splits, page_size=page_size, ppb=pages_per_block)
     # The group padded to `rows` (a power of two, 16 for the dots) by repeating its last head: a
     # gather load, where padding q outside would cost one more XLA kernel per call.
     q = q_ref[jnp.minimum(jnp.arange(rows), q_ref.shape[0] - 1), :]               # [rows, d]
     m, l, acc = _page_loop(table_ref, k_ref, v_ref, (q,), b=b, kh=kh, layer=layer_ref[0], first=first,
-                           n_blocks=_n_blocks(length, first, page_size=page_size, pages_per_split=pages_per_split,
-                                              ppb=pages_per_block),
-                           visible=length, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale,
-                           use_dot=use_dot)
+                           n_blocks=n_blocks, visible=length, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale,
+                           use_dot=use_dot, v_first=v_first)
     _write_partials(outs, m, l, acc)
 
 
 def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *outs, page_size,
-                  pages_per_split, pages_per_block, rows, sm_scale, use_dot, group, n_heads):
+                  splits, pages_per_block, rows, sm_scale, use_dot, group, n_heads, v_first):
     """_kernel for one decode step with RoPE and the cache write folded in (paged_decode_attention).
 
     The new token (position length - 1) is not read back from the cache: every program masks it,
@@ -195,7 +213,7 @@ def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_r
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer = lengths_ref[b], layer_ref[0]
     new = length - 1                                                              # the new token's position
-    first = s * pages_per_split
+    first, n_blocks = _split_range(length, s, splits=splits, page_size=page_size, ppb=pages_per_block)
     d = qkv_ref.shape[-1]
     half = d // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -210,10 +228,9 @@ def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_r
     k1, k2 = rotate(qkv_ref[b, n_heads + kh, lo], qkv_ref[b, n_heads + kh, hi])   # [d/2] x2
     v_new = qkv_ref[b, n_heads + v_ref.shape[3] + kh, :]                         # [d]
     m, l, acc = _page_loop(table_ref, k_ref, v_ref, (q1, q2), b=b, kh=kh, layer=layer, first=first,
-                           n_blocks=_n_blocks(length, first, page_size=page_size, pages_per_split=pages_per_split,
-                                              ppb=pages_per_block),
-                           visible=new, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot)
-    mine = (length > 0) & (new // page_size >= first) & (new // page_size < first + pages_per_split)
+                           n_blocks=n_blocks, visible=new, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale,
+                           use_dot=use_dot, v_first=v_first)
+    mine = (length > 0) & (new // page_size >= first) & (new // page_size < first + n_blocks * pages_per_block)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     s_new = jnp.sum(f32(q1) * f32(k1)[None, :] + f32(q2) * f32(k2)[None, :], axis=-1) * sm_scale   # [rows]
     s_new = jnp.where(mine, s_new, NEG)
@@ -366,9 +383,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
     g, max_pages = h // kvh, page_table.shape[1]
     p = plan(block_sizes, b, kvh, max_pages, page_size, g, d)
     scale = sm_scale if sm_scale is not None else d ** -0.5
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_split=p["pages_per_split"],
+    kernel = functools.partial(_kernel, page_size=page_size, splits=p["splits"],
                                pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
-                               use_dot=p["use_dot"])
+                               use_dot=p["use_dot"], v_first=block_sizes.v_first)
     in_specs = [_whole((1,)), _whole((b,)), _whole(page_table.shape),
                 pl.BlockSpec((None, None, g, d), lambda i, j, s: (i, j, 0, 0)),
                 _whole(k_pages.shape), _whole(v_pages.shape)]
@@ -411,9 +428,9 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     g, max_pages = n_heads // kvh, page_table.shape[1]
     p = plan(block_sizes, b, kvh, max_pages, page_size, g, d // 2)   # the dots contract over d/2-wide halves
     scale = sm_scale if sm_scale is not None else d ** -0.5
-    kernel = functools.partial(_fused_kernel, page_size=page_size, pages_per_split=p["pages_per_split"],
+    kernel = functools.partial(_fused_kernel, page_size=page_size, splits=p["splits"],
                                pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
-                               use_dot=p["use_dot"], group=g, n_heads=n_heads)
+                               use_dot=p["use_dot"], group=g, n_heads=n_heads, v_first=block_sizes.v_first)
     in_specs = [_whole((1,)), _whole((b,)), _whole(page_table.shape), _whole(qkv.shape), _whole(cos_sin.shape),
                 _whole(k_pages.shape), _whole(v_pages.shape)]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), page_table.astype(jnp.int32),
@@ -423,6 +440,121 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     if one_layer:
         k_pages, v_pages = k_pages[0], v_pages[0]
     return _finish(outs, p, g, b, qkv.dtype, rows_out, interpret), k_pages, v_pages
+
+
+# -- prompt rows: many causal queries per sequence ------------------------------------------------
+PREFILL_BLOCK_Q = 16     # query tokens per program: with a GQA group of 4, [64, d] query tiles for the dots
+
+
+def prefill_plan(block_sizes: BlockSizes, rows: int, chunk: int, kv_heads: int, max_pages: int, page_size: int,
+                 group: int, head_dim: int) -> dict:
+    """The static tiling of paged_prefill_attention, or a ValueError naming what the GPU tiles cannot
+    take (the caller then uses another path): query tokens per program, splits, page blocks."""
+    bq = min(PREFILL_BLOCK_Q, chunk)
+    while bq * group < MIN_DOT and bq < chunk:
+        bq *= 2
+    p = plan(block_sizes, rows * (chunk // bq), kv_heads, max_pages, page_size, 1, head_dim)
+    tile = bq * group
+    if chunk % bq or tile & (tile - 1) or group & (group - 1) or (p["use_dot"] and tile < MIN_DOT):
+        raise ValueError(f"paged_prefill_attention: chunk {chunk} and GQA group {group} need power-of-two "
+                         f"query tiles of >= {MIN_DOT} rows (got {bq} tokens x {group} heads)")
+    return dict(p, block_q=bq, q_blocks=chunk // bq)
+
+
+def _prefill_kernel(layer_ref, starts_ref, ends_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
+                    pages_per_block, q_blocks, block_q, group, sm_scale, use_dot, v_first):
+    """One (row, query block, kv head, split): block_q query tokens x the kv head's group of query
+    heads against the pages up to the block's last real query; each query row sees its own position."""
+    i, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, qb = i // q_blocks, i % q_blocks
+    lo = starts_ref[row] + qb * block_q                                           # the block's first position
+    hi = jnp.minimum(lo + block_q, ends_ref[row])                                 # real queries: [lo, hi)
+    first, n_blocks = _split_range(jnp.where(hi > lo, hi, 0), s, splits=splits, page_size=page_size,
+                                   ppb=pages_per_block)
+    qpos = lo + jnp.arange(block_q * group) // group                              # [rows] query row -> position
+    q = q_ref[...].reshape(block_q * group, -1)                                   # [rows, d]
+    m, l, acc = _page_loop(table_ref, k_ref, v_ref, (q,), b=row, kh=kh, layer=layer_ref[0], first=first,
+                           n_blocks=n_blocks, visible=jnp.where(qpos < hi, qpos + 1, 0), page_size=page_size,
+                           ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, per_row=True, v_first=v_first)
+    d = acc.shape[-1]
+    if len(outs) == 1:                                                            # one split: finish here
+        o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # padding queries -> 0
+        outs[0][...] = o.reshape(block_q, group, d).astype(outs[0].dtype)
+        return
+    outs[0][...] = acc.reshape(block_q, group, d)
+    outs[1][...] = m.reshape(block_q, group)
+    outs[2][...] = l.reshape(block_q, group)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "sm_scale", "interpret"))
+def paged_prefill_attention(q, k_pages, v_pages, page_table, starts, ends, layer=None, *,
+                            block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
+                            interpret: bool = False):
+    """Prompt-chunk rows over the paged cache, pages read in place through the table (no window gather).
+
+    q [k, c, h, d]: row i's query t sits at position starts[i] + t and is real while that is below
+    ends[i] (padding after); it sees the cached keys at positions <= its own, this chunk's included
+    (written before the call). page_table [k, max_pages]. Returns [k, c, h, d], zeros for padding.
+    Grid (rows x query blocks, kv heads, splits): a program takes block_q tokens x the group's heads
+    as one [block_q * g, d] tile (GQA: the group shares each K/V load) and visits only the page
+    blocks below its block's last real query, dealt over the splits at run time: a chunk whose
+    prefix is long, or a short cached tail, reads what it attends to and nothing past it."""
+    k_pages, v_pages, layer = _stacked(k_pages, v_pages, layer)
+    rows, c, h, d = q.shape
+    num_pages, page_size, kvh, d_k = k_pages.shape[1:]
+    if h % kvh or d_k != d or v_pages.shape != k_pages.shape:
+        raise ValueError(f"paged_prefill_attention: q {q.shape} does not match k/v pages {k_pages.shape}")
+    g = h // kvh
+    p = prefill_plan(block_sizes, rows, c, kvh, page_table.shape[1], page_size, g, d)
+    bq, nqb, splits = p["block_q"], p["q_blocks"], p["splits"]
+    kernel = functools.partial(_prefill_kernel, page_size=page_size, splits=splits, pages_per_block=p["pages_per_block"],
+                               q_blocks=nqb, block_q=bq, group=g, sm_scale=sm_scale if sm_scale is not None else d ** -0.5,
+                               use_dot=p["use_dot"], v_first=block_sizes.v_first)
+    tok = lambda i: (i // nqb, i % nqb)  # noqa: E731 - grid row -> (sequence row, query block)
+    in_specs = [_whole((1,)), _whole((rows,)), _whole((rows,)), _whole(page_table.shape),
+                pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0)),
+                _whole(k_pages.shape), _whole(v_pages.shape)]
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, g, d), q.dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, bq, None, None, g, d), lambda i, j, s: (*tok(i), j, s, 0, 0)),
+                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0)),
+                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, splits, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel, grid=(rows * nqb, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="paged_prefill_attention",
+        compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), starts.astype(jnp.int32), ends.astype(jnp.int32),
+      page_table.astype(jnp.int32), q.reshape(rows, c, kvh, g, d), k_pages, v_pages)
+    if splits == 1:
+        return outs[0].reshape(rows, c, h, d)
+    acc, m, l = outs                                                              # merge the splits (axis 3)
+    w = jnp.exp(m - jnp.max(m, axis=3, keepdims=True))                            # empty splits -> 0
+    den = jnp.sum(l * w, axis=3)                                                  # [k, c, kvh, g]
+    o = jnp.sum(acc * w[..., None], axis=3) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.reshape(rows, c, h, d).astype(q.dtype)
+
+
+def paged_prefill_reference(q, k_pages, v_pages, page_table, starts, ends, sm_scale: float | None = None):
+    """Pure jnp paged_prefill_attention (one layer's pages): gather, causal mask by position, fp32."""
+    rows, c, h, d = q.shape
+    kvh = k_pages.shape[2]
+    k = k_pages[page_table].reshape(rows, -1, kvh, d).astype(jnp.float32)       # [k, s, kvh, d]
+    v = v_pages[page_table].reshape(rows, -1, kvh, d).astype(jnp.float32)
+    qg = q.reshape(rows, c, kvh, h // kvh, d).astype(jnp.float32)
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    scores = jnp.einsum("bckgd,bskd->bkgcs", qg, k) * scale                      # [k, kvh, g, c, s]
+    qpos = starts[:, None] + jnp.arange(c)[None, :]                               # [k, c]
+    real = qpos < ends[:, None]
+    seen = (jnp.arange(k.shape[1])[None, None, :] <= qpos[:, :, None]) & real[:, :, None]   # [k, c, s]
+    scores = jnp.where(seen[:, None, None], scores, NEG)
+    p = jax.nn.softmax(scores, axis=-1) * seen[:, None, None]
+    o = jnp.einsum("bkgcs,bskd->bckgd", p, v)                                     # [k, c, kvh, g, d]
+    return o.reshape(rows, c, h, d).astype(q.dtype)
 
 
 def rope_cos_sin(positions, inv_freq):

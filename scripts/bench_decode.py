@@ -31,9 +31,11 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
-                batch-1 decode at ctx 2048 through Engine against the roofline, TTFT for 512..8k
-                prompts (--quick: 512, 2048), TTFT with a 2k prefix cached, the same engine through
-                HTTP (decode vs roofline, TTFT); then batch 1, 16, 64 through one Engine
+                batch-1 decode at ctx 2048 through Engine against the roofline, its per-kernel
+                profile (device us per token by kernel, wall and host time per token: the table is
+                printed and written to bench_decode.md), TTFT with a 2k prefix cached against
+                uncached, TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through
+                one Engine, then the first engine through HTTP (decode vs roofline, TTFT)
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -75,7 +77,7 @@ JOBS = {
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
     "kernels_tune": ("", 150, ""),
-    "engine": ("", 65, ""),
+    "engine": ("", 150, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -230,27 +232,29 @@ def run_child(args):
     elif args.job == "engine":
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
-        layers_gate("fused")               # fp32: packed steps (flash chunk rows on GPU) and decode vs uncached
+        layers_gate("fused")               # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
                      steps_per_call=16, layers="fused")
         eng.warmup()
         ctx, n = sz["ctx"], sz["tpot_n"]
+
+        def sweep():
+            big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
+                         steps_per_call=16, layers="fused")
+            bs.engine_sweep(big, bw, [b for b in (1, 16, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
+        # most wanted first: a job stopped at its time limit keeps the rows before
         for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
-                            ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
+                            ("profile", lambda: bench.emit(bench.engine_profile(
+                                eng, Path("/tmp/bench_decode_traces") / "engine_b1", ctx=ctx, n=min(128, n)))),
                             ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
+                            ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
+                            ("sweep", sweep),
                             ("http", lambda: bs.server_rows(eng, bw, ttft_len=min(2048, sz["lengths"][-1]), n=n,
                                                             ctx=ctx))):
             try:
                 fn()
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
-        del eng
-        try:
-            big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="fused")
-            bs.engine_sweep(big, bw, [b for b in (1, 16, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
-        except Exception as e:  # noqa: BLE001
-            bench.fail_row("sweep", "engine", e)
 
 
 # -- parent side ------------------------------------------------------------------------------
@@ -309,6 +313,16 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_table(r) -> str:
+    """An engine profile row (meshlab.bench.decode.engine_profile) as a per-kernel table, us per token."""
+    lines = [f"\n## {r['setting']}: where the token goes\n", r["note"] + "\n",
+             "| class | us/token |", "| --- | --- |"]
+    lines += [f"| {c} | {t * 1e3:.1f} |" for c, t in r["classes"]]
+    lines += ["", "| kernel | us/token | launches/token |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | {t:.1f} | {c:g} |" for k, t, c in r["kernels"]]
+    return "\n".join(lines) + "\n"
+
+
 def details(rows) -> str:
     """The batch sweep's TPOT against batch 1, then HLO traffic and kernel profiles per decode
     variant (the evidence behind the numbers), and whether its greedy tokens equal the paged fused
@@ -322,6 +336,9 @@ def details(rows) -> str:
                     "| --- | --- | --- | --- | --- |"]
             out += [f"| {b} | {r['value']:.0f} | {r['tpot_ms']:.2f} | {r['tpot_ms'] / one if one else float('nan'):.2f} | "
                     f"{r['frac_copy_bw']:.0%} |" for b, r in sorted(sweep.items())]
+    for r in rows:
+        if r["section"] == "profile" and "kernels" in r:
+            out.append(profile_table(r))
     out.append("\n## HLO traffic and profiles per decode variant\n")
     ref = {r["batch"]: r["tokens"] for r in rows if r["section"] == "decode" and r.get("layers") == "fused"
            and r.get("impl") == "xla" and r.get("layout") == "paged" and r["job"] == "base" and "tokens" in r}
@@ -370,6 +387,9 @@ def main():
     (out / "bench_decode.json").write_text(json.dumps(rows, indent=1, default=float))
     (out / "bench_decode.md").write_text(table + details(rows))
     print("\n" + table)
+    for r in rows:
+        if r["section"] == "profile" and "kernels" in r:
+            print(profile_table(r))
     if meta.get("backend") == "gpu":                        # real measurements only
         block = ("\n### bench_decode.py, one call (" + f"{time.perf_counter() - t0:.0f} s; jobs {','.join(jobs)})\n\n"
                  + table)

@@ -260,3 +260,28 @@ def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
     assert eng.stats["compiles"] == 6, sorted(eng._programs)        # every step found its program compiled
     for r in reqs:
         assert_greedy_matches(fwd, params, r.prompt, r.output)
+
+
+def test_chained_decode_calls_equal_unchained(tiny):
+    """Decode calls chained on the device (the next dispatched from the last one's device tokens
+    before the host reads it back) give the tokens of calls read back one by one, greedy and
+    seeded sampling alike; a stop token met inside a call while the next one already runs ends
+    the request there, and every page comes back."""
+    md, params, fwd = tiny
+    prompts = [[5, 6, 7], list(range(30, 41))]
+    sps = [SamplingParams(max_tokens=13), SamplingParams(max_tokens=11, temperature=0.8, seed=4)]
+    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=3, prefix_cache=False)
+    outs = {}
+    for chain in (False, True):                       # one engine, its programs compiled once
+        eng.chain_decode, before = chain, eng.stats["chained_calls"]
+        outs[chain] = [r.output for r in eng.generate(prompts, sps)]
+        assert (eng.stats["chained_calls"] > before) == chain
+    assert outs[True] == outs[False] and [len(o) for o in outs[True]] == [13, 11]
+    assert_greedy_matches(fwd, params, prompts[0], outs[True][0])
+    first = outs[True][0]
+    stop = first[4]                                   # sampled by the second decode call (tokens 4..6)
+    before = eng.stats["chained_calls"]
+    req = eng.generate([prompts[0]], SamplingParams(max_tokens=13, stop_token_ids=[stop]))[0]
+    assert req.output == first[:first.index(stop) + 1] and req.finish_reason == "stop"
+    assert eng.stats["chained_calls"] - before >= 2   # a third call was chained before the stop was read
+    assert not eng.has_work() and eng.sched.pool.available == eng.sched.pool.total

