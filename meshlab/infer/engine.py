@@ -192,6 +192,7 @@ class Engine:
         if prefill not in ("auto", "paged", "flash", "xla"):
             raise ValueError(f"prefill={prefill!r} must be auto (the paged prompt kernel with impl=pallas), paged, "
                              "flash or xla")
+        self.prefill = prefill
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers)
