@@ -38,6 +38,8 @@ from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.parallel.pipeline import bubble, build, runner, theory_bubble  # noqa: E402
 from meshlab.parallel.pipeline.schedules import COLS  # noqa: E402
+from meshlab.plan import hlo  # noqa: E402
+from meshlab.plan.pipeline import loop_copies  # noqa: E402
 from meshlab.layout import to_shardings  # noqa: E402
 from meshlab.train.state import init_state, state_specs  # noqa: E402
 from models import model_def  # noqa: E402
@@ -155,19 +157,19 @@ def device_part(a):
     one = jnp.float32(1.0)
     sched = build("1f1b", 1, m)
     table, idle = jnp.asarray(sched.table), idle_table(sched)
-    compile_s, progs = {}, {}
+    compile_s, progs, built = {}, {}, {}
     with R.use_rules(rules, mesh):
         params = init_state(md, tx, to_shardings(mesh, state_specs(md, rules, mesh, tx, False)), 0, False)["params"]
         t = time.perf_counter()
         plain = jax.jit(make_loss_and_grads(md, rules, mesh, m)).lower(params, batch, one).compile()
         compile_s["plain"] = time.perf_counter() - t
-        progs["plain"] = (plain, (params, batch, one))
+        progs["plain"], built["plain"] = (plain, (params, batch, one)), plain
         sides = [("pipe", None)] + ([("previous", load_executor(a.previous_executor))] if a.previous_executor else [])
         for name, mod in sides:
             t = time.perf_counter()
             fn = compile_pipe(md, rules, mesh, m, (params, batch, one, table), mod)
             compile_s[name] = time.perf_counter() - t
-            progs[name] = (fn, (params, batch, one, table))
+            progs[name], built[name] = (fn, (params, batch, one, table)), fn
             progs[name + " idle"] = (fn, (params, batch, one, idle))
     times, outs = {k: [] for k in progs}, {}
     for _ in range(3):   # alternate the sides: clocks and neighbours drift
@@ -182,21 +184,26 @@ def device_part(a):
                       abs(grad_norm(got[1]) - grad_norm(ref[1])) / grad_norm(ref[1]))
     ok = all(le < 1e-2 and ge < 2e-2 for le, ge in errs.values())
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    # Per program: compiled temp and the copies of >= 1 MB inside loops or branches (the tick loop's
+    # buffers moved per tick; none is the executor's promise).
+    mem = {k: (c.memory_analysis().temp_size_in_bytes / 2**30, loop_copies(c.as_text(), 2**20)) for k, c in built.items()}
     res = {"device": dev.device_kind, "jax": jax.__version__, "model": a.model, "n_layers": cfg.n_layers, "seq": a.seq,
            "microbatches": m, "remat": a.remat, "attention": a.attention, "rel_err": errs, "ok": ok, "ms": med,
-           "compile_s": compile_s, "ticks": sched.ticks}
-    return res, device_lines(a, cfg, dev, sched, med, errs, ok, compile_s)
+           "compile_s": compile_s, "ticks": sched.ticks,
+           "temp_gib": {k: t for k, (t, _) in mem.items()}, "loop_copies": {k: len(c) for k, (_, c) in mem.items()}}
+    return res, device_lines(a, cfg, dev, sched, med, errs, ok, compile_s, mem)
 
 
-def device_lines(a, cfg, dev, sched, med, errs, ok, compile_s):
+def device_lines(a, cfg, dev, sched, med, errs, ok, compile_s, mem):
     err_text = "; ".join(f"{k}: loss {le:.1e}, grad norm {ge:.1e}" for k, (le, ge) in errs.items())
     lines = [f"\nExecutor forced on one stage: {a.model} ({cfg.n_layers} layers), {a.rows} micro-batches of 1 x {a.seq}, "
              f"bf16, remat {a.remat}, attention {a.attention}, loss {a.loss_impl}, {dev.device_kind}, jax {jax.__version__}; "
              f"loss-and-gradients of one step, median of {3 * a.reps} alternated calls. Relative errors vs plain: "
              f"{err_text}. Compile s: " + ", ".join(f"{k} {v:.0f}" for k, v in compile_s.items()) + ".\n",
-             "| program | ms | vs plain | per tick (us) |", "|---|---|---|---|"]
+             "| program | ms | vs plain | per tick (us) | temp GiB | copies >= 1 MB in loops |", "|---|---|---|---|---|---|"]
     if not ok:
-        return lines + [f"| FAILED: the pipelined gradients differ from the plain step's ({err_text}); no time reported | | | |"]
+        return lines + [f"| FAILED: the pipelined gradients differ from the plain step's ({err_text}); no time reported "
+                        "| | | | | |"]
     names = {"plain": f"plain micro-batch scan (M={a.rows})",
              "pipe": f"pipeline executor, 1F1B table, 1 stage ({sched.ticks} ticks)",
              "pipe idle": f"same program, all {sched.ticks} ticks idle",
@@ -204,7 +211,9 @@ def device_lines(a, cfg, dev, sched, med, errs, ok, compile_s):
              "previous idle": "previous executor, all ticks idle"}
     for k, ms in med.items():
         tick = f"{ms / sched.ticks * 1e3:.0f}" if k.endswith("idle") else ""
-        lines.append(f"| {names[k]} | {ms:.2f} | {ms / med['plain']:.3f} | {tick} |")
+        temp, copies = mem.get(k, (None, None))
+        extra = "| |" if temp is None else f"| {temp:.2f} | {len(copies)} ({sum(hlo.shape_bytes(s) for _, s in copies) / 2**30:.2f} GiB) |"
+        lines.append(f"| {names[k]} | {ms:.2f} | {ms / med['plain']:.3f} | {tick} {extra}")
     lines.append(f"\nExecutor overhead {(med['pipe'] / med['plain'] - 1) * 100:+.2f}% (target < 3%); an empty tick at most "
                  f"{med['pipe idle'] / sched.ticks * 1e3:.0f} us (the idle run includes the step's fixed work: zeroing the "
                  "fp32 gradient accumulators and the stash).")

@@ -187,15 +187,7 @@ def test_the_tick_loop_copies_no_buffer_bigger_than_an_activation(curves):
     loop (outside fusions) no copy is bigger than one micro-batch's activation. One lax.switch over
     the whole carry failed this: XLA copied every carried buffer every tick."""
     prog = curves[2][0]                               # 2 stages, every op's cond (F, head, B, BI, W, embedding)
-    x_bytes = MB_ROWS * SEQ * CFG.d_model * 4
-    comp, big = None, []
-    for line in prog.compiled.as_text().splitlines():
-        if (m := hlo.COMPUTATION.match(line)):
-            comp = "ENTRY" if line.startswith("ENTRY") else m.group(1)
-        elif " copy(" in line and comp != "ENTRY" and not comp.startswith(("fused", "wrapped")):
-            out = line.split("=", 1)[1].split(" copy(")[0]
-            if hlo.shape_bytes(out) > x_bytes:
-                big.append((comp, out.strip()))
+    big = plan_pp.loop_copies(prog.compiled.as_text(), MB_ROWS * SEQ * CFG.d_model * 4 + 1)
     assert not big, f"whole-buffer copies per tick: {big[:4]}"
 
 

@@ -13,7 +13,7 @@ import copy
 import numpy as np
 
 from meshlab.parallel.pipeline import layout, schedules
-from meshlab.plan import account, compute
+from meshlab.plan import account, compute, hlo
 from meshlab.plan.comm import Comm
 from meshlab.plan.memory import local_sizes
 
@@ -116,3 +116,19 @@ def bubble_line(rules, mesh, microbatches: int, n_layers: int) -> str:
     return (f"  bubble ({sched.name}, p={p}, M={m}, v={v}): textbook {theory:.1%}; this table {b['idle']:.1%} of op "
             f"ticks idle over {b['ticks']} ticks; {b['lockstep']:.1%} of lockstep time (a tick lasts its costliest "
             f"op: F=1, B=2, BI=W=1), which the step time above includes; {sched.slots['res']} micro-batches in flight")
+
+
+def loop_copies(hlo_text: str, min_bytes: int) -> list[tuple[str, str]]:
+    """(computation, result shape) of each copy of at least `min_bytes` in compiled HLO outside the
+    entry computation and fusions, i.e. inside a loop or a branch: what the executor must not do per
+    tick (its stash, inboxes and gradient accumulators stay in place; executor.py). Fusion-internal
+    copies are layout changes of values being computed, not buffers moved."""
+    comp, out = None, []
+    for line in hlo_text.splitlines():
+        if (m := hlo.COMPUTATION.match(line)):
+            comp = "ENTRY" if line.lstrip().startswith("ENTRY") else m.group(1)
+        elif " copy(" in line and comp not in (None, "ENTRY") and not comp.startswith(("fused", "wrapped")):
+            shape = line.split("=", 1)[1].split(" copy(")[0].strip()
+            if hlo.shape_bytes(shape) >= min_bytes:
+                out.append((comp, shape))
+    return out
