@@ -9,6 +9,8 @@
 2. Empty-tick overhead: the same compiled program (the table is an argument, so no second compile)
    run with an all-idle table of the same length: its time / ticks bounds one empty tick from above
    (it includes the step's fixed work: zeroing the accumulators, the final sums).
+   --tick-slope compiles the executor once more with 4x the ticks: the slope between the two idle
+   runs is one empty tick without the fixed work.
    --previous-executor FILE times an earlier executor.py in the same call, alternated with the others
    (its program and its all-idle table): old against new on the same card and shapes.
 3. Bubble table (host only): p = 2, 4, 8 and m = 4 .. 64, theory vs the schedule table (idle op
@@ -82,6 +84,8 @@ def main():
     ap.add_argument("--loss-impl", default="dense")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per side and round (3 rounds)")
     ap.add_argument("--layers", type=int, default=0, help="model.n_layers (0: the preset's)")
+    ap.add_argument("--tick-slope", action="store_true", help="one more compile: the executor with 4x the ticks, all "
+                    "idle; (its time - the idle run's) / (3 x ticks) is one empty tick without the step's fixed work")
     ap.add_argument("--previous-executor", metavar="FILE", help="an earlier executor.py to time beside this one "
                     "(git show REV:meshlab/parallel/pipeline/executor.py > FILE)")
     ap.add_argument("--host-only", action="store_true", help="only the bubble table")
@@ -171,6 +175,9 @@ def device_part(a):
             compile_s[name] = time.perf_counter() - t
             progs[name], built[name] = (fn, (params, batch, one, table)), fn
             progs[name + " idle"] = (fn, (params, batch, one, idle))
+        if a.tick_slope:   # same slots, 4x the ticks: a second program (the table's length is its shape)
+            idle4 = idle_table(sched.padded(4 * sched.ticks, sched.slots))
+            progs["pipe idle x4"] = (compile_pipe(md, rules, mesh, m, (params, batch, one, idle4)), (params, batch, one, idle4))
     times, outs = {k: [] for k in progs}, {}
     for _ in range(3):   # alternate the sides: clocks and neighbours drift
         for name, (fn, args) in progs.items():
@@ -208,15 +215,20 @@ def device_lines(a, cfg, dev, sched, med, errs, ok, compile_s, mem):
              "pipe": f"pipeline executor, 1F1B table, 1 stage ({sched.ticks} ticks)",
              "pipe idle": f"same program, all {sched.ticks} ticks idle",
              "previous": f"previous executor ({a.previous_executor}), same table",
-             "previous idle": "previous executor, all ticks idle"}
+             "previous idle": "previous executor, all ticks idle",
+             "pipe idle x4": f"executor, {4 * sched.ticks} ticks all idle (a second program)"}
     for k, ms in med.items():
         tick = f"{ms / sched.ticks * 1e3:.0f}" if k.endswith("idle") else ""
+        if k == "pipe idle x4":
+            tick = f"{(ms - med['pipe idle']) / (3 * sched.ticks) * 1e3:.0f} (slope)"
         temp, copies = mem.get(k, (None, None))
         extra = "| |" if temp is None else f"| {temp:.2f} | {len(copies)} ({sum(hlo.shape_bytes(s) for _, s in copies) / 2**30:.2f} GiB) |"
         lines.append(f"| {names[k]} | {ms:.2f} | {ms / med['plain']:.3f} | {tick} {extra}")
     lines.append(f"\nExecutor overhead {(med['pipe'] / med['plain'] - 1) * 100:+.2f}% (target < 3%); an empty tick at most "
                  f"{med['pipe idle'] / sched.ticks * 1e3:.0f} us (the idle run includes the step's fixed work: zeroing the "
-                 "fp32 gradient accumulators and the stash).")
+                 "fp32 gradient accumulators and the stash)" + (
+                     f"; {(med['pipe idle x4'] - med['pipe idle']) / (3 * sched.ticks) * 1e3:.0f} us without it (slope "
+                     "over 4x the ticks)." if "pipe idle x4" in med else "."))
     return lines
 
 
