@@ -66,6 +66,10 @@ class LlamaConfig:
     fused_norm: bool = False              # RMSNorm fused with the residual add
     fused_swiglu: bool = False            # gate/up matmuls + SiLU*up in one kernel, recomputed in backward
     fused_rope: bool = False              # Q and K rotated in one kernel (XLA's fusion is faster on H200)
+    # The layer loop as a lax.scan over the stacked weights (one compiled layer: fast compiles) or
+    # unrolled (each layer's residuals and weight gradients in their own buffers: no stacked
+    # [n_layers, ...] buffers to zero-fill and copy into, at n_layers times the compile work).
+    scan_layers: bool = True
 
     @property
     def padded_vocab(self) -> int:
@@ -360,6 +364,18 @@ class Block(nnx.Module):
 
 
 # -- the model -------------------------------------------------------------------------------
+def layer_loop(body, x, block_state, cfg):
+    """x through every layer: `body(x, one_layer) -> (x, out)` over the stacked [n_layers, ...]
+    leaves, as a scan or unrolled (`cfg.scan_layers`); returns x and the per-layer outputs stacked."""
+    if cfg.scan_layers:
+        return jax.lax.scan(body, x, block_state)
+    outs = []
+    for i in range(cfg.n_layers):
+        x, out = body(x, jax.tree.map(lambda leaf: leaf[i], block_state))
+        outs.append(out)
+    return x, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+
 class Llama(nnx.Module):
     block_cls = Block                           # the layer; another architecture swaps only this (models/moe.py)
 
@@ -391,7 +407,7 @@ class Llama(nnx.Module):
             block = nnx.merge(block_def, one_layer)
             return block(x, positions, segment_ids), None
 
-        x, _ = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)
+        x, _ = layer_loop(_remat(layer, cfg.remat, not cfg.scan_layers), x, block_state, cfg)
         return self.final_norm(x)
 
     # -- the pieces a pipeline stage runs separately (meshlab/parallel/pipeline) ------------------

@@ -23,7 +23,7 @@ from flax import nnx
 
 from meshlab.parallel import experts as dispatch_mod
 from meshlab.rules import constrain
-from models.llama import F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _param, _w
+from models.llama import F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _param, _w, layer_loop
 from models.remat import remat as _remat
 
 
@@ -202,7 +202,7 @@ class MoeLM(Llama):
         def layer(x, one_layer):
             return nnx.merge(block_def, one_layer)(x, positions, segment_ids)
 
-        x, stats = jax.lax.scan(_remat(layer, cfg.remat), x, block_state)   # stats: [n_layers, ...]
+        x, stats = layer_loop(_remat(layer, cfg.remat, not cfg.scan_layers), x, block_state, cfg)   # stats: [n_layers, ...]
         aux = {k: jnp.mean(v, axis=0) for k, v in stats.items()}                # per layer, averaged
         aux["loss"] = cfg.aux_loss_weight * aux["balance"] + cfg.z_loss_weight * aux["z"]
         return self.final_norm(x), aux

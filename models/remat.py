@@ -57,17 +57,20 @@ def _not_gathered(prim, *_, **params) -> bool:
     return True
 
 
-def remat(fn, policy: str):
+def remat(fn, policy: str, prevent_cse: bool = False):
     """fn under jax.checkpoint with `model.remat`'s policy (fn itself for "none"). Where the layer
     all-gathers its weights (ZeRO-3), `strategies.fsdp_gather` decides whether they are saved for the
-    backward (keep) or gathered again there (per_layer: under "none", everything else is saved)."""
+    backward (keep) or gathered again there (per_layer: under "none", everything else is saved).
+    prevent_cse: needed outside a scan (unrolled layers), where XLA would otherwise merge the
+    backward's recomputation with the forward and keep everything, whatever the policy; a scan
+    body cannot be merged that way, and the barriers would only cost there."""
     gather = rules.strategy("fsdp_gather") if rules.gathers_weights() else None
     if policy == "none":
         if gather != "per_layer":
             return fn
-        return jax.checkpoint(fn, policy=_not_gathered, prevent_cse=False)
+        return jax.checkpoint(fn, policy=_not_gathered, prevent_cse=prevent_cse)
     base = remat_policy(policy)
     if gather == "keep":
         names = jax.checkpoint_policies.save_only_these_names(rules.GATHERED)
         base = names if base is None else (lambda prim, *a, _b=base, **p: _b(prim, *a, **p) or names(prim, *a, **p))
-    return jax.checkpoint(fn, policy=base, prevent_cse=False)
+    return jax.checkpoint(fn, policy=base, prevent_cse=prevent_cse)

@@ -115,8 +115,9 @@ def main():
     if args.variants:   # explicit model-config variants instead of the default sweep
         def parse(spec):
             kv = dict(item.split("=", 1) for item in spec.split(",") if item)
-            typed = {k: (v in ("1", "true") if k.startswith("fused") else int(v) if v.isdigit() else v)
-                     for k, v in kv.items()}
+            base = models.preset(args.model)
+            typed = {k: (v.lower() in ("1", "true") if isinstance(getattr(base, k, None), bool)
+                         else int(v) if v.isdigit() else v) for k, v in kv.items()}
             return variant(**typed)
         plan = [(f"{spec} {os.environ.get('XLA_FLAGS', '')}".strip(), parse(spec)) for spec in args.variants]
     peer = {}
