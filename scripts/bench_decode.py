@@ -100,7 +100,7 @@ def _matmul_configs(quick=False, tune=False):
 
 def _sweep_configs():
     """The paged kernel's named configs plus grid-size and warp variants of the default (GPU only)."""
-    from pallas_kernels.paged_attention import CONFIGS
+    from pallas_kernels.paged_tiles import CONFIGS
     variant = functools.partial(dataclasses.replace, CONFIGS["dot8"])
     return {**CONFIGS, "dot8_p132": variant(min_programs=132), "dot8_p528": variant(min_programs=528),
             "dot8_w2": variant(num_warps=2), "dot8_s1": variant(num_stages=1)}

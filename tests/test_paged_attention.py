@@ -8,8 +8,9 @@ import pytest
 from meshlab.infer import kv_cache
 from meshlab.infer.kv_cache import dense_attention
 from pallas_kernels import rope
-from pallas_kernels.paged_attention import (CONFIGS, BlockSizes, paged_attention, paged_attention_reference,
+from pallas_kernels.paged_attention import (BlockSizes, paged_attention, paged_attention_reference,
                                             paged_decode_attention, plan, rope_cos_sin)
+from pallas_kernels.paged_tiles import CONFIGS
 
 
 def make_case(seed, b=3, h=4, kvh=2, d=16, page_size=4, max_pages=6, num_pages=24, lengths=(1, 9, 24)):
@@ -266,7 +267,7 @@ def test_prefill_kernel_matches_reference(bs):
     # Prompt-chunk rows of 16 queries, GQA 4 (8 query / 2 kv heads): a chunk from position 0, a
     # cached prefix's tail starting mid-page (5 real queries then padding), a chunk ending at the
     # table's last slot, and an empty row (padding only: zeros)
-    from pallas_kernels.paged_attention import paged_prefill_attention, paged_prefill_reference
+    from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
     rng = np.random.default_rng(11)
     rows, c, h, kvh, d, page_size, max_pages, num_pages = 4, 16, 8, 2, 16, 4, 10, 48
     q = jnp.asarray(rng.normal(size=(rows, c, h, d)), jnp.float32)
@@ -287,7 +288,7 @@ def test_prefill_kernel_lowers_for_cuda():
     # llama3_1b's shape: a 64-wide row (the engine's narrow bucket, several splits and the jnp merge)
     # and two 512-wide rows (one split): the Triton kernel builds (reshapes, per-row masks, gathers)
     import jax
-    from pallas_kernels.paged_attention import paged_prefill_attention
+    from pallas_kernels.paged_prefill import paged_prefill_attention
     for rows, c in ((1, 64), (2, 512)):
         args = (jax.ShapeDtypeStruct((rows, c, 32, 64), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2, 300, 16, 8, 64), jnp.bfloat16),

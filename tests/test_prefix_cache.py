@@ -121,7 +121,7 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     program whose attention is the paged prompt kernel (it reads the cached pages in place, no
     window of the table's width), then decodes; its tokens equal the uncached forward's argmax."""
     import jax.numpy as jnp
-    from pallas_kernels import paged_attention as pa
+    from pallas_kernels import paged_prefill as pa
     md, params = tiny
     eng = Engine(md, params, max_len=256, max_seqs=1, page_size=16, chunk=128, steps_per_call=2, impl="pallas",
                  interpret=True, layers="fused")

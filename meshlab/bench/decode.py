@@ -327,7 +327,8 @@ def kernel_peers(cfg, bw, batch, ctx=2048, page_size=16, configs=None, layers=No
     import importlib
     import math
 
-    from pallas_kernels.paged_attention import CONFIGS, paged_attention, paged_attention_reference, plan
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_reference, plan
+    from pallas_kernels.paged_tiles import CONFIGS
     interpret = jax.default_backend() != "gpu"
     if configs is None:
         configs = CONFIGS if not interpret else {"dot8": CONFIGS["dot8"]}

@@ -417,7 +417,7 @@ class Engine:
         if not s.reserve_ahead(f.decodes, f.n):
             return None
         self.stats["chained_calls"] += 1
-        return self._launch_decode(f.decodes, f.n, tok=f.out["tokens"][-1], ahead=f.n)
+        return self._launch_decode(f.decodes, f.n, tok=f.out["last"], ahead=f.n)
 
     def _land(self, f: _Flight) -> None:
         """Read back a decode call and emit its tokens (rows that ended in an earlier call are skipped:

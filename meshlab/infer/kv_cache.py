@@ -155,7 +155,7 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             pos = positions[0, n_dec:].reshape(k_rows, chunk)
             how = prefill_path(prefill, impl, k_rows, chunk, q.shape[2], new["k"].shape, pre_table.shape[1])
             if how == "paged":
-                from pallas_kernels.paged_attention import paged_prefill_attention
+                from pallas_kernels.paged_prefill import paged_prefill_attention
                 real = jnp.sum((write_page[n_dec:] < new["k"].shape[1]).reshape(k_rows, chunk), axis=1)   # [k]
                 o = paged_prefill_attention(qp, new["k"], new["v"], pre_table, pos[:, 0], pos[:, 0] + real, layer,
                                             interpret=interpret)
@@ -174,7 +174,7 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
         return prefill
     if impl not in ("pallas", "pallas_unfused"):
         return "xla"
-    from pallas_kernels.paged_attention import BlockSizes, prefill_plan
+    from pallas_kernels.paged_prefill import BlockSizes, prefill_plan
     _, _, page_size, kvh, d = cache_shape
     try:
         prefill_plan(BlockSizes(), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)

@@ -163,7 +163,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       pre_table; out_idx [R]: the token whose hidden state each output row samples from);
       rows/counters/out_slot describe the R = n_dec + k output rows.
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
-      logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b].
+      logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b] and
+      "last" [b], the last sampled tokens (a chained call's input, without a slice dispatched).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend).
     """
@@ -194,8 +195,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
                 seen = _mark(seen, slots, tok, valid)
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
             return (cache, seen, out["tokens"], pos + 1, counters + 1), out
-        (cache, seen, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
-        return outs, cache, seen                                                      # outs: [n, b, ...]
+        (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+        return dict(outs, last=last), cache, seen                                     # outs: [n, b, ...]; last [b]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))

@@ -1,0 +1,132 @@
+"""Prompt-chunk attention over a paged KV cache: many causal queries per sequence, pages read in place.
+
+The serving engine's token-packed step feeds prompt chunks as rows of `chunk` tokens, one sequence
+per row (padding at the end). Each query attends to the cached keys at positions up to its own,
+the chunk's own keys included (the step writes them first). Gathering each row's window of the
+table's full width for a dense or flash kernel costs what the engine's max_len costs, not what the
+context does: a 16-token cached tail in an 8k engine attended over 8k positions. Here each program
+reads its row's pages through the table, only those below its last real query.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
+from pallas_kernels.paged_tiles import MIN_DOT, NEG, BlockSizes, page_loop, plan, split_range, stacked, whole
+
+PREFILL_BLOCK_Q = 16     # query tokens per program: with a GQA group of 4, [64, d] query tiles for the dots
+
+
+def prefill_plan(block_sizes: BlockSizes, rows: int, chunk: int, kv_heads: int, max_pages: int, page_size: int,
+                 group: int, head_dim: int) -> dict:
+    """The static tiling of paged_prefill_attention, or a ValueError naming what the GPU tiles cannot
+    take (the caller then uses another path): query tokens per program, splits, page blocks."""
+    bq = min(PREFILL_BLOCK_Q, chunk)
+    while bq * group < MIN_DOT and bq < chunk:
+        bq *= 2
+    p = plan(block_sizes, rows * (chunk // bq), kv_heads, max_pages, page_size, 1, head_dim)
+    tile = bq * group
+    if chunk % bq or tile & (tile - 1) or group & (group - 1) or (p["use_dot"] and tile < MIN_DOT):
+        raise ValueError(f"paged_prefill_attention: chunk {chunk} and GQA group {group} need power-of-two "
+                         f"query tiles of >= {MIN_DOT} rows (got {bq} tokens x {group} heads)")
+    return dict(p, block_q=bq, q_blocks=chunk // bq)
+
+
+def _prefill_kernel(layer_ref, starts_ref, ends_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
+                    pages_per_block, q_blocks, block_q, group, sm_scale, use_dot, v_first):
+    """One (row, query block, kv head, split): block_q query tokens x the kv head's group of query
+    heads against the pages up to the block's last real query; each query row sees its own position."""
+    i, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, qb = i // q_blocks, i % q_blocks
+    lo = starts_ref[row] + qb * block_q                                           # the block's first position
+    hi = jnp.minimum(lo + block_q, ends_ref[row])                                 # real queries: [lo, hi)
+    first, n_blocks = split_range(jnp.where(hi > lo, hi, 0), s, splits=splits, page_size=page_size,
+                                  ppb=pages_per_block)
+    qpos = lo + jnp.arange(block_q * group) // group                              # [rows] query row -> position
+    q = q_ref[...].reshape(block_q * group, -1)                                   # [rows, d]
+    m, l, acc = page_loop(table_ref, k_ref, v_ref, (q,), b=row, kh=kh, layer=layer_ref[0], first=first,
+                          n_blocks=n_blocks, visible=jnp.where(qpos < hi, qpos + 1, 0), page_size=page_size,
+                          ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, per_row=True, v_first=v_first)
+    d = acc.shape[-1]
+    if len(outs) == 1:                                                            # one split: finish here
+        o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # padding queries -> 0
+        outs[0][...] = o.reshape(block_q, group, d).astype(outs[0].dtype)
+        return
+    outs[0][...] = acc.reshape(block_q, group, d)
+    outs[1][...] = m.reshape(block_q, group)
+    outs[2][...] = l.reshape(block_q, group)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "sm_scale", "interpret"))
+def paged_prefill_attention(q, k_pages, v_pages, page_table, starts, ends, layer=None, *,
+                            block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
+                            interpret: bool = False):
+    """Prompt-chunk rows over the paged cache, pages read in place through the table (no window gather).
+
+    q [k, c, h, d]: row i's query t sits at position starts[i] + t and is real while that is below
+    ends[i] (padding after); it sees the cached keys at positions <= its own, this chunk's included
+    (written before the call). page_table [k, max_pages]. Returns [k, c, h, d], zeros for padding.
+    Grid (rows x query blocks, kv heads, splits): a program takes block_q tokens x the group's heads
+    as one [block_q * g, d] tile (GQA: the group shares each K/V load) and visits only the page
+    blocks below its block's last real query, dealt over the splits at run time: a chunk whose
+    prefix is long, or a short cached tail, reads what it attends to and nothing past it."""
+    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer)
+    rows, c, h, d = q.shape
+    num_pages, page_size, kvh, d_k = k_pages.shape[1:]
+    if h % kvh or d_k != d or v_pages.shape != k_pages.shape:
+        raise ValueError(f"paged_prefill_attention: q {q.shape} does not match k/v pages {k_pages.shape}")
+    g = h // kvh
+    p = prefill_plan(block_sizes, rows, c, kvh, page_table.shape[1], page_size, g, d)
+    bq, nqb, splits = p["block_q"], p["q_blocks"], p["splits"]
+    kernel = functools.partial(_prefill_kernel, page_size=page_size, splits=splits, pages_per_block=p["pages_per_block"],
+                               q_blocks=nqb, block_q=bq, group=g, sm_scale=sm_scale if sm_scale is not None else d ** -0.5,
+                               use_dot=p["use_dot"], v_first=block_sizes.v_first)
+    tok = lambda i: (i // nqb, i % nqb)  # noqa: E731 - grid row -> (sequence row, query block)
+    in_specs = [whole((1,)), whole((rows,)), whole((rows,)), whole(page_table.shape),
+                pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0)),
+                whole(k_pages.shape), whole(v_pages.shape)]
+    if splits == 1:
+        out_specs = [pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, g, d), q.dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, bq, None, None, g, d), lambda i, j, s: (*tok(i), j, s, 0, 0)),
+                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0)),
+                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, splits, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel, grid=(rows * nqb, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="paged_prefill_attention",
+        compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), starts.astype(jnp.int32), ends.astype(jnp.int32),
+      page_table.astype(jnp.int32), q.reshape(rows, c, kvh, g, d), k_pages, v_pages)
+    if splits == 1:
+        return outs[0].reshape(rows, c, h, d)
+    acc, m, l = outs                                                              # merge the splits (axis 3)
+    w = jnp.exp(m - jnp.max(m, axis=3, keepdims=True))                            # empty splits -> 0
+    den = jnp.sum(l * w, axis=3)                                                  # [k, c, kvh, g]
+    o = jnp.sum(acc * w[..., None], axis=3) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.reshape(rows, c, h, d).astype(q.dtype)
+
+
+def paged_prefill_reference(q, k_pages, v_pages, page_table, starts, ends, sm_scale: float | None = None):
+    """Pure jnp paged_prefill_attention (one layer's pages): gather, causal mask by position, fp32."""
+    rows, c, h, d = q.shape
+    kvh = k_pages.shape[2]
+    k = k_pages[page_table].reshape(rows, -1, kvh, d).astype(jnp.float32)       # [k, s, kvh, d]
+    v = v_pages[page_table].reshape(rows, -1, kvh, d).astype(jnp.float32)
+    qg = q.reshape(rows, c, kvh, h // kvh, d).astype(jnp.float32)
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    scores = jnp.einsum("bckgd,bskd->bkgcs", qg, k) * scale                      # [k, kvh, g, c, s]
+    qpos = starts[:, None] + jnp.arange(c)[None, :]                               # [k, c]
+    real = qpos < ends[:, None]
+    seen = (jnp.arange(k.shape[1])[None, None, :] <= qpos[:, :, None]) & real[:, :, None]   # [k, c, s]
+    scores = jnp.where(seen[:, None, None], scores, NEG)
+    p = jax.nn.softmax(scores, axis=-1) * seen[:, None, None]
+    o = jnp.einsum("bkgcs,bskd->bckgd", p, v)                                     # [k, c, kvh, g, d]
+    return o.reshape(rows, c, h, d).astype(q.dtype)

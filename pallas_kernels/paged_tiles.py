@@ -1,0 +1,174 @@
+"""What the paged attention kernels share: the tuning dataclass and its named sweep configs, the
+static tiling (`plan`), the run-time split of a sequence's pages over programs (`split_range`) and
+the online-softmax loop over gathered page blocks (`page_loop`). The kernels: decode (one query
+token per sequence) in `paged_attention`, prompt rows (many causal queries) in `paged_prefill`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+NEG = -1e30       # a finite "minus infinity": exp(NEG - NEG) stays finite for empty splits
+MIN_DOT = 16      # smallest M, N and K of a Triton tensor-core dot
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    # Pages per program at the table's full width (flash-decoding split): it sets the number of
+    # splits, max_pages / pages_per_split; at run time a sequence's pages are dealt evenly over them
+    # (split_range). None: derived from max_pages, batch and kv heads so that batch * kv_heads *
+    # splits >= min_programs. Rounded up to whole page blocks.
+    pages_per_split: int | None = None
+    # Pages gathered per loop iteration (a power of two): 8 pages of 16 tokens = a [128, d] K
+    # tile (16 KiB of bf16 K+V at d=64 per iteration, vs 4 KiB for one page). Larger tiles mean
+    # more bytes in flight per program and fewer serial iterations; the cost is registers.
+    pages_per_block: int = 8
+    # Target grid size for the automatic split: 2x the 132 SMs of an H200, so every SM has two
+    # programs' loads in flight even at batch 1 (8 kv heads -> 33 splits wanted).
+    min_programs: int = 264
+    # "dot": tensor-core q @ K^T and p @ V on the group padded to 16 rows (p cast to the cache
+    # dtype for the second dot, as flash attention does). "vpu": elementwise products in fp32.
+    # "dot" needs pages_per_block * page_size >= 16 and d >= 16; else "vpu" is used.
+    score: str = "dot"
+    num_warps: int = 4
+    num_stages: int = 2
+    # Load a block's V together with its K, before the scores (latency) rather than after (registers).
+    v_first: bool = False
+
+
+# Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in
+# interpret mode). At llama3_1b shapes (8 kv heads, 128 pages of 16 at ctx 2048):
+#   dot8      the default: [128, 64] tiles; b=1: 16 splits x 8 = 128 programs of one iteration;
+#             b=8: 4 splits (256 programs); b=64: 1 split, 16 iterations (512 programs)
+#   dot4      [64, 64] tiles, twice the splits at b=1 (256 programs): more, smaller programs
+#   dot16_w8  [256, 64] tiles on 8 warps: most bytes in flight per program, fewest iterations
+#   vpu2      elementwise fp32 scores on [32, 64] tiles (no tensor cores, small register tiles)
+#   old       the previous kernel: 16 pages per split, one page per iteration, elementwise
+#   dot8_vfirst  dot8 with V loaded alongside K (BlockSizes.v_first)
+CONFIGS = {
+    "dot8": BlockSizes(),
+    "dot4": BlockSizes(pages_per_block=4),
+    "dot16_w8": BlockSizes(pages_per_block=16, num_warps=8),
+    "vpu2": BlockSizes(pages_per_block=2, score="vpu"),
+    "old": BlockSizes(pages_per_split=16, pages_per_block=1, score="vpu"),
+    "dot8_vfirst": BlockSizes(v_first=True),
+}
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks, visible, page_size, ppb,
+               sm_scale, use_dot, per_row=False, v_first=False):
+    """Online softmax of the query rows over page blocks [first, first + n_blocks) of one sequence's
+    kv head: (m [rows], l [rows], acc [rows, d]) unnormalised. Positions >= `visible` are masked.
+    qparts: (q,) [rows, d], or the two rotate-half halves of a RoPE'd q, ([rows, d/2],) * 2,
+    against which K is loaded in the same column halves (Triton has no concatenate).
+    per_row: `visible` is [rows] (causal prompt rows: a row may see none of a block that others
+    see, so its probabilities are masked too, not only its scores)."""
+    rows, max_pages, tile = qparts[0].shape[0], table_ref.shape[1], ppb * page_size
+    d = sum(qp.shape[1] for qp in qparts)
+    col = [pl.ds(sum(qp.shape[1] for qp in qparts[:i]), qp.shape[1]) for i, qp in enumerate(qparts)]
+    # fp32 caches: full-precision dots (Triton's default for fp32 operands would be tf32)
+    precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    if use_dot:
+        qparts = tuple(qp.astype(k_ref.dtype) for qp in qparts)
+    else:
+        qparts = tuple(qp.astype(jnp.float32) * sm_scale for qp in qparts)
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = first + i * ppb
+        # [ppb] page ids; a block running past the table's end repeats its last entry (those
+        # positions are >= max_pages * page_size >= length, so masked), where padding the
+        # table outside would cost one more XLA kernel per call
+        ids = table_ref[b, jnp.minimum(start + jnp.arange(ppb), max_pages - 1)]
+        ks = [k_ref[layer, ids, :, kh, c].reshape(tile, -1) for c in col]         # gather: [tile, d or d/2]
+        # v_first: V's load issued before any math (at batch 1 a program runs one or two iterations,
+        # so the chain K load -> scores -> V load is its latency), at the cost of both tiles' registers
+        v = v_ref[layer, ids, :, kh, :].reshape(tile, -1) if v_first else None     # [tile, d]
+        scores = 0.0
+        for qp, k in zip(qparts, ks):
+            if use_dot:
+                scores = scores + jax.lax.dot_general(qp, k, (((1,), (1,)), ((), ())), precision=precision,
+                                                      preferred_element_type=jnp.float32)  # [rows, tile]
+            else:
+                scores = scores + jnp.sum(qp[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+        if use_dot:
+            scores = scores * sm_scale
+        if v is None:
+            v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)
+        pos = start * page_size + jnp.arange(tile)
+        seen = pos[None, :] < (visible[:, None] if per_row else visible)          # [rows or 1, tile]
+        scores = jnp.where(seen, scores, NEG)                                     # past the length
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        probs = jnp.exp(scores - m_new[:, None])                                  # [rows, tile]
+        if per_row:                                # a row with nothing visible yet has m_new = NEG
+            probs = jnp.where(seen, probs, 0.0)
+        l = l * alpha + jnp.sum(probs, axis=-1)
+        if use_dot:
+            pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)          # [rows, d]
+        else:
+            pv = jnp.sum(probs[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l, acc
+
+    init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
+    return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def split_range(length, s, *, splits, page_size, ppb):
+    """(first page, page blocks) of split s: the blocks holding a sequence's first `length` tokens
+    are dealt evenly over the `splits` programs at run time. A split size fixed by the table's width
+    would leave a short sequence in a wide table (an engine sized for 8k serving 2k) on a few
+    programs of several serial iterations each while the others idle."""
+    blocks = (length + ppb * page_size - 1) // (ppb * page_size)
+    per = (blocks + splits - 1) // splits
+    return s * per * ppb, jnp.clip(blocks - s * per, 0, per)
+
+
+def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, page_size: int, group: int,
+         head_dim: int) -> dict:
+    """The static tiling a call uses: pages per block and per split, splits, padded group rows."""
+    bs = block_sizes
+    if bs.score not in ("dot", "vpu"):
+        raise ValueError(f"paged_attention: BlockSizes.score must be 'dot' or 'vpu', not {bs.score!r}")
+    if bs.pages_per_block < 1 or bs.pages_per_block & (bs.pages_per_block - 1):
+        raise ValueError(f"paged_attention: pages_per_block must be a power of two, not {bs.pages_per_block}")
+    ppb = min(bs.pages_per_block, pow2_at_least(max_pages))                     # short contexts: smaller tile
+    if bs.pages_per_split is not None:
+        ppb = min(ppb, pow2_at_most(bs.pages_per_split))
+        blocks_per_split = -(-bs.pages_per_split // ppb)
+    else:
+        n_blocks = -(-max_pages // ppb)
+        want = min(max(1, -(-bs.min_programs // (batch * kv_heads))), n_blocks)
+        blocks_per_split = -(-n_blocks // want)
+    pps = blocks_per_split * ppb
+    splits = -(-max_pages // pps)
+    use_dot = bs.score == "dot" and ppb * page_size >= MIN_DOT and head_dim >= MIN_DOT
+    rows = pow2_at_least(max(group, MIN_DOT) if use_dot else group)             # Triton tiles are powers of 2
+    return dict(pages_per_block=ppb, pages_per_split=pps, splits=splits, use_dot=use_dot, rows=rows,
+                out_rows=group if rows % group == 0 else rows)
+
+
+def whole(shape):
+    """The whole array as one block, whatever the grid (the kernel indexes it itself)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def stacked(k_pages, v_pages, layer):
+    if k_pages.ndim == 4:                      # one layer: view it as a stack of one (free reshape)
+        return k_pages[None], v_pages[None], 0
+    if layer is None:
+        raise ValueError("paged_attention: stacked k/v pages [layers, ...] need `layer`")
+    return k_pages, v_pages, layer
