@@ -52,8 +52,8 @@ def _reset_cache():
 def test_shipped_gpu_configs_hold_the_measured_settings():
     c = load_config("llama3_1b", [])
     m, d = c.model, c.data
-    assert (m.name, m.dtype, m.attention, m.remat, m.loss_impl) == ("llama3_1b", "bfloat16", "xla",   # auto on CPU
-                                                                    "save_dots_attn", "onepass")
+    assert (m.name, m.dtype, m.attention, m.remat, m.loss_impl, m.scan_layers) == (
+        "llama3_1b", "bfloat16", "xla", "none", "onepass", False)   # attention: auto on CPU
     assert (d.seq_len, d.global_batch, c.rules, c.optim.lr) == (4096, 4, "dp", 3e-4)
     assert load_config("llama3_3b", []).rules == "dp" and load_config("llama3_8b", []).rules == "fsdp"
 
