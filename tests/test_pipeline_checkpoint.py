@@ -12,7 +12,7 @@ from meshlab.mesh import make_mesh
 from meshlab.checkpoint import Checkpointer
 from meshlab.train.optimizer import make_optimizer
 from meshlab.layout import to_shardings
-from meshlab.train.state import abstract_state, init_state, state_specs
+from meshlab.train.state import abstract_state, state_specs
 from models import model_def
 from tests.helpers import small_config
 
@@ -32,10 +32,11 @@ def test_pipeline_checkpoint_restores_under_fsdp_and_back(tmp_path):
     layer_spec = pp_sh["params"]["layers"]["attn"]["wq"].spec
     assert layer_spec[0] == "stage", layer_spec                 # the stack really is split by depth
 
-    state = init_state(md, tx, pp_sh, 0, False)
-    # Distinct values per layer, so a permuted layer order could not pass.
-    state = jax.tree.map(lambda x, s: jax.device_put(x + np.arange(x.size).reshape(x.shape).astype(x.dtype) * 1e-3, s)
-                         if x.ndim else x, state, pp_sh)
+    # The state's layout under the pipeline rule file, filled with distinct values per element (so a
+    # permuted layer order could not pass) straight from the host: no init program to compile.
+    state = jax.tree.map(lambda a: jax.device_put((np.arange(a.size).reshape(a.shape) * 1e-3).astype(a.dtype)
+                                                  if a.ndim else np.zeros((), a.dtype), a.sharding),
+                         abstract_state(md, tx, pp_sh, False))
     want = jax.device_get(state)
 
     first = Checkpointer(tmp_path / "a", async_save=False)
