@@ -74,8 +74,8 @@ class Server:
     def start(self):
         import uvicorn
         # The engine thread and the event loop share one interpreter: the engine waits for the GIL after
-        # each device call while the loop streams chunks. At the default 5 ms switch interval that wait
-        # dominated the HTTP load test's TPOT (9.9 ms against 7.0 offline); 0.2 ms bounds it.
+        # each device call while the loop streams chunks; at the default 5 ms switch interval each such
+        # handoff can wait 5 ms (the HTTP load test's TPOT was 9.9 ms against 7.0 offline). 0.2 ms bounds it.
         sys.setswitchinterval(2e-4)
         # httptools / uvloop (the serve extra) when installed: the C parser and loop spend less of that
         # shared interpreter per streamed chunk than h11 / asyncio.
