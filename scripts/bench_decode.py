@@ -253,6 +253,8 @@ def run_child(args):
                             ("profile", lambda: bench.emit(bench.engine_profile(
                                 eng, Path("/tmp/bench_decode_traces") / "engine_b1", ctx=ctx, n=min(128, n)))),
                             ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
+                            ("profile", lambda: bench.emit(bench.engine_tail_profile(
+                                eng, Path("/tmp/bench_decode_traces") / "engine_tail", n=min(2048, sz["lengths"][-1])))),
                             ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
                             ("sweep", sweep),
                             ("http", lambda: bs.server_rows(eng, bw, ttft_len=min(2048, sz["lengths"][-1]), n=n,
@@ -320,11 +322,13 @@ def markdown(rows, meta) -> str:
 
 
 def profile_table(r) -> str:
-    """An engine profile row (meshlab.bench.decode.engine_profile) as a per-kernel table, us per token."""
-    lines = [f"\n## {r['setting']}: where the token goes\n", r["note"] + "\n",
-             "| class | us/token |", "| --- | --- |"]
+    """An engine profile row (meshlab.bench.decode.engine_profile / engine_tail_profile) as a per-kernel
+    table: us per decode token, or per request for the cached prompt's first token."""
+    per = "token" if r["unit"] == "us/token" else "request"
+    lines = [f"\n## {r['setting']}: where the time goes\n", r["note"] + "\n",
+             f"| class | us/{per} |", "| --- | --- |"]
     lines += [f"| {c} | {t * 1e3:.1f} |" for c, t in r["classes"]]
-    lines += ["", "| kernel | us/token | launches/token |", "| --- | --- | --- |"]
+    lines += ["", f"| kernel | us/{per} | launches/{per} |", "| --- | --- | --- |"]
     lines += [f"| `{k}` | {t:.1f} | {c:g} |" for k, t, c in r["kernels"]]
     return "\n".join(lines) + "\n"
 

@@ -274,6 +274,44 @@ def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
     return row
 
 
+def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dict:
+    """Where the time to first token of a prompt whose first n - tail tokens are in the prefix cache
+    goes: wall time of the request (admission, the step, the read-back, release), the host's part
+    (Engine.stats), the programs it ran, and the device time per kernel of a traced repeat."""
+    from meshlab.bench.profile_summary import summarize
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, engine.md.cfg.vocab_size, n - tail).tolist()
+    one = SamplingParams(max_tokens=1)
+    new_tail = lambda: rng.integers(0, engine.md.cfg.vocab_size, tail).tolist()  # noqa: E731
+    engine.generate([shared + new_tail()], one)                                  # caches the prefix
+    engine.generate([shared + new_tail()], one)                                  # compiles the tail's program
+    keys, launch = [], engine._launch
+    engine._launch = lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw)
+    try:
+        before, t = dict(engine.stats), time.perf_counter()
+        engine.generate([shared + new_tail()], one)
+        wall = time.perf_counter() - t
+    finally:
+        del engine._launch
+    st = {k: engine.stats[k] - before[k] for k in before}
+    row = {"section": "profile", "setting": f"engine prompt={n}, {n - tail} cached: first token", "unit": "us",
+           "value": wall * 1e6, "host_ms": st["host_s"] * 1e3, "prefill_tokens": st["prefill_tokens"],
+           "programs": [list(k[:4]) for k in keys]}
+    try:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            engine.generate([shared + new_tail()], one)
+        s = summarize(trace_dir, steps=1, top=40)
+        row.update(busy_ms_per_token=round(s["busy_ms_per_step"], 4),
+                   classes=[(c, round(t, 4)) for c, t, _ in s["classes"]],
+                   kernels=[(k, round(t * 1e3, 2), round(c, 2)) for k, t, c, _ in s["kernels"]])
+        busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us"
+    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
+        row["error"], busy = f"{type(e).__name__}: {str(e)[:160]}", "no profile"
+    row["note"] = (f"TTFT {wall * 1e3:.2f} ms, host {row['host_ms']:.2f} ms, {st['prefill_tokens']} prompt tokens "
+                   f"computed in {row['programs']}; {busy}")
+    return row
+
+
 def correctness_gate(impls=("xla", "pallas"), layers="split", preset="llama3_1b", max_seqs=2) -> dict:
     """`preset` widths, 2 layers, fp32 (highest matmul precision): cached greedy decode
     (contiguous, paged per impl) must equal the argmax of the uncached forward at every step.
