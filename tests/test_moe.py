@@ -18,7 +18,7 @@ from meshlab.mesh import make_mesh
 from meshlab.parallel import experts
 from meshlab.rules import RulesError, load_rules, use_rules
 from models import moe
-from tests.helpers import one_device, small_config
+from tests.helpers import EP_MESH, one_device, small_config
 
 CFG = dataclasses.replace(models.preset("moe_tiny"), d_model=32, dtype="float32", expert_mlp_dim=16,
                           shared_mlp_dim=0)
@@ -132,7 +132,6 @@ MOE_RUN = ["model.name=moe_tiny", "model.aux_loss_weight=0.1", "model.z_loss_wei
 # parallel shared expert); 1e-4 is 1% of one step's update. Losses, gradient norms and router
 # statistics are held to 1e-5 relative.
 PARAM_ATOL = 1e-4
-EP_MESH = {"ep": "expert=8", "fsdp_ep": "fsdp=2,expert=4", "fsdp_tp_ep": "fsdp=2,tensor=2,expert=2"}
 
 
 def _capacity_file(tmp_path_factory, name, factor=1.0):

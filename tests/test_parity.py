@@ -1,11 +1,13 @@
 """Every shipped rule file reproduces the single-device run: losses and parameters after 3 fp32
-steps with a learning rate large enough that the parameters visibly move."""
+steps with a learning rate large enough that the parameters visibly move. The expert-parallel files
+train moe_tiny against its own single-device run (tests/test_moe.py, with dropped tokens and the
+router statistics checked too); a test here fails if a shipped file is covered by neither."""
 import jax
 import numpy as np
 import pytest
 
 from meshlab.train.loop import train
-from tests.helpers import MESH_FOR, one_device, small_config
+from tests.helpers import EP_MESH, MESH_FOR, one_device, small_config
 
 # fp32 with different reduction orders across shards: Adam's normalised update turns ~1e-7
 # gradient differences into at most ~1e-6 parameter differences over 3 steps.
@@ -71,3 +73,10 @@ def test_grad_accumulation_with_unequal_valid_tokens_equals_big_batch():
     assert results[1][1] == pytest.approx(results[4][1], rel=1e-5)
     diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), results[1][2], results[4][2]))
     assert max(diffs) < PARAM_ATOL
+
+
+def test_every_shipped_rule_file_has_a_parity_test():
+    from pathlib import Path
+    shipped = {p.stem for p in (Path(__file__).resolve().parent.parent / "sharding_rules").glob("*.yaml")}
+    covered = set(MESH_FOR) | set(PIPELINE_MESH) | set(EP_MESH)
+    assert shipped - covered == set(), f"rule files without a parity test: {sorted(shipped - covered)}"
