@@ -18,6 +18,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.rules import constrain, materialize
+from models import fp8
 from models.remat import REMAT_POLICIES, remat as _remat
 from pallas_kernels import cross_entropy_onepass as fused_ce_onepass, decode_matmul as decode_kernels
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
@@ -66,6 +67,9 @@ class LlamaConfig:
     fused_norm: bool = False              # RMSNorm fused with the residual add
     fused_swiglu: bool = False            # gate/up matmuls + SiLU*up in one kernel, recomputed in backward
     fused_rope: bool = False              # Q and K rotated in one kernel (XLA's fusion is faster on H200)
+    # bfloat16 | float8: the decoder layers' projection GEMMs (q|k|v, o, gate, up, down) in the training
+    # forward and backward; float8 is e4m3 forward / e5m2 gradients, per-tensor scaling (models/fp8.py)
+    matmul_dtype: str = "bfloat16"
     # The layer loop as a lax.scan over the stacked weights (one compiled layer: fast compiles) or
     # unrolled (each layer's residuals and weight gradients in their own buffers: no stacked
     # [n_layers, ...] buffers to zero-fill and copy into, at n_layers times the compile work).
@@ -105,7 +109,18 @@ class LlamaConfig:
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"model.loss_impl={self.loss_impl!r} must be one of {', '.join(LOSS_IMPLS)}"
                              + _near(self.loss_impl, LOSS_IMPLS))
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"model.matmul_dtype={self.matmul_dtype!r} must be one of {', '.join(MATMUL_DTYPES)}"
+                             + _near(self.matmul_dtype, MATMUL_DTYPES))
+        if self.matmul_dtype == "float8" and self.dtype == "float16":
+            raise ValueError("model.matmul_dtype=float8 with model.dtype=float16: the per-tensor scales of small "
+                             "gradients fall outside fp16's range; use model.dtype=bfloat16 with float8")
+        if self.matmul_dtype == "float8" and self.fused_swiglu:
+            raise ValueError("model.matmul_dtype=float8 runs gate/up as FP8 GEMMs, model.fused_swiglu=true runs them "
+                             "in a bf16 Pallas kernel: set model.fused_swiglu=false (or matmul_dtype=bfloat16)")
 
+
+MATMUL_DTYPES = ("bfloat16", "float8")
 
 # auto: an engine picks (the trainer: onepass on GPU, dense elsewhere; meshlab/train/fit.py)
 LOSS_IMPLS = ("dense", "chunked", "pallas", "onepass", "auto")
@@ -164,6 +179,15 @@ def _mm(spec, x, w):
     way (cuBLAS / Triton); an fp32 *output* would cost twice the bytes, and JAX transposes it with
     an fp32 cotangent, so every backward GEMM became fp32 x fp32 (upcast operands, TF32 rate)."""
     return jnp.einsum(spec, x, w)
+
+
+def _layer_mm(cfg: LlamaConfig):
+    """The GEMM of the decoder layers' projections in training (`__call__`): `_mm`, or FP8 under
+    matmul_dtype=float8. The LM head, the embedding and attention stay in the compute dtype, as
+    torchao's and Transformer Engine's float8 recipes leave them: the head's logits feed the softmax
+    and the loss, attention's scores its softmax, the numerically sensitive places for a 3-bit
+    mantissa (the head is also tied to the embedding here). Serving (`cached`) keeps `_mm`."""
+    return fp8.fp8_einsum if cfg.matmul_dtype == "float8" else _mm
 
 
 def _mm_decode(spec, x, w):
@@ -238,17 +262,17 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, segment_ids):
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q = _mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, s, h, hd]
-        k = _mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, s, kvh, hd]
-        v = _mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, s, kvh, hd]
+        cfg, dt, mm = self.cfg, jnp.dtype(self.cfg.dtype), _layer_mm(self.cfg)
+        q = mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, s, h, hd]
+        k = mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, s, kvh, hd]
+        v = mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, s, kvh, hd]
         q = constrain(q, ("act_batch", "act_attn_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         q, k = apply_rope(cfg, q, k, positions)
         o = attention_op(q, k, v, impl=cfg.attention, causal=True, segment_ids=segment_ids)         # [b, s, h, hd]
         o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
-        out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
+        out = mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
     def cached(self, x, positions, attend, cache, wqkv=None):
@@ -290,22 +314,23 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
         self.cfg = cfg
 
-    def __call__(self, x):
+    def __call__(self, x, mm=_mm):
+        """x [b, s, d] -> [b, s, d]; mm: the GEMM of the three projections (Block passes _layer_mm's)."""
         dt = jnp.dtype(self.cfg.dtype)
         if self.cfg.fused_swiglu:
             b, s, d = x.shape
             h = swiglu_kernel.swiglu(x.reshape(b * s, d), _w(self.w_gate, dt), _w(self.w_up, dt),
                                      interpret=_interpret()).reshape(b, s, -1).astype(dt)  # [b, s, f]
         else:
-            gate = _mm("bsd,df->bsf", x, _w(self.w_gate, dt))   # [b, s, f]
-            up = _mm("bsd,df->bsf", x, _w(self.w_up, dt))       # [b, s, f]
+            gate = mm("bsd,df->bsf", x, _w(self.w_gate, dt))   # [b, s, f]
+            up = mm("bsd,df->bsf", x, _w(self.w_up, dt))       # [b, s, f]
             h = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)   # one fusion; fp32 math
-        return self.down(h)
+        return self.down(h, mm)
 
-    def down(self, h):
+    def down(self, h, mm=_mm):
         """SwiGLU activations h [b, s, f] -> [b, s, d] (the serving path's fused gate|up ends here too)."""
         h = constrain(h, ("act_batch", "act_attn_seq", "act_mlp"))
-        out = _mm("bsf,fd->bsd", h, _w(self.w_down, jnp.dtype(self.cfg.dtype)))  # [b, s, d]
+        out = mm("bsf,fd->bsd", h, _w(self.w_down, jnp.dtype(self.cfg.dtype)))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
 
@@ -322,7 +347,7 @@ class Block(nnx.Module):
         normed, x = self.mlp_norm(attn_out, residual=x)       # the residual add fused into the norm
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         with jax.named_scope("mlp"):
-            x = x + self.mlp(normed)
+            x = x + self.mlp(normed, _layer_mm(self.attn.cfg))
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
     def cached(self, x, positions, attend, cache, fused=None, kernels=False):  # serving: the KV cache threads through
