@@ -75,15 +75,20 @@ class PagePool:
             out.append(page)
         return out
 
+    # give / unreferenced / acquire take a request's pages (distinct) and count in numpy at once: per
+    # page numpy scalar reads and writes were ~1 us each, on the first token's path of a 128-page prompt
+
     def give(self, pages: list) -> None:
         """Drop one reference per page; unreferenced pages become free (cached ones stay findable)."""
-        for page in pages:
-            self.ref[page] -= 1
-            if self.ref[page] == 0:
-                if page in self.key_of:
-                    self.lru[page] = None
-                else:
-                    self.fresh.append(page)
+        if not pages:
+            return
+        idx = np.asarray(pages, np.intp)
+        self.ref[idx] -= 1
+        for page in idx[self.ref[idx] == 0].tolist():                  # in order: the LRU order
+            if page in self.key_of:
+                self.lru[page] = None
+            else:
+                self.fresh.append(page)
 
     # -- prefix cache ---------------------------------------------------------------------
     def lookup(self, keys: list) -> list:
@@ -98,14 +103,16 @@ class PagePool:
         return pages
 
     def unreferenced(self, pages: list) -> int:
-        return sum(1 for p in pages if self.ref[p] == 0)
+        return int(np.count_nonzero(self.ref[np.asarray(pages, np.intp)] == 0)) if pages else 0
 
     def acquire(self, pages: list) -> None:
         """Take a reference on cached pages found by `lookup` (free ones leave the free list)."""
-        for page in pages:
-            if self.ref[page] == 0:
-                del self.lru[page]
-            self.ref[page] += 1
+        if not pages:
+            return
+        idx = np.asarray(pages, np.intp)
+        for page in idx[self.ref[idx] == 0].tolist():
+            del self.lru[page]
+        self.ref[idx] += 1
 
     def register(self, pages: list, keys: list) -> None:
         """Make full pages findable: pages[i] holds the tokens whose prefix key is keys[i]. A key
