@@ -1,0 +1,129 @@
+"""FP8 against bf16 training: the same shipped config, data order and seed, trained twice through
+the training loop scripts/train.py runs (meshlab.train.loop.train), once with model.matmul_dtype=bfloat16
+and once with float8 (models/fp8.py); loss curves every 10 steps, the final loss (mean of the last 20
+steps) of each and their difference against the 0.02-nat tolerance, median tokens/s over steps 20..N
+of each and the ratio, and the FP8 and bf16 GEMMs in the compiled FP8 step.
+
+    PYTHONPATH=$PWD python3 scripts/bench_fp8.py [--config llama3_1b] [--rules dp] [--steps 300]
+    PYTHONPATH=$PWD python3 scripts/bench_fp8.py --cpu-smoke      # tiny model, 8 steps: the mechanics
+    ... --steps 300 model.scan_layers=true    # overrides apply to both runs (here: a shorter compile)
+
+The config's own schedule is kept (llama3_1b: linear warmup over 100 steps to 3e-4, cosine to 10% over
+`--steps`), so 300 steps see warmup, peak and decay. Its corpus (the embedded standard library) is
+prepared on first use, as train.py does. Prints a table; on a GPU appends dated rows to
+docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves. A ratio is reported only
+for a run whose final loss is within the tolerance.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama3_1b")
+    p.add_argument("--rules", default="dp")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last TAIL steps")
+    p.add_argument("--time-from", type=int, default=20, help="tokens/s = median over steps >= this")
+    p.add_argument("--every", type=int, default=10, help="loss curve: every EVERY steps")
+    p.add_argument("--tol", type=float, default=0.02, help="final-loss tolerance, nats")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, --steps 8: mechanics only")
+    p.add_argument("overrides", nargs="*", help="config overrides for both runs, key=value")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        args.config, args.steps = "default", min(args.steps, 8)
+        args.tail, args.time_from, args.every = 4, 4, 2
+        args.overrides = ["model.dtype=bfloat16", "data.seq_len=64", "data.global_batch=4", "mesh=data=1",
+                          *args.overrides]
+    return args
+
+
+def gemm_counts(compiled) -> dict:
+    """cuBLASLt FP8 GEMMs and all GEMMs (cuBLAS calls, Triton GEMM fusions) in a compiled GPU step."""
+    text = compiled.as_text() if hasattr(compiled, "as_text") else ""
+    lines = [ln for ln in text.splitlines() if " = " in ln and ("__cublas$" in ln or "__triton_gemm" in ln)]
+    fp8 = [ln for ln in lines if "__cublas$lt$matmul$f8" in ln]
+    return {"fp8_gemms": len(fp8), "gemms": len(lines)} if text else {}
+
+
+def run(args, matmul_dtype: str) -> dict:
+    import jax
+    import numpy as np
+    from meshlab.train.config import load_config
+    from meshlab.train.loop import train
+    over = [f"rules={args.rules}", f"steps={args.steps}", "log_every=1", "sample_tokens=0",
+            f"run_dir=/tmp/bench_fp8_{matmul_dtype}", *args.overrides, f"model.matmul_dtype={matmul_dtype}"]
+    cfg = load_config(args.config, over)
+    t0 = time.perf_counter()
+    res = train(cfg, progress=False, write=False)
+    wall = time.perf_counter() - t0
+    rates = [r["tokens_per_s"] for r in res["rows"] if r["step"] >= args.time_from]
+    out = {"matmul_dtype": matmul_dtype, "losses": [float(v) for v in res["losses"]],
+           "final_loss": float(np.mean(res["losses"][-args.tail:])),
+           "tokens_per_s": float(np.median(rates)) if rates else float("nan"), "steps_timed": len(rates),
+           **gemm_counts(getattr(res["trainer"].step_fn, "fn", None)), "model": cfg.model.name,
+           "batch": f"{cfg.data.global_batch} x {cfg.data.seq_len}", "device": jax.devices()[0].device_kind,
+           "notes": [n for n in res["trainer"].notes if n], "wall_s": round(wall, 1)}
+    print(f"{matmul_dtype}: final loss {out['final_loss']:.4f} (last {args.tail}), {out['tokens_per_s']:,.0f} "
+          f"tokens/s (median, steps >= {args.time_from}), GEMMs in the step {out.get('gemms', 'n/a')}, of them "
+          f"cuBLASLt FP8 {out.get('fp8_gemms', 'n/a')}; {wall:.0f} s with the compile", flush=True)
+    del res
+    gc.collect()
+    jax.clear_caches()   # the first run's program and buffers go before the second compiles
+    return out
+
+
+def report(args, bf, f8) -> str:
+    import jax
+    diff = f8["final_loss"] - bf["final_loss"]
+    ok = abs(diff) <= args.tol
+    ratio = f8["tokens_per_s"] / bf["tokens_per_s"]
+    date = datetime.date.today().isoformat()
+    lines = [f"\n### FP8 training, {bf['model']}, batch {bf['batch']}, {args.steps} steps ({date}, {bf['device']}, "
+             f"jax {jax.__version__})\n",
+             f"`scripts/bench_fp8.py --config {args.config} --rules {args.rules} --steps {args.steps}"
+             + (" " + " ".join(args.overrides) if args.overrides else "") + "`: the same data order and seed; "
+             "projections (q|k|v, o, gate, up, down) e4m3 forward / e5m2 gradients, current per-tensor scaling; "
+             "LM head, embedding and attention bf16.\n",
+             "| run | final loss (mean of last %d) | tokens/s (median, steps %d-%d) | GEMMs in the step (FP8 / all) |"
+             % (args.tail, args.time_from, args.steps), "|---|---|---|---|"]
+    for r in (bf, f8):
+        lines.append(f"| {r['matmul_dtype']} | {r['final_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r.get('fp8_gemms', 'n/a')} / {r.get('gemms', 'n/a')} |")
+    lines.append(f"\nFinal loss fp8 - bf16: {diff:+.4f} nats, tolerance {args.tol}: {'within' if ok else 'OUTSIDE'}. "
+                 + (f"Speed fp8 / bf16: {ratio:.3f}x." if ok else f"Speed ratio void (loss outside tolerance; raw "
+                                                                 f"{ratio:.3f}x)."))
+    lines += ["", "| step | bf16 loss | fp8 loss | fp8 - bf16 |", "|---|---|---|---|"]
+    for s in range(args.every, args.steps + 1, args.every):
+        a, b = bf["losses"][s - 1], f8["losses"][s - 1]
+        lines.append(f"| {s} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse(argv)
+    import jax
+    bf = run(args, "bfloat16")
+    f8 = run(args, "float8")
+    text = report(args, bf, f8)
+    print(text)
+    if jax.default_backend() == "gpu":
+        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
+            f.write(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps({"bf16": bf, "fp8": f8}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
