@@ -159,6 +159,7 @@ def test_four_stages_every_schedule_matches_one_device(setup):
     prog = Program(setup, 4, 3, ["gpipe", "1f1b", "zb"])
     for name in prog.scheds:
         assert_matches(setup, prog, name)
+    assert not loop_copies(prog), "4 stages: the tick loop copies whole buffers"
     # The HLO's point-to-point bytes per step (loop body x ticks) are the planner's.
     colls = [c for c in hlo.collectives(prog.compiled.as_text()) if c.kind == "collective-permute"]
     assert colls and all(c.in_loop for c in colls)
@@ -170,7 +171,9 @@ def test_four_stages_every_schedule_matches_one_device(setup):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_interleaved_matches_one_device(setup, p):
-    assert_matches(setup, Program(setup, p, 4, ["interleaved"], v=2), "interleaved")
+    prog = Program(setup, p, 4, ["interleaved"], v=2)
+    assert_matches(setup, prog, "interleaved")
+    assert not loop_copies(prog), "chunked layers: the tick loop copies whole buffers"
 
 
 def test_temp_memory_flat_for_1f1b_and_zb_growing_for_gpipe(curves):
@@ -186,9 +189,13 @@ def test_the_tick_loop_copies_no_buffer_bigger_than_an_activation(curves):
     """The stash, the inboxes and the gradient accumulators stay in place from tick to tick: inside the
     loop (outside fusions) no copy is bigger than one micro-batch's activation. One lax.switch over
     the whole carry failed this: XLA copied every carried buffer every tick."""
-    prog = curves[2][0]                               # 2 stages, every op's cond (F, head, B, BI, W, embedding)
-    big = plan_pp.loop_copies(prog.compiled.as_text(), MB_ROWS * SEQ * CFG.d_model * 4 + 1)
+    big = loop_copies(curves[2][0])                   # 2 stages, every op's cond (F, head, B, BI, W, embedding)
     assert not big, f"whole-buffer copies per tick: {big[:4]}"
+
+
+def loop_copies(prog: Program) -> list:
+    """Copies inside the compiled loops bigger than one micro-batch's activation [b, s, d]."""
+    return plan_pp.loop_copies(prog.compiled.as_text(), MB_ROWS * SEQ * CFG.d_model * 4 + 1)
 
 
 def test_no_collective_over_stage_inside_a_branch(setup):
