@@ -11,7 +11,7 @@ of each and the ratio, and the FP8 and bf16 GEMMs in the compiled FP8 step.
 The config's own schedule is kept (llama3_1b: linear warmup over 100 steps to 3e-4, cosine to 10% over
 `--steps`), so 300 steps see warmup, peak and decay. Its corpus (the embedded standard library) is
 prepared on first use, as train.py does. Prints a table; on a GPU appends dated rows to
-docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves. A ratio is reported only
+docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves, $OUT/bench_fp8_rows.md the rows. A ratio is reported only
 for a run whose final loss is within the tolerance.
 """
 import argparse
@@ -123,6 +123,7 @@ def main(argv=None):
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps({"bf16": bf, "fp8": f8}, indent=1))
+        Path(os.environ["OUT"], "bench_fp8_rows.md").write_text(text)   # the diary rows, for a remote run
 
 
 if __name__ == "__main__":
