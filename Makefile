@@ -17,7 +17,7 @@ train: $(STAMP)
 
 # Two workers: the suite is compile-bound and single-threaded per test; --durations names the slow ones.
 test: $(STAMP)
-	$(VPY) -m pytest -n 2 --durations=15 $(ARGS)
+	$(VPY) -m pytest -n 2 --dist loadgroup --durations=15 $(ARGS)
 
 # ruff, configured in pyproject.toml (pyflakes + pycodestyle, line length 140).
 lint: $(STAMP)

@@ -30,6 +30,10 @@ from helpers import MESH_FOR, small_config
 from meshlab.plan import comm, compiled, memory
 from meshlab.train.loop import build_trainer
 
+# One xdist worker runs both files: compiled.measure caches each rule file's compiled step per
+# process, and the two files measure the same steps (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("compiled_steps")
+
 RULES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
 GRADS_READ = ("zero1", "zero2", "fsdp_tp")   # one compile more each: replicated, zero-2, zero-3 + tensor
 MID = ["model.n_layers=4", "model.d_model=512", "model.n_heads=8", "model.n_kv_heads=4", "model.head_dim=64",
