@@ -13,9 +13,11 @@ import numpy as np
 
 from meshlab.layout import is_names, is_spec, leaf_specs, tree_paths
 from meshlab.mesh import entry_axes
+from meshlab.peak import datasheet_tflops
 from models import ModelDef
 
-DATASHEET_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
+# Dense bf16 FLOP/s per device, from the one datasheet table (meshlab/peak.py).
+DATASHEET_BF16_FLOPS = {k: datasheet_tflops(k) * 1e12 for k in ("h200", "h100", "a100")}
 
 
 def shard_count(spec, mesh) -> int:
