@@ -13,20 +13,23 @@ the reduction is local: each device scales its own rows, which only makes the sc
 float8 training defaults to the same (tensorwise dynamic scaling).
 
 Scales are powers of two (the largest 2^k with amax * 2^k <= the format's max): multiplying and
-dividing by them is exact in every float format, so the bf16 dequantization below is exact and the
-scale costs at most a factor 2 of the format's range (e4m3 keeps its 3-bit mantissa whatever the
-exponent). An all-zero operand (amax 0) gets scale 1 and quantizes to zeros; a non-finite one turns
-into NaN (e4m3fn has no infinity; nothing is clipped), so the trainer's non-finite check still fires.
+dividing by them is exact in every float format, and a scale costs at most a factor 2 of the format's
+range (e4m3 keeps its 3-bit mantissa whatever the exponent). An all-zero operand (amax 0) gets scale 1
+and quantizes to zeros; a non-finite one turns into NaN (e4m3fn has no infinity; nothing is clipped),
+so the trainer's non-finite check still fires.
 
 The op is a `jax.custom_vjp` around an einsum whose three GEMMs (forward, input gradient, weight
-gradient) each read two operands written as a dequantization, `convert(fp8 -> dtype) * scale`, and
-are plain einsums otherwise: XLA:GPU's GEMM rewriter folds that pattern into one cuBLASLt FP8 GEMM
-(custom call `__cublas$lt$matmul$f8`, operands f8e4m3fn / f8e5m2, the scales passed as its a/b
-scale factors; on Hopper it inserts the operand transposes cuBLASLt's FP8 layout needs, in FP8). Where
-no FP8 GEMM exists (XLA:CPU, pre-Ada GPUs) the same HLO runs as a bf16 GEMM on the exactly
-dequantized values, so CPU tests check FP8 numerics. Being an einsum with the model's logical-axis
-constraints around it, the op shards as `_mm` does. The residuals saved for the backward are the FP8
-operands (half the bytes of bf16 ones) and two scalars.
+gradient) each read two FP8 operands directly (`einsum(..., preferred_element_type=dtype)` on
+float8_e4m3fn / float8_e5m2 arrays), their output times the product of the two inverse scales. XLA:GPU
+rewrites an FP8-operand dot into a cuBLASLt FP8 GEMM (custom call `__cublas$lt$matmul$f8`, in a pass
+that runs before Triton's GEMM fusion; on Hopper it adds the FP8 operand transposes cuBLASLt's layout
+needs) and fuses the scalar multiply into the output's consumer. flax's current fp8 ops use this
+direct form (their older quantize-dequantize form, bf16 dots on `convert(fp8) * scale` operands, is
+deprecated); it also lets each GEMM pick its accumulation (FWD_PRECISION, BWD_PRECISION). Where no
+FP8 GEMM exists (XLA:CPU) the dot runs on the exact FP8 values with fp32 accumulation, so CPU tests
+check FP8 numerics. Being an einsum with the model's logical-axis constraints around it, the op
+shards as `_mm` does. The residuals saved for the backward are the FP8 operands (half the bytes of
+bf16 ones) and two scalars.
 """
 from __future__ import annotations
 
@@ -39,6 +42,12 @@ import numpy as np
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn      # activations and weights: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2        # output gradients: 2 mantissa bits, max 57344 (gradients span more range)
+# An FP8 GEMM's precision picks its accumulation on Hopper: DEFAULT lets cuBLASLt accumulate in the
+# tensor cores' reduced precision (fast accumulation), HIGHEST promotes partial sums to fp32 as it
+# goes. The forward takes the fast mode; both gradient GEMMs the precise one, dW summing over every
+# token of the batch (16k at llama3_1b): torchao's and Transformer Engine's defaults, and flax's fp8 ops.
+FWD_PRECISION = jax.lax.Precision.DEFAULT
+BWD_PRECISION = jax.lax.Precision.HIGHEST
 
 
 def pow2_scale(x, fp8_dtype):
@@ -62,8 +71,8 @@ def quantize(x, fp8_dtype):
 
 
 def dequantize(q, inv_scale, dtype):
-    """The form the GEMM rewriter folds into an FP8 GEMM's operand: convert, times a broadcast scalar.
-    Exact: every e4m3/e5m2 value times a power of two is representable in bf16/fp16/fp32 here."""
+    """q * inv_scale in dtype (the reference's round trip). Exact: every e4m3/e5m2 value times a power of
+    two is representable in bf16/fp32 here."""
     return q.astype(dtype) * inv_scale.astype(dtype)
 
 
@@ -87,18 +96,25 @@ def fp8_einsum(spec: str, x, w):
     return _fp8_fwd(spec, x, w)[0]
 
 
+def _fp8_dot(spec, a, a_inv, b, b_inv, dt, precision):
+    """einsum of two FP8 operands, output in dt, times the product of their inverse scales: the dot
+    reads FP8 directly (XLA:GPU: one cuBLASLt FP8 GEMM), the scalar multiply fuses into its consumer."""
+    out = jnp.einsum(spec, a, b, preferred_element_type=dt, precision=precision)
+    return out * (a_inv * b_inv).astype(dt)                # a power of two: exact
+
+
 def _fp8_fwd(spec, x, w):
     _parse(spec)
     dt = x.dtype
     xq, x_inv = quantize(x, E4M3)
     wq, w_inv = quantize(w, E4M3)
-    y = jnp.einsum(spec, dequantize(xq, x_inv, dt), dequantize(wq, w_inv, dt))
+    y = _fp8_dot(spec, xq, x_inv, wq, w_inv, dt, FWD_PRECISION)
     # The FP8 residuals travel as their uint8 bits (a free bitcast): a remat policy that saves them
     # (e.g. FSDP's per-layer gather under remat=none, models/remat.py) has jax.checkpoint round every
     # saved float residual with reduce_precision(finfo's exponent and mantissa bits), whose IEEE
     # rounding turns e4m3fn's top binade (256..448) into inf, and the next convert into NaN.
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
-    return y.astype(dt), (bits(xq), x_inv, bits(wq), w_inv, jnp.zeros((), w.dtype))   # the last: w's dtype
+    return y, (bits(xq), x_inv, bits(wq), w_inv, jnp.zeros((), w.dtype))   # the last: w's dtype
 
 
 def _fp8_bwd(spec, res, g):
@@ -107,9 +123,8 @@ def _fp8_bwd(spec, res, g):
     a, b, c = _parse(spec)
     dt = g.dtype
     gq, g_inv = quantize(g, E5M2)
-    g_dq = dequantize(gq, g_inv, dt)
-    dx = jnp.einsum(f"{c},{b}->{a}", g_dq, dequantize(wq, w_inv, dt))      # e5m2 x e4m3 GEMM
-    dw = jnp.einsum(f"{a},{c}->{b}", dequantize(xq, x_inv, dt), g_dq)      # e4m3 x e5m2 GEMM
+    dx = _fp8_dot(f"{c},{b}->{a}", gq, g_inv, wq, w_inv, dt, BWD_PRECISION)      # e5m2 x e4m3 GEMM
+    dw = _fp8_dot(f"{a},{c}->{b}", xq, x_inv, gq, g_inv, dt, BWD_PRECISION)      # e4m3 x e5m2 GEMM
     return dx, dw.astype(w_like.dtype)
 
 
