@@ -39,9 +39,11 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # per_layer: each layer's weights gathered at use and dropped after its forward, gathered again in
 # its backward (FSDP's reshard-after-forward: one layer's gathered weights live at a time, one more
 # all-gather per layer under remat=none); keep: the forward's gathered weights saved for the backward
-# (no second gather, L layers' gathered weights live at the peak). per_step (a stage's weights
-# gathered once per step) is refused until it exists, never silently run per layer.
-FSDP_GATHER_IMPLEMENTED = ("per_layer", "keep")
+# (no second gather, L layers' gathered weights live at the peak); per_step: every weight gathered
+# whole (fp32) once per step before the micro-batches, its gradient accumulated whole and
+# reduce-scattered once after them (bytes independent of the micro-batch count; the whole fp32
+# weights and gradients live for the step). Not with a pipeline or expert parallelism (refused).
+FSDP_GATHER_IMPLEMENTED = ("per_layer", "per_step", "keep")
 GATHERED = "fsdp_gathered"   # checkpoint name of a gathered weight (models/remat.py saves or drops it)
 
 
@@ -263,6 +265,7 @@ class _Active:
     rules: Rules
     mesh: Any
     manual: tuple[str, ...] = ()
+    whole: bool = False         # parameters already gathered whole (fsdp_gather: per_step)
 
 
 _STACK: list[_Active] = []
@@ -290,6 +293,18 @@ def manual_axes(axes: Sequence[str], rules: Rules, mesh) -> Iterator[None]:
         _STACK.pop()
 
 
+@contextlib.contextmanager
+def whole_params() -> Iterator[None]:
+    """Inside the manual region, with the parameters already gathered whole (fsdp_gather: per_step):
+    `materialize` only casts."""
+    a = active()
+    _STACK.append(dataclasses.replace(a, whole=True))
+    try:
+        yield
+    finally:
+        _STACK.pop()
+
+
 def active() -> _Active | None:
     return _STACK[-1] if _STACK else None
 
@@ -297,7 +312,7 @@ def active() -> _Active | None:
 def gathers_weights() -> bool:
     """Whether `materialize` all-gathers parameters here (ZeRO-3 inside a manual data-parallel region)."""
     a = active()
-    return a is not None and bool(a.manual) and a.rules.state["params"] == "sharded"
+    return a is not None and bool(a.manual) and a.rules.state["params"] == "sharded" and not a.whole
 
 
 def strategy(key: str):
@@ -319,11 +334,14 @@ def materialize(w, names: Sequence[str | None], dtype=None):
     then all-gathered over the manual axes it is stored sharded on (ZeRO-3)."""
     if dtype is not None and w.dtype != dtype:
         w = w.astype(dtype)
+    if not gathers_weights():
+        return w
+    return checkpoint_name(gather_manual(w, names), GATHERED)
+
+
+def gather_manual(w, names: Sequence[str | None]):
+    """w all-gathered over the manual axes it is stored sharded on (an `experts` dim stays split)."""
     a = active()
-    if a is None or not a.manual:
-        return w
-    if a.rules.state["params"] != "sharded":
-        return w
     # An `experts` dim stays split: expert parallelism moves tokens to the experts, not the weights.
     gathered = [(dim, tuple(ax for ax in a.rules.axes(name, a.mesh) if ax in a.manual))
                 for dim, name in enumerate(names) if name != "experts"]
@@ -348,7 +366,7 @@ def materialize(w, names: Sequence[str | None], dtype=None):
         gather = compat.shard_map(gather, mesh=jax.sharding.get_abstract_mesh(), in_specs=auto_spec,
                                   out_specs=auto_spec, axis_names=auto_axes)
     with jax.named_scope("collectives"):
-        return checkpoint_name(gather(w), GATHERED)
+        return gather(w)
 
 
 def named_sharding(mesh, spec: P) -> NamedSharding:

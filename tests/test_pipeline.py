@@ -245,8 +245,7 @@ def test_layers_that_do_not_divide_give_one_clear_error(setup):
 def test_rule_file_errors(setup, tmp_path):
     base = RULES_YAML.format(p=2, schedule="1f1b", v=1)
     for bad, match in ((("schedule: 1f1b", "schedule: 1f2b"), "must be one of gpipe, 1f1b"),
-                       (("virtual: 1", "virtual: 2"), "`1f1b` and `zb` take virtual: 1"),
-                       (("attention: plain,", "attention: plain, fsdp_gather: per_step,"), "not implemented yet")):
+                       (("virtual: 1", "virtual: 2"), "`1f1b` and `zb` take virtual: 1")):
         path = tmp_path / "bad.yaml"
         path.write_text(base.replace(*bad))
         with pytest.raises(R.RulesError, match=match):
@@ -254,6 +253,10 @@ def test_rule_file_errors(setup, tmp_path):
     path = tmp_path / "none.yaml"
     path.write_text(base.replace("pipeline: {schedule: 1f1b, virtual: 1}", "pipeline: null"))
     with pytest.raises(R.RulesError, match="names no `strategies.pipeline`"):
+        S.make_loss_and_grads(setup["md"], R.load_rules(path), make_mesh("stage=2", jax.devices()[:2]), 2)
+    path = tmp_path / "per_step.yaml"
+    path.write_text(base.replace("attention: plain,", "attention: plain, fsdp_gather: per_step,"))
+    with pytest.raises(R.RulesError, match="pipeline with `fsdp_gather: per_step` is not implemented"):
         S.make_loss_and_grads(setup["md"], R.load_rules(path), make_mesh("stage=2", jax.devices()[:2]), 2)
 
 

@@ -123,18 +123,18 @@ def _fsdp_file(tmp, gather: str) -> str:
 @pytest.fixture(scope="module")
 def fsdp_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rules")
-    return {g: _fsdp_file(tmp, g) for g in ("per_layer", "keep")}
+    return {g: _fsdp_file(tmp, g) for g in ("per_layer", "keep", "per_step")}
 
 
 def test_fsdp_reshards_after_forward(fsdp_files):
-    temps = {}
-    for gather, path in fsdp_files.items():
+    temps, files = {}, {g: fsdp_files[g] for g in ("per_layer", "keep")}
+    for gather, path in files.items():
         for n in (2, 4):
             temps[gather, n] = compiled.measure(small_config(path, extra=HEAVY + [f"model.n_layers={n}"]),
                                                 grads=False).temp
     md = build_trainer(small_config(fsdp_files["keep"], extra=HEAVY + ["model.n_layers=2"])).md
     layer = 4 * sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(md.abstract["layers"]))  # one layer, gathered
-    slope = {g: (temps[g, 4] - temps[g, 2]) / 2 for g in fsdp_files}
+    slope = {g: (temps[g, 4] - temps[g, 2]) / 2 for g in files}
     print(f"\nfsdp remat=none temp per extra layer: {slope} B; one layer's gathered weights {layer} B")
     # Both grow by the sharded state's update temporaries (~3.6 x a layer's shard here); keep also
     # by the layer's saved gathered weights, per_layer not (its growth stays under one layer's).
@@ -145,8 +145,40 @@ def test_fsdp_reshards_after_forward(fsdp_files):
 
 def test_fsdp_keep_matches_per_layer_numerically(fsdp_files):
     from meshlab.train.loop import train
-    out = {g: train(small_config(p, steps=2), progress=False, write=False) for g, p in fsdp_files.items()}
+    out = {g: train(small_config(fsdp_files[g], steps=2), progress=False, write=False) for g in ("per_layer", "keep")}
     np.testing.assert_allclose(out["keep"]["losses"], out["per_layer"]["losses"], rtol=1e-6)
+
+
+def test_fsdp_per_step_gathers_once_and_matches_one_device(fsdp_files):
+    """fsdp_gather: per_step over 2 micro-batches: the single-device losses and parameters; in the
+    compiled step every all-gather and reduce-scatter sits outside the loops (once per step), with the
+    planner's bytes."""
+    from meshlab.train.loop import train
+    from tests.helpers import one_device
+    cfg = small_config(fsdp_files["per_step"], steps=2, extra=["data.microbatches=2"])
+    ref = train(small_config("dp", mesh="data=1", steps=2), devices=one_device(), progress=False, write=False)
+    out = train(cfg, progress=False, write=False)
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(out["state"]["params"]),
+                                        jax.device_get(ref["state"]["params"])))
+    assert max(diff) < 2e-5
+    m = compiled.measure(cfg, grads=False)
+    moved = [c for c in m.collectives if c.kind in ("all-gather", "reduce-scatter")]
+    assert moved and not [c for c in moved if c.in_loop], [c for c in moved if c.in_loop]
+    want = comm.cpu_view(_plan(cfg)[1])
+    for kind in ("all-gather", "reduce-scatter"):
+        print(f"\nper_step {kind}: HLO {m.per_step[kind]} B, plan {want[kind]} B")
+        assert m.per_step[kind] == pytest.approx(want[kind], rel=0.01)
+
+
+def test_fsdp_per_step_is_refused_with_expert_weights(tmp_path):
+    """per_step with expert weights: one clear error at build time (under a pipeline: test_pipeline)."""
+    from meshlab.rules import RulesError
+    moe_path = tmp_path / "fsdp_per_step.yaml"
+    moe_path.write_text((Path(__file__).parents[1] / "sharding_rules" / "fsdp.yaml").read_text()
+                        .replace("fsdp_gather: per_layer", "fsdp_gather: per_step"))
+    with pytest.raises(RulesError, match="per_step` with expert weights"):
+        build_trainer(small_config(str(moe_path), extra=["model.name=moe_tiny"]))
 
 
 def test_planner_prices_overlap_per_layer():

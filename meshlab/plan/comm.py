@@ -106,7 +106,13 @@ def step_collectives(md, rules, mesh, global_batch: int, seq: int, microbatches:
         o_ax = [a for a in _spec_axes(o.spec) if a in dp and a not in s_ax]
         r_ax = [a for a in o_ax if a not in g_ax]   # ZeRO-1: reduce-scatter onto the optimizer shards
         rest = tuple(a for a in dp if a not in s_ax and a not in g_ax and a not in r_ax)
-        if s_ax:   # ZeRO-3: gather per use (compute dtype), its transpose reduce-scatters the gradient
+        if s_ax and rules.strategies.get("fsdp_gather") == "per_step":
+            # gathered whole (fp32) once per step, whole gradients reduce-scattered once after the
+            # micro-batches (meshlab/train/step.py): the bytes do not grow with the micro-batch count
+            out.append(Comm("all-gather", tuple(s_ax), local_full, 1, f"{s.path} params (zero-3, per step)", False))
+            out.append(Comm("reduce-scatter", tuple(s_ax), s.bytes_per_device, 1, f"{s.path} grads (zero-3, per step)",
+                            False))
+        elif s_ax:   # ZeRO-3: gather per use (compute dtype), its transpose reduce-scatters the gradient
             gathered = local_full // F32 * c
             # per_layer (reshard-after-forward) gathers each layer again in its backward; keep does not
             passes = 2 if layered and rules.strategies.get("fsdp_gather", "per_layer") == "per_layer" else 1

@@ -253,7 +253,8 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
     """ZeRO-3: the all-gathered compute-dtype copies of the weights, per phase of the step. The embedding
     and head weights are gathered for the lookup and the loss head and freed after the head's backward.
     `fsdp_gather: keep` saves every layer's gathered copy for its backward; `per_layer` (the default,
-    under every remat policy, models/remat.py) gathers each layer's weights again in its backward."""
+    under every remat policy, models/remat.py) gathers each layer's weights again in its backward;
+    `per_step` holds every weight and its gradient whole in fp32 for the whole step."""
     if rules.state["params"] != "sharded" or not rules.batch_axes(mesh):
         return {"loss head": 0, "layer backward": 0}
     c = np.dtype(md.cfg.dtype).itemsize
@@ -265,6 +266,10 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
             layer += full // r.shape[0]
         else:
             other += full
+    if rules.strategies.get("fsdp_gather") == "per_step":   # whole fp32 weights and gradients, all step
+        whole = sum(account.bytes_per_device(r.shape, np.float32, _drop(r.spec, rules.batch_axes(mesh)), mesh)
+                    for r in rows)
+        return {"loss head": 2 * whole, "layer backward": 2 * whole}
     keep = rules.strategies.get("fsdp_gather", "per_layer") == "keep"
     saved = md.cfg.n_layers * layer if keep else 0
     return {"loss head": other + saved, "layer backward": saved + (0 if keep else layer)}

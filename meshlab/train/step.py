@@ -78,6 +78,11 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
               for pl, lay, (_, ac, rd, ab) in zip(plans, layered, leaves)]
     sinks = [_local_shape(ab.shape, only_axes(rd if fp else ac, manual), mesh)
              for fp, (_, ac, rd, ab) in zip(finals, leaves)]
+    names = treedef.flatten_up_to(md.names)
+    per_step = rules.strategies.get("fsdp_gather") == "per_step" and rules.state["params"] == "sharded" and bool(manual)
+    if per_step and any("experts" in n for n in names):
+        raise rules_mod.RulesError(f"{rules.path}: `fsdp_gather: per_step` with expert weights is not implemented; "
+                                   "use fsdp_gather: per_layer")
 
     def local(params, batch, scale):
         # Local rows: [b_local, s] -> [k, b_local/k, s]; every micro-batch is a slice of every device's rows.
@@ -117,7 +122,19 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
 
         zeros = treedef.unflatten([jnp.zeros(_local_shape(ab.shape, only_axes(ac, manual), mesh), jnp.float32)
                                    for _, ac, _, ab in leaves])
-        if any(finals):   # dp / zero1: the last micro-batch apart, its backward reduces per layer
+        if per_step:
+            # fsdp_gather: per_step: every weight gathered whole (fp32) once, the micro-batches
+            # differentiate the whole copy and accumulate whole gradients, reduced once below.
+            with jax.named_scope("collectives"):
+                whole = treedef.unflatten([rules_mod.gather_manual(p, n)
+                                           for p, n in zip(treedef.flatten_up_to(params), names)])
+
+            def micro_whole(carry, mb):
+                (_, loss_aux), g = jax.value_and_grad(loss_fn, has_aux=True)(whole, mb)
+                return jax.tree.map(jnp.add, carry, g), loss_aux
+            with rules_mod.whole_params():
+                grads, (losses, aux) = jax.lax.scan(micro_whole, jax.tree.map(jnp.zeros_like, whole), mbs)
+        elif any(finals):   # dp / zero1: the last micro-batch apart, its backward reduces per layer
             grads = zeros
             if microbatches > 1:
                 grads, early = jax.lax.scan(micro, zeros, jax.tree.map(lambda v: v[:-1], mbs))
@@ -141,9 +158,9 @@ def make_loss_and_grads(md: ModelDef, rules, mesh, microbatches: int, packed: bo
             return jax.lax.psum(g, rest) if rest else g
 
         if manual:   # no-op where a final tie reduced already (finish then finds nothing left)
-            with jax.named_scope("collectives"):
-                grads = treedef.unflatten([g if fp else finish(g, ac, rd) for g, fp, (_, ac, rd, _)
-                                           in zip(treedef.flatten_up_to(grads), finals, leaves)])
+            with jax.named_scope("collectives"):   # per_step: whole gradients, scattered onto the shards
+                grads = treedef.unflatten([finish(g, P(), rd) if per_step else g if fp else finish(g, ac, rd)
+                                           for g, fp, (_, ac, rd, _) in zip(treedef.flatten_up_to(grads), finals, leaves)])
         loss = jnp.sum(losses)
         loss = jax.lax.psum(loss, manual) if manual else loss
         aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
@@ -189,6 +206,9 @@ def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipel
     if rules.strategies.get("attention", "plain") != "plain":
         raise rules_mod.RulesError(f"{rules.path}: a pipeline with `attention: {rules.strategies['attention']}` "
                                    "(context parallelism) is not implemented; use attention: plain")
+    if rules.strategies.get("fsdp_gather") == "per_step":
+        raise rules_mod.RulesError(f"{rules.path}: a pipeline with `fsdp_gather: per_step` is not implemented; use "
+                                   "per_layer (each layer's weights gathered per micro-batch) or keep")
     sched = runner.schedule_for(rules, mesh, microbatches, md.cfg.n_layers, pipeline)
     layout = layout or Layout.build(md, rules, mesh)
     return runner.make_loss_and_grads(stage_fns(md, packed), md.names, layout.params, layout.grads, rules, mesh,
