@@ -31,11 +31,12 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
-                batch-1 decode at ctx 2048 through Engine against the roofline, its per-kernel
-                profile (device us per token by kernel, wall and host time per token: the table is
-                printed and written to bench_decode.md), TTFT with a 2k prefix cached against
-                uncached, TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through
-                one Engine, then the first engine through HTTP (decode vs roofline, TTFT)
+                batch-1 decode at ctx 2048 through Engine against the roofline, TTFT with a 2k
+                prefix cached against uncached, then profiles: the batch-1 token (device us per
+                token by kernel, wall and host time per token, decode calls chained or not) and
+                the cached prompt's first token (tables printed and written to bench_decode.md);
+                TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through one
+                Engine, then the first engine through HTTP (decode vs roofline, TTFT)
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -250,9 +251,9 @@ def run_child(args):
             bs.engine_sweep(big, bw, [b for b in (1, 16, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
         # most wanted first: a job stopped at its time limit keeps the rows before
         for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
+                            ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
                             ("profile", lambda: bench.emit(bench.engine_profile(
                                 eng, Path("/tmp/bench_decode_traces") / "engine_b1", ctx=ctx, n=min(128, n)))),
-                            ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
                             ("profile", lambda: bench.emit(bench.engine_tail_profile(
                                 eng, Path("/tmp/bench_decode_traces") / "engine_tail", n=min(2048, sz["lengths"][-1])))),
                             ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
