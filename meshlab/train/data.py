@@ -51,12 +51,16 @@ def prepare_stdlib(out_dir: str | os.PathLike, max_bytes: int = 8_000_000, val_f
             arrays.append(np.frombuffer(d, dtype=np.uint8).astype(np.uint16))
             arrays.append(np.array([EOD], np.uint16))
         tokens = np.concatenate(arrays)
-        tmp = out / f"{split}.bin.tmp"
+        # this process's own temporary: two processes preparing the same folder at once (test
+        # workers, several ranks) each replace the file with the same tokens, never each other's half
+        tmp = out / f"{split}.bin.{os.getpid()}.tmp"
         tokens.tofile(tmp)
         os.replace(tmp, out / f"{split}.bin")  # never leave a half-written token file behind
     meta = {"tokenizer": "byte", "vocab_size": ByteTokenizer.vocab_size, "eod_id": EOD, "dtype": "uint16",
             "max_bytes": max_bytes, "documents": len(docs)}
-    meta_path.write_text(json.dumps(meta, indent=1))
+    tmp = out / f"meta.json.{os.getpid()}.tmp"   # written last and whole: its presence means the files are there
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
     return out
 
 
