@@ -84,7 +84,10 @@ def measure(cfg, keep_text: bool = False, grads: bool = True) -> Measured:
         return _CACHE[key]
     tr = build_trainer(cfg)
     st = abstract_state(tr.md, tr.tx, tr.shardings, cfg.model.dtype == "float16")
-    compiled = compiled_step(tr, st)
+    # Compiled to be read, never run: on CPU, LLVM's cheapest code generation (the HLO, its
+    # collectives and the buffer assignment are settled before it; ~25% less compile time).
+    opts = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    compiled = tr.step_fn.lower(st, abstract_batch(tr)).compile(compiler_options=opts)
     in_sh = compiled.input_shardings[0][0]
     params = sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(in_sh["params"])))
     opt_leaves = [(a, s) for a, s in zip(jax.tree.leaves(st["opt"]), jax.tree.leaves(in_sh["opt"])) if a.ndim > 0]
