@@ -167,14 +167,15 @@ def test_tiny_model_trains_close_to_bf16(bf16_losses):
 def fp8_gemm_lines(hlo_text: str) -> list[str]:
     """Instructions of a compiled GPU program that are cuBLASLt FP8 GEMMs (a Triton GEMM fusion that
     reads FP8 operands may convert them to bf16 inside: not counted)."""
-    return [ln.strip() for ln in hlo_text.splitlines()
-            if " = " in ln and "__cublas$lt$matmul$f8" in ln and ("f8e4m3fn" in ln or "f8e5m2" in ln)]
+    # The optimized HLO prints operands without their types: the custom call's target names it.
+    return [ln.strip() for ln in hlo_text.splitlines() if " = " in ln and 'custom_call_target="__cublas$lt$matmul$f8"' in ln]
 
 
 def gemm_lines(hlo_text: str) -> list[str]:
     """Every GEMM of a compiled GPU program (cuBLAS custom calls, Triton GEMM fusions), shortened."""
     return [ln.strip()[:240] for ln in hlo_text.splitlines()
-            if " = " in ln and ("__cublas$" in ln or "__triton_gemm" in ln)]
+            if " = " in ln and ('custom_call_target="__cublas$' in ln or "__triton_gemm" in ln
+                                or ("kind=kCustom" in ln and "gemm_fusion" in ln))]
 
 
 @pytest.mark.gpu
@@ -191,8 +192,11 @@ def test_gpu_mlp_gemms_are_fp8():
 
     text = jax.jit(jax.grad(mlp, (0, 1, 2, 3))).lower(x, wg, wu, wd).compile().as_text()
     fp8, gemms = fp8_gemm_lines(text), gemm_lines(text)
-    # 3 projections x (forward, dx, dw), and no GEMM left in bf16
-    assert len(fp8) >= 9 and len(fp8) == len(gemms), "cuBLASLt FP8 GEMMs expected; GEMMs seen:\n" + "\n".join(gemms)
+    # 3 projections x (forward, dx, dw), where XLA merges the GEMMs gate and up share (x, or dx's sum):
+    # on the H200 it listed 5 cuBLASLt FP8 calls, dW_gate|up merged among them, but not the forward's
+    # x @ [w_gate | w_up] (the detector then missed Triton GEMM fusions). Every GEMM must be FP8.
+    print("\n" + "\n".join(gemms))
+    assert len(fp8) >= 5 and len(fp8) == len(gemms), "cuBLASLt FP8 GEMMs expected; GEMMs seen:\n" + "\n".join(gemms)
 
 
 @pytest.mark.gpu
