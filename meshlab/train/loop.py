@@ -6,6 +6,7 @@ a NaN/Inf stops the run (or skips the step) and is never checkpointed, validatio
 val.bin, an optional profiler window, metrics.jsonl appended across resumes."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -332,11 +333,26 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     return result
 
 
+def host_schedule(ocfg, steps: int):
+    """step -> learning rate as a Python float, every step's value computed once on the host CPU.
+    optax's schedule is jnp: called per step on the default device (the GPU), its ops queued behind
+    the step in flight and `float()` waited for that step, so the next step was dispatched only after
+    it ended (a device-idle gap every step, which the metrics-one-step-late loop exists to avoid)."""
+    sched = schedule(ocfg, steps)
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:       # no CPU backend in this process (JAX_PLATFORMS without cpu): once, here
+        cpu = None
+    with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
+        table = np.asarray(jax.vmap(sched)(np.arange(max(steps, 1))), np.float64)
+    return lambda step: float(table[min(max(step, 0), len(table) - 1)])
+
+
 def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path, is_main: bool,
          progress: bool, watchdog) -> dict:
     cfg = tr.cfg
     writer = MetricsWriter(run_dir, enabled=is_main)
-    lr_at = schedule(cfg.optim, cfg.steps)
+    lr_at = host_schedule(cfg.optim, cfg.steps)
     flops_tok = cfg.model.train_flops_per_token(cfg.data.seq_len)
     ndev = tr.mesh.devices.size
     peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
@@ -374,7 +390,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         tok_s = tr.tokens_per_step / (step_ms / 1e3)
         rates.append((step_done, tok_s))
         row = {"step": step_done, "loss": m["loss"], "grad_norm": m["grad_norm"],
-               "lr": float(lr_at(step_done - 1)), "tokens_per_s": tok_s, "mfu": mfu(tok_s, flops_tok, peak, ndev),
+               "lr": lr_at(step_done - 1), "tokens_per_s": tok_s, "mfu": mfu(tok_s, flops_tok, peak, ndev),
                "step_ms": step_ms, **{k: v for k, v in m.items() if k.startswith("moe_")}, **(extra or {})}
         # fp16: an overflow of the scaled loss is routine (the step skips it and halves the scale);
         # only once the scale is down to 1 is a non-finite step the model's own.
