@@ -59,7 +59,7 @@ class LlamaConfig:
     loss_impl: str = "dense"
     # onepass's token slab. Each slab after the first costs one dW read-modify-write (fp32 [d, V]:
     # 2.1 GB at llama3_1b); a larger slab holds more logits (fp32 + bf16 dlogits: 3.2 GB per 4096
-    # tokens at V=128256). llama3_1b step, batch 4 x 4096, H200 2026-12-01 (docs/benchmarks.md):
+    # tokens at V=128256). llama3_1b step, batch 4 x 4096, H200 (docs/benchmarks.md#fused-ops):
     # 8192 ran 1.004-1.010x dense in two calls at 35.2 GiB (dense 41.6); 4096 ran 1.000x at 31.4.
     loss_chunk: int = 8192
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
@@ -194,7 +194,7 @@ def _mm_decode(spec, x, w):
     """_mm for the serving path, x [b, t, ...]. At one token (b*t == 1) XLA:GPU drops the unit dims,
     sees a vector x matrix dot, and below ~10M elements rewrites it into a multiply + reduce
     (its algebraic simplifier's dot strength reduction): for wo that wrote and re-read a
-    weight-sized product (8.4 MB per layer, 16 us instead of ~2; H200 decode HLO, 2026-11-30).
+    weight-sized product (8.4 MB per layer, 16 us instead of ~2 in the H200 decode HLO).
     A second, zero row keeps it a GEMM; the weights are read once either way."""
     if x.shape[0] * x.shape[1] != 1:
         return _mm(spec, x, w)

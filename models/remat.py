@@ -31,9 +31,9 @@ def remat_policy(policy: str):
     log-sum-exp, so the backward does not run the attention forward again: b*s*h*hd (+ fp32 b*h*s)
     more bytes per layer, one attention forward less per layer and step. Measured (H200, jax 0.11.2,
     llama3_1b batch 4 x 4096): cuDNN 58,574-58,850 vs 56,597 tokens/s, +1 GiB. Ours (Triton and
-    Mosaic kernels) run their forward outside the custom_vjp (flash_attention.attention_with_saved_forward)
-    with the residuals behind an optimization barrier (flash_attention.named_residuals): on the H200
-    (2026-12-01) that is 16 forward launches per 16-layer step, as cuDNN's; without the barrier
+    Mosaic kernels) run their forward outside the custom_vjp (flash_residuals.attention_with_saved_forward)
+    with the residuals behind an optimization barrier (flash_residuals.named_residuals): on the H200
+    that is 16 forward launches per 16-layer step, as cuDNN's; without the barrier
     XLA's dynamic-slice fusion cloned the forward (32 launches: 287.6 ms a step in one call, 275.4 and
     275.8 with the barrier in the next two)."""
     dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable

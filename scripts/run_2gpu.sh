@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9 on a 2-GPU machine in one device call (all stages end inside TOTAL_S, default 555 s):
+# The 2-GPU scaling measurements in one device call (all stages end inside TOTAL_S, default 555 s):
 #   1. torch peers (DDP, FSDP2 on 2 then 1 GPU; torch NCCL bus bandwidth) - first, before JAX takes the GPUs
 #   2. JAX collectives 1 MiB..4 GiB + the all-reduce variants (why psum trails torch), fitted hardware profile
 #   3. bench_scaling with the time left: runs in RUNS order, each row streamed to $OUT as it lands

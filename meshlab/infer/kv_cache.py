@@ -227,7 +227,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
 
     # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a
     # concatenate), fine while decode is latency-bound but slower once it is bandwidth-bound. H200,
-    # llama3_1b, ctx 2048 (docs/benchmarks.md, 2026-12-01): b=1 921 vs 873 tokens/s; b=16 10,329
+    # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
     attend.fused = fused if impl == "pallas" and positions.shape[1] == 1 and small else None

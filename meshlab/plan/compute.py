@@ -5,8 +5,8 @@ causal attention 2*S*h*hd (QK^T and PV, each 2*S*h*hd, halved by the mask). Trai
 forward (one forward, a backward of twice its cost: the 6N of DESIGN.md); remat adds the
 recomputed forward: `full` the whole layer, `save_dots_no_batch` attention's two batched dots,
 `save_dots` and `none` no matmul, `save_dots_attn` none with a flash attention (cuDNN's or ours:
-its output and lse are kept; one forward launch per layer and step in the H200 profiles of
-2026-12-01, models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
+its output and lse are kept; one forward launch per layer and step in the H200 profiles,
+models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
 S*H^2 side too.
 """
 from __future__ import annotations
