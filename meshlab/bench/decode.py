@@ -235,7 +235,6 @@ def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
     engine's own counters per token (host time, device calls), with decode calls chained and (the
     A/B) read back one by one; then traced, for the device time
     per kernel (profiling runs the ops one by one, so only the kernel times of that run count)."""
-    from meshlab.bench.profile_summary import summarize
     prompt, sp = list(range(1, ctx - n // 2)), SamplingParams(max_tokens=n)   # contexts average ctx
     engine.generate([prompt], sp)                                              # compiles, caches the prompt
 
@@ -259,26 +258,33 @@ def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
            "unchained_ms_per_token": unchained / tokens * 1e3,
            "host_ms_per_token": st["host_s"] / tokens * 1e3, "device_calls": st["device_calls"],
            "decode_steps_per_call": st["steps"] / max(st["decode_calls"], 1)}
-    try:
-        _, _, traced = decode(True)
-        s = summarize(trace_dir, steps=traced, top=40)
-        row.update(busy_ms_per_token=round(s["busy_ms_per_step"], 4),
-                   classes=[(c, round(t, 4)) for c, t, _ in s["classes"]],
-                   kernels=[(k, round(t * 1e3, 2), round(c, 2)) for k, t, c, _ in s["kernels"]])
-        busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us/token ({s['busy_ms_per_step'] / row['wall_ms_per_token']:.0%})"
-    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
-        row["error"], busy = f"{type(e).__name__}: {str(e)[:160]}", "no profile"
+    s = _kernel_table(row, trace_dir, lambda: decode(True)[2])
+    busy = (f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us/token ({s['busy_ms_per_step'] / row['wall_ms_per_token']:.0%})"
+            if s else "no profile")
     row["note"] = (f"wall {row['wall_ms_per_token'] * 1e3:.0f} us/token chained ({unchained / tokens * 1e6:.0f} "
                    f"unchained), host {row['host_ms_per_token'] * 1e3:.0f} us/token (overlapped when calls chain), "
                    f"{row['decode_steps_per_call']:.1f} steps per call; {busy}")
     return row
 
 
+def _kernel_table(row: dict, trace_dir, run_traced) -> dict | None:
+    """Run `run_traced()` (it writes a trace to trace_dir and returns the steps it traced) and add its
+    per-kernel summary to `row`; on failure the row carries the error (a profile is a bonus)."""
+    from meshlab.bench.profile_summary import summarize
+    try:
+        s = summarize(trace_dir, steps=run_traced(), top=40)
+    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        return None
+    row.update(busy_ms_per_token=round(s["busy_ms_per_step"], 4), classes=[(c, round(t, 4)) for c, t, _ in s["classes"]],
+               kernels=[(k, round(t * 1e3, 2), round(c, 2)) for k, t, c, _ in s["kernels"]])
+    return s
+
+
 def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dict:
     """Where the time to first token of a prompt whose first n - tail tokens are in the prefix cache
     goes: wall time of the request (admission, the step, the read-back, release), the host's part
     (Engine.stats), the programs it ran, and the device time per kernel of a traced repeat."""
-    from meshlab.bench.profile_summary import summarize
     rng = np.random.default_rng(5)
     shared = rng.integers(0, engine.md.cfg.vocab_size, n - tail).tolist()
     one = SamplingParams(max_tokens=1)
@@ -297,16 +303,12 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dic
     row = {"section": "profile", "setting": f"engine prompt={n}, {n - tail} cached: first token", "unit": "us",
            "value": wall * 1e6, "host_ms": st["host_s"] * 1e3, "prefill_tokens": st["prefill_tokens"],
            "programs": [list(k[:4]) for k in keys]}
-    try:
+    def traced_repeat():
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             engine.generate([shared + new_tail()], one)
-        s = summarize(trace_dir, steps=1, top=40)
-        row.update(busy_ms_per_token=round(s["busy_ms_per_step"], 4),
-                   classes=[(c, round(t, 4)) for c, t, _ in s["classes"]],
-                   kernels=[(k, round(t * 1e3, 2), round(c, 2)) for k, t, c, _ in s["kernels"]])
-        busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us"
-    except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure
-        row["error"], busy = f"{type(e).__name__}: {str(e)[:160]}", "no profile"
+        return 1
+    s = _kernel_table(row, trace_dir, traced_repeat)
+    busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us" if s else "no profile"
     row["note"] = (f"TTFT {wall * 1e3:.2f} ms, host {row['host_ms']:.2f} ms, {st['prefill_tokens']} prompt tokens "
                    f"computed in {row['programs']}; {busy}")
     return row
