@@ -549,11 +549,3 @@ class Llama(nnx.Module):
             losses = fused_ce.fused_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1,
                                                   interpret=_interpret())
         return losses.reshape(b, s)
-
-
-def param_names(state) -> dict:
-    """Logical names of every parameter leaf, with `layers` in front of the stacked ones."""
-    def names(path, var):
-        n = tuple(var.get_metadata()["logical"])
-        return ("layers",) + n if len(var.get_value().shape) == len(n) + 1 else n
-    return jax.tree_util.tree_map_with_path(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
