@@ -122,4 +122,6 @@ def test_the_checks_catch_what_they_forbid():
     assert private_imports(good) == []
     assert imports_in_functions(ast.parse("def f():\n    from pallas_kernels import x\n")) == ["2: in f"]
     assert imports_in_functions(ast.parse("import jax\ndef f():\n    return jax\n")) == []
-    assert WORK_LOG.search("as found in session 9") and WORK_LOG.search("Issue #20") and DATE.search("(2026-12-01)")
+    # the samples are built, so this file does not carry the words it forbids
+    session, issue = "ses" + "sion 9", "Iss" + "ue #20"
+    assert WORK_LOG.search(f"as found in {session}") and WORK_LOG.search(issue) and DATE.search("(2026-12-01)")
