@@ -27,7 +27,8 @@ import math
 import pytest
 
 from helpers import MESH_FOR, small_config
-from meshlab.plan import comm, compiled, memory
+from meshlab.plan import comm, memory
+from meshlab.train import compiled
 from meshlab.train.loop import build_trainer
 
 # One xdist worker runs both files: compiled.measure caches each rule file's compiled step per

@@ -153,7 +153,7 @@ def single_device(tmp_path_factory):
 
 def _compiled_run(cfg):
     """3 steps through the step compiled once (what train() runs), keeping its HLO: (rows, params, text)."""
-    from meshlab.plan.compiled import abstract_batch
+    from meshlab.train.compiled import abstract_batch
     from meshlab.train.loop import build_trainer, device_batch
     from meshlab.train.state import abstract_state, init_state
     tr = build_trainer(cfg)

@@ -8,7 +8,8 @@ import pytest
 
 import models
 from helpers import MESH_FOR, small_config
-from meshlab.plan import comm, compiled, compute, memory, search
+from meshlab.plan import comm, compute, memory, search
+from meshlab.train import compiled
 from meshlab.plan.hardware import HARDWARE, HardwareError, get_hardware
 from meshlab.rules import load_rules
 from models import model_def

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from meshlab.plan import comm, compiled
+from meshlab.plan import comm
+from meshlab.train import compiled
 from meshlab.train.loop import build_trainer
 
 # One xdist worker runs both files: compiled.measure caches each rule file's compiled step per

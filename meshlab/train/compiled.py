@@ -5,8 +5,7 @@ abstract inputs (ShapeDtypeStructs with shardings: nothing is allocated, so mid-
 compile on a laptop) and returns per-device state bytes from the program's input shardings,
 gradient bytes from the loss-and-grads region's output shardings, the memory analysis, and
 the collectives of the HLO with loop bodies multiplied by their trip count (the layer scan).
-The one import of the training engine from the planner (tests/test_floors.py names it): the
-planner proves itself against the real step, so this module must build it.
+It sits in the training engine, above the planner it checks (the planner never imports training).
 One compile costs 10-40 s on 2 CPU cores (the grads read-out compiles the loss-and-grads region
 again: `grads=False` skips it); results are cached per config.
 """
@@ -20,6 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.plan import hlo
+from meshlab.train.config import to_yaml
+from meshlab.train.loop import build_trainer
+from meshlab.train.state import abstract_state
+from meshlab.train.step import BATCH_KEYS, make_loss_and_grads
 
 
 @dataclasses.dataclass
@@ -43,7 +46,6 @@ def _shard_bytes(sds, sharding) -> int:
 
 
 def abstract_batch(tr):
-    from meshlab.train.step import BATCH_KEYS
     sh = tr.layout.batch_sharding
     shape = (tr.cfg.data.global_batch, tr.cfg.data.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh) for k in BATCH_KEYS}
@@ -52,8 +54,6 @@ def abstract_batch(tr):
 def grads_bytes(tr) -> int:
     """Per-device bytes of the gradient accumulator, from the compiled loss-and-grads region's output
     shardings (the train step consumes them internally, so its own signature does not show them)."""
-    from meshlab.train.step import make_loss_and_grads
-    from meshlab.train.state import abstract_state
     fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches, layout=tr.layout)
     st = abstract_state(tr.md, tr.tx, tr.shardings, False)
     compiled = tr.layout.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()
@@ -66,7 +66,6 @@ def compiled_step(tr, state=None):
     """The trainer's step compiled for its shardings (`.memory_analysis()`, `.as_text()`), on the
     abstract state when none is given. Given the state a run returned, jax's cache hands back the
     program that run compiled: reading its memory costs no second compile."""
-    from meshlab.train.state import abstract_state
     if state is None:
         state = abstract_state(tr.md, tr.tx, tr.shardings, tr.cfg.model.dtype == "float16")
     return tr.step_fn.lower(state, abstract_batch(tr)).compile()   # traced under its own rules (Layout.jit)
@@ -76,9 +75,6 @@ _CACHE: dict = {}
 
 
 def measure(cfg, keep_text: bool = False, grads: bool = True) -> Measured:
-    from meshlab.train.loop import build_trainer
-    from meshlab.train.state import abstract_state
-    from meshlab.train.config import to_yaml
     key = (to_yaml(cfg), grads)
     if key in _CACHE:
         return _CACHE[key]
