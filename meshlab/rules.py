@@ -33,7 +33,7 @@ LOGICAL_NAMES = PARAM_NAMES + ACT_NAMES + CACHE_NAMES
 TOP_KEYS = ("mesh", "batch", "rules", "state", "strategies")
 STATE_KINDS = ("params", "grads", "optimizer")
 STRATEGY_KEYS = {"attention": ("plain", "ring", "ulysses"), "pipeline": None,
-                 "fsdp_gather": ("per_layer", "per_step", "keep"), "experts": None}
+                 "fsdp_gather": ("per_layer", "per_step", "keep"), "experts": None, "collective_matmul": None}
 EXPERT_DISPATCH = ("dropless", "capacity")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # per_layer: each layer's weights gathered at use and dropped after its forward, gathered again in
@@ -203,7 +203,7 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     order = {"replicated": 0, "sharded": 1}
     if not order[state["params"]] <= order[state["grads"]] <= order[state["optimizer"]]:
         raise RulesError(f"{path}: state {state} is not a ZeRO stage: sharding goes optimizer -> grads -> params")
-    strategies = {"attention": "plain", "pipeline": None, "fsdp_gather": "per_layer"}
+    strategies = {"attention": "plain", "pipeline": None, "fsdp_gather": "per_layer", "collective_matmul": False}
     for k, v in (raw.get("strategies") or {}).items():
         if k not in STRATEGY_KEYS:
             raise RulesError(f"{path}: unknown strategy {k!r}{_near(str(k), STRATEGY_KEYS)}")
@@ -212,6 +212,7 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
         strategies[k] = v
     strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
     strategies["experts"] = _experts(strategies.get("experts"), path)
+    _collective_matmul(strategies["collective_matmul"], rules, path)
     if strategies["fsdp_gather"] not in FSDP_GATHER_IMPLEMENTED:
         raise RulesError(f"{path}: `strategies.fsdp_gather: {strategies['fsdp_gather']}` is not implemented yet; "
                          f"use {' or '.join(FSDP_GATHER_IMPLEMENTED)} (each layer's weights gathered where used)")
@@ -257,6 +258,21 @@ def _experts(value, path) -> dict | None:
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
         raise RulesError(f"{path}: `strategies.experts.capacity_factor: {factor}` must be a number > 0")
     return {"dispatch": dispatch, "capacity_factor": float(factor)}
+
+
+def _collective_matmul(value, rules, path) -> None:
+    """`strategies.collective_matmul: true` (meshlab/parallel/collective_matmul.py) decomposes sequence
+    parallelism's gathers and scatters: it needs the sequence split over tensor and Megatron's splits."""
+    if not isinstance(value, bool):
+        raise RulesError(f"{path}: `strategies.collective_matmul: {value}` must be true or false")
+    need = {"act_seq": ("tensor",), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "act_heads": "tensor",
+            "act_kv_heads": "tensor", "act_mlp": "tensor"}
+    bad = [f"{k}: {list(rules.get(k, ()))}" for k, v in need.items()
+           if (rules.get(k, ()) != v if isinstance(v, tuple) else v not in rules.get(k, ()))]
+    if value and bad:
+        raise RulesError(f"{path}: `strategies.collective_matmul: true` decomposes sequence parallelism's tensor "
+                         f"gathers and scatters, so it needs `act_seq: tensor` and heads, kv_heads, mlp (and their "
+                         f"act_ names) split over tensor; here {', '.join(bad)} (see sharding_rules/fsdp_tp_sp_cm.yaml)")
 
 
 # -- the active rules: set by the engines, read by the model's helpers ----------------------

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshlab.parallel import attention as attention_op
+from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
 from meshlab.rules import constrain, materialize
 from models import fp8
 from models.remat import REMAT_POLICIES, remat as _remat
@@ -263,16 +264,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         cfg, dt, mm = self.cfg, jnp.dtype(self.cfg.dtype), _layer_mm(self.cfg)
-        q = mm("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, s, h, hd]
-        k = mm("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, s, kvh, hd]
-        v = mm("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, s, kvh, hd]
+        q, k, v = gathered_matmul(mm, "bsd,dhk->bshk", x, _w(self.wq, dt), _w(self.wk, dt), _w(self.wv, dt))  # [b, s, h|kvh, hd]
         q = constrain(q, ("act_batch", "act_attn_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_attn_seq", "act_kv_heads", None))
         q, k = apply_rope(cfg, q, k, positions)
         o = attention_op(q, k, v, impl=cfg.attention, causal=True, segment_ids=segment_ids)         # [b, s, h, hd]
         o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
-        out = mm("bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
+        out = scattered_matmul(mm, "bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
     def cached(self, x, positions, attend, cache, wqkv=None):
@@ -322,15 +321,14 @@ class MLP(nnx.Module):
             h = swiglu_kernel.swiglu(x.reshape(b * s, d), _w(self.w_gate, dt), _w(self.w_up, dt),
                                      interpret=_interpret()).reshape(b, s, -1).astype(dt)  # [b, s, f]
         else:
-            gate = mm("bsd,df->bsf", x, _w(self.w_gate, dt))   # [b, s, f]
-            up = mm("bsd,df->bsf", x, _w(self.w_up, dt))       # [b, s, f]
+            gate, up = gathered_matmul(mm, "bsd,df->bsf", x, _w(self.w_gate, dt), _w(self.w_up, dt))   # [b, s, f] x2
             h = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)   # one fusion; fp32 math
         return self.down(h, mm)
 
     def down(self, h, mm=_mm):
         """SwiGLU activations h [b, s, f] -> [b, s, d] (the serving path's fused gate|up ends here too)."""
         h = constrain(h, ("act_batch", "act_attn_seq", "act_mlp"))
-        out = mm("bsf,fd->bsd", h, _w(self.w_down, jnp.dtype(self.cfg.dtype)))  # [b, s, d]
+        out = scattered_matmul(mm, "bsf,fd->bsd", h, _w(self.w_down, jnp.dtype(self.cfg.dtype)))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
 

@@ -13,7 +13,7 @@ SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_
 
 # Mesh per shipped rule file on 8 devices (tp needs tensor <= kv_heads = 2 here).
 MESH_FOR = {"dp": None, "zero1": None, "zero2": None, "fsdp": None, "tp": "data=4,tensor=2",
-            "fsdp_tp": None, "fsdp_tp_sp": None,
+            "fsdp_tp": None, "fsdp_tp_sp": None, "fsdp_tp_sp_cm": None,
             # context parallel: ring with zig-zag order inside the step, and all-to-all
             "fsdp_cp": None, "cp_ring": "data=2,context=4", "cp_ulysses": "data=4,context=2"}
 # Expert-parallel rule files, run with moe_tiny (tests/test_moe.py's parity tests).

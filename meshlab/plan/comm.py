@@ -164,7 +164,9 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
     out = []
     if t_ax:
         x = lc.b * (lc.s * lc.t if lc.sp else lc.s) * lc.d * c   # the full residual stream of one micro-batch
-        if lc.sp:   # all-gather before each block, reduce-scatter after; mirrored in the backward
+        if lc.sp and rules.strategies.get("collective_matmul"):
+            out += _collective_matmul_permutes(x // lc.t, lc.t, L * k, policy)
+        elif lc.sp:   # all-gather before each block, reduce-scatter after; mirrored in the backward
             out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel gather (fwd: attention, MLP input)",
                             False, True))
             out.append(Comm("reduce-scatter", t_ax, x // lc.t, 2 * L * k, "sequence-parallel scatter (fwd)", False, True))
@@ -209,6 +211,20 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
         qkvo = lc.b * lc.s_attn * (2 * lc.h + 2 * lc.kvh) * lc.hd * c
         out.append(Comm("all-to-all", ("context",), qkvo, 2 * L * k, "ulysses head/sequence switch", False))
     return out
+
+
+def _collective_matmul_permutes(chunk: int, t: int, layers: int, policy: str) -> list[Comm]:
+    """Sequence parallelism under `strategies.collective_matmul` (meshlab/parallel/collective_matmul.py):
+    each of the 2 gathers and 2 scatters per layer is t-1 collective-permutes of one [b, s/t, d] chunk,
+    each hidden behind the next chunk's GEMM; the backward transposes the 4 (q, k, v's input gradients
+    summed before they travel, gate and up's too: 2 scatters where plain sequence parallelism has 5).
+    remat=none saves the received chunks, so no re-gather for the weight gradients (the 2 plain ones);
+    full recomputes the attention and MLP gathers and the o scatter (3 more); the dots policies keep the
+    GEMM outputs but not the chunks, so the weight gradients re-gather them (2 more)."""
+    again = {"none": 0, "full": 3}.get(policy, 2)
+    return [Comm("collective-permute", ("tensor",), chunk, 4 * (t - 1) * layers, "collective matmul (fwd)", True),
+            Comm("collective-permute", ("tensor",), chunk, (4 + again) * (t - 1) * layers, "collective matmul (bwd)",
+                 True)]
 
 
 def expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = "none") -> list[Comm]:
