@@ -2,27 +2,13 @@
 
     out[m] = x[m] @ w[g(m)]        x [M, K], w [G, K, N], group_sizes [G] -> [M, N]
 
-where rows 0..gs[0]-1 belong to group 0, the next gs[1] to group 1, and so on; rows past
-sum(group_sizes) (the padding of a static buffer) come out zero, as `jax.lax.ragged_dot` gives.
-
-Backends, picked by `grouped_matmul(..., backend="auto")`:
-  mosaic  JAX's Mosaic GPU Hopper kernels (jax.experimental.pallas.ops.gpu): `ragged_dot_mgpu`
-          for the forward and dX (its transposed-RHS form), `transposed_ragged_dot_mgpu` for dW
-          (per group x_g^T dy_g). They write only the rows of the groups: rows past
-          sum(group_sizes) are left unwritten, so this wrapper masks them to zero (one select XLA
-          fuses into the consumer; alone it is a pass over [M, N], ~7% of the GEMM at 32768 x 2048
-          x 1536). `all_rows=True` is the caller's promise that sum(group_sizes) == M (every row a
-          real assignment, as in a single device's dropless dispatch): no mask. Measured by its
-          authors at ~600 TFLOP/s bf16 on an H200 at that shape, 16 groups. The default on Hopper.
-  xla     `jax.lax.ragged_dot` with its own autodiff: exact on CPU (the tests' path). On the
-          H200 image it lowers to dense cuBLAS GEMMs over zero-padded operands (48 TFLOP/s at 16
-          groups, GBs of temporaries), so it is never the GPU default.
-Our own Pallas kernel is not written: the Mosaic kernels are the peer to beat and the wrapper
-uses them, so `scripts/bench_moe.py` times this wrapper (with and without the mask) against them.
-
-The Mosaic kernels have no CPU interpret mode (the Mosaic GPU interpreter does not run wgmma
-with a shared-memory LHS, as flash_attention_mgpu found): `interpret=True` takes the xla path,
-which is the numerical reference the GPU tests compare the Mosaic path against.
+Rows 0..gs[0]-1 belong to group 0, the next gs[1] to group 1, and so on; rows past
+sum(group_sizes) (a static buffer's padding) come out zero, as `jax.lax.ragged_dot` gives them.
+Backends (`backend="auto"` picks): mosaic, JAX's Mosaic GPU ragged-dot kernels for the forward, dX
+and dW (the default on Hopper); xla, `jax.lax.ragged_dot` with its own autodiff (elsewhere; the
+tests' path and the numerical reference). Limits: mosaic needs a Hopper GPU and has no interpret
+mode (`interpret=True` takes xla). No kernel of our own: the Mosaic kernels are the peer to beat,
+and `scripts/bench_moe.py` times this wrapper against them. Speed: docs/benchmarks.md#pipeline-and-moe.
 """
 from __future__ import annotations
 
@@ -66,6 +52,10 @@ def grouped_matmul_reference(x, w, group_sizes):
     return jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
 
+# interpret=True takes xla: the Mosaic GPU interpreter does not run wgmma with a shared-memory LHS
+# (as flash_attention_mgpu found), and xla is the reference the GPU tests hold the Mosaic path to.
+# xla is never the GPU default: on the H200 image `lax.ragged_dot` lowers to dense cuBLAS GEMMs over
+# zero-padded operands (a tenth of the Mosaic kernels' rate, GBs of temporaries).
 def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"grouped_matmul backend={backend!r} must be one of {BACKENDS}")
@@ -92,6 +82,8 @@ def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = T
 
 
 # -- the Mosaic GPU path --------------------------------------------------------------------------
+# jax.experimental.pallas.ops.gpu's Hopper kernels: `ragged_dot_mgpu` for the forward and dX (its
+# transposed-RHS form), `transposed_ragged_dot_mgpu` for dW (per group x_g^T dy_g).
 def _call(fn, *args, **kw):
     """Call a JAX example kernel with only the keyword arguments its installed version takes."""
     params = inspect.signature(fn).parameters
@@ -99,6 +91,10 @@ def _call(fn, *args, **kw):
 
 
 def _row_mask(out, group_sizes, all_rows=False):
+    """The Mosaic kernels write only the rows of the groups, leaving rows past sum(group_sizes)
+    unwritten: they are zeroed here (one select XLA fuses into the consumer; alone a pass over
+    [M, N]). all_rows=True is the caller's promise that sum(group_sizes) == M (every row a real
+    assignment, as in a single device's dropless dispatch): no mask."""
     if all_rows:
         return out
     valid = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)                  # [M]

@@ -1,33 +1,15 @@
 """Decode attention over a paged KV cache: one query token per sequence, pages read through a table.
 
-Layout: q [b, h, d]; k_pages/v_pages [num_pages, page_size, kv_heads, d] (one layer of the cache),
-or the whole stacked cache [layers, num_pages, page_size, kv_heads, d] with `layer` (a traced
-scalar): then the kernel reads the layer in place, where slicing it out first would copy the
-whole layer's cache every decode step (a custom call needs its operand materialised);
-page_table [b, max_pages] int32 (logical page i of sequence b lives in page_table[b, i]; entries
-past a sequence's length may be any valid page: they are never read into the result);
-lengths [b] int32 (tokens cached, the query's own included; 0 = inactive row -> zeros).
-
-Grid (batch, kv_heads, splits): each program owns one KV head's group of query heads (GQA: the
-group shares every K/V load, which is the point of decode being bandwidth-bound) and one slice
-of the sequence's pages (flash-decoding: a long context is split so that batch-1 decode still
-fills the GPU). Each program keeps an online softmax over its pages and writes an unnormalised
-partial (acc, running max m, running sum l); the splits are merged outside the kernel with a
-log-sum-exp rescale. Only page blocks below the sequence length are visited; positions at or
-past the length (the part-filled last page, the rest of the last block) are masked.
-
-Decode reads every cached byte once and does ~2 flops per byte, so the kernel is latency-bound
-unless many large loads are in flight. Hence (each a knob of paged_tiles.BlockSizes, for the GPU sweep):
-- a loop iteration gathers `pages_per_block` pages at once (one load whose row pointers come
-  from a vector of page ids, the same gather JAX's own paged kernel does), so the K and V tiles
-  are [pages_per_block * page_size, d] and the loop has few iterations;
-- the number of splits is chosen so that the grid has at least `min_programs` programs (about
-  2x the SM count) whatever the batch: batch 1 gets many short splits, batch 64 one split;
-- scores can use the tensor cores (`score="dot"`): the GQA group (4 for Llama-3) is padded to
-  16 query rows so that q @ K^T and p @ V are matrix-unit dots; the padded rows cost nothing
-  that matters (flops are free here) and the dots keep the [rows, tokens, d] product out of
-  the registers. `score="vpu"` is the elementwise product-and-sum (fp32 throughout), fine for
-  small tiles.
+Layout: q [b, h, d]; k_pages/v_pages [num_pages, page_size, kv_heads, d] (one layer), or the whole
+stacked cache [layers, num_pages, page_size, kv_heads, d] with a traced `layer`, read in place;
+page_table [b, max_pages] int32 (logical page i of sequence b is page_table[b, i]; entries past a
+sequence's length are never read into the result); lengths [b] int32 (tokens cached, the query's
+own included; 0 = inactive row -> zeros). `paged_decode_attention` also rotates the new token's
+q and k (RoPE) and writes its k/v into the cache in the same kernel.
+Grid (batch, kv_heads, splits): a program per KV head's query group and slice of the pages
+(flash-decoding), the slices merged by a log-sum-exp rescale; see the notes above `_kernel`.
+Limits: one query token per sequence; the Triton backend (GPU) or interpret=True; tiles from
+paged_tiles.BlockSizes. Speed: docs/benchmarks.md#decode-and-serving.
 """
 from __future__ import annotations
 
@@ -64,6 +46,25 @@ def _write_partials(outs, m, l, acc):
         ref[...] = _first_rows(x, out_rows)
 
 
+# Each program owns one KV head's group of query heads (GQA: the group shares every K/V load, which
+# is the point while decode is bandwidth-bound) and one slice of the sequence's pages
+# (flash-decoding: a long context is split so that batch-1 decode still fills the GPU). It keeps an
+# online softmax over its pages and writes an unnormalised partial (acc, running max m, running sum
+# l); the splits are merged outside the kernel (merge_splits). Only page blocks below the sequence
+# length are visited; positions at or past it (the part-filled last page) are masked.
+# The stacked cache is read in place because a custom call needs its operand materialised: slicing
+# the layer out first would copy that layer's whole cache every decode step.
+# Decode reads every cached byte once at ~2 flops per byte, so the kernel is latency-bound unless
+# many large loads are in flight. Hence the knobs of paged_tiles.BlockSizes (swept on the GPU):
+# - a loop iteration gathers `pages_per_block` pages at once (one load whose row pointers come from
+#   a vector of page ids, the gather JAX's own paged kernel does): K and V tiles are
+#   [pages_per_block * page_size, d] and the loop has few iterations;
+# - the number of splits gives the grid at least `min_programs` programs (about 2x the SM count)
+#   whatever the batch: batch 1 gets many short splits, batch 64 one split;
+# - score="dot": the GQA group (4 for Llama-3) is padded to 16 query rows so that q @ K^T and p @ V
+#   are tensor-core dots; the padded rows' flops cost nothing that matters here, and the dots keep
+#   the [rows, tokens, d] product out of the registers. score="vpu": the elementwise
+#   product-and-sum (fp32 throughout), fine for small tiles.
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
             pages_per_block, rows, sm_scale, use_dot, v_first):
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -155,9 +156,9 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad):
 
 def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: bool = False):
     """merge_splits as one Pallas launch, writing o [rows_out, kvh*g, d] with rows >= b zero: XLA runs
-    the merge as a reduce and a normalise-and-pad kernel (4.4 us per layer at batch 1 on the H200,
-    about as long as the attention itself; docs/benchmarks.md), and the zero row is the one the
-    model's one-token GEMM needs (models/llama.py _mm_decode), so no pad follows."""
+    the merge as a reduce and a normalise-and-pad kernel (at batch 1 about as long as the attention
+    itself; docs/benchmarks.md#decode-and-serving), and the zero row is the one the model's
+    one-token GEMM needs (models/serving.py _mm_decode), so no pad follows."""
     b, kvh, splits, rows, d = acc.shape
     s_pad = pow2_at_least(splits)
     kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad)
@@ -252,7 +253,7 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter +
     paged_attention it saves four XLA launches per layer
     (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
-    attention itself at batch 1 (H200 profile, docs/benchmarks.md)."""
+    attention itself at batch 1 (H200 profile, docs/benchmarks.md#decode-and-serving)."""
     one_layer = k_pages.ndim == 4
     k_pages, v_pages, layer = stacked(k_pages, v_pages, layer)
     (rows_out, heads, d), b = qkv.shape, lengths.shape[0]

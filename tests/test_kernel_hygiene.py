@@ -20,9 +20,6 @@ FILES = sorted(ROOT.glob("*.py"))
 MAX_DOC_LINES = 20
 DATE = re.compile(r"\b20\d\d-[01]\d")
 WORK_LOG = re.compile(r"\b(session|issue)s? #?\d+", re.IGNORECASE)
-# Files another workstream owns whose module docstrings are still longer than MAX_DOC_LINES: listed,
-# not skipped, so the report names them (an xpass here means the entry can go).
-LONG_DOCSTRING_ELSEWHERE = {"paged_attention.py", "grouped_matmul.py"}
 
 
 @functools.cache
@@ -94,9 +91,7 @@ def test_no_import_inside_a_function(path):
     assert not found, f"{path.name} imports inside functions at {found}; import at the top of the file"
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
-    reason="module docstring not yet trimmed by the workstream that owns this file")) if p.name in
-    LONG_DOCSTRING_ELSEWHERE else p for p in FILES], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_module_docstring_is_short_and_undated(path):
     text = path.read_text()
     if not text.strip():
