@@ -245,19 +245,24 @@ def _pipeline(value, path) -> dict | None:
 
 
 def _experts(value, path) -> dict | None:
-    """`strategies.experts`: null, or {dispatch: dropless | capacity, capacity_factor: 1.25}."""
+    """`strategies.experts`: null, or {dispatch: dropless | capacity, capacity_factor: 1.25, chunks: 1}."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) - {"dispatch", "capacity_factor"}:
+    if not isinstance(value, dict) or set(value) - {"dispatch", "capacity_factor", "chunks"}:
         raise RulesError(f"{path}: `strategies.experts: {value}` must be null or a mapping with keys dispatch "
-                         f"({' | '.join(EXPERT_DISPATCH)}) and capacity_factor (> 0), e.g. "
-                         "{dispatch: capacity, capacity_factor: 1.25}")
+                         f"({' | '.join(EXPERT_DISPATCH)}), capacity_factor (> 0) and chunks (>= 1), e.g. "
+                         "{dispatch: capacity, capacity_factor: 1.25, chunks: 2}")
+    chunks = value.get("chunks", 1)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise RulesError(f"{path}: `strategies.experts.chunks: {chunks}` must be a whole number >= 1 (the pieces "
+                         "each device's expert all-to-all is cut into, to overlap it with the expert GEMMs; "
+                         "1 = one exchange)")
     dispatch, factor = value.get("dispatch", "dropless"), value.get("capacity_factor", 1.25)
     if dispatch not in EXPERT_DISPATCH:
         raise RulesError(f"{path}: `strategies.experts.dispatch: {dispatch}` must be one of {', '.join(EXPERT_DISPATCH)}")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
         raise RulesError(f"{path}: `strategies.experts.capacity_factor: {factor}` must be a number > 0")
-    return {"dispatch": dispatch, "capacity_factor": float(factor)}
+    return {"dispatch": dispatch, "capacity_factor": float(factor), "chunks": chunks}
 
 
 def _collective_matmul(value, rules, path) -> None:

@@ -151,7 +151,7 @@ class MoeFFN(nnx.Module):
         keep = pos < capacity if mode["dispatch"] == "capacity" else jnp.ones_like(pos, bool)
         weights = tuple(_w(w, dt) for w in (self.w_gate, self.w_up, self.w_down))  # [E, d, f] x2, [E, f, d]
         y = dispatch_mod.moe_ffn(x, (top_i, top_w, keep, pos), weights, dispatch=mode["dispatch"],
-                                 capacity=capacity, backend=cfg.gemm)               # [b, s, d]
+                                 capacity=capacity, backend=cfg.gemm, chunks=mode["chunks"])  # [b, s, d]
         if cfg.shared_mlp_dim:
             y = y + self.shared(x)
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))

@@ -49,13 +49,13 @@ def dense_reference(x, router, wg, wu, wd, keep_fn=None):
     return jnp.sum(picked * top_w[..., None], axis=2)
 
 
-def layer(x, router, wg, wu, wd, dispatch="dropless", factor=None):
+def layer(x, router, wg, wu, wd, dispatch="dropless", factor=None, chunks=1):
     _, _, top_w, top_i = moe.route(CFG, x, router)
     pos = experts.queue_positions(top_i, CFG.n_experts)
     cap = experts.row_capacity(S, CFG.top_k, CFG.n_experts, factor or CFG.n_experts / CFG.top_k)
     keep = pos < cap if dispatch == "capacity" else jnp.ones_like(pos, bool)
     return experts.moe_ffn(x, (top_i, top_w, keep, pos), (wg, wu, wd), dispatch=dispatch, capacity=cap,
-                           backend="xla")
+                           backend="xla", chunks=chunks)
 
 
 def _in_mesh(name, fn):
@@ -90,6 +90,38 @@ def test_layer_equals_dense_reference(inputs, reference, dispatch, where):
     assert abs(float(l) - float(want_l)) <= 1e-6 * scale
     for name, a, b in zip(("x", "router", "w_gate", "w_up", "w_down"), g, want_g):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _all_to_alls(compiled):
+    from meshlab.plan import hlo
+    return [c for c in hlo.collectives(compiled.as_text()) if c.kind == "all-to-all"]
+
+
+@pytest.mark.parametrize("dispatch", experts.DISPATCH)
+@pytest.mark.parametrize("where,chunks", [("ep", 2), ("local", 3)])
+def test_chunked_dispatch_equals_unchunked(inputs, dispatch, where, chunks):
+    """Cutting the dispatch into pieces changes no number (forward, loss, the five gradients; capacity
+    mode with drops), and under ep the compiled forward+backward holds `chunks` times the dispatch and
+    return all-to-alls, each 1/chunks of the bytes (the [E] counts exchange stays one). local: 3 pieces
+    of uneven size (no exchange; capacity's last piece padded)."""
+    args, ct = inputs
+    factor = 1.0 if dispatch == "capacity" else None               # capacity binds: tokens are dropped
+    fn = {n: jax.value_and_grad(lambda *a, n=n: jnp.sum(layer(*a, dispatch=dispatch, factor=factor, chunks=n) * ct),
+                                argnums=tuple(range(5))) for n in (1, chunks)}
+    compiled = {n: _in_mesh(where, lambda n=n: jax.jit(fn[n]).lower(*args).compile()) for n in fn}
+    (l1, g1), (ln, gn) = (compiled[n](*args) for n in (1, chunks))
+    assert float(ln) == pytest.approx(float(l1), rel=1e-5)
+    for name, a, b in zip(("x", "router", "w_gate", "w_up", "w_down"), gn, g1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))), err_msg=name)
+    if where == "local":
+        return
+    one, cut = (_all_to_alls(compiled[n]) for n in (1, chunks))
+    counts_bytes = CFG.n_experts * 4                                # dropless: the [E] int32 counts
+    big1 = [c.bytes for c in one if c.bytes != counts_bytes]
+    bign = [c.bytes for c in cut if c.bytes != counts_bytes]
+    assert len(big1) == 4 and len(set(big1)) == 1                   # out + back, forward and backward
+    assert len(bign) == 4 * chunks and set(bign) == {big1[0] // chunks}
+    assert len(cut) - len(bign) == len(one) - len(big1) == (dispatch == "dropless")
 
 
 def _queue_by_hand(top_i, cap):
@@ -134,11 +166,11 @@ MOE_RUN = ["model.name=moe_tiny", "model.aux_loss_weight=0.1", "model.z_loss_wei
 PARAM_ATOL = 1e-4
 
 
-def _capacity_file(tmp_path_factory, name, factor=1.0):
+def _capacity_file(tmp_path_factory, name, factor=1.0, chunks=1):
     """The shipped rule file with capacity dispatch at a factor low enough to drop tokens."""
     raw = yaml.safe_load(open(load_rules(name).path).read())
-    raw["strategies"]["experts"] = {"dispatch": "capacity", "capacity_factor": factor}
-    path = tmp_path_factory.mktemp("rules") / f"{name}_capacity.yaml"
+    raw["strategies"]["experts"] = {"dispatch": "capacity", "capacity_factor": factor, "chunks": chunks}
+    path = tmp_path_factory.mktemp("rules") / f"{name}_capacity{chunks}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
 
@@ -187,19 +219,22 @@ def test_ep_rule_file_matches_single_device(name, single_device, tmp_path_factor
 
 
 def test_ep_matches_single_device_and_its_all_to_alls_equal_the_planner(single_device, tmp_path_factory):
-    """ep.yaml with capacity dispatch: parity as above, and in the same compiled step the all-to-alls the
-    header promises (per MoE layer two of [E, rows, C, d] forward, two backward) with the planner's bytes
-    (HLO loop body x layers)."""
+    """ep.yaml with capacity dispatch cut into 2 pieces (`chunks: 2`): parity with the unchunked single
+    device as above, and in the same compiled step the all-to-alls the header promises (per MoE layer
+    2 x 2 pieces of [E, rows*C/2, d] forward, the same backward) with the planner's bytes (HLO loop body
+    x layers), whose total equals the unchunked plan's."""
     from meshlab.plan import comm, hlo
-    cfg = small_config(_capacity_file(tmp_path_factory, "ep"), mesh=EP_MESH["ep"], extra=MOE_RUN)
+    cfg = small_config(_capacity_file(tmp_path_factory, "ep", chunks=2), mesh=EP_MESH["ep"], extra=MOE_RUN)
     rows, params, text, tr = _compiled_run(cfg)
     assert tr.mesh.devices.size == 8
     _check_parity("ep", rows, params, single_device)
     colls = [c for c in hlo.collectives(text) if c.kind == "all-to-all"]
     got = sum(c.bytes * (cfg.model.n_layers if c.in_loop else 1) for c in colls)
-    plan = comm.cpu_view(comm.step_collectives(tr.md, tr.rules, tr.mesh, cfg.data.global_batch, cfg.data.seq_len))
-    assert len(colls) == 4 and all(c.in_loop for c in colls)
-    assert got == plan["all-to-all"] > 0
+    plan = lambda rules: comm.step_collectives(tr.md, rules, tr.mesh, cfg.data.global_batch, cfg.data.seq_len)  # noqa: E731
+    chunked, whole = plan(tr.rules), plan(load_rules(_capacity_file(tmp_path_factory, "ep", chunks=1)))
+    assert len(colls) == 8 and all(c.in_loop for c in colls)
+    assert {c.bytes for c in colls} == {x.nbytes for x in chunked if x.kind == "all-to-all"}
+    assert got == comm.cpu_view(chunked)["all-to-all"] == comm.cpu_view(whole)["all-to-all"] > 0
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -223,6 +258,10 @@ def test_bad_experts_strategy_is_one_clear_error(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(RulesError, match="strategies.experts.dispatch: dropful` must be one of dropless, capacity"):
+        load_rules(str(path))
+    raw["strategies"]["experts"] = {"dispatch": "capacity", "chunks": 0}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RulesError, match=r"strategies.experts.chunks: 0` must be a whole number >= 1"):
         load_rules(str(path))
 
 

@@ -25,6 +25,19 @@ Two dispatch modes (`strategies.experts.dispatch` of the rule file):
             exchange is `ragged_all_to_all` on GPU (only the rows sent move) and an all_to_all
             of the padded [ep, A, d] buffer elsewhere (XLA:CPU cannot compile the ragged one):
             same layout, same result.
+
+Overlap (`strategies.experts.chunks: n`, default 1): each device's dispatch is cut into n pieces,
+each exchanged, computed and returned on its own, so the all-to-all of piece i+1 depends on nothing
+piece i computes and XLA's latency-hiding scheduler (meshlab/xla_flags.py) can run it under piece
+i's expert GEMMs. Routing, capacity and drops are decided before the cut, so they do not change.
+  capacity  the [E, rows*C, d] buffer's token slots split into n pieces of ceil(rows*C/n) (the last
+            padded with empty slots when n does not divide rows*C): n all-to-alls of 1/n the bytes
+            each way.
+  dropless  the rows sent to each peer split into n near-equal pieces (piece c of P rows: rows
+            ceil(cP/n) .. ceil((c+1)P/n)), each a [ep, ceil(A/n), d] buffer: still the exact worst
+            case, so still no overflow. On one device (nothing to exchange) the sorted rows are cut
+            into n static slices: it prices the smaller GEMMs alone.
+The cost: n smaller GEMMs and, dropless with ep > 1, a re-sort of each received piece by expert.
 """
 from __future__ import annotations
 
@@ -39,12 +52,12 @@ from meshlab import rules as rules_mod
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 DISPATCH = ("dropless", "capacity")
-DEFAULT = {"dispatch": "dropless", "capacity_factor": 1.25}
+DEFAULT = {"dispatch": "dropless", "capacity_factor": 1.25, "chunks": 1}
 F32 = jnp.float32
 
 
 def settings() -> dict:
-    """The active rule file's `strategies.experts` over the defaults (dropless, factor 1.25)."""
+    """The active rule file's `strategies.experts` over the defaults (dropless, factor 1.25, 1 chunk)."""
     return {**DEFAULT, **(rules_mod.strategy("experts") or {})}
 
 
@@ -63,15 +76,19 @@ def row_capacity(seq: int, top_k: int, n_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * seq * top_k / n_experts))
 
 
-def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "auto"):
+def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "auto", chunks: int = 1):
     """x [b, s, d]; route = (expert_idx, combine_w, keep, pos), each [b, s, k] (combine_w fp32);
-    weights = (w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) in the compute dtype -> [b, s, d]."""
+    weights = (w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) in the compute dtype -> [b, s, d].
+    chunks: pieces the dispatch is cut into (exchange of one piece overlaps the GEMMs of another)."""
     if dispatch not in DISPATCH:
         raise ValueError(f"expert dispatch {dispatch!r} must be one of {DISPATCH}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"expert dispatch chunks={chunks!r} must be a whole number >= 1 "
+                         "(strategies.experts.chunks in the rule file)")
     act = rules_mod.active()
     if act is None:
         return _local(x, *route, *weights, dispatch=dispatch, capacity=capacity, ep_axes=(), ep=1, tp_axes=(),
-                      backend=backend)
+                      backend=backend, chunks=chunks)
     mesh, r = act.mesh, act.rules
     ep_axes, tp_axes, batch = r.axes("experts", mesh), r.axes("mlp", mesh), r.axes("act_batch", mesh)
     if not set(ep_axes) <= set(batch):
@@ -79,7 +96,7 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
                                    f"`batch:` too (expert-parallel ranks hold different rows); act_batch is "
                                    f"{list(batch)}")
     kw = dict(dispatch=dispatch, capacity=capacity, ep_axes=ep_axes, ep=math.prod(mesh.shape[a] for a in ep_axes),
-              tp_axes=tp_axes, backend=backend)
+              tp_axes=tp_axes, backend=backend, chunks=chunks)
     auto = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in act.manual)
     if not auto:
         return _local(x, *route, *weights, **kw)
@@ -96,14 +113,14 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
 
 
 # -- per device -----------------------------------------------------------------------------------
-def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, ep, tp_axes, backend):
+def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, ep, tp_axes, backend, chunks):
     """Everything manual: x [b, s, d] this device's rows, weights its E/ep experts (and f/tp width)."""
     b, s, d = x.shape
     k = idx.shape[-1]
     if dispatch == "capacity":
-        y = _capacity(x, idx, keep, pos, wg, wu, wd, capacity, ep_axes, ep, tp_axes)  # [b*s*k, d]
+        y = _capacity(x, idx, keep, pos, wg, wu, wd, capacity, ep_axes, ep, tp_axes, chunks)  # [b*s*k, d]
     else:
-        y = _dropless(x.reshape(b * s, d), idx.reshape(-1), wg, wu, wd, ep_axes, ep, tp_axes, backend, k)
+        y = _dropless(x.reshape(b * s, d), idx.reshape(-1), wg, wu, wd, ep_axes, ep, tp_axes, backend, k, chunks)
     y = y.reshape(b, s, k, d).astype(F32) * comb[..., None]                  # [b, s, k, d]
     return jnp.sum(y, axis=2).astype(x.dtype)
 
@@ -121,8 +138,14 @@ def _exchange(buf, axes, split_axis, concat_axis):
     return jax.lax.all_to_all(buf, axes if len(axes) > 1 else axes[0], split_axis, concat_axis, tiled=True)
 
 
-def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes):
-    """Padded buffers [E, b, C, d]; returns each assignment's expert output [b*s*k, d] (0 if dropped)."""
+def _bounds(c, total, n):
+    """First row of piece c when `total` rows are cut into n near-equal pieces: ceil(c * total / n)."""
+    return (c * total + n - 1) // n
+
+
+def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes, n):
+    """Padded buffers [E, b, C, d], their b*C token slots cut into n pieces; returns each assignment's
+    expert output [b*s*k, d] (0 if dropped)."""
     b, s, d = x.shape
     k = idx.shape[-1]
     E = wg.shape[0] * ep
@@ -132,14 +155,20 @@ def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes):
     src = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(-1, d)    # [A, d]
     buf = jnp.zeros((E, b, C, d), x.dtype).at[e, row, slot].set(src, mode="drop")
     buf = buf.reshape(E, b * C, d)                                           # [E, bC, d]
-    if ep > 1:
-        buf = _exchange(buf, ep_axes, 0, 1)                                  # [E/ep, ep*bC, d] source-major
-    h = _swiglu(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t, f]
-    y = _tp_sum(jnp.einsum("etf,efd->etd", h, wd), tp_axes)                  # [El, t, d]
-    if ep > 1:
-        y = _exchange(y, ep_axes, 1, 0)                                      # [E, bC, d]
-    y = y.reshape(E, b, C, d)
+    tc = -(-b * C // n)                                                      # slots per piece
+    buf = jnp.pad(buf, ((0, 0), (0, n * tc - b * C), (0, 0)))                # [E, n*tc, d]
+    y = [_capacity_piece(buf[:, i * tc:(i + 1) * tc], wg, wu, wd, ep_axes, ep, tp_axes) for i in range(n)]
+    y = jnp.concatenate(y, axis=1)[:, :b * C].reshape(E, b, C, d)            # [E, b, C, d]
     return y.at[e, row, slot].get(mode="fill", fill_value=0)                 # [A, d]
+
+
+def _capacity_piece(buf, wg, wu, wd, ep_axes, ep, tp_axes):
+    """[E, t, d] token slots -> to the experts' owners, padded batched GEMMs, back -> [E, t, d]."""
+    if ep > 1:
+        buf = _exchange(buf, ep_axes, 0, 1)                                  # [E/ep, ep*t, d] source-major
+    h = _swiglu(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t', f]
+    y = _tp_sum(jnp.einsum("etf,efd->etd", h, wd), tp_axes)                  # [El, t', d]
+    return _exchange(y, ep_axes, 1, 0) if ep > 1 else y                      # [E, t, d]
 
 
 def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend, all_rows=False):
@@ -172,35 +201,72 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, backend, k):
+def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, backend, k, n):
     """xt [T, d] tokens, e [A = T*k] their experts -> expert outputs [A, d] in assignment order."""
     El = wg.shape[0]
     E = El * ep
+    A, d = e.shape[0], xt.shape[1]
     order = jnp.argsort(e, stable=True)                                      # [A] grouped by expert
     inv = _inverse(order)
-    xa = jnp.broadcast_to(xt[:, None, :], (xt.shape[0], k, xt.shape[1])).reshape(-1, xt.shape[1])  # [A, d]
+    xa = jnp.broadcast_to(xt[:, None, :], (xt.shape[0], k, d)).reshape(-1, d)  # [A, d]
     xs = _permute(xa, order, inv)                                            # [A, d] sorted by expert
     counts = jnp.bincount(e, length=E).astype(jnp.int32)                     # [E]
     if ep == 1:
-        ys = _expert_mlp(xs, wg, wu, wd, counts, tp_axes, backend, all_rows=True)   # counts sum to A
-        return _permute(ys, inv, order)
-    A = e.shape[0]
+        return _permute(_dropless_one_device(xs, counts, wg, wu, wd, tp_axes, backend, n), inv, order)
     dest = e[order] // El                                                    # [A] owner device, ascending
     per_dest = counts.reshape(ep, El).sum(axis=1)                            # [ep]
     offset = jnp.arange(A) - (jnp.cumsum(per_dest) - per_dest)[dest]         # [A] place in dest's block
-    send = jnp.zeros((ep, A, xt.shape[1]), xt.dtype).at[dest, offset].set(xs)  # [ep, A, d]
+    sent = jnp.maximum(per_dest[dest], 1)                                    # [A] rows for that dest
+    piece = offset * n // sent                                               # [A] its piece (balanced)
+    slot = offset - _bounds(piece, sent, n)                                  # [A] place in that piece
+    Ac = -(-A // n)                                                          # piece bound: ceil(A/n)
+    send = jnp.zeros((n, ep, Ac, d), xt.dtype).at[piece, dest, slot].set(xs)  # [n, ep, Ac, d]
     recv_counts = _exchange(counts.reshape(ep, El), ep_axes, 0, 0)           # [ep src, El]
-    recv = exchange_rows(send, per_dest, recv_counts.sum(axis=1), ep_axes)   # [ep src, A, d]
-    # Regroup by local expert: source i's block holds its rows for my experts, sorted, then padding.
+    recv_total = recv_counts.sum(axis=1)                                     # [ep src]
     ends = jnp.cumsum(recv_counts, axis=1)                                   # [ep, El]
-    local_e = jax.vmap(lambda en: jnp.searchsorted(en, jnp.arange(A), side="right"))(ends)  # [ep, A], El = pad
-    order2 = jnp.argsort(local_e.reshape(-1), stable=True)                   # [ep*A]
+    back = []
+    for c in range(n):
+        s_lo, s_hi = _bounds(c, per_dest, n), _bounds(c + 1, per_dest, n)    # [ep] rows of piece c sent
+        r_lo, r_hi = _bounds(c, recv_total, n), _bounds(c + 1, recv_total, n)  # [ep] and received
+        recv = exchange_rows(send[c], s_hi - s_lo, r_hi - r_lo, ep_axes)      # [ep src, Ac, d]
+        yr = _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, backend)
+        back.append(exchange_rows(yr, r_hi - r_lo, s_hi - s_lo, ep_axes))      # [ep dest, Ac, d]
+    ret = jnp.stack(back)                                                    # [n, ep, Ac, d]
+    return _permute(ret[piece, dest, slot], inv, order)                      # [A, d]
+
+
+def _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, backend):
+    """recv [ep src, Ac, d]: block i holds rows r_lo[i]..r_hi[i] of source i's block (sorted by local
+    expert, `ends` [ep, El] its cumulative counts), then padding -> expert outputs in the same layout."""
+    ep, Ac, d = recv.shape
+    El = ends.shape[1]
+    at = r_lo[:, None] + jnp.arange(Ac)[None, :]                             # [ep, Ac] place in the source's block
+    local_e = jax.vmap(lambda en, p: jnp.searchsorted(en, p, side="right"))(ends, at)  # [ep, Ac]
+    local_e = jnp.where(at < r_hi[:, None], local_e, El)                     # El = padding
+    order2 = jnp.argsort(local_e.reshape(-1), stable=True)                   # [ep*Ac] by local expert
     inv2 = _inverse(order2)
-    xr = _permute(recv.reshape(ep * A, -1), order2, inv2)                    # [ep*A, d] by local expert
-    yr = _expert_mlp(xr, wg, wu, wd, recv_counts.sum(axis=0), tp_axes, backend)
-    back = _permute(yr, inv2, order2).reshape(ep, A, -1)                     # [ep src, A, d]
-    ret = exchange_rows(back, recv_counts.sum(axis=1), per_dest, ep_axes)    # [ep dest, A, d]
-    return _permute(ret[dest, offset], inv, order)                           # [A, d]
+    lo, hi = r_lo[:, None], r_hi[:, None]
+    starts = jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=1)  # [ep, El]
+    sizes = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).sum(axis=0)  # [El] rows per local expert
+    xr = _permute(recv.reshape(ep * Ac, d), order2, inv2)                    # [ep*Ac, d]
+    yr = _expert_mlp(xr, wg, wu, wd, sizes.astype(jnp.int32), tp_axes, backend)
+    return _permute(yr, inv2, order2).reshape(ep, Ac, -1)                    # [ep src, Ac, d]
+
+
+def _dropless_one_device(xs, counts, wg, wu, wd, tp_axes, backend, n):
+    """Nothing to exchange: xs [A, d] sorted by expert, cut into n static slices (each still sorted),
+    every row real -> [A, d]."""
+    A = xs.shape[0]
+    ends = jnp.cumsum(counts)                                                # [E]
+    starts = ends - counts
+    out = []
+    for c in range(n):
+        lo, hi = _bounds(c, A, n), _bounds(c + 1, A, n)                      # static
+        if hi == lo:                                                         # more pieces than rows
+            continue
+        sizes = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(jnp.int32)  # [E], sum hi - lo
+        out.append(_expert_mlp(xs[lo:hi], wg, wu, wd, sizes, tp_axes, backend, all_rows=True))
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)         # [A, d]
 
 
 def exchange_rows(buf, send_sizes, recv_sizes, ep_axes, impl: str = "auto"):

@@ -232,7 +232,9 @@ def expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = 
     back in the forward, their transposes in the backward (full remat: the forward's pair again).
     capacity: the [E, rows, C, d] buffer; dropless: the padded [ep, A, d] buffer (A = rows*S*k; what
     the CPU moves; the GPU's ragged_all_to_all moves only the A rows sent, ~1/ep of it) plus one
-    all-to-all of the [E] int32 assignment counts (forward only)."""
+    all-to-all of the [E] int32 assignment counts (forward only). `strategies.experts.chunks: n` cuts
+    each exchange into n all-to-alls of a 1/n piece (capacity: ceil(rows*C/n) slots per expert;
+    dropless: [ep, ceil(A/n), d]): the total stays the same when n divides the buffer."""
     if not hasattr(cfg, "n_experts"):
         return []
     from meshlab.parallel import experts
@@ -244,15 +246,21 @@ def expert_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: str = 
     rows = local_sizes(cfg, rules, mesh, global_batch, seq, k).b
     passes = 4 + (2 if policy == "full" else 0)
     L = cfg.n_layers
+    n = mode["chunks"]
     if mode["dispatch"] == "capacity":
         C = experts.row_capacity(seq, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
-        return [Comm("all-to-all", ep_axes, cfg.n_experts * rows * C * cfg.d_model * c, passes * L * k,
-                     "expert dispatch + return (capacity buffers)", False)]
-    A = rows * seq * cfg.top_k
-    return [Comm("all-to-all", ep_axes, ep * A * cfg.d_model * c, passes * L * k,
-                 "expert dispatch + return (dropless, padded)", False),
-            Comm("all-to-all", ep_axes, cfg.n_experts * 4, (passes // 2 - 1) * L * k, "expert assignment counts",
-                 False)]
+        piece, what = cfg.n_experts * -(-rows * C // n) * cfg.d_model * c, "capacity buffers"
+        counts = []
+    else:
+        piece, what = ep * -(-rows * seq * cfg.top_k // n) * cfg.d_model * c, "dropless, padded"
+        counts = [Comm("all-to-all", ep_axes, cfg.n_experts * 4, (passes // 2 - 1) * L * k, "expert assignment counts",
+                       False)]
+    # Chunked, only the first piece out and the last piece back of each exchange wait on nothing to hide behind.
+    out = [Comm("all-to-all", ep_axes, piece, passes * L * k, f"expert dispatch + return ({what})", False)]
+    if n > 1:
+        out.append(Comm("all-to-all", ep_axes, piece, passes * L * k * (n - 1),
+                        f"expert dispatch + return ({what}), {n - 1} of {n} pieces under expert GEMMs", True))
+    return out + counts
 
 
 def layer_overlap(rows, compute_s: float, n_layers: int, microbatches: int) -> dict:
