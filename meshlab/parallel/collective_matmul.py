@@ -20,6 +20,7 @@ several GEMMs read it, and their input gradients are summed before they travel b
 the received chunks for the weight gradients (the gathered input, [b, s, d] per projection group
 and layer under remat=none) where plain sequence parallelism re-gathers it in the backward: two
 all-gathers per layer fewer on the wire, that activation more in memory (sharding_rules/fsdp_tp_sp_cm.yaml).
+Under a remat policy the recomputed forward moves the chunks again (meshlab/plan/comm.py counts it).
 
 The model calls these two helpers at its projections; they return the plain einsum unless the
 installed rule file sets `strategies.collective_matmul: true` (checked in meshlab/rules.py). The

@@ -218,10 +218,11 @@ def _collective_matmul_permutes(chunk: int, t: int, layers: int, policy: str) ->
     each of the 2 gathers and 2 scatters per layer is t-1 collective-permutes of one [b, s/t, d] chunk,
     each hidden behind the next chunk's GEMM; the backward transposes the 4 (q, k, v's input gradients
     summed before they travel, gate and up's too: 2 scatters where plain sequence parallelism has 5).
-    remat=none saves the received chunks, so no re-gather for the weight gradients (the 2 plain ones);
-    full recomputes the attention and MLP gathers and the o scatter (3 more); the dots policies keep the
-    GEMM outputs but not the chunks, so the weight gradients re-gather them (2 more)."""
-    again = {"none": 0, "full": 3}.get(policy, 2)
+    remat=none saves the received chunks, so no re-gather for the weight gradients (the 2 plain ones).
+    Under a remat policy the recomputed forward runs the attention and MLP gathers again (the chunks are
+    not GEMM outputs, no policy saves them) and the o scatter (its sum feeds the MLP's input): 3 more
+    (compiled HLO, tiny model: full, save_dots and save_dots_no_batch alike)."""
+    again = 0 if policy == "none" else 3
     return [Comm("collective-permute", ("tensor",), chunk, 4 * (t - 1) * layers, "collective matmul (fwd)", True),
             Comm("collective-permute", ("tensor",), chunk, (4 + again) * (t - 1) * layers, "collective matmul (bwd)",
                  True)]
