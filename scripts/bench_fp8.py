@@ -49,11 +49,11 @@ def parse(argv=None):
 
 
 def gemm_counts(compiled) -> dict:
-    """cuBLASLt FP8 GEMMs and all GEMMs (cuBLAS calls, Triton GEMM fusions) in a compiled GPU step."""
+    """FP8 GEMMs (cuBLASLt FP8 calls, Triton GEMM fusions reading float8) and all GEMMs in a compiled GPU step."""
+    from meshlab.plan.hlo import gemms
     text = compiled.as_text() if hasattr(compiled, "as_text") else ""
-    lines = [ln for ln in text.splitlines() if " = " in ln and ("__cublas$" in ln or "__triton_gemm" in ln)]
-    fp8 = [ln for ln in lines if "__cublas$lt$matmul$f8" in ln]
-    return {"fp8_gemms": len(fp8), "gemms": len(lines)} if text else {}
+    found = gemms(text)
+    return {"fp8_gemms": sum(g.fp8 for g in found), "gemms": len(found)} if text else {}
 
 
 def run(args, matmul_dtype: str) -> dict:

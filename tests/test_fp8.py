@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshlab.plan import hlo
 from models.fp8 import E4M3, E5M2, dequantize, fp8_einsum, fp8_einsum_reference, pow2_scale, quantize
 from tests.helpers import rel_err
 
@@ -164,18 +165,37 @@ def test_tiny_model_trains_close_to_bf16(bf16_losses):
 
 
 # -- GPU: the compiled program runs FP8 GEMMs -------------------------------------------------------
-def fp8_gemm_lines(hlo_text: str) -> list[str]:
-    """Instructions of a compiled GPU program that are cuBLASLt FP8 GEMMs (a Triton GEMM fusion that
-    reads FP8 operands may convert them to bf16 inside: not counted)."""
-    # The optimized HLO prints operands without their types: the custom call's target names it.
-    return [ln.strip() for ln in hlo_text.splitlines() if " = " in ln and 'custom_call_target="__cublas$lt$matmul$f8"' in ln]
+# A compiled GPU program's GEMMs, shortened from an H200 dump of the MLP below: two Triton GEMM fusions
+# whose dots read float8 (gate|up merged by XLA; down with the scale multiply fused), a cuBLASLt FP8
+# call, and a bf16 cuBLAS call and Triton fusion that must not count as FP8.
+HLO_SAMPLE = """\
+%gemm_fusion_dot.11_computation (parameter_0: f8e4m3fn[2048,1024], parameter_1: f8e4m3fn[2048,1024]) -> bf16[2048,4096] {
+  %parameter_1 = f8e4m3fn[2048,1024]{1,0} parameter(1)
+  %parameter_2 = f8e4m3fn[2048,1024]{1,0} parameter(2)
+  %concatenate.3 = f8e4m3fn[4096,1024]{1,0} concatenate(%parameter_1, %parameter_2), dimensions={0}
+  %bitcast.58 = f8e4m3fn[1024,4096]{0,1} bitcast(%concatenate.3)
+  %parameter_0 = f8e4m3fn[2048,1024]{1,0} parameter(0)
+  %dot.22 = bf16[4096,2048]{0,1} dot(%bitcast.58, %parameter_0), lhs_contracting_dims={0}, rhs_contracting_dims={1}
+  ROOT %bitcast.88 = bf16[2048,4096]{1,0} bitcast(%dot.22)
+}
+%gemm_fusion_dot.5_computation (parameter_0: bf16[2048,1024], parameter_1: bf16[1024,1024]) -> bf16[2048,1024] {
+  %parameter_0 = bf16[2048,1024]{1,0} parameter(0)
+  %parameter_1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %dot.9 = bf16[2048,1024]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+ENTRY %main (p0: f8e4m3fn[2048,1024]) -> bf16[2048,4096] {
+  %gemm_fusion_dot.11 = bf16[2048,4096]{1,0} fusion(%bitcast.74.0, %a, %b), kind=kCustom, calls=%gemm_fusion_dot.11_computation
+  %gemm_fusion_dot.5 = bf16[2048,1024]{1,0} fusion(%c, %d), kind=kCustom, calls=%gemm_fusion_dot.5_computation
+  %cublas-gemm.0 = (bf16[2048,1024]{1,0}, s8[33554432]{0}) custom-call(%e, %f, %g, %h), custom_call_target="__cublas$lt$matmul$f8"
+  %cublas-gemm.7 = (bf16[2048,1024]{1,0}, s8[4194304]{0}) custom-call(%i, %j), custom_call_target="__cublas$gemm"
+}
+"""
 
 
-def gemm_lines(hlo_text: str) -> list[str]:
-    """Every GEMM of a compiled GPU program (cuBLAS custom calls, Triton GEMM fusions), shortened."""
-    return [ln.strip()[:240] for ln in hlo_text.splitlines()
-            if " = " in ln and ('custom_call_target="__cublas$' in ln or "__triton_gemm" in ln
-                                or ("kind=kCustom" in ln and "gemm_fusion" in ln))]
+def test_gemm_reader_finds_fp8_in_triton_fusions_and_cublaslt():
+    found = {g.name: (g.kind, g.fp8) for g in hlo.gemms(HLO_SAMPLE)}
+    assert found == {"gemm_fusion_dot.11": ("triton", True), "gemm_fusion_dot.5": ("triton", False),
+                     "cublas-gemm.0": ("cublas", True), "cublas-gemm.7": ("cublas", False)}
 
 
 @pytest.mark.gpu
@@ -191,12 +211,12 @@ def test_gpu_mlp_gemms_are_fp8():
         return jnp.sum(fp8_einsum("bsf,fd->bsd", h.astype(jnp.bfloat16), wd).astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(mlp, (0, 1, 2, 3))).lower(x, wg, wu, wd).compile().as_text()
-    fp8, gemms = fp8_gemm_lines(text), gemm_lines(text)
+    found = hlo.gemms(text)
     # 3 projections x (forward, dx, dw), where XLA merges the GEMMs gate and up share (x, or dx's sum):
-    # on the H200 it listed 5 cuBLASLt FP8 calls, dW_gate|up merged among them, but not the forward's
-    # x @ [w_gate | w_up] (the detector then missed Triton GEMM fusions). Every GEMM must be FP8.
-    print("\n" + "\n".join(gemms))
-    assert len(fp8) >= 5 and len(fp8) == len(gemms), "cuBLASLt FP8 GEMMs expected; GEMMs seen:\n" + "\n".join(gemms)
+    # on the H200, 5 cuBLASLt FP8 calls and 2 Triton GEMM fusions that read FP8 (the forward's merged
+    # x @ [w_gate | w_up], and down's forward). Every GEMM must be FP8, whichever backend runs it.
+    print("\n" + "\n".join(f"{g.kind} fp8={g.fp8} {g.line[:200]}" for g in found))
+    assert len(found) >= 5 and all(g.fp8 for g in found), [(g.name, g.kind, g.fp8) for g in found]
 
 
 @pytest.mark.gpu

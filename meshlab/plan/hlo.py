@@ -90,3 +90,52 @@ def summarize(colls: list[Collective]) -> dict[str, int]:
     for c in colls:
         out[c.kind] += c.bytes
     return out
+
+
+@dataclasses.dataclass
+class Gemm:
+    name: str
+    kind: str           # "cublas" (a cuBLAS / cuBLASLt custom call) or "triton" (a Triton GEMM fusion)
+    fp8: bool           # both operands of the GEMM are float8
+    line: str
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
+_DOT_OPERANDS = re.compile(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+
+
+def gemms(hlo_text: str) -> list[Gemm]:
+    """Every GEMM of a compiled GPU program. A cuBLASLt FP8 GEMM is its own custom-call target; a Triton
+    GEMM fusion is FP8 when its fused dot reads two float8 values (XLA may feed it FP8 operands that it
+    concatenates or bitcasts inside, e.g. gate and up merged into one GEMM). The optimized HLO prints a
+    caller's operands without types, so the fused computation's own instructions give them."""
+    types: dict[str, dict[str, str]] = {}      # computation -> instruction -> element type
+    dots: dict[str, tuple[str, str]] = {}      # computation -> its dot's operands
+    comp = None
+    for line in hlo_text.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            comp = m.group(1)
+            types[comp] = {}
+            continue
+        if comp is None:
+            continue
+        m = _INSTR.match(line)
+        if m:
+            types[comp][m.group(1)] = m.group(2)
+        m = _DOT_OPERANDS.search(line)
+        if m:
+            dots[comp] = (m.group(1), m.group(2))
+    found = []
+    for line in hlo_text.splitlines():
+        if " = " not in line:
+            continue
+        name = line.split("=", 1)[0].strip().removeprefix("ROOT").strip().lstrip("%")
+        if 'custom_call_target="__cublas$' in line:
+            found.append(Gemm(name, "cublas", 'custom_call_target="__cublas$lt$matmul$f8"' in line, line.strip()))
+        elif "kind=kCustom" in line and ("gemm_fusion" in line or "__triton_gemm" in line):
+            callee = (_CALLS.search(line) or [None, None])[1]
+            operands = dots.get(callee, ())
+            fp8 = bool(operands) and all(types[callee].get(o, "").startswith("f8") for o in operands)
+            found.append(Gemm(name, "triton", fp8, line.strip()))
+    return found
