@@ -6,9 +6,13 @@
    the padded batched einsum (capacity factor 1.25) and one dense GEMM of the same useful FLOPs.
    TFLOP/s of useful work (2 M K N). Each result is checked against lax.ragged_dot first.
 2. Training tokens/s and MFU (active FLOPs, datasheet peak) of moe_1b_8e with dropless and with
-   capacity dispatch, against llama3_1b (same attention, same active SwiGLU width).
+   capacity dispatch, against llama3_1b (same attention, same active SwiGLU width), and against the
+   peer: transformers' Mixtral of the same shape (scripts/bench_moe_torch.py, its own process, run
+   before JAX takes the GPU). `--chunks 1,2,4` adds each dispatch cut into pieces
+   (strategies.experts.chunks): on one device there is no all-to-all to hide, so this prices the
+   smaller expert GEMMs alone (must stay within ~1% of 1 piece).
 
-    PYTHONPATH=$PWD python3 scripts/bench_moe.py [--steps 6] [--batch 4] [--seq 4096]
+    PYTHONPATH=$PWD python3 scripts/bench_moe.py [--steps 6] [--batch 4] [--seq 4096] [--skip gemm,dense,peer]
 Prints the tables and appends them, dated, to docs/archive/benchmarks-diary.md ($OUT/bench_moe.json too).
 """
 import argparse
@@ -16,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,17 +110,32 @@ def gemm_rows(m, k, n, experts, tiles_list):
     return rows
 
 
+def run_peer(args) -> dict:
+    """The transformers Mixtral peer's JSON row, from its own process (torch must not share JAX's GPU)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_moe_torch.py"), "--model", args.model,
+           "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+        row = json.loads(line[-1]) if line else {"error": (out.stderr or out.stdout)[-400:]}
+    except Exception as e:  # the peer failing must not hide our numbers
+        row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print({"peer": row}, flush=True)
+    return row
+
+
 def train_rows(args):
     from meshlab.bench.train import build
     from meshlab.train.state import init_state
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     dense_rules = R.load_rules("dp")
     ep = R.load_rules("ep")
-    variants = [(f"{args.dense} (dense, same active width)", args.dense, dense_rules)]
-    for mode in ("dropless", "capacity"):
-        rules = dataclasses.replace(ep, strategies={**ep.strategies, "experts": {"dispatch": mode,
-                                                                                   "capacity_factor": 1.25}})
-        variants.append((f"{args.model} {mode}", args.model, rules))
+    variants = [] if "dense" in args.skip else [(f"{args.dense} (dense, same active width)", args.dense, dense_rules)]
+    for mode in args.modes.split(","):
+        for n in (int(c) for c in args.chunks.split(",")):
+            rules = dataclasses.replace(ep, strategies={**ep.strategies, "experts": {
+                "dispatch": mode, "capacity_factor": 1.25, "chunks": n}})
+            variants.append((f"{args.model} {mode}" + (f", {n} chunks" if n > 1 else ""), args.model, rules))
     rows = []
     for label, name, rules in variants:
         cfg = dataclasses.replace(models.preset(name), dtype="bfloat16", attention=args.attention, remat=args.remat)
@@ -149,7 +169,7 @@ def train_rows(args):
     return rows
 
 
-def write(dev, gemm, train, args):
+def write(dev, gemm, train, peer, args):
     date = datetime.date.today().isoformat()
     lines = [f"\n### MoE ({date}, {dev.device_kind}, jax {jax.__version__})\n",
              f"Grouped GEMM {args.m} x {args.k} x {args.n} bf16, skewed groups; TFLOP/s of useful work (2MKN).\n",
@@ -171,16 +191,27 @@ def write(dev, gemm, train, args):
         lines.append(f"| {r['variant']} | " + (f"FAILED: {r['error']} | | | | | | |" if "error" in r else
                      f"{r['tokens_per_s']:,} | {r['step_ms']} | {100 * r['mfu']:.1f}% | {r['loss']} | "
                      f"{r.get('moe_dropped_frac', 0):.3f} | {r.get('moe_tokens_cv', 0):.2f} | {r['compile_s']} |"))
+    if peer:
+        lines.append(f"| peer: {peer.get('peer', '')} | " + (f"FAILED: {peer['error'][:200]} | | | | | | |"
+                     if "error" in peer else f"{round(peer['tokens_per_s']):,} | {peer['step_ms']:.1f} | "
+                     f"{100 * peer['mfu']:.1f}% | {peer['loss']:.3f} | | | |"))
     dense = next((r for r in train if "dense" in r["variant"] and "mfu" in r), None)
     for r in train:
-        if dense and "mfu" in r and r is not dense:
+        base = next((b for b in train if "step_ms" in b and b["variant"] == r["variant"].split(",")[0]), None)
+        if dense and "mfu" in r and r is not dense and r is base:
             lines.append(f"\n{r['variant']}: {r['mfu'] / dense['mfu']:.2f} of the dense model's MFU (must be >= 0.60).")
+        if peer and "tokens_per_s" in peer and "mfu" in r and r is not dense and r is base:
+            lines.append(f"\n{r['variant']}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the Mixtral peer's tokens/s.")
+        if base and "step_ms" in r and r is not base:
+            lines.append(f"\n{r['variant']}: step {100 * (r['step_ms'] / base['step_ms'] - 1):+.1f}% against 1 piece "
+                         "(one device: no all-to-all to hide; must be <= +1%).")
     text = "\n".join(lines) + "\n"
     print(text)
     with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
         f.write(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_moe.json").write_text(json.dumps({"gemm": gemm, "train": train}, indent=1))
+        Path(os.environ["OUT"], "bench_moe.json").write_text(json.dumps({"gemm": gemm, "train": train, "peer": peer},
+                                                                        indent=1))
 
 
 def main():
@@ -196,8 +227,13 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--attention", default="cudnn")
     p.add_argument("--remat", default="none")
-    p.add_argument("--skip", default="", help="gemm and/or train")
+    p.add_argument("--modes", default="dropless,capacity", help="expert dispatch modes timed")
+    p.add_argument("--chunks", default="1", help="dispatch pieces timed per mode, e.g. 1,2,4")
+    p.add_argument("--peer-timeout", type=float, default=300)
+    p.add_argument("--skip", default="", help="any of gemm, train, dense, peer")
     args = p.parse_args()
+    # the peer first, in its own process, before this one's JAX takes the GPU's memory
+    peer = {} if "peer" in args.skip or "train" in args.skip else run_peer(args)
     dev = jax.devices()[0]
     if "gemm" not in args.skip and gm.resolve_backend("auto") != "mosaic":
         sys.exit(f"bench_moe.py's GEMM part needs a Hopper GPU (found {dev.device_kind}); --skip gemm")
@@ -207,7 +243,7 @@ def main():
     gemm = [] if "gemm" in args.skip else gemm_rows(args.m, args.k, args.n,
                                                      [int(e) for e in args.experts.split(",")], tiles)
     train = [] if "train" in args.skip else train_rows(args)
-    write(dev, gemm, train, args)
+    write(dev, gemm, train, peer, args)
 
 
 if __name__ == "__main__":
