@@ -317,9 +317,11 @@ def test_explain_splits_the_expert_banks_over_eight_devices(name, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("dispatch", experts.DISPATCH)
-def test_layer_on_gpu_mosaic_equals_xla(dispatch):
-    """The MoE layer with the Mosaic grouped GEMM (bf16) against lax.ragged_dot, forward and grads."""
+def test_layer_on_gpu_mosaic_equals_xla(dispatch, chunks):
+    """The MoE layer with the Mosaic grouped GEMM (bf16) against lax.ragged_dot, forward and grads; with
+    3 pieces (uneven slices of the sorted rows) against the unchunked ragged_dot layer."""
     cfg = dataclasses.replace(CFG, d_model=256, expert_mlp_dim=384, dtype="bfloat16")
     ks = jax.random.split(jax.random.key(0), 6)
     E, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim
@@ -329,17 +331,18 @@ def test_layer_on_gpu_mosaic_equals_xla(dispatch):
           for k, shape in zip(ks[2:5], [(E, d, f), (E, d, f), (E, f, d)])]
     ct = jax.random.normal(ks[5], x.shape, jnp.bfloat16)
 
-    def run(backend):
+    def run(backend, n=1):
         def f(x, router, *ws):
             _, _, top_w, top_i = moe.route(cfg, x, router)
             pos = experts.queue_positions(top_i, E)
             cap = experts.row_capacity(x.shape[1], cfg.top_k, E, 1.0)
             keep = pos < cap if dispatch == "capacity" else jnp.ones_like(pos, bool)
-            y = experts.moe_ffn(x, (top_i, top_w, keep, pos), ws, dispatch=dispatch, capacity=cap, backend=backend)
+            y = experts.moe_ffn(x, (top_i, top_w, keep, pos), ws, dispatch=dispatch, capacity=cap, backend=backend,
+                                chunks=n)
             return jnp.sum(y.astype(jnp.float32) * ct)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 2, 3, 4)))(x, router, *ws)
 
-    (l_m, g_m), (l_x, g_x) = run("mosaic"), run("xla")
+    (l_m, g_m), (l_x, g_x) = run("mosaic", chunks), run("xla")
     assert abs(float(l_m) - float(l_x)) <= 2e-2 * abs(float(l_x)) + 1e-2
     for a, b in zip(g_m, g_x):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
