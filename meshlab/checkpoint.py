@@ -6,8 +6,11 @@ A checkpoint step directory holds two items:
          *new* run asks for (abstract targets), so a different rule file, mesh or process
          count reshards on load without a host copy of the whole state;
   meta   JSON: the step, the resolved config, the data position (the batch is a function of
-         the step; the grain iterator state is kept too) and a per-leaf fingerprint that is
-         checked after a restore, so silently damaged bytes are caught.
+         the step; the grain iterator state is kept too), a per-leaf fingerprint that is
+         checked after a restore, so silently damaged bytes are caught, and `layer_order`
+         where the state stored its layer stack in an interleaved pipeline's chunk order (none:
+         model order); a restore converts to the order its caller asks for (model order unless
+         said), so a checkpoint restores under any rule file (meshlab/parallel/pipeline/layout.py).
 
 Failure rules: orbax writes into a temporary directory and renames it when complete, so an
 interrupted save never shows up as a step. A step that exists but fails to restore (damaged
@@ -28,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from meshlab.parallel.pipeline.layout import META_KEY as LAYER_ORDER, reorder_placed
 
 # Relative tolerance of the fingerprint check: a restore onto another mesh sums the same
 # values in another order (float32), a damaged chunk moves a sum by far more.
@@ -106,8 +111,9 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state, meta: dict[str, Any], wait: bool = False) -> bool:
-        """Start a save of `state` at `step` (async unless `wait`). Refuses a state with a NaN
+    def save(self, step: int, state, meta: dict[str, Any], wait: bool = False, layer_order=None) -> bool:
+        """Start a save of `state` at `step` (async unless `wait`), its layer stack stored in
+        `layer_order` (None: model order; recorded in the meta). Refuses a state with a NaN
         or Inf; skips (with a note) a step that already exists rather than overwrite it."""
         if not bool(all_finite(state)):
             raise CheckpointError(f"refusing to save step {step}: the state holds NaN or Inf values "
@@ -120,6 +126,9 @@ class Checkpointer:
             return False
         meta = dict(meta, step=int(step), saved_at=time.time(),
                     fingerprint=np.asarray(jax.device_get(fingerprint(state))).tolist())
+        meta.pop(LAYER_ORDER, None)
+        if layer_order is not None:
+            meta[LAYER_ORDER] = [int(i) for i in layer_order]
         self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)), force=True)
         if wait or not self._async:
@@ -134,9 +143,15 @@ class Checkpointer:
         self.mgr.close()
 
     # -- restoring -------------------------------------------------------------------------
-    def restore(self, abstract_state, step: Optional[int] = None):
+    def restore(self, abstract_state, step: Optional[int] = None, layer_order=None):
         """(state, meta) from `step`, or from the latest complete step (falling back past
-        damaged ones). `abstract_state` carries the NEW run's shardings."""
+        damaged ones). `abstract_state` carries the NEW run's shardings, `layer_order` the
+        order it stores the layer stack in (None: model order); the checkpoint's recorded
+        order is converted to it (after the fingerprint check, which a reorder cannot move)."""
+        state, meta = self._restore_any(abstract_state, step)
+        return reorder_placed(state, meta.get(LAYER_ORDER), layer_order, donate=True), meta
+
+    def _restore_any(self, abstract_state, step: Optional[int]):
         steps = self.steps()
         if step is not None:
             if step not in steps:
@@ -203,7 +218,8 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
 
 def restore_params(directory: str | os.PathLike, abstract_params, step: Optional[int] = None):
     """(params, meta) of a run's checkpoint without the optimizer state, placed as `abstract_params`
-    (ShapeDtypeStructs with shardings: one device, or a serving mesh) says.
+    (ShapeDtypeStructs with shardings: one device, or a serving mesh) says, the layer stack in
+    model order whatever order the run stored it in.
 
     Read-only: a damaged step is skipped (never moved), nothing is written. The params' part of the
     fingerprint written at save time is checked: the state's leaves are ordered opt, params, step
@@ -250,7 +266,7 @@ def _restore_params_one(mgr, step: int, abstract_params):
     have = np.asarray(jax.device_get(fingerprint(params)), np.float64)
     if want.shape != have.shape or not np.allclose(have, want, rtol=_FINGERPRINT_RTOL, atol=1e-6):
         raise CheckpointError("its parameters do not match the fingerprint written at save time")
-    return params, meta
+    return reorder_placed(params, meta.get(LAYER_ORDER), None, donate=True), meta
 
 
 # Files of a tokenizer directory that serving reads (the vocabulary; the chat template and special tokens).

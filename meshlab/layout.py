@@ -65,11 +65,15 @@ class Layout:
     optimizer: dict          # Adam moments' spec per parameter, and the reduced gradient's
     batch: P
     manual: tuple[str, ...]  # the rule file's batch axes
+    # The stored order of the stacked layers (row k holds model layer layer_order[k]); None: model
+    # order. An interleaved pipeline's chunk order (meshlab/parallel/pipeline/layout.py).
+    layer_order: tuple[int, ...] | None = None
 
     @classmethod
     def build(cls, md, rules, mesh) -> "Layout":
+        from meshlab.parallel.pipeline.layout import stored_order
         return cls(rules, mesh, *(leaf_specs(md, rules, mesh, k) for k in ("params", "grads", "optimizer")),
-                   batch_spec(rules, mesh), rules.batch_axes(mesh))
+                   batch_spec(rules, mesh), rules.batch_axes(mesh), stored_order(rules, mesh, md.cfg.n_layers))
 
     def shardings(self, kind: str) -> dict:
         """NamedShardings of the `kind` tree (params | grads | optimizer)."""

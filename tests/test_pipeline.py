@@ -20,7 +20,8 @@ from flax import nnx
 import models
 from meshlab import rules as R
 from meshlab.mesh import make_mesh
-from meshlab.parallel.pipeline import LayoutError, ScheduleError, bubble, build, runner, schedules, theory_bubble
+from meshlab.parallel.pipeline import (LayoutError, ScheduleError, bubble, build, order_for, reorder, runner, schedules,
+                                       theory_bubble)
 from meshlab.plan import hlo
 from meshlab.plan import pipeline as plan_pp
 from meshlab.train import step as S
@@ -80,7 +81,8 @@ def rules_file(setup, p, schedule="1f1b", v=1):
 
 class Program:
     """One compiled pipelined loss-and-grads for `names` schedules of one shape (their tables padded),
-    on the first m x MB_ROWS rows."""
+    on the first m x MB_ROWS rows. The parameters go in as the state stores them (chunk order when
+    v > 1), the gradients are read back in model order."""
 
     def __init__(self, setup, p, m, names, v=1):
         md = setup["md"]
@@ -95,12 +97,15 @@ class Program:
                                              leaf_specs(md, self.rules, self.mesh, "grads"), self.rules, self.mesh,
                                              S.batch_spec(self.rules, self.mesh), m, first)
         batch = {k: v[:self.rows] for k, v in setup["batch"].items()}
-        self.args = (setup["params"], batch, jnp.float32(1.0), jnp.asarray(first.table))
+        self.order = order_for(CFG.n_layers, p, v)
+        self.args = (reorder(jax.device_get(setup["params"]), None, self.order), batch, jnp.float32(1.0),
+                     jnp.asarray(first.table))
         self.compiled = jax.jit(self.fn).lower(*self.args).compile(FAST_COMPILE)
 
     def run(self, name):
         loss, grads, _ = self.compiled(*self.args[:3], jnp.asarray(self.scheds[name].table))
-        return jax.device_get((loss, grads))
+        loss, grads = jax.device_get((loss, grads))
+        return loss, reorder(grads, self.order, None)
 
     @property
     def temp(self) -> int:
@@ -171,9 +176,24 @@ def test_four_stages_every_schedule_matches_one_device(setup):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_interleaved_matches_one_device(setup, p):
+    """The state stores the stack in chunk order, so the step reads it in place: no gather of the
+    whole stack (a permutation on entry, its inverse on the gradients) anywhere in the program."""
     prog = Program(setup, p, 4, ["interleaved"], v=2)
+    assert prog.order is not None and list(prog.order) != sorted(prog.order)
     assert_matches(setup, prog, "interleaved")
     assert not loop_copies(prog), "chunked layers: the tick loop copies whole buffers"
+    stack = {a.shape[1:] for a in jax.tree.leaves(setup["params"]["layers"])}
+    whole = [(e.primitive.name, e.invars[0].aval.shape) for e in _eqns(jax.make_jaxpr(prog.fn)(*prog.args).jaxpr)
+             if e.primitive.name in ("gather", "transpose", "concatenate") and e.invars[0].aval.ndim >= 2
+             and e.invars[0].aval.shape[1:] in stack and e.outvars[0].aval.shape == e.invars[0].aval.shape]
+    assert not whole, f"the step permutes the whole layer stack: {whole[:4]}"
+
+
+def _eqns(jx):
+    for eqn in jx.eqns:
+        yield eqn
+        for sub in _subjaxprs(eqn.params):
+            yield from _eqns(sub)
 
 
 def test_temp_memory_flat_for_1f1b_and_zb_growing_for_gpipe(curves):
@@ -240,6 +260,16 @@ def test_layers_that_do_not_divide_give_one_clear_error(setup):
         S.make_loss_and_grads(md, rules_file(setup, 4), mesh, 4)
     with pytest.raises(LayoutError, match=r"4 stages x 2 virtual stages needs model.n_layers divisible by 8"):
         S.make_loss_and_grads(md, rules_file(setup, 4, "interleaved", 2), mesh, 4)
+
+
+def test_a_schedule_that_reads_another_layer_order_is_refused(setup):
+    """The state under an interleaved rule file stores chunk order; a schedule forced over it with
+    other virtual stages would read the wrong layers: one error naming both orders."""
+    mesh = make_mesh("stage=2", jax.devices()[:2])
+    with pytest.raises(R.RulesError, match=r"stores its layers in chunk order \[0, 1, 4, 5.*1f1b pipeline over 2 "
+                                           r"stages x 1 virtual stages reads them in model order"):
+        S.make_loss_and_grads(setup["md"], rules_file(setup, 2, "interleaved", 2), mesh, 4,
+                              pipeline={"schedule": "1f1b", "virtual": 1})
 
 
 def test_rule_file_errors(setup, tmp_path):

@@ -202,5 +202,5 @@ def _load_run(path: Path, dtype, rules, mesh, overrides: dict):
         shardings = jax.tree.map(lambda _: one, md.abstract)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), md.abstract, shardings)
     ckpt_dir = (raw.get("checkpoint") or {}).get("dir") or path / "checkpoints"
-    params, _ = restore_params(ckpt_dir, target)
+    params, _ = restore_params(ckpt_dir, target)   # model order, whatever order a pipeline stored
     return cfg, md, params, run_tokenizer(path, raw)

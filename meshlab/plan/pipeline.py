@@ -91,7 +91,8 @@ def stage_table(cfg, rules, mesh, seq: int) -> list[str]:
     layer = sum(per.values())
     head = 2 * cfg.d_model * cfg.padded_vocab
     lines = [f"pipeline: {pipe['schedule']} over {p} stages x {v} virtual"
-             + (" (stage s runs chunks s, p+s, ..; the state keeps model order)" if v > 1 else "")]
+             + (" (stage s runs chunks s, p+s, ..; the state stores the layers in that chunk order, "
+                "checkpoints record it)" if v > 1 else "")]
     loads = []
     for s, chunks in enumerate(layout.stage_map(cfg.n_layers, p, v)):
         flops = layer * sum(len(ls) for _, ls in chunks) + (head if s == p - 1 else 0)

@@ -25,6 +25,7 @@ import models
 from meshlab import rules as rules_mod
 from meshlab.checkpoint import Checkpointer, write_run_tokenizer
 from meshlab.layout import Layout, to_shardings
+from meshlab.parallel.pipeline.layout import reorder
 from meshlab.mesh import make_mesh, format_sizes
 from meshlab.tokenizer import ByteTokenizer
 from meshlab.peak import measured_gemm_flops, mfu, peak_flops
@@ -169,7 +170,9 @@ def make_eval(tr: Trainer):
     rep = NamedSharding(tr.mesh, P())
 
     def loss_sums(params, batch):
-        model = tr.md.bind(params)
+        # An interleaved pipeline's state stores chunk order: the forward runs model order (a gather
+        # of the layer stack per validation batch, never in the train step).
+        model = tr.md.bind(reorder(params, tr.layout.layer_order, None))
         h = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
         return model.loss_sum(h, batch["labels"]), jnp.sum(batch["labels"] >= 0).astype(jnp.float32)
     return tr.layout.jit(loss_sums, in_shardings=(tr.shardings["params"], {k: data_sh for k in BATCH_KEYS}),
@@ -255,11 +258,12 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
     """(state, start step): fresh, or restored into this run's shardings."""
     cfg = tr.cfg
     if not cfg.checkpoint.resume:
-        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16, initial_scale=cfg.loss_scale_init), 0
+        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16, initial_scale=cfg.loss_scale_init,
+                          layer_order=tr.layout.layer_order), 0
     if ckpt is None:
         raise ValueError("checkpoint.resume needs a run that writes its run directory (write=True)")
     step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
-    state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step)
+    state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step, layer_order=tr.layout.layer_order)
     _check_resume_step(cfg, int(meta["step"]), ckpt, restored=True)
     saved = meta.get("data", {})
     now = {"seed": cfg.data.seed, "global_batch": cfg.data.global_batch, "seq_len": cfg.data.seq_len,
@@ -439,7 +443,8 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             pending = None
         if ckpt and (ckpt.should_save(done) or stopping or (done == cfg.steps and cfg.checkpoint.at_end)):
             with watchdog.paused():
-                ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps)
+                ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps,
+                          layer_order=tr.layout.layer_order)
         if stopping:
             interrupted = done
             break
@@ -508,7 +513,7 @@ def write_sample(tr: Trainer, state, run_dir: Path) -> str:
     tok = ByteTokenizer()
     # Gathered onto one device once (not a host copy passed to every token's call, which would
     # move the whole model host -> device per token).
-    params = jax.device_put(jax.device_get(state["params"]), jax.devices()[0])
+    params = jax.device_put(reorder(jax.device_get(state["params"]), tr.layout.layer_order, None), jax.devices()[0])
     prompt = tok.encode(tr.cfg.sample_prompt)
     ids = sample_tokens(tr.md, params, prompt, tr.cfg.sample_tokens, tr.cfg.data.seq_len * 2, seed=tr.cfg.seed)
     text = tr.cfg.sample_prompt + tok.decode(ids)

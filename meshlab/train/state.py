@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from meshlab.layout import Layout, is_spec
+from meshlab.parallel.pipeline.layout import reorder
 from meshlab.rules import Rules
 from models import ModelDef
 
@@ -35,10 +36,13 @@ def state_specs(md: ModelDef, rules: Rules, mesh, tx, loss_scaling: bool, layout
     return specs
 
 
-def _init_fn(md: ModelDef, tx, loss_scaling: bool, initial_scale: float):
-    """key -> the whole train state; one definition for the real and the abstract state."""
+def _init_fn(md: ModelDef, tx, loss_scaling: bool, initial_scale: float, layer_order=None):
+    """key -> the whole train state; one definition for the real and the abstract state. The layer
+    stack stored in `layer_order` (Layout.layer_order: an interleaved pipeline's chunk order; None:
+    model order), so a layout's fresh state is the model of the same seed under any rule file."""
     def init(key):
         params = nnx.to_pure_dict(nnx.state(models.build(md.cfg, nnx.Rngs(key)), nnx.Param))
+        params = reorder(params, None, layer_order)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": tx.init(params)}
         if loss_scaling:
             state["loss_scale"] = {"scale": jnp.asarray(initial_scale, jnp.float32),
@@ -47,9 +51,11 @@ def _init_fn(md: ModelDef, tx, loss_scaling: bool, initial_scale: float):
     return init
 
 
-def init_state(md: ModelDef, tx, shardings, seed: int, loss_scaling: bool, initial_scale: float = 2.0 ** 15):
-    """Initialise directly into the target shardings (no host copy of the whole model)."""
-    init = _init_fn(md, tx, loss_scaling, initial_scale)
+def init_state(md: ModelDef, tx, shardings, seed: int, loss_scaling: bool, initial_scale: float = 2.0 ** 15,
+               layer_order=None):
+    """Initialise directly into the target shardings (no host copy of the whole model), the layers in
+    `layer_order` (the layout's: Layout.layer_order)."""
+    init = _init_fn(md, tx, loss_scaling, initial_scale, layer_order)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 

@@ -211,6 +211,7 @@ def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipel
                                    "per_layer (each layer's weights gathered per micro-batch) or keep")
     sched = runner.schedule_for(rules, mesh, microbatches, md.cfg.n_layers, pipeline)
     layout = layout or Layout.build(md, rules, mesh)
+    runner.check_order(layout.layer_order, sched, md.cfg.n_layers, rules)
     return runner.make_loss_and_grads(stage_fns(md, packed), md.names, layout.params, layout.grads, rules, mesh,
                                       layout.batch, microbatches, sched)
 

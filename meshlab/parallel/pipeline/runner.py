@@ -8,6 +8,8 @@ parameters outside the layer stack (embedding, final norm, LM head) are summed o
 then the data-parallel sums (FSDP's per-layer reduce-scatter is the transpose of its gather and
 has happened inside; ZeRO-2 scatters, data parallelism all-reduces, once per step).
 Returns what the plain step returns: (loss, gradients in the accumulator's sharding, valid tokens).
+The parameters come in the order the state stores them (layout.py: chunk order when virtual > 1),
+which is the order the executor reads its chunks in; the gradients leave in the same order.
 """
 from __future__ import annotations
 
@@ -39,6 +41,18 @@ def schedule_for(rules, mesh, microbatches: int, n_layers: int, pipeline: dict |
     return schedules.build(pipe["schedule"], p, microbatches, pipe["virtual"])
 
 
+def check_order(stored, sched: schedules.Schedule, n_layers: int, rules) -> None:
+    """The state's stored layer order (Layout.layer_order) is the one the schedule reads its chunks in."""
+    want = layout.order_for(n_layers, sched.stages, sched.virtual)
+    if stored != want:
+        raise rules_mod.RulesError(
+            f"{rules.path}: the train state stores its layers in {'model' if stored is None else 'chunk'} order "
+            f"{list(stored or range(n_layers))[:8]}.., but a {sched.name} pipeline over {sched.stages} stages x "
+            f"{sched.virtual} virtual stages reads them in {'model' if want is None else 'chunk'} order "
+            f"{list(want or range(n_layers))[:8]}..; build the Layout from the rule file that names this pipeline "
+            "(a forced `pipeline` must keep the rule file's virtual stages)")
+
+
 def check_specs(rules, mesh, names: dict, store: dict, layers_key: str) -> None:
     """The layer stack is split over `stage` and nothing else is."""
     p = mesh.shape[AXIS]
@@ -59,8 +73,10 @@ def check_specs(rules, mesh, names: dict, store: dict, layers_key: str) -> None:
 
 def make_loss_and_grads(fns: executor.StageFns, names: dict, store: dict, acc: dict, rules, mesh, data_spec: P,
                         microbatches: int, sched: schedules.Schedule, layers_key: str = "layers"):
-    """(params, batch, scale[, table]) -> (loss, grads, valid tokens). `table` defaults to the schedule's;
-    passing another of the same shape (schedules.Schedule.padded) reuses the compiled program."""
+    """(params, batch, scale[, table]) -> (loss, grads, valid tokens), the layer stack of `params` and of
+    the gradients in the schedule's stored order (layout.order_for: chunk order when virtual > 1).
+    `table` defaults to the schedule's; passing another of the same shape (schedules.Schedule.padded)
+    reuses the compiled program."""
     check_specs(rules, mesh, names, store, layers_key)
     manual = tuple(rules.batch_axes(mesh)) + ((AXIS,) if mesh.shape[AXIS] > 1 else ())
     batch_axes = rules.batch_axes(mesh)
@@ -85,28 +101,15 @@ def make_loss_and_grads(fns: executor.StageFns, names: dict, store: dict, acc: d
 
     def run(params, batch, scale, table=None):
         table = default_table if table is None else table
-        if sched.virtual > 1:   # model order -> chunk order (layout.py): a collective over `stage`
-            order = layout.chunk_order(_stack_len(params, layers_key), sched.stages, sched.virtual)
-            params = {**params, layers_key: jax.tree.map(lambda a: jnp.take(a, order, axis=0), params[layers_key])}
-            params = jax.lax.with_sharding_constraint(params, jax.tree.map(
-                lambda s: jax.sharding.NamedSharding(mesh, s), store, is_leaf=is_p))
         if manual:
             in_specs = (jax.tree.map(lambda s: _only(s, manual), store, is_leaf=is_p),
                         {k: _only(data_spec, manual) for k in batch}, P(), P())
             out_specs = (P(), jax.tree.map(lambda s: _only(s, manual), acc, is_leaf=is_p), P())
-            loss, grads, n_valid = compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                                    axis_names=manual)(params, batch, scale, table)
-        else:   # one stage and no data parallelism: the executor forced on one device, measured on its own
-            loss, grads, n_valid = body(params, batch, scale, table)
-        if sched.virtual > 1:
-            inverse = jnp.argsort(jnp.asarray(order))
-            grads = {**grads, layers_key: jax.tree.map(lambda a: jnp.take(a, inverse, axis=0), grads[layers_key])}
-        return loss, grads, n_valid
+            return compat.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                    axis_names=manual)(params, batch, scale, table)
+        # one stage and no data parallelism: the executor forced on one device, measured on its own
+        return body(params, batch, scale, table)
     return run
-
-
-def _stack_len(params, layers_key) -> int:
-    return jax.tree.leaves(params[layers_key])[0].shape[0]
 
 
 def _reduce(g, st: P, ac: P, batch_axes):
