@@ -9,7 +9,8 @@ its gradients and Adam moments come out in the same order. No permutation runs i
 
 Where it is declared: the rule file's `strategies.pipeline.virtual` with the mesh's `stage` size
 (`stored_order`), computed once per program by `meshlab.layout.Layout.build` (`Layout.layer_order`:
-None for model order). The step checks that the schedule it runs reads the stack in that order.
+None for model order). The step checks that the schedule it runs reads the stack in that order; a
+fresh state is initialised in it (meshlab/train/state.py), so every layout starts from the same model.
 
 Checkpoints record the order they were written in (meta key `layer_order`: stacked row k holds model
 layer order[k]; no key means model order, as every checkpoint written before the record did). A
@@ -18,7 +19,8 @@ fsdp / dp / non-interleaved pipelines (model order), or an interleaved pipeline 
 virtual stages, in either direction. Whatever reads parameters as a model sees model order: serving
 (`meshlab.checkpoint.restore_params`, and through it Hugging Face export), the validation forward
 and the end-of-run sample (converted in their programs), the planner and explain.py (stage_map
-names model layers).
+names model layers). What converting costs: one gather of the layer leaves (a collective over
+`stage`) per restore, per fresh init and per validation batch; never per train step.
 """
 from __future__ import annotations
 
