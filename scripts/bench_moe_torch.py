@@ -113,7 +113,7 @@ def run(a) -> dict:
     m = ours(cfg)
     tok_s = a.batch * a.seq / dt
     return {"peer": f"transformers {__import__('transformers').__version__} Mixtral, experts {impl}, {compiled}, "
-                    f"AMP bf16, AdamW {opt_note}",
+                    f"AMP bf16, AdamW {opt_note}, router aux loss on",
             "model": "tiny" if a.tiny else a.model, "batch": a.batch, "seq": a.seq, "tokens_per_s": tok_s,
             "step_ms": dt * 1e3, "mfu": tok_s * m.train_flops_per_token(a.seq) / DATASHEET_BF16_FLOPS["h200"],
             "active_params": m.matmul_param_count(), "loss": float(loss.detach()), "warmup_s": warm_s,
