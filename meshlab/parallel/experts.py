@@ -37,7 +37,8 @@ i's expert GEMMs. Routing, capacity and drops are decided before the cut, so the
             ceil(cP/n) .. ceil((c+1)P/n)), each a [ep, ceil(A/n), d] buffer: still the exact worst
             case, so still no overflow. On one device (nothing to exchange) the sorted rows are cut
             into n static slices: it prices the smaller GEMMs alone.
-The cost: n smaller GEMMs and, dropless with ep > 1, a re-sort of each received piece by expert.
+The cost: n smaller GEMMs, n partial weight gradients summed (one [E/ep, d, f] read per extra piece
+and weight) and, dropless with ep > 1, a re-sort of each received piece by expert.
 """
 from __future__ import annotations
 
