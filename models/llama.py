@@ -4,7 +4,8 @@ Parameters carry logical axis names only (`logical=` metadata); activations are 
 `meshlab.rules.constrain`; every weight goes through `materialize` (cast to the compute dtype,
 gathered when stored sharded) right where it is used, so FSDP's gather happens per layer inside
 the layer scan. Matmuls take bf16 (or fp16/fp32) operands, accumulate in fp32 inside the GEMM and write the
-compute dtype (`_mm`); the fp32 master weights live in the train state.
+compute dtype (`_mm`); the fp32 master weights live in the train state. Serving (this step's
+tokens over a KV cache, prompt chunks and decode) is models/serving.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
 from meshlab.rules import constrain, materialize
 from models import fp8
 from models.remat import REMAT_POLICIES, remat as _remat
-from pallas_kernels import cross_entropy_onepass as fused_ce_onepass, decode_matmul as decode_kernels
+from pallas_kernels import cross_entropy_onepass as fused_ce_onepass
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
@@ -60,8 +61,8 @@ class LlamaConfig:
     loss_impl: str = "dense"
     # onepass's token slab. Each slab after the first costs one dW read-modify-write (fp32 [d, V]:
     # 2.1 GB at llama3_1b); a larger slab holds more logits (fp32 + bf16 dlogits: 3.2 GB per 4096
-    # tokens at V=128256). llama3_1b step, batch 4 x 4096, H200 (docs/benchmarks.md#fused-ops):
-    # 8192 ran 1.004-1.010x dense in two calls at 35.2 GiB (dense 41.6); 4096 ran 1.000x at 31.4.
+    # tokens at V=128256). At llama3_1b, 8192 keeps dense's speed in less memory and 4096 trades a
+    # little speed for less still (docs/benchmarks.md#fused-ops).
     loss_chunk: int = 8192
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
@@ -187,24 +188,8 @@ def _layer_mm(cfg: LlamaConfig):
     matmul_dtype=float8. The LM head, the embedding and attention stay in the compute dtype, as
     torchao's and Transformer Engine's float8 recipes leave them: the head's logits feed the softmax
     and the loss, attention's scores its softmax, the numerically sensitive places for a 3-bit
-    mantissa (the head is also tied to the embedding here). Serving (`cached`) keeps `_mm`."""
+    mantissa (the head is also tied to the embedding here). Serving (models/serving.py) keeps `_mm`."""
     return fp8.fp8_einsum if cfg.matmul_dtype == "float8" else _mm
-
-
-def _mm_decode(spec, x, w):
-    """_mm for the serving path, x [b, t, ...]. At one token (b*t == 1) XLA:GPU drops the unit dims,
-    sees a vector x matrix dot, and below ~10M elements rewrites it into a multiply + reduce
-    (its algebraic simplifier's dot strength reduction): for wo that wrote and re-read a
-    weight-sized product (8.4 MB per layer, 16 us instead of ~2 in the H200 decode HLO).
-    A second, zero row keeps it a GEMM; the weights are read once either way."""
-    if x.shape[0] * x.shape[1] != 1:
-        return _mm(spec, x, w)
-    return _mm(spec, _zero_row(x), w)[:, :1]                               # [1, 1, ...]
-
-
-def _zero_row(x):
-    """x [1, 1, ...] -> [1, 2, ...] with a zero second row (_mm_decode's, carried further at decode)."""
-    return jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -274,37 +259,6 @@ class Attention(nnx.Module):
         out = scattered_matmul(mm, "bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
-    def cached(self, x, positions, attend, cache, wqkv=None):
-        """Serving path: this step's tokens only; `attend(q, k, v, cache) -> (o, cache)` writes k/v into the KV
-        cache and attends over it (the cache layout, contiguous or paged, lives in meshlab/infer).
-        wqkv [d, h + 2 kvh, hd]: wq|wk|wv concatenated once at load (serving layers="fused"): one GEMM
-        launch and one pass over x instead of three small ones; then self.wq/wk/wv are not read."""
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        fused = getattr(attend, "fused", None) if wqkv is not None else None
-        b, t = x.shape[:2]
-        if fused is not None:                                      # RoPE + cache write + attention: one kernel
-            # One token: _mm_decode's zero second row is added here once and rides through the kernel
-            # (which returns it as a zero row of o) into the wo GEMM: no slice before the kernel, no
-            # pad after its split merge (two XLA launches per layer at batch 1).
-            xin = _zero_row(x) if b * t == 1 else x                                              # [b, t', d]
-            qkv = _mm("bsd,dhk->bshk", xin, wqkv)                                                # [b, t', h + 2 kvh, hd]
-            inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-            o, cache = fused(qkv, inv_freq, cache)                                               # [b, t', h, hd]
-            out = _mm("bshk,hkd->bsd", o, _w(self.wo, dt))[:, :t]                               # [b, t, d]
-        else:
-            if wqkv is None:
-                q = _mm_decode("bsd,dhk->bshk", x, _w(self.wq, dt))   # [b, t, h, hd]
-                k = _mm_decode("bsd,dhk->bshk", x, _w(self.wk, dt))   # [b, t, kvh, hd]
-                v = _mm_decode("bsd,dhk->bshk", x, _w(self.wv, dt))   # [b, t, kvh, hd]
-            else:
-                qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
-                q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
-            q, k = apply_rope(cfg, q, k, positions)
-            o, cache = attend(q, k, v, cache)                                                         # [b, t, h, hd]
-            out = _mm_decode("bshk,hkd->bsd", o, _w(self.wo, dt))                                     # [b, t, d]
-        return constrain(out, ("act_batch", "act_seq", "act_embed")), cache
-
-
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
@@ -347,44 +301,6 @@ class Block(nnx.Module):
         with jax.named_scope("mlp"):
             x = x + self.mlp(normed, _layer_mm(self.attn.cfg))
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
-
-    def cached(self, x, positions, attend, cache, fused=None, kernels=False):  # serving: the KV cache threads through
-        """fused: {"wqkv", "w_gate_up" [d, 2f]}, weights concatenated once at load (see Attention.cached);
-        gate and up then come from one GEMM, followed by the MLP's own fp32 SiLU * up and down GEMM.
-        kernels: a decode token (t == 1, at most decode_kernels.ROWS rows) with the one-kernel attention
-        goes through `decode_step` instead."""
-        b, t, _ = x.shape
-        if kernels and fused is not None and t == 1 and b <= decode_kernels.ROWS \
-                and getattr(attend, "fused", None) is not None:
-            return self.decode_step(x, attend, cache, fused)
-        h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache,
-                                    wqkv=None if fused is None else fused["wqkv"])
-        x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
-        if fused is None:
-            x = x + self.mlp(self.mlp_norm(x))
-        else:
-            gate, up = jnp.split(_mm("bsd,df->bsf", self.mlp_norm(x), fused["w_gate_up"]), 2, axis=-1)  # [b, t, f] x2
-            x = x + self.mlp.down((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype))
-        return constrain(x, ("act_batch", "act_seq", "act_embed")), cache
-
-
-    def decode_step(self, x, attend, cache, fused):
-        """One decode token per row in five launches: [norm + q|k|v], [RoPE + cache write + attention],
-        [wo + residual], [norm + gate|up + SwiGLU], [down + residual]; the same math and roundings
-        as `cached` (pallas_kernels/decode_matmul.py says why: at decode batch the layer's small XLA
-        kernels cost about a third of the step)."""
-        cfg, dt = self.attn.cfg, jnp.dtype(self.attn.cfg.dtype)
-        b, _, d = x.shape
-        mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, interpret=_interpret())
-        x = x.reshape(b, d)                                                                  # [b, d]
-        qkv = mm(x, fused["wqkv"].reshape(d, -1), norm_scale=_w(self.attn_norm.scale, F32))  # [b, (h + 2 kvh) hd]
-        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-        o, cache = attend.fused(qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)       # [b, 1, h, hd]
-        x = mm(o.reshape(b, -1), _w(self.attn.wo, dt).reshape(-1, d), residual=x)           # [b, d]
-        h = mm(x, fused["w_gate_up"], norm_scale=_w(self.mlp_norm.scale, F32), swiglu=True)  # [b, f]
-        x = mm(h, _w(self.mlp.w_down, dt), residual=x)                                      # [b, d]
-        return x.reshape(b, 1, d), cache
-
 
 # -- the model -------------------------------------------------------------------------------
 def layer_loop(body, x, block_state, cfg):
@@ -453,50 +369,6 @@ class Llama(nnx.Module):
         """The last layer's output [b, s, d] -> final norm -> sum of the token losses (fp32 scalar)."""
         return self.loss_sum(self.final_norm(x), labels)
 
-    def cached(self, tokens, positions, cache, attend, unroll: bool = False, layers=None, kernels: bool = False):
-        """Serving forward of this step's tokens over a KV cache (prefill chunk or decode token).
-
-        tokens/positions [b, t]; `cache` is any pytree (meshlab/infer owns its layout) carried through
-        the layer scan, so each layer updates only its new tokens in place; `attend(layer, q, k, v,
-        cache) -> (o, cache)`. Returns (final-normed hidden [b, t, d], cache). No remat: no backward.
-        unroll=True unrolls the layer loop: static per-layer weight slices instead of dynamic ones.
-        layers: the per-layer params as a list of pure dicts, each its own buffers (meshlab.infer.engine
-        splits them once at load); the layers then run as a Python loop with no slicing at all, and
-        `self.layers` gives only the block structure. Why: XLA copies a slice of a stacked weight,
-        static or dynamic, into a temporary before the GEMM reads it (CPU- and H200-compiled HLO), which
-        triples the weight bytes of a bandwidth-bound decode step (389 -> 623 tokens/s at batch 1). An entry may be a pair (params,
-        fused) with concatenated projection weights (Block.cached). kernels: decode tokens of those
-        fused layers run through Pallas kernels only (Block.decode_step).
-        """
-        dt = jnp.dtype(self.cfg.dtype)
-        x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
-        block_def, block_state = nnx.split(self.layers)
-        # One token through fused layers and the one-kernel attention (which passes padding rows
-        # through as zeros): the residual stream carries _mm_decode's zero second row from here to
-        # the head, so no layer pads or slices for its one-token GEMMs (each a launch at batch 1).
-        # A zero row stays zero through RMSNorm, the GEMMs, attention's output, SwiGLU and the adds.
-        two_rows = (tokens.shape == (1, 1) and layers is not None and not kernels
-                    and getattr(attend, "fused", None) is not None and isinstance(layers[0], tuple))
-        if two_rows:
-            x = _zero_row(x)                                                                 # [1, 2, d]
-        if layers is not None:
-            for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
-                one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
-                block = nnx.merge(block_def, one_layer)
-                layer_attend = functools.partial(attend, i)
-                if getattr(attend, "fused", None) is not None:     # the one-kernel decode attention (kv_cache)
-                    layer_attend.fused = functools.partial(attend.fused, i)
-                x, cache = block.cached(x, positions, layer_attend, cache, fused=fused, kernels=kernels)
-            return self.final_norm(x[:, :1] if two_rows else x), cache
-
-        def layer(carry, xs):
-            (x, cache), (one_layer, i) = carry, xs
-            block = nnx.merge(block_def, one_layer)
-            return block.cached(x, positions, lambda q, k, v, c: attend(i, q, k, v, c), cache), None
-
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(self.cfg.n_layers)), unroll=unroll)
-        return self.final_norm(x), cache
-
     def head_weight(self):
         """The output projection [d, V] in the compute dtype (the embedding, transposed, when tied)."""
         dt = jnp.dtype(self.cfg.dtype)
@@ -537,7 +409,7 @@ class Llama(nnx.Module):
         if self.cfg.loss_impl == "dense":
             logits = self.logits(h)                                       # [b, s, V]
             lse = jax.nn.logsumexp(logits, axis=-1)                       # [b, s]
-            label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+            label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]   # [b, s]
             return jnp.where(valid, lse - label_logit, 0.0)
         b, s, d = h.shape
         flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]
@@ -546,4 +418,4 @@ class Llama(nnx.Module):
         else:   # never holds the [b*s, V] logits (pallas_kernels/fused_cross_entropy.py)
             losses = fused_ce.fused_cross_entropy(flat_h, self.head_weight(), flat_y, ignore_index=-1,
                                                   interpret=_interpret())
-        return losses.reshape(b, s)
+        return losses.reshape(b, s)                                       # [b, s]

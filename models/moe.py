@@ -174,19 +174,11 @@ class MoeBlock(nnx.Module):
             y, stats = self.moe(normed)
         return constrain(x + y, ("act_batch", "act_seq", "act_embed")), stats
 
-    def cached(self, x, positions, attend, cache, fused=None, kernels=False):
-        """Serving (Llama.cached drives it): attention over the KV cache, then the experts. `fused`
-        may carry a q|k|v concatenation; the experts take no fused form."""
-        wqkv = None if fused is None else fused.get("wqkv")
-        h, cache = self.attn.cached(self.attn_norm(x), positions, attend, cache, wqkv=wqkv)
-        x = constrain(x + h, ("act_batch", "act_seq", "act_embed"))
-        y, _ = self.moe(self.mlp_norm(x))
-        return constrain(x + y, ("act_batch", "act_seq", "act_embed")), cache
-
 
 # -- the model -------------------------------------------------------------------------------------
 class MoeLM(Llama):
-    """Llama's embedding, head, losses and serving loop over MoE blocks."""
+    """Llama's embedding, head and losses over MoE blocks; served by models/serving.py (the experts
+    are the block's feed-forward there too)."""
     block_cls = MoeBlock
 
     def hidden_and_aux(self, tokens, positions=None, segment_ids=None):

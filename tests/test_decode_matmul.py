@@ -1,5 +1,5 @@
 """pallas_kernels/decode_matmul.py against its jnp reference (interpret mode), its errors, its CUDA
-lowering, and Block.decode_step against the block's XLA serving path."""
+lowering, and models/serving.py's decode_step against the block's XLA serving path."""
 import dataclasses
 
 import jax
@@ -90,6 +90,7 @@ def test_block_decode_step_matches_block_cached():
     import models
     from meshlab.infer import kv_cache
     from meshlab.infer.engine import _fuse
+    from models.serving import block_step
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
     model = models.build(cfg, nnx.Rngs(0))
     block = nnx.merge(*nnx.split(model.layers))           # stacked params; take layer 0 below
@@ -102,14 +103,12 @@ def test_block_decode_step_matches_block_cached():
     table = jnp.arange(1, b * pages + 1, dtype=jnp.int32).reshape(b, pages)
     positions = jnp.array([[0], [5], [13]], jnp.int32)
     attend = kv_cache.paged_attend(positions, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
-    layer_attend = lambda *a: attend(0, *a)  # noqa: E731
-    layer_attend.fused = lambda *a: attend.fused(0, *a)
     x = jax.random.normal(jax.random.PRNGKey(4), (b, 1, cfg.d_model), jnp.float32)
-    want, want_cache = one.cached(x, positions, layer_attend, cache, fused=fused)
-    got, got_cache = one.cached(x, positions, layer_attend, cache, fused=fused, kernels=True)
+    want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
+    got, got_cache = block_step(one, x, positions, attend, 0, cache, fused=fused, kernels=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     for name in ("k", "v"):   # the new k/v come from q|k|v sums in another order: fp32 rounding apart
         np.testing.assert_allclose(np.asarray(got_cache[name]), np.asarray(want_cache[name]), rtol=1e-5, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(lambda x: one.cached(x, positions, layer_attend, cache, fused=fused,
+    jaxpr = str(jax.make_jaxpr(lambda x: block_step(one, x, positions, attend, 0, cache, fused=fused,
                                                     kernels=True)[0])(x))
     assert jaxpr.count("pallas_call[") == 5 and "name=decode_matmul" in jaxpr   # 4 matmuls + the attention

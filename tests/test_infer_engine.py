@@ -63,7 +63,7 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
 
 @pytest.mark.parametrize("layers", ["split", "fused"])
 def test_batch_one_decode_equals_uncached(tiny, layers):
-    """One sequence, one token per step: the q|k|v and wo GEMMs take models/llama._mm_decode's
+    """One sequence, one token per step: the q|k|v and wo GEMMs take models/serving._mm_decode's
     zero-second-row path (the shape the batch-1 GPU benchmark times)."""
     md, params, fwd = tiny
     prompt = [5, 6, 7]

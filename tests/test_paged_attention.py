@@ -234,7 +234,7 @@ def test_one_token_stream_carries_the_zero_row():
     import models
     from meshlab.infer import kv_cache
     from meshlab.infer.engine import _unfused_placeholders, serving_params
-    from models import model_def
+    from models import model_def, serving
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
     md = model_def(cfg)
     served = serving_params(md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param)), "fused")
@@ -242,7 +242,8 @@ def test_one_token_stream_carries_the_zero_row():
     per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in served["layers"]]
     cache, table, pos = kv_cache.init_paged(cfg, 9, 4), jnp.arange(1, 5, dtype=jnp.int32)[None], jnp.full((1, 1), 5)
     attend = kv_cache.paged_attend(pos, jnp.ones((1, 1), bool), table, "pallas", interpret=True)
-    text = str(jax.make_jaxpr(lambda t: model.cached(t, pos, cache, attend, layers=per_layer)[0])(jnp.ones((1, 1), jnp.int32)))
+    text = str(jax.make_jaxpr(lambda t: serving.forward(model, t, pos, cache, attend, layers=per_layer)[0])(
+        jnp.ones((1, 1), jnp.int32)))
     assert text.count("concatenate") == 1
     assert re.findall(r"let paged_decode_attention\w* = \{ lambda ; \w+:f32\[(\d+),", text) == ["2"]
 

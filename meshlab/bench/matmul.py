@@ -2,7 +2,7 @@
 
 Each op at the model's shapes: [norm + q|k|v], [wo + residual], [norm + gate|up + SwiGLU],
 [down + residual]. The XLA peer is the same math as the model's serving path writes it (the
-zero second row at one token, models/llama.py _mm_decode), jitted, so XLA fuses what it can.
+zero second row at one token, models/serving.py _mm_decode), jitted, so XLA fuses what it can.
 Both are timed over enough distinct weight copies (>= 2 GB) that every call reads its weight
 from HBM, not from the 50 MB L2 a repeated 8 MB weight would sit in, and that one timed call
 holds ~0.5 ms of device work: with 16 copies (200 MB) the host's dispatch set the time (H200,

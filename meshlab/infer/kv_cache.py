@@ -1,6 +1,6 @@
-"""KV caches, contiguous and paged, and the `attend` functions the model's cached path calls.
+"""KV caches, contiguous and paged, and the `Attend` each step hands the model's serving forward.
 
-The model (`Llama.cached`) knows nothing about the layout: it hands each layer's new q/k/v to
+The model (models/serving.py) knows nothing about the layout: it hands each layer's new q/k/v to
 `attend(layer, q, k, v, cache)`, which writes k/v into the cache and attends over it. Both
 layouts keep KV heads only (GQA: a group of query heads reads one cached head), stacked over
 layers in one array per k/v so the layer scan updates only the new tokens in place (the cache is
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from meshlab.rules import constrain
+from models.serving import Attend
 
 FUSED_MAX_BATCH = 16   # paged_attend: largest batch that uses the RoPE + write + attention kernel
 CONTIGUOUS_NAMES = (None, "cache_batch", "cache_seq", "cache_kv_heads", None)
@@ -70,7 +71,7 @@ def dense_attention(q, k, v, q_pos):
 
 
 def contiguous_attend(positions, valid):
-    """attend() for the contiguous layout; positions/valid [b, t] for this step's tokens."""
+    """The Attend of the contiguous layout; positions/valid [b, t] for this step's tokens."""
     def attend(layer, q, k, v, cache):
         b, t = positions.shape
         max_len = cache["k"].shape[2]
@@ -81,7 +82,7 @@ def contiguous_attend(positions, valid):
                for name, x in (("k", k), ("v", v))}
         o = dense_attention(q, new["k"][layer], new["v"][layer], positions)
         return o, new
-    return attend
+    return Attend(attend)
 
 
 def gathered_attention(q, cache, layer, page_table, q_pos):
@@ -116,7 +117,7 @@ def windowed_flash_attention(q, cache, layer, table, start, interpret: bool = Fa
 
 def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_table, impl: str = "xla",
                   interpret: bool = False, prefill: str = "auto"):
-    """attend() for a token-packed step: this step's T tokens as one stream [1, T], laid out as
+    """The Attend of a token-packed step: this step's T tokens as one stream [1, T], laid out as
     n_dec decode tokens (one per sequence) then k prompt-chunk rows of `chunk` tokens (one
     sequence per row, padding at its end): T = n_dec + k * chunk, shapes only (no flags).
 
@@ -165,7 +166,7 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
                 o = gathered_attention(qp, new, layer, pre_table, pos)
             outs.append(o.reshape(k_rows * chunk, h, d))
         return jnp.concatenate(outs)[None], new                                           # [1, T, h, d]
-    return attend
+    return Attend(attend)
 
 
 def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cache_shape, max_pages: int) -> str:
@@ -184,12 +185,12 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
 
 
 def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False):
-    """attend() for the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
+    """The Attend of the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
 
     impl="xla" gathers the sequence's pages and runs dense attention (any t); impl="pallas" uses
     the paged decode kernel for t == 1 (reads pages in place through the table, no gather). With
-    impl="pallas" the function also carries `attend.fused(layer, qkv, inv_freq, cache)` for t == 1:
-    the projections before RoPE in, RoPE + cache write + attention in one kernel
+    impl="pallas" the Attend also offers `fused(layer, qkv, inv_freq, cache)` for t == 1: the
+    projections before RoPE in, RoPE + cache write + attention in one kernel
     (pallas_kernels.paged_attention.paged_decode_attention); the model uses it when it has them
     concatenated (serving layers="fused"). impl="pallas_unfused": the kernel without that fusion
     (XLA's RoPE and scatter around it), kept for the benchmark's A/B.
@@ -230,5 +231,4 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
-    attend.fused = fused if impl == "pallas" and positions.shape[1] == 1 and small else None
-    return attend
+    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None)

@@ -9,8 +9,8 @@ temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan
 alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and w_gate|w_up per
 layer (two GEMM launches instead of five; XLA's own dot merger would concatenate them at run
 time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused" whose decode
-tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches (models/llama.py
-Block.decode_step; slower than "fused" today, docs/benchmarks.md). layers="scan" | "unroll"
+tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches (models/serving.py
+decode_step; slower than "fused" today, docs/benchmarks.md). layers="scan" | "unroll"
 keep the stacked params.
 
 Programs:
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from meshlab.infer import kv_cache
 from meshlab.infer.sampler import sample
+from models import serving
 
 TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's limit)
 
@@ -104,8 +105,8 @@ def _step_fn(md, layout: str, impl: str = "xla", interpret: bool = False, layers
             attend = kv_cache.contiguous_attend(positions, valid)
         else:
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
-        h, cache = model.cached(tokens, positions, cache, attend, unroll=layers == "unroll",
-                                layers=per_layer, kernels=layers == "kernels")   # [b, t, d]
+        h, cache = serving.forward(model, tokens, positions, cache, attend, unroll=layers == "unroll",
+                                   layers=per_layer, kernels=layers == "kernels")   # [b, t, d]
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)               # [b, 1, d]
         logits = model.logits(h_last)[:, 0, :vocab]                                 # [b, V]
         b = tokens.shape[0]
@@ -175,8 +176,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         model, per_layer = _bind(md, params, layers)
         attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
                                         p["dec_len"], p["pre_table"], impl, interpret, prefill)
-        h, cache = model.cached(p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
-                                layers=per_layer)                                     # [1, T, d]
+        h, cache = serving.forward(model, p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
+                                   layers=per_layer)                                  # [1, T, d]
         if not greedy:
             seen = _mark(seen, p["slot"], p["tokens"], p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
@@ -189,8 +190,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             cache, seen, tok, pos, counters = carry
             valid = pos < limit                                                       # [b]
             attend = kv_cache.paged_attend(pos[:, None], valid[:, None], table, impl, interpret)
-            h, cache = model.cached(tok[:, None], pos[:, None], cache, attend, unroll=unroll, layers=per_layer,
-                                    kernels=kernels)                                  # [b, 1, d]
+            h, cache = serving.forward(model, tok[:, None], pos[:, None], cache, attend, unroll=unroll,
+                                       layers=per_layer, kernels=kernels)             # [b, 1, d]
             if not greedy:
                 seen = _mark(seen, slots, tok, valid)
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)

@@ -1,0 +1,183 @@
+"""The serving forward: a decoder's new tokens over a KV cache (prompt chunks and decode tokens).
+
+Training (models/llama.py, models/moe.py) runs whole sequences; serving runs only this step's
+tokens [b, t] and threads a KV cache through the layers. The cache's layout, contiguous or paged,
+belongs to meshlab/infer/kv_cache.py, which hands `forward` an `Attend`: the model projects each
+layer's q/k/v, the `Attend` writes k/v into the cache and attends over it. No remat (no backward)
+and no FP8: every GEMM is `_mm` in the compute dtype.
+
+Per-layer weights come in three forms (meshlab/infer/programs.py, serving_params): stacked (a
+layer scan), a list of per-layer dicts (a Python loop, so no weight slice is copied before its
+GEMM), or pairs (params, fused) with wq|wk|wv and w_gate|w_up concatenated once at load. Fused
+layers at a decode token take the one-kernel attention when the `Attend` offers it, and with
+kernels=True run each layer as five Pallas launches (`decode_step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshlab.rules import constrain
+from models.llama import F32, _interpret, _mm, _w, apply_rope, rope_scaling
+from pallas_kernels import decode_matmul as decode_kernels, rope as rope_kernels
+
+ACT = ("act_batch", "act_seq", "act_embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+    """How this step's attention reaches the KV cache (built by meshlab/infer/kv_cache.py).
+
+    attend(layer, q [b, t, h, hd], k, v [b, t, kvh, hd], cache) -> (o [b, t, h, hd], cache): writes
+      `layer`'s new k/v into the cache and attends q over everything cached for its sequence.
+    fused(layer, qkv [b, t, h + 2 kvh, hd] before RoPE, inv_freq, cache) -> (o, cache), or None: RoPE,
+      the cache write and attention in one kernel, offered for decode tokens only; a layer uses it
+      when its q|k|v weights are concatenated. It passes a zero padding row through as zeros.
+    """
+    attend: Callable
+    fused: Optional[Callable] = None
+
+    def __call__(self, layer, q, k, v, cache):
+        return self.attend(layer, q, k, v, cache)
+
+
+# -- the one-token GEMM ------------------------------------------------------------------------
+def _mm_decode(spec, x, w):
+    """_mm for x [b, t, ...]. At one token (b*t == 1) XLA:GPU drops the unit dims, sees a vector x
+    matrix dot, and below ~10M elements rewrites it into a multiply + reduce (its algebraic
+    simplifier's dot strength reduction): for wo that wrote and re-read a weight-sized product
+    (8.4 MB per layer, 16 us instead of ~2 in the H200 decode HLO). A second, zero row keeps it a
+    GEMM; the weights are read once either way."""
+    if x.shape[0] * x.shape[1] != 1:
+        return _mm(spec, x, w)
+    return _mm(spec, _zero_row(x), w)[:, :1]                               # [1, 1, ...]
+
+
+def _zero_row(x):
+    """x [1, 1, ...] -> [1, 2, ...] with a zero second row (_mm_decode's, carried further at decode)."""
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+
+
+# -- one layer -----------------------------------------------------------------------------------
+def attention(attn, x, positions, attend: Attend, layer, cache, wqkv=None):
+    """models.llama.Attention's weights over this step's tokens x [b, t, d] -> ([b, t, d], cache).
+    wqkv [d, h + 2 kvh, hd]: wq|wk|wv concatenated at load (serving layers="fused"): one GEMM launch
+    and one pass over x instead of three small ones; then attn.wq/wk/wv are not read."""
+    cfg, dt = attn.cfg, jnp.dtype(attn.cfg.dtype)
+    fused = attend.fused if wqkv is not None else None
+    b, t = x.shape[:2]
+    if fused is not None:                                      # RoPE + cache write + attention: one kernel
+        # One token: _mm_decode's zero second row is added here once and rides through the kernel
+        # (which returns it as a zero row of o) into the wo GEMM: no slice before the kernel, no
+        # pad after its split merge (two XLA launches per layer at batch 1).
+        xin = _zero_row(x) if b * t == 1 else x                                              # [b, t', d]
+        qkv = _mm("bsd,dhk->bshk", xin, wqkv)                                                # [b, t', h + 2 kvh, hd]
+        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        o, cache = fused(layer, qkv, inv_freq, cache)                                        # [b, t', h, hd]
+        out = _mm("bshk,hkd->bsd", o, _w(attn.wo, dt))[:, :t]                               # [b, t, d]
+    else:
+        if wqkv is None:
+            q = _mm_decode("bsd,dhk->bshk", x, _w(attn.wq, dt))   # [b, t, h, hd]
+            k = _mm_decode("bsd,dhk->bshk", x, _w(attn.wk, dt))   # [b, t, kvh, hd]
+            v = _mm_decode("bsd,dhk->bshk", x, _w(attn.wv, dt))   # [b, t, kvh, hd]
+        else:
+            qkv = _mm_decode("bsd,dhk->bshk", x, wqkv)            # [b, t, h + 2 kvh, hd]
+            q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
+        q, k = apply_rope(cfg, q, k, positions)
+        o, cache = attend(layer, q, k, v, cache)                                                  # [b, t, h, hd]
+        out = _mm_decode("bshk,hkd->bsd", o, _w(attn.wo, dt))                                     # [b, t, d]
+    return constrain(out, ACT), cache
+
+
+def feed_forward(block, x, fused=None):
+    """Normed x [b, t, d] -> [b, t, d]: a mixture of experts' `moe` (models/moe.py; its router terms
+    are training's), else the SwiGLU MLP, its gate and up from one GEMM over fused["w_gate_up"]
+    [d, 2f] when the layer's weights are concatenated, then the MLP's own fp32 SiLU * up and down."""
+    if hasattr(block, "moe"):
+        return block.moe(x)[0]
+    if fused is None:
+        return block.mlp(x)
+    gate, up = jnp.split(_mm("bsd,df->bsf", x, fused["w_gate_up"]), 2, axis=-1)   # [b, t, f] x2
+    return block.mlp.down((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype))
+
+
+def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, kernels=False):
+    """One decoder block (Llama's or a mixture of experts') over x [b, t, d] -> ([b, t, d], cache).
+    fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only). kernels:
+    a decode token (t == 1, at most decode_kernels.ROWS rows) of a fused dense layer, with the
+    one-kernel attention offered, goes through `decode_step` instead."""
+    b, t, _ = x.shape
+    if kernels and fused is not None and "w_gate_up" in fused and t == 1 and b <= decode_kernels.ROWS \
+            and attend.fused is not None:
+        return decode_step(block, x, attend, layer, cache, fused)
+    h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,
+                         wqkv=None if fused is None else fused.get("wqkv"))
+    x = constrain(x + h, ACT)
+    x = x + feed_forward(block, block.mlp_norm(x), fused)
+    return constrain(x, ACT), cache
+
+
+def decode_step(block, x, attend: Attend, layer, cache, fused):
+    """One decode token per row x [b, 1, d] in five launches: [norm + q|k|v], [RoPE + cache write +
+    attention], [wo + residual], [norm + gate|up + SwiGLU], [down + residual]; the same math and
+    roundings as `block_step` (pallas_kernels/decode_matmul.py says why: at decode batch the
+    layer's small XLA kernels cost about a third of the step)."""
+    cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
+    b, _, d = x.shape
+    mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, interpret=_interpret())
+    x = x.reshape(b, d)                                                                   # [b, d]
+    qkv = mm(x, fused["wqkv"].reshape(d, -1), norm_scale=_w(block.attn_norm.scale, F32))  # [b, (h + 2 kvh) hd]
+    inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+    o, cache = attend.fused(layer, qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)  # [b, 1, h, hd]
+    x = mm(o.reshape(b, -1), _w(block.attn.wo, dt).reshape(-1, d), residual=x)           # [b, h*hd] x [h*hd, d] -> [b, d]
+    h = mm(x, fused["w_gate_up"], norm_scale=_w(block.mlp_norm.scale, F32), swiglu=True)  # [b, f]
+    x = mm(h, _w(block.mlp.w_down, dt), residual=x)                                       # [b, d]
+    return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
+
+
+# -- the model -----------------------------------------------------------------------------------
+def forward(model, tokens, positions, cache, attend: Attend, unroll: bool = False, layers=None,
+            kernels: bool = False):
+    """This step's tokens over a KV cache -> (final-normed hidden [b, t, d], cache).
+
+    model: a models.llama.Llama (or a subclass: models/moe.py's MoeLM). tokens/positions [b, t];
+    `cache` is any pytree (meshlab/infer owns its layout) carried through the layers, so each layer
+    updates only its new tokens in place. unroll=True unrolls the layer scan: static per-layer
+    weight slices instead of dynamic ones. layers: the per-layer params as a list of pure dicts,
+    each its own buffers (meshlab/infer/programs.py splits them once at load); the layers then run
+    as a Python loop with no slicing at all, and `model.layers` gives only the block structure.
+    Why: XLA copies a slice of a stacked weight, static or dynamic, into a temporary before the GEMM
+    reads it (CPU- and H200-compiled HLO), which triples the weight bytes of a bandwidth-bound
+    decode step. An entry may be a pair (params, fused) with concatenated projection weights
+    (`block_step`). kernels: decode tokens of those fused layers run through Pallas kernels only.
+    """
+    dt = jnp.dtype(model.cfg.dtype)
+    x = constrain(jnp.take(_w(model.embed, dt), tokens, axis=0), ACT)                    # [b, t, d]
+    block_def, block_state = nnx.split(model.layers)
+    # One token through fused layers and the one-kernel attention (which passes padding rows
+    # through as zeros): the residual stream carries _mm_decode's zero second row from here to
+    # the head, so no layer pads or slices for its one-token GEMMs (each a launch at batch 1).
+    # A zero row stays zero through RMSNorm, the GEMMs, attention's output, SwiGLU and the adds.
+    two_rows = (tokens.shape == (1, 1) and layers is not None and not kernels
+                and attend.fused is not None and isinstance(layers[0], tuple))
+    if two_rows:
+        x = _zero_row(x)                                                                 # [1, 2, d]
+    if layers is not None:
+        for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
+            one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
+            block = nnx.merge(block_def, one_layer)
+            x, cache = block_step(block, x, positions, attend, i, cache, fused=fused, kernels=kernels)
+        return model.final_norm(x[:, :1] if two_rows else x), cache                     # [b, t, d]
+
+    def layer(carry, xs):
+        (x, cache), (one_layer, i) = carry, xs
+        block = nnx.merge(block_def, one_layer)
+        return block_step(block, x, positions, attend, i, cache), None
+
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), (block_state, jnp.arange(model.cfg.n_layers)), unroll=unroll)
+    return model.final_norm(x), cache
