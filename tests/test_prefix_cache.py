@@ -140,3 +140,58 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     seq = req.prompt + req.output
     logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
     assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_each_call_sends_one_host_buffer_and_each_page_is_offered_once(tiny, monkeypatch):
+    """Host work per request and call stays flat: a device call gets the weights as one flat list
+    and its host inputs as one int32 buffer (one host-to-device copy, not one per array; a chained
+    decode call's tokens come from the device), and a request's full pages are offered to the prefix
+    cache once each over its life, not again after every chunk and at release."""
+    import jax
+    eng = make(tiny, True)
+    seen = {"packed": [], "decode": []}
+    for name in seen:
+        real = getattr(eng, f"{name}_call")
+        record = lambda *a, real=real, name=name, **kw: seen[name].append(a) or real(*a, **kw)
+        monkeypatch.setattr(eng, f"{name}_call", record)
+    offered, register = [], eng.sched.pool.register
+    monkeypatch.setattr(eng.sched.pool, "register", lambda pages, *a: offered.extend(pages) or register(pages, *a))
+    prompt = np.random.default_rng(4).integers(0, 257, size=27).tolist()
+    req, n = computed(eng, prompt, max_tokens=6)                       # 4 chunks of <= 8, then decode calls
+    assert n == 27 and len(seen["packed"]) == 4 and seen["decode"]
+    for weights, cache, state, *rest in seen["packed"] + seen["decode"]:
+        assert isinstance(weights, list) and all(isinstance(w, jax.Array) for w in weights)
+        buf = rest[-1]                                                # packed: (buf,); decode: (tok, buf)
+        assert isinstance(buf, np.ndarray) and buf.dtype == np.int32 and buf.ndim == 1
+    assert [sum(isinstance(a, np.ndarray) for a in call[3:]) for call in seen["packed"]] == [1] * 4
+    first, *chained = seen["decode"]                                  # the first decode call takes host tokens
+    assert chained and all(isinstance(a[3], jax.Array) and sum(isinstance(x, np.ndarray) for x in a[3:]) == 1
+                           for a in chained)
+    assert sorted(offered) == sorted(set(offered)) and len(offered) == (27 + 6 - 1) // 4
+    again, n2 = computed(eng, prompt, max_tokens=6)
+    assert n2 == 3 and again.output == req.output                     # the offered pages serve the repeat
+
+
+def test_lookup_bisects_and_falls_back_when_a_page_before_was_evicted(monkeypatch):
+    """The longest cached prefix of a 128-page prompt is found with a few hash calls, not one per
+    page: three when all of it is cached, about log2(128) more (one per bisection probe) for a
+    prompt that parts from it after 50 pages; when a page inside the prefix was evicted, the
+    answer stops before it (every page hashed)."""
+    import hashlib
+    import types
+    from meshlab.infer import pages as pg
+    ps, n = 16, 128
+    toks = np.random.default_rng(6).integers(0, 128000, ps * n + 5)
+    pool = PagePool(n + 10)
+    held = pool.take(n)
+    pool.register(held, page_keys(toks, ps, [], n))
+    calls = []
+    monkeypatch.setattr(pg, "hashlib", types.SimpleNamespace(sha256=lambda *a: calls.append(1) or hashlib.sha256(*a)))
+    keys = []
+    assert pool.longest(toks, ps, n, keys) == held and len(calls) == 3
+    assert keys == page_keys(toks, ps, [], n)
+    other, calls[:] = np.concatenate([toks[:50 * ps], toks[50 * ps:] + 1]), []
+    assert pool.longest(other, ps, n, []) == held[:50] and len(calls) <= 3 + 8
+    pool.give([held[40]])
+    pool.take(10)                                   # 9 fresh pages, then the cached page 40 is evicted
+    assert pool.longest(toks, ps, n, []) == held[:40] and pool.evictions == 1

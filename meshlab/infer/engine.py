@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab.infer import kv_cache
+from meshlab.infer import calls, kv_cache
 from meshlab.infer.programs import (CONCATENATED, FUSED, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, make_engine_programs, make_programs, serving_params)
 from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
@@ -198,6 +198,10 @@ class Engine:
             self.params = serving_params(md, params, layers)
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
+        # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
+        self.weights, treedef = jax.tree.flatten(self.params)
+        self.packed_call = calls.packed_program(self.packed_fn, treedef)
+        self.decode_call = calls.decode_program(self.loop_fn, treedef)
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 (a decode step at small batch reads the weights once whatever its rows,
@@ -219,7 +223,8 @@ class Engine:
         self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "device_calls": 0, "preemptions": 0, "busy_s": 0.0, "prefill_tokens": 0,
                       "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
-                      "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0}
+                      "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
+                      "dispatch_s": 0.0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -237,7 +242,7 @@ class Engine:
         need = len(prompt) + params.max_tokens
         if need > s.max_len or -(-need // s.page_size) > s.pool.total:
             s.add(Request(prompt, params))            # raises the precise AdmissionError
-        req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter())
+        req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32))
         self.inbox.put(req)
         return req
 
@@ -351,20 +356,22 @@ class Engine:
         """Dispatch one device call (its outputs stay on the device); compiles counted."""
         first = key not in self._programs
         t_call = time.perf_counter()
-        out, self.cache, self.seen = fn(self.params, self.cache, self.seen, *args, **kw)
+        out, self.cache, self.seen = fn(self.weights, self.cache, self.seen, *args, **kw)
         if first:                       # the dispatch compiled (and waited for) the program
             jax.block_until_ready(out)
             self._programs.add(key)
             self.stats["compiles"] += 1
             self.stats["compile_s"] += time.perf_counter() - t_call
             self._waited += time.perf_counter() - t_call
+        else:                           # host time handing the call over (host_s includes it)
+            self.stats["dispatch_s"] += time.perf_counter() - t_call
         self.stats["device_calls"] += 1
         return out
 
     def _fetch(self, out):
         """A call's outputs on the host (waits for the device); the wait counted."""
         t = time.perf_counter()
-        out = jax.device_get(out)
+        out = calls.fetch(out)
         self.stats["device_wait_s"] += time.perf_counter() - t
         self._waited += time.perf_counter() - t
         return out
@@ -396,8 +403,9 @@ class Engine:
         counters[:m] = [len(r.output) + ahead for r in decodes]
         greedy, logprobs = self._flags(slots[:m])
         seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
-        out = self._launch(("decode", b, n, greedy, logprobs), self.loop_fn, tok, pos, limit, s.table[slots],
-                           seen_slots, self._row_inputs(slots), counters, n=n, greedy=greedy, logprobs=logprobs)
+        buf, layout = calls.decode_inputs(pos, limit, s.table[slots], seen_slots, self._row_inputs(slots), counters)
+        out = self._launch(("decode", b, n, greedy, logprobs), self.decode_call, tok, buf, layout=layout, n=n,
+                           greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += n
         self.stats["decode_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
@@ -466,8 +474,9 @@ class Engine:
         packed = {"tokens": tokens, "positions": positions, "slot": slot, "write_page": write_page,
                   "write_off": write_off, "dec_table": dec_table, "dec_len": dec_len, "pre_table": pre_table,
                   "out_idx": out_idx}
-        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_fn, packed,
-                               self._row_inputs(out_slot), counters, out_slot, greedy=greedy, logprobs=logprobs)
+        buf, layout = calls.packed_inputs(packed, self._row_inputs(out_slot), counters, out_slot)
+        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, buf, layout=layout,
+                               greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
         lp = lambda i: [(out["logprob"][i], out["top_id"][i], out["top_logprob"][i])] if logprobs is not None else None
@@ -493,8 +502,9 @@ class Engine:
             for b in self.DECODE:
                 z = np.zeros(b, np.int32)
                 key = ("decode", b, self.steps_per_call, greedy, logprobs)
-                _, t0, t1 = self._call(key, self.loop_fn, z, z, z, s.table[z], np.full(b, b_max, np.int32),
-                                       self._row_inputs(z), z, n=self.steps_per_call, greedy=greedy, logprobs=logprobs)
+                buf, layout = calls.decode_inputs(z, z, s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z)
+                _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
+                                       greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
@@ -506,8 +516,8 @@ class Engine:
                           "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
                           "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": zr}
                 key = ("packed", nd, k, w, greedy, logprobs)
-                _, t0, t1 = self._call(key, self.packed_fn, packed, self._row_inputs(zr), zr, zr, greedy=greedy,
-                                       logprobs=logprobs)
+                buf, layout = calls.packed_inputs(packed, self._row_inputs(zr), zr, zr)
+                _, t0, t1 = self._call(key, self.packed_call, buf, layout=layout, greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
         return self.stats["compiles"] - before
 

@@ -1,10 +1,19 @@
 """The paged cache's page pool: free pages, reference counts and the prefix cache (host side).
 
 A page holds `page_size` consecutive tokens of one sequence. A *full* page whose tokens are
-known is registered under a key chained over the whole prefix up to its end (sha256 of the
-previous page's key and this page's token ids), so equal keys mean equal prefixes, and the
+known is registered under the key of the whole prefix up to its end (sha256 of the token ids
+from the first up to its last, as int32 bytes), so equal keys mean equal prefixes, and the
 page's K/V (a function of the prefix only) can serve any request that starts with the same
-tokens. Pages are reference counted: a request holding a page counts once; a page whose count
+tokens. A key can be computed alone (one hash call over the prefix's bytes) or every page's in one
+pass (one running hash, copied at each page end).
+
+Lookup (`longest`) probes the first page, then the whole prompt (a prompt met before: two hash
+calls, ~15 us for 2k tokens, where 127 per-page hashes took ~250 us in Python), and bisects
+between when neither settles it; then it walks the found page's parent keys (each registered
+key remembers its page's predecessor's) to check that every page before it is still cached; if
+one was evicted it falls back to hashing every page in order.
+
+Pages are reference counted: a request holding a page counts once; a page whose count
 drops to zero stays in the cache (least recently freed last) and is evicted only when a page is
 needed and no never-cached page is free. Page 0 is never handed out: unused page-table entries
 point at it.
@@ -22,18 +31,28 @@ import numpy as np
 ROOT_KEY = b"meshlab-prefix-root"
 
 
+def _ids(tokens, n: int) -> np.ndarray:
+    """The first n token ids as contiguous int32 (hashed as their buffer, no copy when they are)."""
+    return np.ascontiguousarray(tokens[:n], np.int32)
+
+
+def prefix_key(tokens, page_size: int, pages: int) -> bytes:
+    """The key of the page that ends the first `pages` full pages of `tokens`."""
+    h = hashlib.sha256(ROOT_KEY)
+    h.update(_ids(tokens, pages * page_size))
+    return h.digest()
+
+
 def page_keys(tokens, page_size: int, have: list, upto: int) -> list:
     """Extend `have` (keys of the first len(have) full pages of `tokens`) to `upto` pages; returns it."""
     if upto <= len(have):
         return have
-    # one array conversion for all new pages, not one per page: 128 keys of a 2k prompt in 0.15
-    # instead of 0.26 ms on the (shared) CPU machine, host time on the first token's critical path
-    raw = np.asarray(tokens[len(have) * page_size:upto * page_size], np.int64).tobytes()
-    width = page_size * 8
-    prev = have[-1] if have else ROOT_KEY
-    for j in range(upto - len(have)):
-        prev = hashlib.sha256(prev + raw[j * width:(j + 1) * width]).digest()
-        have.append(prev)
+    # one array conversion for all pages, one running hash copied at each page end
+    ids, h = _ids(tokens, upto * page_size), hashlib.sha256(ROOT_KEY)
+    h.update(ids[:len(have) * page_size])
+    for j in range(len(have), upto):
+        h.update(ids[j * page_size:(j + 1) * page_size])
+        have.append(h.copy().digest())
     return have
 
 
@@ -48,6 +67,7 @@ class PagePool:
         self.ref = np.zeros(num_pages, np.int32)
         self.key_of: dict[int, bytes] = {}
         self.page_of: dict[bytes, int] = {}
+        self.parent_of: dict[bytes, bytes] = {}     # key -> its page's predecessor's key (ROOT_KEY: first)
         self.evictions = 0
 
     @property
@@ -69,7 +89,8 @@ class PagePool:
                 page = self.fresh.popleft()
             else:
                 page, _ = self.lru.popitem(last=False)              # evict the least recently freed
-                del self.page_of[self.key_of.pop(page)]
+                key = self.key_of.pop(page)
+                del self.page_of[key], self.parent_of[key]
                 self.evictions += 1
             self.ref[page] = 1
             out.append(page)
@@ -102,6 +123,28 @@ class PagePool:
                 pages.append(page)
         return pages
 
+    def longest(self, tokens, page_size: int, n: int, keys: list) -> list:
+        """Pages of the longest cached prefix of `tokens` within its first n full pages (see the module
+        doc); fills `keys` (empty) with their keys, as page_keys would."""
+        cached = lambda m: prefix_key(tokens, page_size, m) in self.page_of   # noqa: E731
+        if not self.prefix_cache or n <= 0 or not cached(1):
+            return []
+        lo, hi = (n, n) if cached(n) else (1, n - 1)     # the answer m: prefix_key(m) cached
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cached(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        chain, key = [], prefix_key(tokens, page_size, lo)
+        while key != ROOT_KEY and key in self.page_of:
+            chain.append(key)
+            key = self.parent_of[key]
+        if key != ROOT_KEY:
+            return self.lookup(page_keys(tokens, page_size, keys, n)[:n])   # a page before it was evicted
+        keys.extend(reversed(chain))
+        return [self.page_of[k] for k in keys]
+
     def unreferenced(self, pages: list) -> int:
         return int(np.count_nonzero(self.ref[np.asarray(pages, np.intp)] == 0)) if pages else 0
 
@@ -114,12 +157,15 @@ class PagePool:
             del self.lru[page]
         self.ref[idx] += 1
 
-    def register(self, pages: list, keys: list) -> None:
-        """Make full pages findable: pages[i] holds the tokens whose prefix key is keys[i]. A key
-        already cached elsewhere, or a page already registered, is left as it is."""
+    def register(self, pages: list, keys: list, parent: bytes = ROOT_KEY) -> None:
+        """Make full pages findable: pages[i] holds the tokens whose prefix key is keys[i], and parent
+        is the key before keys[0]. A key already cached elsewhere, or a page already registered, is
+        left as it is."""
         if not self.prefix_cache:
             return
         for page, key in zip(pages, keys):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key
+                self.parent_of[key] = parent
+            parent = key

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from meshlab.infer.pages import PagePool, page_keys
+from meshlab.infer.pages import ROOT_KEY, PagePool, page_keys
 from meshlab.infer.sampler import SamplingParams
 
 
@@ -58,6 +58,8 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0            # prompt tokens found in the prefix cache (last admission)
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
+    registered: int = 0                   # its pages already offered to the prefix cache (pages[:registered])
+    ids: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)   # the prompt as int32 (hashed)
 
     @property
     def text(self) -> str:
@@ -86,6 +88,15 @@ class Request:
     def end(self) -> int:
         """Positions this request ever feeds: its last output token is sampled, never fed."""
         return len(self.prompt) + self.params.max_tokens - 1
+
+    def token_ids(self, upto: int) -> np.ndarray:
+        """Its first `upto` tokens as int32, for page keys: the prompt converted once (a 2k-token list
+        takes ~70 us to convert, and the prompt + output list ~10 us to build, per key lookup)."""
+        if self.ids is None or len(self.ids) != len(self.prompt):
+            self.ids = np.asarray(self.prompt, np.int32)
+        if upto <= len(self.ids):
+            return self.ids[:upto]
+        return np.concatenate([self.ids, np.asarray(self.output[:upto - len(self.ids)], np.int32)])
 
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
@@ -158,7 +169,9 @@ class Scheduler:
         if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
             return []
         n = (req.n_tokens - 1) // self.page_size
-        return self.pool.lookup(page_keys(req.tokens, self.page_size, req.keys, n)[:n])
+        if req.keys:                          # keys known (a preempted request): no hashing
+            return self.pool.lookup(page_keys(req.token_ids(n * self.page_size), self.page_size, req.keys, n)[:n])
+        return self.pool.longest(req.token_ids(n * self.page_size), self.page_size, n, req.keys)
 
     def admit(self) -> list[Request]:
         """Move waiting requests into free rows while pages for their tokens + 1 are free."""
@@ -171,7 +184,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.pool.acquire(hit)
-            req.pages, req.cached = list(hit), len(hit) * self.page_size
+            req.pages, req.cached, req.registered = list(hit), len(hit) * self.page_size, len(hit)
             req.prefix_hit_tokens = req.cached
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req
@@ -182,16 +195,22 @@ class Scheduler:
         return admitted
 
     def register(self, req: Request) -> None:
-        """Offer req's computed full pages to the prefix cache (K/V known for positions < min(cached, tokens))."""
+        """Offer req's computed full pages to the prefix cache (K/V known for positions < min(cached, tokens)),
+        those not offered before only: a page whose key was cached elsewhere when offered stays private."""
         if not self.pool.prefix_cache or req.params.repetition_penalty != 1.0:
             return
         full = min(req.cached, req.n_tokens, len(req.pages) * self.page_size) // self.page_size
-        self.pool.register(req.pages[:full], page_keys(req.tokens, self.page_size, req.keys, full)[:full])
+        if full <= req.registered:
+            return
+        keys = page_keys(req.token_ids(full * self.page_size), self.page_size, req.keys, full)
+        self.pool.register(req.pages[req.registered:full], keys[req.registered:full],
+                           keys[req.registered - 1] if req.registered else ROOT_KEY)
+        req.registered = full
 
     def release(self, req: Request) -> None:
         self.register(req)
         self.pool.give(req.pages)
-        req.pages = []
+        req.pages, req.registered = [], 0
         if req.slot >= 0:
             self.rows[req.slot] = None
         req.slot = -1

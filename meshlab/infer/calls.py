@@ -1,0 +1,120 @@
+"""The engine's device calls with their host inputs in one buffer.
+
+A packed step takes 16 small host arrays (the packed stream's 9, the sampler's 5 settings, counters,
+output slots) and a decode call 10; passed as they are, each is its own host-to-device copy, and
+a GPU copy costs tens of microseconds of host time whatever its size, on the first token's path.
+`HostInputs` lays the arrays of a call end to end in one int32 buffer (float32 ones bitcast, no
+conversion), so a call sends one array; the wrapped program slices it apart on the device
+(static offsets: slices and reshapes, no copy worth a kernel). The layout (names, shapes, kinds) is
+a static argument, so each bucket's shape still compiles once.
+
+The weights go in as their flat list of leaves (`jax.tree.leaves(params)`, made once), rebuilt into
+their tree inside the program: the call's argument walk over ~100 nested dicts and tuples was
+about as costly as the rest of its dispatch (~160 of ~350 us per call for llama3_1b's 98 leaves
+on the CPU here).
+
+`fetch` reads a call's outputs back with one numpy conversion per array that the host uses
+(`jax.device_get` on a dict costs ~50 us per leaf in its tree walk on the CPU here, against 4 us
+for `np.asarray`), and never the decode call's `last` tokens (they stay on the device for the
+chained call).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class HostInputs:
+    """Named int32 / float32 host arrays for one call, packed into one int32 buffer."""
+    __slots__ = ("names", "arrays")
+
+    def __init__(self):
+        self.names, self.arrays = [], []
+
+    def add(self, name: str, array) -> None:
+        a = np.asarray(array)
+        if a.dtype not in (np.int32, np.float32):
+            raise TypeError(f"host input {name!r} is {a.dtype}; pass int32 or float32")
+        self.names.append(name)
+        self.arrays.append(a)
+
+    def add_tree(self, prefix: str, tree: dict) -> None:
+        for k, v in tree.items():
+            self.add(f"{prefix}.{k}", v)
+
+    def pack(self) -> tuple[np.ndarray, tuple]:
+        """(buffer [total] int32, layout): the layout is hashable, a static argument."""
+        layout = tuple((n, a.shape, "f" if a.dtype == np.float32 else "i") for n, a in zip(self.names, self.arrays))
+        buf = np.concatenate([a.reshape(-1).view(np.int32) for a in self.arrays]) if self.arrays else \
+            np.zeros(0, np.int32)
+        return buf, layout
+
+
+def decode_inputs(pos, limit, table, slots, rows, counters) -> tuple[np.ndarray, tuple]:
+    """(buffer, layout) of a decode call (decode_program)."""
+    h = HostInputs()
+    for name, a in (("pos", pos), ("limit", limit), ("table", table), ("slots", slots)):
+        h.add(name, a)
+    h.add_tree("rows", rows)
+    h.add("counters", counters)
+    return h.pack()
+
+
+def packed_inputs(packed: dict, rows, counters, out_slot) -> tuple[np.ndarray, tuple]:
+    """(buffer, layout) of a packed step (packed_program)."""
+    h = HostInputs()
+    h.add_tree("p", packed)
+    h.add_tree("rows", rows)
+    h.add("counters", counters)
+    h.add("out_slot", out_slot)
+    return h.pack()
+
+
+def unpack(buf, layout) -> dict:
+    """Inside a jit: the named arrays of `layout` sliced out of buf; "a.b" names become nested dicts."""
+    out, offset = {}, 0
+    for name, shape, kind in layout:
+        size = math.prod(shape)
+        x = buf[offset:offset + size].reshape(shape)
+        if kind == "f":
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        offset += size
+        node, *rest = name.split(".")
+        if rest:
+            out.setdefault(node, {})[rest[0]] = x
+        else:
+            out[node] = x
+    return out
+
+
+def packed_program(packed_step, treedef):
+    """packed_step (programs.make_engine_programs) taking (weights, cache, seen, buf, layout): weights
+    the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot."""
+    def call(weights, cache, seen, buf, layout, greedy, logprobs):
+        params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
+        return packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"], greedy=greedy,
+                           logprobs=logprobs)
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"))
+
+
+def decode_program(decode_loop, treedef):
+    """decode_loop taking (weights, cache, seen, tok, buf, layout): weights as in packed_program, tok
+    [b] apart (a chained call's comes from the device), the buffer holds pos, limit, table, slots,
+    rows.* and counters."""
+    def call(weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
+        params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
+        return decode_loop(params, cache, seen, tok, a["pos"], a["limit"], a["table"], a["slots"], a["rows"],
+                           a["counters"], n=n, greedy=greedy, logprobs=logprobs)
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"))
+
+
+def fetch(out: dict, skip=("last",)) -> dict:
+    """The host copies of a call's outputs (all started before the first is waited for)."""
+    keep = {k: v for k, v in out.items() if k not in skip}
+    if len(keep) > 1:                      # overlap the copies (a lone one would only pay for the call)
+        for v in keep.values():
+            v.copy_to_host_async()
+    return {k: np.asarray(v) for k, v in keep.items()}
