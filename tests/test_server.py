@@ -404,3 +404,42 @@ def test_engine_failure_ends_requests_in_flight(stream):
         assert call(srv, "POST", "/v1/completions", {"prompt": "x"})[0] == 503
     finally:
         srv.stop()
+
+
+def test_streams_wake_the_event_loop_at_most_once_per_engine_step(server, monkeypatch):
+    """Concurrent streams: the engine thread hands a step's events to the event loop at once (one
+    wake-up of the loop per step, not one per stream and step), and every stream still gets the
+    text and logprobs of its whole answer."""
+    eng, steps = server.engine, [0]
+    step = eng.step
+    monkeypatch.setattr(eng, "step", lambda: steps.__setitem__(0, steps[0] + 1) or step())
+    bodies = [{"prompt": p, "max_tokens": 12, "logprobs": 0} for p in ("a = ", "def f", "import", "x")]
+    whole = [call(server, "POST", "/v1/completions", b)[1]["choices"][0] for b in bodies]
+    before, streamed = server.deliveries, [None] * len(bodies)
+
+    def run(i):
+        streamed[i] = call(server, "POST", "/v1/completions", dict(bodies[i], stream=True))[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0 < server.deliveries - before <= steps[0]
+    for payload, w in zip(streamed, whole):
+        chunks = [json.loads(e[6:]) for e in payload.splitlines() if e.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == w["text"]
+        tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
+        assert tokens == w["logprobs"]["tokens"]
+
+
+def test_covered_tokens_decode_once_when_the_text_shows_them_all():
+    """The tokens a streamed chunk's logprobs cover: one decoding when the shown text holds all of
+    them (the usual case), not one per new token; a held-back tail still bounds them."""
+    from meshlab.infer import api
+    tok, lengths = ByteTokenizer(), []
+    decode = lambda ids: lengths.append(len(ids)) or tok.decode(ids)   # noqa: E731
+    out = list(b"hello world")
+    assert api.covered_tokens(decode, out, "hello world", False, start=3) == 11 and lengths == [11]
+    assert api.covered_tokens(decode, out, "hello wo", False, start=3) == 8
+    assert api.covered_tokens(decode, out + [0xE2, 0x82], "hello world", False, start=3) == 13   # half a character

@@ -194,6 +194,9 @@ def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0)
         while k < len(output) and len(decode(output[:k])) < len(text):
             k += 1
         return k
+    n = len(output)                       # the engine thread may append meanwhile: decide on these n
+    if len(decode(output[:n]).rstrip("\ufffd")) <= len(text):
+        return n                          # the usual case, in one decode instead of one per new token
     k = start
     while k < len(output) and len(decode(output[:k + 1]).rstrip("\ufffd")) <= len(text):
         k += 1

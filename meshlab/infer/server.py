@@ -46,6 +46,8 @@ class Server:
         self.loop = None                      # the event loop, once a request came
         self.counts = {"rejected": 0, "aborted": 0}
         self.finished = collections.deque(maxlen=1000)   # metrics of the last finished requests (ttft, tpot)
+        self.pending: list = []               # (call, choice, done) events of the engine step running now
+        self.deliveries = 0                   # hand-overs of events from the engine thread to the loop
         self.app = self._app()
 
     # -- engine thread --------------------------------------------------------------------
@@ -57,12 +59,28 @@ class Server:
                 continue
             try:
                 self.engine.step()
+                self._deliver_events()
             except Exception:  # noqa: BLE001 - reported to every request and on /health, not swallowed
                 self.engine_error = traceback.format_exc()
                 print(f"meshlab serve: the engine failed:\n{self.engine_error}", file=sys.stderr, flush=True)
                 if self.loop is not None:
                     self.loop.call_soon_threadsafe(self._fail_all)
                 return
+
+    def _deliver_events(self):
+        """Hand the step's events to the event loop at once (engine thread): one wake-up of the loop per
+        step, not one per request and step (each a write to the loop's self-pipe and a GIL hand-over
+        while 128 streams decode)."""
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        if self.loop is None:                 # no HTTP request has come: nobody listens
+            return
+        self.deliveries += 1
+        try:
+            self.loop.call_soon_threadsafe(_put_events, events)
+        except RuntimeError:                  # the loop is gone (server stopping)
+            pass
 
     def _fail_all(self):
         """The engine is gone: every request in flight ends now with a 500 (or an error event)."""
@@ -213,6 +231,11 @@ class Server:
         return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
 
 
+def _put_events(events):
+    for call, i, done in events:
+        call.events.put_nowait((i, done))
+
+
 class _Task:
     """A Starlette background task that runs a plain function (after the stream ends or breaks)."""
 
@@ -262,10 +285,7 @@ class Call:
         def put(_req, _new, done):
             if i == 0 and self.reqs and any(r is None for r in self.reqs):
                 self._submit_copies()
-            try:
-                self.loop.call_soon_threadsafe(self.events.put_nowait, (i, done))
-            except RuntimeError:              # the loop is gone (server stopping)
-                pass
+            self.server.pending.append((self, i, done))     # delivered after the step (_deliver_events)
         return put
 
     def _submit_copies(self):
@@ -299,6 +319,17 @@ class Call:
         i, done = await self.events.get()
         self.done[i] = self.done[i] or done
         return i, done
+
+    async def _ready(self) -> dict:
+        """{choice: finished} for every event queued now (at least one awaited): a stream that fell behind
+        the engine answers what piled up in one chunk per choice, not one per engine step."""
+        i, done = await self._next()
+        got = {i: done}
+        while not self.events.empty():
+            i, done = self.events.get_nowait()
+            self.done[i] = self.done[i] or done
+            got[i] = got.get(i, False) or done
+        return got
 
     async def wait_all(self, request) -> bool:
         """Until every choice finished (True); False when the client disconnected first (close() aborts)."""
@@ -387,13 +418,13 @@ class Call:
                 if not self.reqs:
                     yield self._chunk(i, "", "length", None)
             while not all(self.done):
-                i, done = await self._next()
+                ready = await self._ready()
                 if self.failed:
                     yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
                     return
-                chunk = self._delta(i, done)
-                if chunk:
-                    yield chunk
+                chunks = [c for c in (self._delta(i, done) for i, done in sorted(ready.items())) if c]
+                if chunks:
+                    yield b"".join(chunks)
             if self.plan.include_usage:
                 obj = {"id": self.id, "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
                        "created": self.created, "model": self.server.model_name, "choices": [],
