@@ -209,8 +209,9 @@ def _token_bytes(tok, t: int) -> bytes:
     return tok.decode([t]).encode("utf-8")
 
 
-def _token_str(tok, t: int) -> str:
-    s = tok.decode([t])
+def _token_str(tok, t: int, s: str | None = None) -> str:
+    """Token t as OpenAI shows it; s: tok.decode([t]) when the caller has it."""
+    s = tok.decode([t]) if s is None else s
     if "\ufffd" in s:                                   # a part of a UTF-8 character: OpenAI's bytes: form
         return "bytes:" + "".join(f"\\x{b:02x}" for b in _token_bytes(tok, t))
     return s
@@ -221,11 +222,12 @@ def completion_logprobs(tok, output, entries, offset: int) -> dict:
     `offset`: where the first token's text starts in the choice's text."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, (lp, top) in zip(output, entries):
-        out["tokens"].append(_token_str(tok, t))
+        piece = tok.decode([t])                         # once per token: its string and its length
+        out["tokens"].append(_token_str(tok, t, piece))
         out["token_logprobs"].append(float(lp))
         out["top_logprobs"].append({_token_str(tok, a): float(v) for a, v in top.items()})
         out["text_offset"].append(offset)
-        offset += len(tok.decode([t]))
+        offset += len(piece)
     return out
 
 

@@ -67,14 +67,18 @@ class Request:
         reader's thread, not the engine's) and kept per output length."""
         if self.text_stop is not None:
             return self.text_stop
+        return self.decoded(len(self.output))
+
+    def decoded(self, n: int) -> str:
+        """The detokenized output[:n] (the output only grows, so n names it); the last one is kept, as a
+        stream reads the same one for its text and for the tokens its logprobs cover."""
         if self.detokenize is None:
             return ""
-        n, cached = getattr(self, "_text", (-1, ""))
-        if n != len(self.output):
-            n = len(self.output)
-            cached = self.detokenize(self.output[:n])
-            self._text = (n, cached)
-        return cached
+        last, text = getattr(self, "_text", (-1, ""))
+        if last != n:
+            text = self.detokenize(self.output[:n])
+            self._text = (n, text)
+        return text
 
     @property
     def tokens(self):

@@ -360,7 +360,9 @@ class Call:
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
         if self.plan.logprobs is None:
             return 0
-        return api.covered_tokens(self.server.tok.decode, self.reqs[i].output, text, final, start)
+        r = self.reqs[i]
+        # every decoding asked for is of a prefix of the output: the request keeps its last one
+        return api.covered_tokens(lambda ids: r.decoded(len(ids)), r.output, text, final, start)
 
     def _finish(self, i: int) -> str:
         return self.reqs[i].finish_reason if self.reqs else "length"
