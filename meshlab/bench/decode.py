@@ -257,12 +257,14 @@ def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
            "value": wall / tokens * 1e6, "wall_ms_per_token": wall / tokens * 1e3,
            "unchained_ms_per_token": unchained / tokens * 1e3,
            "host_ms_per_token": st["host_s"] / tokens * 1e3, "device_calls": st["device_calls"],
+           "dispatch_ms_per_call": st.get("dispatch_s", 0.0) / max(st["device_calls"], 1) * 1e3,
            "decode_steps_per_call": st["steps"] / max(st["decode_calls"], 1)}
     s = _kernel_table(row, trace_dir, lambda: decode(True)[2])
     busy = (f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us/token ({s['busy_ms_per_step'] / row['wall_ms_per_token']:.0%})"
             if s else "no profile")
     row["note"] = (f"wall {row['wall_ms_per_token'] * 1e3:.0f} us/token chained ({unchained / tokens * 1e6:.0f} "
-                   f"unchained), host {row['host_ms_per_token'] * 1e3:.0f} us/token (overlapped when calls chain), "
+                   f"unchained), host {row['host_ms_per_token'] * 1e3:.0f} us/token (overlapped when calls chain; dispatch "
+                   f"{row['dispatch_ms_per_call'] * 1e3:.0f} us per call), "
                    f"{row['decode_steps_per_call']:.1f} steps per call; {busy}")
     return row
 
@@ -301,7 +303,8 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dic
         del engine._launch
     st = {k: engine.stats[k] - before[k] for k in before}
     row = {"section": "profile", "setting": f"engine prompt={n}, {n - tail} cached: first token", "unit": "us",
-           "value": wall * 1e6, "host_ms": st["host_s"] * 1e3, "prefill_tokens": st["prefill_tokens"],
+           "value": wall * 1e6, "host_ms": st["host_s"] * 1e3, "dispatch_ms": st.get("dispatch_s", 0.0) * 1e3,
+           "prefill_tokens": st["prefill_tokens"],
            "programs": [list(k[:4]) for k in keys]}
     def traced_repeat():
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -309,7 +312,8 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dic
         return 1
     s = _kernel_table(row, trace_dir, traced_repeat)
     busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us" if s else "no profile"
-    row["note"] = (f"TTFT {wall * 1e3:.2f} ms, host {row['host_ms']:.2f} ms, {st['prefill_tokens']} prompt tokens "
+    row["note"] = (f"TTFT {wall * 1e3:.2f} ms, host {row['host_ms']:.2f} ms (dispatch {row['dispatch_ms']:.2f}), "
+                   f"{st['prefill_tokens']} prompt tokens "
                    f"computed in {row['programs']}; {busy}")
     return row
 
