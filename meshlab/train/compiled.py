@@ -56,7 +56,9 @@ def grads_bytes(tr) -> int:
     shardings (the train step consumes them internally, so its own signature does not show them)."""
     fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, tr.cfg.data.microbatches, layout=tr.layout)
     st = abstract_state(tr.md, tr.tx, tr.shardings, False)
-    compiled = tr.layout.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile()
+    # read for its output shardings only: LLVM's cheapest code generation, as in measure()
+    opts = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    compiled = tr.layout.jit(fn).lower(st["params"], abstract_batch(tr), jnp.float32(1.0)).compile(compiler_options=opts)
     out_sh = compiled.output_shardings[1]
     shapes = jax.eval_shape(lambda p: p, st["params"])
     return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(out_sh)))
