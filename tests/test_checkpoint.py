@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Compiled programs are shared between the train() calls of these tests and their subprocesses
 # through JAX's persistent cache: a cold small train step costs ~30 s on 2 cores, a cached one ~1 s.
 CACHE_DIR = Path(tempfile.gettempdir()) / f"meshlab-test-jax-cache-{os.getuid()}"
+# One xdist worker runs the whole file: the uninterrupted fsdp run of `uninterrupted` is trained once, not once per worker
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("checkpoint")
 
 
 def _reset_cache():

@@ -15,6 +15,9 @@ from helpers import one_device, small_config
 from meshlab.plan import comm, hlo
 from meshlab.rules import RulesError, load_rules
 
+# One xdist worker runs the whole file: the three compiled programs of `runs` are built once, not once
+# per worker (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("collective_matmul")
 MESH = "fsdp=2,tensor=4"
 EXTRA = ["model.n_kv_heads=4"]
 T, L = 4, 2                      # tensor shards, layers (tests/helpers.SMALL)

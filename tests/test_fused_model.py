@@ -8,6 +8,9 @@ from meshlab.train.loop import train
 from tests.helpers import small_config
 
 FUSED = ["model.fused_norm=true", "model.fused_swiglu=true", "model.fused_rope=true", "model.loss_impl=pallas"]
+# One xdist worker runs the whole file: the `unfused` reference run is trained once, not once per worker
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("fused_model")
 
 
 def run(extra):

@@ -24,6 +24,9 @@ CFG = dataclasses.replace(models.preset("moe_tiny"), d_model=32, dtype="float32"
                           shared_mlp_dim=0)
 B, S = 8, 8                                # 8 rows: one per device under ep on 8 devices
 MESHES = {"local": None, "ep": "expert=8", "fsdp_tp_ep": "fsdp=2,tensor=2,expert=2"}
+# One xdist worker runs the whole file: the dense `reference` and the `single_device` run are compiled once, not once per worker
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("moe")
 
 
 @pytest.fixture(scope="module")

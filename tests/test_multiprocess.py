@@ -18,6 +18,9 @@ from tests.helpers import SMALL, small_config
 from tests.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)
 
 TIMEOUT = 400
+# One xdist worker runs the whole file: the two-process run of `two_process_run` happens once, not once
+# per worker (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
 def free_port() -> int:

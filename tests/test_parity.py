@@ -13,6 +13,9 @@ from tests.helpers import EP_MESH, MESH_FOR, one_device, small_config
 # gradient differences into at most ~1e-6 parameter differences over 3 steps.
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5
+# One xdist worker runs the whole file: the single-device `reference` run is trained once, not once per worker
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("parity")
 
 
 @pytest.fixture(scope="module")
