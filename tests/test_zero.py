@@ -99,16 +99,23 @@ def test_zero2_temp_below_zero1_by_the_full_gradient():
     assert t1 - t2 >= full
 
 
-def test_zero1_with_micro_batches_matches_one_device():
-    """Earlier micro-batches accumulate locally; the last one's backward reduce-scatters their sum per
-    layer (dp's psum path, the same tie without the scatter, is in test_parity at one micro-batch)."""
+@pytest.fixture(scope="module")
+def one_device_run():
+    """2 steps of dp on one device: the reference of the micro-batch parity tests below (trained once)."""
     from meshlab.train.loop import train
     from tests.helpers import one_device
     ref = train(small_config("dp", mesh="data=1", steps=2), devices=one_device(), progress=False, write=False)
-    ref_params = jax.device_get(ref["state"]["params"])
+    return ref["losses"], jax.device_get(ref["state"]["params"])
+
+
+def test_zero1_with_micro_batches_matches_one_device(one_device_run):
+    """Earlier micro-batches accumulate locally; the last one's backward reduce-scatters their sum per
+    layer (dp's psum path, the same tie without the scatter, is in test_parity at one micro-batch)."""
+    from meshlab.train.loop import train
+    ref_losses, ref_params = one_device_run
     for rules in ("zero1",):
         out = train(small_config(rules, steps=2, extra=["data.microbatches=2"]), progress=False, write=False)
-        np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+        np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
         diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(out["state"]["params"]),
                                             ref_params))
         assert max(diff) < 2e-5, (rules, max(diff))
@@ -150,18 +157,17 @@ def test_fsdp_keep_matches_per_layer_numerically(fsdp_files):
     np.testing.assert_allclose(out["keep"]["losses"], out["per_layer"]["losses"], rtol=1e-6)
 
 
-def test_fsdp_per_step_gathers_once_and_matches_one_device(fsdp_files):
+def test_fsdp_per_step_gathers_once_and_matches_one_device(fsdp_files, one_device_run):
     """fsdp_gather: per_step over 2 micro-batches: the single-device losses and parameters; in the
     compiled step every all-gather and reduce-scatter sits outside the loops (once per step), with the
     planner's bytes."""
     from meshlab.train.loop import train
-    from tests.helpers import one_device
     cfg = small_config(fsdp_files["per_step"], steps=2, extra=["data.microbatches=2"])
-    ref = train(small_config("dp", mesh="data=1", steps=2), devices=one_device(), progress=False, write=False)
+    ref_losses, ref_params = one_device_run
     out = train(cfg, progress=False, write=False)
-    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(out["state"]["params"]),
-                                        jax.device_get(ref["state"]["params"])))
+                                        ref_params))
     assert max(diff) < 2e-5
     m = compiled.measure(cfg, grads=False)
     moved = [c for c in m.collectives if c.kind in ("all-gather", "reduce-scatter")]
