@@ -5,7 +5,7 @@ streamed completion arrives as server-sent events ending in [DONE]; that a strea
 disconnects after a few chunks has its request aborted (requests_running back to 0 and every cache
 page free within seconds, far fewer tokens generated than it asked for); that n=2 with logprobs
 answers. Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the
-CPU tests cover the same behaviours on a tiny model: tests/test_server.py).
+CPU tests cover the same behaviours on a tiny model: tests/infer/test_server.py).
 """
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def compile_step(args, model, rule_name, seq, devs, say):
         cur = getattr(cfg, k)
         setattr(cfg, k, v.lower() in ("1", "true") if isinstance(cur, bool) else type(cur)(v))
     if args.cpu:
-        cfg.dtype = "float32"   # XLA:CPU aborts on some bf16 programs of this size (tests/test_memory_comm.py)
+        cfg.dtype = "float32"   # XLA:CPU aborts on some bf16 programs of this size (tests/plan/test_memory_comm.py)
     rules = R.load_rules(rule_name)
     mesh = make_mesh(rules.mesh, devs)
     batch = (1 if seq > 4096 else args.per_device_batch) * rules.data_parallel_size(mesh)

@@ -16,7 +16,7 @@ MESH_FOR = {"dp": None, "zero1": None, "zero2": None, "fsdp": None, "tp": "data=
             "fsdp_tp": None, "fsdp_tp_sp": None, "fsdp_tp_sp_cm": None,
             # context parallel: ring with zig-zag order inside the step, and all-to-all
             "fsdp_cp": None, "cp_ring": "data=2,context=4", "cp_ulysses": "data=4,context=2"}
-# Expert-parallel rule files, run with moe_tiny (tests/test_moe.py's parity tests).
+# Expert-parallel rule files, run with moe_tiny (tests/models/test_moe.py's parity tests).
 EP_MESH = {"ep": "expert=8", "fsdp_ep": "fsdp=2,expert=4", "fsdp_tp_ep": "fsdp=2,tensor=2,expert=2"}
 
 

@@ -47,8 +47,8 @@ USE_RULES = {
                          "planner's loss-and-grads compile carry their own rules",
     "meshlab/infer/engine.py": "the serving engine's program builder traces prefill / decode under the serving "
                                "rule file",
-    "tests/test_moe.py": "runs the MoE layer by itself under each rule file (no step)",
-    "tests/test_ring_attention.py": "runs the model's forward by itself under a context rule file (no step)",
+    "tests/models/test_moe.py": "runs the MoE layer by itself under each rule file (no step)",
+    "tests/parallel/test_ring_attention.py": "runs the model's forward by itself under a context rule file (no step)",
     "scripts/bench_pipeline.py": "times make_loss_and_grads alone (no step), jitted by hand",
     "notebooks/08_moe_routing.ipynb": "runs the MoE layer by itself under the ep rule file",
 }

@@ -13,7 +13,7 @@ each remat policy of models/llama.py with a probe sequence length, then scaled t
 and sequence (S and S^2 terms told apart by shape). Tracing is abstract: no compile, no
 allocation, and it follows the model when its layers change (fused kernels, new norms). The
 peak is taken per phase of the step (loss head, one layer's backward, optimizer update) with the
-temporaries live in that phase (see `plan_memory`). tests/test_memory_comm.py holds both to the
+temporaries live in that phase (see `plan_memory`). tests/plan/test_memory_comm.py holds both to the
 compiler's memory analysis.
 """
 from __future__ import annotations

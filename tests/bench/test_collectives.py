@@ -15,7 +15,7 @@ from meshlab.bench import collectives as bench
 from meshlab.bench import collectives_variants as variants
 from meshlab.plan import hardware
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_collectives.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_collectives.py"
 
 
 @pytest.fixture(scope="module")

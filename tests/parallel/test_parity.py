@@ -1,6 +1,6 @@
 """Every shipped rule file reproduces the single-device run: losses and parameters after 3 fp32
 steps with a learning rate large enough that the parameters visibly move. The expert-parallel files
-train moe_tiny against its own single-device run (tests/test_moe.py, with dropped tokens and the
+train moe_tiny against its own single-device run (tests/models/test_moe.py, with dropped tokens and the
 router statistics checked too); a test here fails if a shipped file is covered by neither."""
 import jax
 import numpy as np
@@ -80,6 +80,6 @@ def test_grad_accumulation_with_unequal_valid_tokens_equals_big_batch():
 
 def test_every_shipped_rule_file_has_a_parity_test():
     from pathlib import Path
-    shipped = {p.stem for p in (Path(__file__).resolve().parent.parent / "sharding_rules").glob("*.yaml")}
+    shipped = {p.stem for p in (Path(__file__).resolve().parents[2] / "sharding_rules").glob("*.yaml")}
     covered = set(MESH_FOR) | set(PIPELINE_MESH) | set(EP_MESH)
     assert shipped - covered == set(), f"rule files without a parity test: {sorted(shipped - covered)}"

@@ -17,7 +17,7 @@ from meshlab.checkpoint import Checkpointer, CheckpointError, read_meta
 from meshlab.train.metrics import read_metrics
 from tests.helpers import small_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Compiled programs are shared between the train() calls of these tests and their subprocesses
 # through JAX's persistent cache: a cold small train step costs ~30 s on 2 cores, a cached one ~1 s.
 CACHE_DIR = Path(tempfile.gettempdir()) / f"meshlab-test-jax-cache-{os.getuid()}"

@@ -2,7 +2,7 @@
 
 Each check runs twice: on CPU in interpret mode with tiny tiles (many tiles per sequence, so loop
 bounds, causal skipping and ragged-edge masking are all exercised), and marked `gpu` compiled on the
-GPU with the default tiles (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/test_flash_attention.py`).
+GPU with the default tiles (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/kernels/test_flash_attention.py`).
 Cases are pairwise combinations, not a full product, so the CPU file stays fast.
 """
 import jax

@@ -21,7 +21,7 @@ from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def test_zero1_with_micro_batches_matches_one_device(one_device_run):
 
 
 def _fsdp_file(tmp, gather: str) -> str:
-    text = (Path(__file__).parents[1] / "sharding_rules" / "fsdp.yaml").read_text()
+    text = (Path(__file__).parents[2] / "sharding_rules" / "fsdp.yaml").read_text()
     path = Path(tmp) / f"fsdp_{gather}.yaml"
     path.write_text(text.replace("fsdp_gather: per_layer", f"fsdp_gather: {gather}"))
     return str(path)
@@ -182,7 +182,7 @@ def test_fsdp_per_step_is_refused_with_expert_weights(tmp_path):
     """per_step with expert weights: one clear error at build time (under a pipeline: test_pipeline)."""
     from meshlab.rules import RulesError
     moe_path = tmp_path / "fsdp_per_step.yaml"
-    moe_path.write_text((Path(__file__).parents[1] / "sharding_rules" / "fsdp.yaml").read_text()
+    moe_path.write_text((Path(__file__).parents[2] / "sharding_rules" / "fsdp.yaml").read_text()
                         .replace("fsdp_gather: per_layer", "fsdp_gather: per_step"))
     with pytest.raises(RulesError, match="per_step` with expert weights"):
         build_trainer(small_config(str(moe_path), extra=["model.name=moe_tiny"]))

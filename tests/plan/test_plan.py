@@ -92,7 +92,7 @@ def test_hardware_errors(tmp_path):
 def test_plan_script(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("plan_script", Path(__file__).parents[1] / "scripts" / "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_script", Path(__file__).parents[2] / "scripts" / "plan.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--model", "llama3_1b", "--devices", "8", "--batch", "16", "--seq", "2048", "--rules", "fsdp,tp",

@@ -10,7 +10,7 @@ import pytest
 
 import models
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
+SCRIPTS = Path(__file__).parents[2] / "scripts"
 
 
 def _load(name):

@@ -15,7 +15,7 @@ import pytest
 
 from meshlab.train import loop
 from tests.helpers import SMALL, small_config
-from tests.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)
+from tests.train.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)
 
 TIMEOUT = 400
 # One xdist worker runs the whole file: the two-process run of `two_process_run` happens once, not once
@@ -80,7 +80,7 @@ def test_two_processes_match_one(two_process_run):
 
 def test_two_process_checkpoint_restores_in_one(two_process_run, tmp_path):
     """Written by 2 processes x 4 devices, restored by 1 process x 8 devices, continues the same.
-    (Restoring onto another device count and rule file is tests/test_checkpoint.py's; the same
+    (Restoring onto another device count and rule file is tests/train/test_checkpoint.py's; the same
     mesh here reuses the reference run's compiled step.)"""
     run, _ = two_process_run
     ref = losses_of(run)

@@ -18,7 +18,7 @@ from meshlab.infer.loading import load_checkpoint, run_tokenizer
 from meshlab.checkpoint import write_run_tokenizer
 from meshlab.tokenizer import ByteTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fresh_env() -> dict:

@@ -2,7 +2,7 @@
 
 The Mosaic GPU interpreter cannot run these kernels (no register/transposed wgmma operands, no
 `pl.run_state`), so numerics are GPU-only: `MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu
-tests/test_flash_attention_mgpu.py`. On CPU: argument validation, and the full Mosaic GPU lowering
+tests/kernels/test_flash_attention_mgpu.py`. On CPU: argument validation, and the full Mosaic GPU lowering
 (Pallas -> Mosaic GPU MLIR, forward and backward) of every configuration, which catches shape,
 layout and API errors without a GPU.
 """
@@ -220,7 +220,7 @@ def test_causal_8192_d128_gqa4_each_kernel_in_its_own_process_gpu(kernel):
     backward is refused there at once, with the error that names the split kernels."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "diag_mgpu_shapes.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "diag_mgpu_shapes.py"
     spec = importlib.util.spec_from_file_location("diag_mgpu_shapes", path)
     diag = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diag)

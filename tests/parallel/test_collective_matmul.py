@@ -3,7 +3,7 @@ plain sequence parallelism (fsdp_tp_sp) and one device, on fsdp=2 x tensor=4 (4 
 ring has 4 stops: a chunk written at the wrong offset or a partial sum sent the wrong way shows, which
 tensor=2 could hide). One compiled loss-and-gradients program per rule file, run once and read twice:
 its values (parity) and its optimized HLO (which collectives). The 3-step training parity of the
-shipped file at its default tensor=2 is tests/test_parity.py's."""
+shipped file at its default tensor=2 is tests/parallel/test_parity.py's."""
 from __future__ import annotations
 
 import jax

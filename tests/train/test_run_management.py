@@ -12,12 +12,12 @@ from meshlab.train import loop
 from meshlab.checkpoint import Checkpointer
 from meshlab.train.metrics import read_metrics
 from tests.helpers import SMALL, small_config
-from tests.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)
+from tests.train.test_checkpoint import ROOT, compile_cache, subprocess_env  # noqa: F401 (autouse fixture)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import plot_metrics  # noqa: E402
 
-# The same program as tests/test_checkpoint.py (fsdp, 4 steps): its compiled step is cached.
+# The same program as tests/train/test_checkpoint.py (fsdp, 4 steps): its compiled step is cached.
 ARGS = ["--rules", "fsdp", "--steps", "4", *SMALL, "checkpoint.every=2"]
 
 

@@ -1,7 +1,7 @@
 """Fused ops (pallas_kernels/): forward and gradients against the jnp references.
 
 CPU: Pallas interpret mode, float32, awkward sizes (no dimension a multiple of its tile).
-GPU (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/test_fused_ops.py`): compiled Triton
+GPU (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/kernels/test_fused_ops.py`): compiled Triton
 kernels in fp32 (TF32 dots) and bf16, at tolerances for those precisions.
 """
 import dataclasses

@@ -13,7 +13,7 @@ from meshlab.plan.search import PlanMesh
 from meshlab.rules import load_rules
 from models import model_def
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "explain.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "explain.py"
 
 
 def _script():

@@ -16,7 +16,7 @@ from meshlab.bench import hlo_schedule
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("diag_aot", Path(__file__).parents[1] / "scripts" / "diag_aot_topology.py")
+    spec = importlib.util.spec_from_file_location("diag_aot", Path(__file__).parents[2] / "scripts" / "diag_aot_topology.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -38,7 +38,7 @@ def test_mixtral_logits_match_transformers(tmp_path, tied):
 def _bench_moe_torch():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).parents[1] / "scripts" / "bench_moe_torch.py"
+    path = Path(__file__).parents[2] / "scripts" / "bench_moe_torch.py"
     spec = importlib.util.spec_from_file_location("bench_moe_torch", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

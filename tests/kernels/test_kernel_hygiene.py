@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PKG = "pallas_kernels"
-ROOT = Path(__file__).resolve().parent.parent / PKG
+ROOT = Path(__file__).resolve().parents[2] / PKG
 FILES = sorted(ROOT.glob("*.py"))
 MAX_DOC_LINES = 20
 DATE = re.compile(r"\b20\d\d-[01]\d")

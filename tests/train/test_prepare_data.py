@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshlab.train import data as data_mod
-from tests.test_checkpoint import ROOT, compile_cache  # noqa: F401 (autouse fixture)
+from tests.train.test_checkpoint import ROOT, compile_cache  # noqa: F401 (autouse fixture)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import prepare_data as pd  # noqa: E402
