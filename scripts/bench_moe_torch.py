@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
@@ -53,6 +52,7 @@ def ours(cfg):
 
 
 def run(a) -> dict:
+    import bench_scaling_torch
     import torch
     from transformers import MixtralForCausalLM
     dev = torch.device(a.device)
@@ -94,21 +94,7 @@ def run(a) -> dict:
             for i in range(len(layers)):
                 layers[i] = getattr(layers[i], "_orig_mod", layers[i])
             fwd, compiled = model, f"eager (torch.compile failed: {type(e).__name__}: {str(e)[:120]})"
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        step()
-    sync()
-    warm_s = time.perf_counter() - t0
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        loss = step()
-        sync()
-        times.append(time.perf_counter() - t)
-    dt = sorted(times)[len(times) // 2]
+    warm_s, dt, loss = bench_scaling_torch.time_steps(step, dev, a.warmup, a.steps)
     from meshlab.plan.account import DATASHEET_BF16_FLOPS    # the peak our MFU divides by
     m = ours(cfg)
     tok_s = a.batch * a.seq / dt

@@ -65,6 +65,26 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def time_steps(step, dev, warmup: int, steps: int):
+    """Warm-up steps (compiles), then the median of `steps` synchronised steps: (warm-up s, median step
+    s, the last loss). The peak memory counter is reset after the warm-up."""
+    import torch
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = step()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return warm_s, sorted(times)[len(times) // 2], loss
+
+
 def collectives(dev, world: int, sizes: list[int], iters: int) -> list[dict]:
     """Bus bandwidth as nccl-tests counts it (n = one rank's input bytes): all-reduce 2(p-1)/p n,
     all-gather (p-1) n, reduce-scatter (p-1)/p n. `loop` = `iters` back-to-back calls / iters (device
@@ -166,20 +186,7 @@ def train(mode: str, dev, world: int, a) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        step()
-    _sync(dev)
-    warm_s = time.perf_counter() - t0
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        loss = step()
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-    dt = sorted(times)[len(times) // 2]
+    warm_s, dt, loss = time_steps(step, dev, a.warmup, a.steps)
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     # the slowest rank's step and the largest peak: what the group delivers
     red = torch.tensor([dt, float(peak)], dtype=torch.float64, device=dev)
