@@ -2,6 +2,8 @@
 inputs and error measure of the attention kernel tests."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +52,42 @@ def rel_err(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.isfinite(a).all(), "non-finite values: an element was never written (or overflowed)"
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _reset_compilation_cache():
+    try:
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()   # the on/off decision is cached at the first compile
+    except (ImportError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def persistent_compile_cache(directory):
+    """JAX's persistent compilation cache in `directory` for every compile, whatever its time or size
+    (so a test's later process or compile of the same program reads it), restored afterwards."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (str(directory), 0, 0)):
+        jax.config.update(n, v)
+    _reset_compilation_cache()
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+        _reset_compilation_cache()
+
+
+def save_hf_with_perturbed_norms(model, directory):
+    """A transformers model with non-trivial norm scales (so a swapped norm would show in parity),
+    saved as safetensors under `directory`; the model, eval mode, float32."""
+    import torch
+    model = model.eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model

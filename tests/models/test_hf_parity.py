@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from meshlab.infer.hf import SafetensorsDir, load_hf, save_hf  # noqa: E402
+from tests.helpers import save_hf_with_perturbed_norms  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -28,12 +29,7 @@ def hf_model(tmp_path, **kw):
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    head_dim=16, intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-5,
                                    initializer_range=0.2, max_position_embeddings=64, **kw)
-    model = transformers.LlamaForCausalLM(cfg).eval().float()
-    with torch.no_grad():                    # non-trivial norm scales, so a swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = save_hf_with_perturbed_norms(transformers.LlamaForCausalLM(cfg), tmp_path / "hf")
     return model
 
 

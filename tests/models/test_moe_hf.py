@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from meshlab.infer.hf import load_hf  # noqa: E402
+from tests.helpers import save_hf_with_perturbed_norms  # noqa: E402
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -20,12 +21,7 @@ def test_mixtral_logits_match_transformers(tmp_path, tied):
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                      num_experts_per_tok=2, rms_norm_eps=1e-5, initializer_range=0.2,
                                      max_position_embeddings=64, tie_word_embeddings=tied)
-    model = transformers.MixtralForCausalLM(cfg).eval().float()
-    with torch.no_grad():                    # non-trivial norm scales, so a swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = save_hf_with_perturbed_norms(transformers.MixtralForCausalLM(cfg), tmp_path / "hf")
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 24))
     with torch.no_grad():
         ref = model(torch.tensor(tokens)).logits.numpy()

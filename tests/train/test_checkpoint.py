@@ -15,7 +15,7 @@ import pytest
 from meshlab.train import loop
 from meshlab.checkpoint import Checkpointer, CheckpointError, read_meta
 from meshlab.train.metrics import read_metrics
-from tests.helpers import small_config
+from tests.helpers import persistent_compile_cache, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # Compiled programs are shared between the train() calls of these tests and their subprocesses
@@ -26,26 +26,10 @@ CACHE_DIR = Path(tempfile.gettempdir()) / f"meshlab-test-jax-cache-{os.getuid()}
 pytestmark = pytest.mark.xdist_group("checkpoint")
 
 
-def _reset_cache():
-    try:
-        from jax._src import compilation_cache
-        compilation_cache.reset_cache()   # the on/off decision is cached at the first compile
-    except (ImportError, AttributeError):
-        pass
-
-
 @pytest.fixture(scope="module", autouse=True)
 def compile_cache():
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    for n, v in zip(names, (str(CACHE_DIR), 0, 0)):
-        jax.config.update(n, v)
-    _reset_cache()
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-    _reset_cache()
+    with persistent_compile_cache(CACHE_DIR):
+        yield
 
 
 def subprocess_env(**extra) -> dict:

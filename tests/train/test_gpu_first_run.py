@@ -13,7 +13,7 @@ from meshlab.train import fit, loop
 from meshlab.checkpoint import Checkpointer
 from meshlab.train.config import ConfigError, load_config
 from meshlab.peak import datasheet_tflops, mfu, peak_flops
-from tests.helpers import small_config
+from tests.helpers import persistent_compile_cache, small_config
 
 def _dp(tmp_path, extra=(), steps=3):
     """The small model, data parallel over the 8 simulated devices."""
@@ -28,24 +28,8 @@ STEPS = 11
 
 @pytest.fixture(scope="module", autouse=True)
 def compile_cache(tmp_path_factory):
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    for n, v in zip(names, (str(tmp_path_factory.mktemp("jax-cache")), 0, 0)):
-        jax.config.update(n, v)
-    _reset_cache()
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-    _reset_cache()
-
-
-def _reset_cache():
-    try:
-        from jax._src import compilation_cache
-        compilation_cache.reset_cache()   # the on/off decision is cached at the first compile
-    except (ImportError, AttributeError):
-        pass
+    with persistent_compile_cache(tmp_path_factory.mktemp("jax-cache")):
+        yield
 
 
 # -- config load ------------------------------------------------------------------------------
