@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from meshlab.plan.hlo import COMPUTATION, KINDS
+from meshlab.plan.hlo import KINDS, Instr, computations  # noqa: F401 (Instr: part of this module's reading)
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_NAME = re.compile(r"%?([\w.\-]+)")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 # What counts as compute between a start and its done: kernels (fusions, library calls such as
 # cuBLAS/cuDNN GEMMs and attention) and control flow that runs them. Layout ops (bitcast, tuple,
@@ -28,41 +26,12 @@ SENDRECV = {"send": "send", "recv": "recv"}
 
 
 @dataclasses.dataclass
-class Instr:
-    name: str
-    opcode: str
-    operands: list
-    line: str
-
-
-@dataclasses.dataclass
 class Pair:
     kind: str
     start: str
     done: str
     computation: str
     compute_between: int     # compute instructions scheduled between start and done
-
-
-def computations(text: str) -> dict[str, list[Instr]]:
-    """computation name -> its instructions in schedule order."""
-    out: dict[str, list[Instr]] = {}
-    cur = None
-    for line in text.splitlines():
-        m = COMPUTATION.match(line)
-        if m:
-            cur = out.setdefault(m.group(1), [])
-            continue
-        if cur is None:
-            continue
-        if line.strip() == "}":
-            cur = None
-            continue
-        m = _INSTR.match(line)
-        if m:
-            args = m.group(4).split(")", 1)[0]
-            cur.append(Instr(m.group(1), m.group(3), _NAME.findall(args), line))
-    return out
 
 
 def _kind(ins: Instr, comps) -> str:

@@ -100,8 +100,38 @@ class Gemm:
     line: str
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
-_DOT_OPERANDS = re.compile(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_NAME = re.compile(r"%?([\w.\-]+)")
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    opcode: str
+    operands: list
+    line: str
+    shape: str = ""     # the result's type text, e.g. `f8e4m3fn[2048,1024]{1,0}`
+
+
+def computations(text: str) -> dict[str, list[Instr]]:
+    """computation name -> its instructions in schedule order."""
+    out: dict[str, list[Instr]] = {}
+    cur = None
+    for line in text.splitlines():
+        m = COMPUTATION.match(line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        if cur is None:
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            args = m.group(4).split(")", 1)[0]
+            cur.append(Instr(m.group(1), m.group(3), _NAME.findall(args), line, m.group(2)))
+    return out
 
 
 def gemms(hlo_text: str) -> list[Gemm]:
@@ -109,23 +139,12 @@ def gemms(hlo_text: str) -> list[Gemm]:
     GEMM fusion is FP8 when its fused dot reads two float8 values (XLA may feed it FP8 operands that it
     concatenates or bitcasts inside, e.g. gate and up merged into one GEMM). The optimized HLO prints a
     caller's operands without types, so the fused computation's own instructions give them."""
-    types: dict[str, dict[str, str]] = {}      # computation -> instruction -> element type
-    dots: dict[str, tuple[str, str]] = {}      # computation -> its dot's operands
-    comp = None
-    for line in hlo_text.splitlines():
-        m = COMPUTATION.match(line)
-        if m:
-            comp = m.group(1)
-            types[comp] = {}
-            continue
-        if comp is None:
-            continue
-        m = _INSTR.match(line)
-        if m:
-            types[comp][m.group(1)] = m.group(2)
-        m = _DOT_OPERANDS.search(line)
-        if m:
-            dots[comp] = (m.group(1), m.group(2))
+    fp8_dot = {}                               # fused computation -> its dot reads two float8 values
+    for name, instrs in computations(hlo_text).items():
+        types = {i.name: i.shape for i in instrs}
+        dots = [i for i in instrs if i.opcode == "dot"]
+        if dots:
+            fp8_dot[name] = all(types.get(o, "").startswith("f8") for o in dots[0].operands[:2])
     found = []
     for line in hlo_text.splitlines():
         if " = " not in line:
@@ -135,7 +154,5 @@ def gemms(hlo_text: str) -> list[Gemm]:
             found.append(Gemm(name, "cublas", 'custom_call_target="__cublas$lt$matmul$f8"' in line, line.strip()))
         elif "kind=kCustom" in line and ("gemm_fusion" in line or "__triton_gemm" in line):
             callee = (_CALLS.search(line) or [None, None])[1]
-            operands = dots.get(callee, ())
-            fp8 = bool(operands) and all(types[callee].get(o, "").startswith("f8") for o in operands)
-            found.append(Gemm(name, "triton", fp8, line.strip()))
+            found.append(Gemm(name, "triton", fp8_dot.get(callee, False), line.strip()))
     return found
