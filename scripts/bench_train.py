@@ -71,6 +71,7 @@ def main():
     rows = []
 
     out_dir = Path(os.environ.get("OUT", "/tmp"))
+    out_dir.mkdir(parents=True, exist_ok=True)   # the profile table is appended there after the timing
 
     def record(label, cfg, batch, seq):
         prof = Path("/tmp/meshlab_traces") / f"v{len(rows)}" if args.profile else None
