@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from meshlab.plan import comm
+from meshlab.plan import comm, hlo
 from meshlab.train import compiled
 from meshlab.train.loop import build_trainer
 
@@ -134,13 +134,22 @@ def fsdp_files(tmp_path_factory):
     return {g: _fsdp_file(tmp, g) for g in ("per_layer", "keep", "per_step")}
 
 
-def test_fsdp_reshards_after_forward(fsdp_files):
+@pytest.fixture(scope="module")
+def fsdp_heavy_runs(fsdp_files):
+    """2 steps of the 2-layer weight-heavy model under per_layer and keep, trained once: the numeric
+    test compares their losses, the memory test reads their compiled steps (jax's cache: no compile)."""
+    from meshlab.train.loop import train
+    return {g: train(small_config(fsdp_files[g], steps=2, extra=HEAVY + ["model.n_layers=2"]), progress=False,
+                     write=False) for g in ("per_layer", "keep")}
+
+
+def test_fsdp_reshards_after_forward(fsdp_files, fsdp_heavy_runs):
     temps, files = {}, {g: fsdp_files[g] for g in ("per_layer", "keep")}
     for gather, path in files.items():
-        for n in (2, 4):
-            temps[gather, n] = compiled.measure(small_config(path, extra=HEAVY + [f"model.n_layers={n}"]),
-                                                grads=False).temp
-    md = build_trainer(small_config(fsdp_files["keep"], extra=HEAVY + ["model.n_layers=2"])).md
+        run = fsdp_heavy_runs[gather]
+        temps[gather, 2] = compiled.compiled_step(run["trainer"], run["state"]).memory_analysis().temp_size_in_bytes
+        temps[gather, 4] = compiled.measure(small_config(path, extra=HEAVY + ["model.n_layers=4"]), grads=False).temp
+    md = fsdp_heavy_runs["keep"]["trainer"].md
     layer = 4 * sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(md.abstract["layers"]))  # one layer, gathered
     slope = {g: (temps[g, 4] - temps[g, 2]) / 2 for g in files}
     print(f"\nfsdp remat=none temp per extra layer: {slope} B; one layer's gathered weights {layer} B")
@@ -151,9 +160,8 @@ def test_fsdp_reshards_after_forward(fsdp_files):
     assert temps["per_layer", 4] <= temps["keep", 4] - 2 * layer   # at most two layers' gathered weights live
 
 
-def test_fsdp_keep_matches_per_layer_numerically(fsdp_files):
-    from meshlab.train.loop import train
-    out = {g: train(small_config(fsdp_files[g], steps=2), progress=False, write=False) for g in ("per_layer", "keep")}
+def test_fsdp_keep_matches_per_layer_numerically(fsdp_heavy_runs):
+    out = fsdp_heavy_runs
     np.testing.assert_allclose(out["keep"]["losses"], out["per_layer"]["losses"], rtol=1e-6)
 
 
@@ -169,13 +177,15 @@ def test_fsdp_per_step_gathers_once_and_matches_one_device(fsdp_files, one_devic
     diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(out["state"]["params"]),
                                         ref_params))
     assert max(diff) < 2e-5
-    m = compiled.measure(cfg, grads=False)
-    moved = [c for c in m.collectives if c.kind in ("all-gather", "reduce-scatter")]
+    # the program the run compiled (jax's cache: no second compile), read as compiled.measure reads it
+    colls = hlo.collectives(compiled.compiled_step(out["trainer"], out["state"]).as_text())
+    moved = [c for c in colls if c.kind in ("all-gather", "reduce-scatter")]
     assert moved and not [c for c in moved if c.in_loop], [c for c in moved if c.in_loop]
     want = comm.cpu_view(_plan(cfg)[1])
     for kind in ("all-gather", "reduce-scatter"):
-        print(f"\nper_step {kind}: HLO {m.per_step[kind]} B, plan {want[kind]} B")
-        assert m.per_step[kind] == pytest.approx(want[kind], rel=0.01)
+        got = sum(c.bytes for c in moved if c.kind == kind)   # none in a loop: once per step
+        print(f"\nper_step {kind}: HLO {got} B, plan {want[kind]} B")
+        assert got == pytest.approx(want[kind], rel=0.01)
 
 
 def test_fsdp_per_step_is_refused_with_expert_weights(tmp_path):
