@@ -36,6 +36,9 @@ def parse(argv=None):
     p.add_argument("--time-from", type=int, default=20, help="tokens/s = median over steps >= this")
     p.add_argument("--every", type=int, default=10, help="loss curve: every EVERY steps")
     p.add_argument("--tol", type=float, default=0.02, help="final-loss tolerance, nats")
+    p.add_argument("--only", choices=("bfloat16", "float8"),
+                   help="train one of the two (a control: a repeat, another seed, or bf16 with the layer loop flipped "
+                        "by an override, to see how far two runs of the same math drift apart by step N)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, --steps 8: mechanics only")
     p.add_argument("overrides", nargs="*", help="config overrides for both runs, key=value")
     args = p.parse_args(argv)
@@ -110,19 +113,37 @@ def report(args, bf, f8) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_one(args, r) -> str:
+    """The rows of a single control run: its final loss, speed and curve."""
+    import jax
+    lines = [f"\n### {r['matmul_dtype']} control run, {r['model']}, batch {r['batch']}, {args.steps} steps "
+             f"({datetime.date.today().isoformat()}, {r['device']}, jax {jax.__version__})\n",
+             f"`scripts/bench_fp8.py --config {args.config} --rules {args.rules} --steps {args.steps} --only "
+             f"{r['matmul_dtype']}" + (" " + " ".join(args.overrides) if args.overrides else "") + "`: final loss "
+             f"(mean of last {args.tail}) {r['final_loss']:.4f}, {r['tokens_per_s']:,.0f} tokens/s (median, steps "
+             f"{args.time_from}-{args.steps}).\n", "| step | loss |", "|---|---|"]
+    lines += [f"| {s} | {r['losses'][s - 1]:.4f} |" for s in range(args.every, args.steps + 1, args.every)]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     args = parse(argv)
     import jax
-    bf = run(args, "bfloat16")
-    f8 = run(args, "float8")
-    text = report(args, bf, f8)
+    if args.only:
+        bf = f8 = run(args, args.only)
+        text = report_one(args, bf)
+    else:
+        bf = run(args, "bfloat16")
+        f8 = run(args, "float8")
+        text = report(args, bf, f8)
     print(text)
     if jax.default_backend() == "gpu":
         with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
             f.write(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps({"bf16": bf, "fp8": f8}, indent=1))
+        runs = {args.only: bf} if args.only else {"bf16": bf, "fp8": f8}
+        Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps(runs, indent=1))
         Path(os.environ["OUT"], "bench_fp8_rows.md").write_text(text)   # the diary rows, for a remote run
 
 
