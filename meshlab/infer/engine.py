@@ -33,7 +33,7 @@ from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.rules import use_rules
 
-NARROW = 64     # the narrow chunk-row width (see Engine.WIDTHS)
+NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
 
 def reset_rows(seen, rows_mask):
@@ -150,8 +150,8 @@ class Engine:
                          for n are short);
       some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, max_seqs} decode
                          tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
-                         max_prefill_rows) chunk rows `chunk` wide (or one row 64 wide when
-                         the step has one piece that fits: a cached prefix's tail);
+                         max_prefill_rows) chunk rows `chunk` wide (or one row 16 or 64 wide
+                         when the step has one piece that fits: a cached prefix's tail);
     each with static greedy / logprobs flags (from the rows in the step).
 
     Decode calls chain (chain_decode): while one runs, the next is dispatched from its last tokens
@@ -210,9 +210,11 @@ class Engine:
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
         self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, min(self.sched.max_prefill_rows, max_seqs))
         self.MIXED_DECODE = [0, max_seqs] if max_seqs > 1 else [0]          # one row cannot do both
-        # Chunk rows are `chunk` wide, or NARROW for a step with one prompt piece that fits: a cached
-        # prefix's short tail (or a short prompt) then costs a 64-token row, not a 512-token one.
-        self.WIDTHS = sorted({min(NARROW, self.chunk), self.chunk})
+        # Chunk rows are `chunk` wide, or the narrowest of NARROW for a step with one prompt piece that
+        # fits: a cached prefix's tail (at most a page of 16 when the prompt was met before up to its
+        # last page) or a short prompt then costs a 16- or 64-token row, not a 512-token one. Each
+        # width is one more packed program per MIXED_DECODE bucket (k = 1 only) for warmup to compile.
+        self.WIDTHS = sorted({min(w, self.chunk) for w in NARROW} | {self.chunk})
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
         self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
         self.inbox: queue.Queue = queue.Queue()
@@ -441,7 +443,7 @@ class Engine:
 
     def _packed(self, decodes, prefills):
         s, ps, m = self.sched, self.sched.page_size, len(decodes)
-        c = self.WIDTHS[0] if len(prefills) == 1 and prefills[0][1] <= self.WIDTHS[0] else self.chunk
+        c = next(w for w in self.WIDTHS if w >= prefills[0][1]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         t, r_out = nd + k * c, nd + k
@@ -467,6 +469,11 @@ class Engine:
             tokens[base:base + n] = r.slice(r.cached, r.cached + n)
             positions[base:base + n], slot[base:base + n] = pos, r.slot
             write_page[base:base + n], write_off[base:base + n] = s.table[r.slot, pos // ps], pos % ps
+            if r.cached < r.prefix_hit_tokens:
+                # a fully cached prompt's last token: its K/V already lie in a shared page, which no
+                # request writes. An offset past the page drops the write (the scatter's mode="drop")
+                # while write_page still counts the token as a real query of its row.
+                write_off[base:base + n][pos < r.prefix_hit_tokens] = ps
             pre_table[j] = s.table[r.slot]
             out_idx[nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
         live = np.concatenate([dslots, np.array([r.slot for r, _ in prefills], np.int32)])

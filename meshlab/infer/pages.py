@@ -18,8 +18,9 @@ drops to zero stays in the cache (least recently freed last) and is evicted only
 needed and no never-cached page is free. Page 0 is never handed out: unused page-table entries
 point at it.
 
-The last prompt token is always recomputed (its logits start the output), so a lookup stops at
-the page that holds it: a fully cached prompt still computes its last page.
+The last prompt token is always fed (its logits start the output). A lookup may still take the
+page that holds it: a fully cached prompt then feeds only that token, which reads its own K/V
+from the shared page and writes nothing (the scheduler's Request.prefix_hit_tokens).
 """
 from __future__ import annotations
 

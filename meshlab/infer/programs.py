@@ -160,8 +160,10 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     """(packed_step, decode_loop) of the continuous-batching engine, jitted, cache and seen donated.
 
     packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs): p holds the
-      packed stream (tokens, positions, slot [T]; write_page, write_off [T]; dec_table, dec_len,
-      pre_table; out_idx [R]: the token whose hidden state each output row samples from);
+      packed stream (tokens, positions, slot [T]; write_page, write_off [T]: write_page = num_pages
+      marks padding, write_off = page_size a real token whose K/V are already cached (not written);
+      dec_table, dec_len, pre_table; out_idx [R]: the token whose hidden state each output row
+      samples from);
       rows/counters/out_slot describe the R = n_dec + k output rows.
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b] and

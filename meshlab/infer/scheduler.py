@@ -56,7 +56,9 @@ class Request:
     t_first: float = 0.0
     t_done: float = 0.0
     preemptions: int = 0
-    prefix_hit_tokens: int = 0            # prompt tokens found in the prefix cache (last admission)
+    # tokens found in the prefix cache at its last admission: positions below it lie in shared pages,
+    # never written by this request (a fully cached prompt feeds its last token for the logits only)
+    prefix_hit_tokens: int = 0
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
     registered: int = 0                   # its pages already offered to the prefix cache (pages[:registered])
     ids: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)   # the prompt as int32 (hashed)
@@ -168,11 +170,13 @@ class Scheduler:
         self.table[req.slot, start:len(req.pages)] = req.pages[start:]
 
     def _prefix_hit(self, req: Request) -> list:
-        """Cached pages for req's prefix, never the page of its last token (recomputed for its logits).
-        Repetition-penalised requests compute everything: their seen-token mask is built by feeding."""
+        """Cached pages for req's prefix, its last full page included: when every token is cached,
+        the last one is fed again for its logits and reads its own K/V from the shared page (its
+        write is dropped, Request.hit). Repetition-penalised requests compute everything: their
+        seen-token mask is built by feeding."""
         if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
             return []
-        n = (req.n_tokens - 1) // self.page_size
+        n = req.n_tokens // self.page_size
         if req.keys:                          # keys known (a preempted request): no hashing
             return self.pool.lookup(page_keys(req.token_ids(n * self.page_size), self.page_size, req.keys, n)[:n])
         return self.pool.longest(req.token_ids(n * self.page_size), self.page_size, n, req.keys)
@@ -188,8 +192,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.pool.acquire(hit)
-            req.pages, req.cached, req.registered = list(hit), len(hit) * self.page_size, len(hit)
-            req.prefix_hit_tokens = req.cached
+            req.pages, req.registered = list(hit), len(hit)
+            req.prefix_hit_tokens = len(hit) * self.page_size
+            req.cached = min(req.prefix_hit_tokens, req.n_tokens - 1)      # the last token is fed for its logits
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req
             self.table[req.slot, :len(hit)] = hit
@@ -259,10 +264,18 @@ class Scheduler:
         return True
 
     # -- one step -------------------------------------------------------------------------
+    @staticmethod
+    def decoding(req: Request) -> bool:
+        """Whether req's next token goes through a decode call: one token left to feed, an output
+        already begun (a first token never waits behind a call of steps_per_call decode steps: a
+        prompt with one uncached token takes a narrow packed row), and a position its own (a
+        fully cached prompt's last token lies in a shared page: the packed row drops its write)."""
+        return req.n_tokens - req.cached == 1 and bool(req.output) and req.cached >= req.prefix_hit_tokens
+
     def plan(self) -> tuple[list, list]:
         """(decoding requests, [(prefilling request, tokens to feed)]) for this step: every decode
         first (one token each), then prompt chunks, oldest request first, within the step budget."""
-        decodes = [r for r in self._admit_order if r.n_tokens - r.cached == 1]
+        decodes = [r for r in self._admit_order if self.decoding(r)]
         for req in decodes:
             if req.slot >= 0:
                 self.reserve(req, req.cached + 1)
@@ -270,7 +283,7 @@ class Scheduler:
         budget, prefills = self.max_step_tokens - len(decodes), []
         for req in list(self._admit_order):
             left = req.n_tokens - req.cached
-            if left <= 1 or req.slot < 0:
+            if left < 1 or req.slot < 0 or self.decoding(req):
                 continue
             n = min(left, self.chunk, budget)
             if n <= 0 or len(prefills) == self.max_prefill_rows:

@@ -66,10 +66,10 @@ def test_shared_prefix_recomputes_only_the_tail(tiny):
     first, n1 = computed(cached, prefix + tails[0])
     second, n2 = computed(cached, prefix + tails[1])
     again, n3 = computed(cached, prefix + tails[0])
-    aligned, n4 = computed(cached, prefix)                             # fully cached: the last page is recomputed
-    assert (n1, n2, n3, n4) == (27, 3, 3, 4)
-    assert (second.prefix_hit_tokens, again.prefix_hit_tokens, aligned.prefix_hit_tokens) == (24, 24, 20)
-    assert cached.stats["prefix_hit_tokens"] == 68
+    aligned, n4 = computed(cached, prefix)                             # fully cached: only its last token is fed
+    assert (n1, n2, n3, n4) == (27, 3, 3, 1)
+    assert (second.prefix_hit_tokens, again.prefix_hit_tokens, aligned.prefix_hit_tokens) == (24, 24, 24)
+    assert cached.stats["prefix_hit_tokens"] == 72
     for req in (first, second, again, aligned):
         ref, n = computed(plain, req.prompt)
         assert req.output == ref.output and n == len(req.prompt)
@@ -97,30 +97,57 @@ def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
     assert again.output == base.output and again.prefix_hit_tokens < 20 and n == 21 - again.prefix_hit_tokens
 
 
-def test_cached_tail_runs_in_a_narrow_row(tiny):
-    """A prompt whose prefix is cached computes its short tail in one 64-wide row, not a chunk-wide
-    one; tokens equal the uncached forward's argmax."""
+def argmax_of_uncached(md, params, req) -> list:
+    """The greedy tokens the uncached forward gives after req's prompt (its output's length)."""
     import jax.numpy as jnp
-    md, params = tiny
-    eng = Engine(md, params, max_len=256, max_seqs=2, page_size=16, chunk=128, steps_per_call=4)
-    rng = np.random.default_rng(2)
-    shared = rng.integers(0, 257, size=96).tolist()
-    eng.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))
-    assert not any(key[0] == "packed" and key[3] == 64 for key in eng._programs)
-    req = eng.generate([shared + [4, 5, 6, 7]], SamplingParams(max_tokens=4))[0]
-    assert req.prefix_hit_tokens == 96
-    assert any(key[0] == "packed" and key[3] == 64 for key in eng._programs)
     seq = req.prompt + req.output
     logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
-    assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()
+    return logits[len(req.prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_cached_tail_runs_in_the_narrowest_row_that_fits(tiny, monkeypatch):
+    """A prompt whose prefix is cached computes only its uncached tokens, in the narrowest packed row
+    that fits (16 up to a page, 64 beyond), its first token never from a decode call; a fully cached
+    prompt feeds its last token only and leaves the shared pages as they were (its write dropped). Tokens equal the uncached forward's
+    argmax, and the first token's log-probabilities those of a chunk-wide row (float32)."""
+    md, params = tiny
+    make_one = lambda: Engine(md, params, max_len=256, max_seqs=2, page_size=16, chunk=128, steps_per_call=4)  # noqa: E731
+    eng, wide = make_one(), make_one()
+    assert eng.WIDTHS == [16, 64, 128]
+    wide.WIDTHS = [wide.chunk]                                          # every piece in a chunk-wide row
+    shared = np.random.default_rng(2).integers(0, 257, size=96).tolist()   # six pages
+    for e in (eng, wide):
+        e.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))
+    pages = eng.sched.pool.lookup(page_keys(shared, 16, [], 6))
+    assert len(pages) == 6
+    before = {name: np.asarray(eng.cache[name])[:, pages] for name in ("k", "v")}
+    keys, launch = [], eng._launch
+    monkeypatch.setattr(eng, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
+    sp = SamplingParams(max_tokens=3, logprobs=5)
+    cases = ((shared + [4, 5, 6, 7], 16, 4), (shared + list(range(10, 50)), 64, 40), (shared, 16, 1),
+             (shared + [9], 16, 1))                # one token to feed and no output yet: a packed row, not decode
+    for prompt, width, fed in cases:
+        keys.clear()
+        req, n = computed(eng, prompt, max_tokens=3)
+        assert req.prefix_hit_tokens == 96 and n == fed
+        assert keys[0][:4] == ("packed", 0, 1, width) and all(k[0] == "decode" for k in keys[1:])
+        assert req.output == argmax_of_uncached(md, params, req)
+        mine = eng.generate([prompt], sp)[0].logprobs[0]
+        ref = wide.generate([prompt], sp)[0].logprobs[0]
+        assert sorted(mine[1]) == sorted(ref[1])
+        np.testing.assert_allclose([mine[0], *(mine[1][t] for t in ref[1])], [ref[0], *ref[1].values()],
+                                   rtol=1e-5, atol=1e-5)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.asarray(eng.cache[name])[:, pages], before[name])
 
 
 def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch):
     """With the paged kernels (interpreted here, as on the GPU): a request whose 96-token prefix
-    is cached computes exactly its 4-token tail, in one call of the narrow (64-wide) packed
+    is cached computes exactly its 4-token tail, in one call of the narrow (16-wide) packed
     program whose attention is the paged prompt kernel (it reads the cached pages in place, no
-    window of the table's width), then decodes; its tokens equal the uncached forward's argmax."""
-    import jax.numpy as jnp
+    window of the table's width), then decodes; its tokens equal the uncached forward's argmax.
+    So do those of the fully cached prefix, which feeds only its last token (a real query of the
+    kernel whose K/V write is dropped)."""
     from pallas_kernels import paged_prefill as pa
     md, params = tiny
     eng = Engine(md, params, max_len=256, max_seqs=1, page_size=16, chunk=128, steps_per_call=2, impl="pallas",
@@ -135,11 +162,14 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     before = eng.stats["prefill_tokens"]
     req = eng.generate([shared + [4, 5, 6, 7]], SamplingParams(max_tokens=3))[0]
     assert req.prefix_hit_tokens == 96 and eng.stats["prefill_tokens"] - before == 4
-    assert [k[:4] for k in keys] == [("packed", 0, 1, 64), ("decode", 1, 2, True)]
-    assert widths == [64, 64]                         # traced once per layer, 64 queries wide
-    seq = req.prompt + req.output
-    logits = np.asarray(md.bind(params)(jnp.asarray([seq])))[0, :, :md.cfg.vocab_size]
-    assert req.output == logits[len(req.prompt) - 1:-1].argmax(-1).tolist()
+    assert [k[:4] for k in keys] == [("packed", 0, 1, 16), ("decode", 1, 2, True)]
+    assert widths == [16, 16]                         # traced once per layer, 16 queries wide
+    assert req.output == argmax_of_uncached(md, params, req)
+    keys.clear()
+    req = eng.generate([shared], SamplingParams(max_tokens=3))[0]
+    assert req.prefix_hit_tokens == 96 and eng.stats["prefill_tokens"] - before == 4 + 1
+    assert [k[:4] for k in keys] == [("packed", 0, 1, 16), ("decode", 1, 2, True)]
+    assert req.output == argmax_of_uncached(md, params, req)
 
 
 def test_each_call_sends_one_host_buffer_and_each_page_is_offered_once(tiny, monkeypatch):
