@@ -64,6 +64,9 @@ class LlamaConfig:
     # tokens at V=128256). At llama3_1b, 8192 keeps dense's speed in less memory and 4096 trades a
     # little speed for less still (docs/benchmarks.md#fused-ops).
     loss_chunk: int = 8192
+    # onepass's logits slab as the head GEMM writes it: float32, or bfloat16 (half the bytes for the
+    # slab's passes, which upcast in registers; torch recipes' bf16 logits). Rounds each logit once.
+    loss_logits_dtype: str = "float32"
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
@@ -108,6 +111,8 @@ class LlamaConfig:
             raise ValueError(f"model.dtype={self.dtype!r} must be bfloat16, float16 or float32")
         if self.loss_chunk < 1:
             raise ValueError(f"model.loss_chunk={self.loss_chunk} must be a positive number of tokens")
+        if self.loss_logits_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model.loss_logits_dtype={self.loss_logits_dtype!r} must be float32 or bfloat16")
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"model.loss_impl={self.loss_impl!r} must be one of {', '.join(LOSS_IMPLS)}"
                              + _near(self.loss_impl, LOSS_IMPLS))
@@ -399,7 +404,8 @@ class Llama(nnx.Module):
         flat_h = jnp.swapaxes(h, 0, 1).reshape(s * b, d)                                  # [s*b, d]
         flat_y = jnp.swapaxes(jnp.where(labels >= 0, labels, -1), 0, 1).reshape(s * b)      # [s*b]
         return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, self.head_weight(), flat_y, ignore_index=-1,
-                                                          chunk_size=self.cfg.loss_chunk)
+                                                          chunk_size=self.cfg.loss_chunk,
+                                                          logits_dtype=self.cfg.loss_logits_dtype)
 
     def token_losses(self, h, labels):
         """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding). loss_impl=onepass

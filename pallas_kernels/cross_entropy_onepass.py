@@ -27,9 +27,11 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b^T
 _TN = (((0,), (0,)), ((), ()))  # a^T @ b
 
 
-def _chunk(h, w, y, ignore_index, z_loss, grads):
-    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32)."""
-    logits = jnp.dot(h, w, preferred_element_type=F32)                       # [n, V]
+def _chunk(h, w, y, ignore_index, z_loss, grads, logits_dtype=F32):
+    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32).
+    logits_dtype: what the head GEMM writes (fp32 accumulation either way). bf16 halves the bytes of
+    the slab every pass below reads; each pass upcasts in registers, so the math stays fp32."""
+    logits = jnp.dot(h, w, preferred_element_type=logits_dtype).astype(F32)   # [n, V]
     m = jnp.max(logits, axis=-1)                                             # [n]
     lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))        # [n]
     # A compare with an iota, not a gather: it partitions over a vocab-sharded V and fuses into
@@ -49,7 +51,7 @@ def _chunk(h, w, y, ignore_index, z_loss, grads):
     return loss, dh, dw
 
 
-def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
+def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logits_dtype=F32):
     """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32).
 
     Per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
@@ -69,7 +71,7 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
     c = min(chunk_size, t)
     n = t // c
     main = n * c
-    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads)
+    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads, logits_dtype=logits_dtype)
     # [main, d] -> [c, n, d]: column j is chunk j (strided, see the module doc); no copy of h.
     h3 = (hidden if main == t else hidden[:main]).reshape(c, n, d)           # [c, n, d]
     y2 = (labels if main == t else labels[:main]).reshape(c, n)              # [c, n]
@@ -106,18 +108,19 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads):
     return loss, dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype):
     # Not differentiated (eval): the loss only, one GEMM per chunk.
-    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False)
+    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False, logits_dtype=logits_dtype)
 
 
-def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype):
-    loss, dh, dw = _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=True)
+def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype):
+    loss, dh, dw = _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=True,
+                          logits_dtype=logits_dtype)
     return loss, (dh, dw)
 
 
-def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, res, g):
+def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, res, g):
     # Saved: dh in h's dtype (as the dense path's dh GEMM writes it) and dW in fp32: it is the loop's
     # carry, so saving it costs no extra buffer (a bf16 copy would coexist with the carry while
     # converting); it lives only from the loss forward to the head's backward, adjacent in the step.
@@ -130,7 +133,8 @@ def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, res, g):
 _onepass.defvjp(_onepass_fwd, _onepass_bwd)
 
 
-def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, chunk_size=4096):
+def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, chunk_size=4096,
+                              logits_dtype="float32"):
     """Sum over tokens of the softmax cross-entropy of hidden [T, d] @ weight [d, V] against
     labels [T] (0 for labels == ignore_index): a float32 scalar whose gradient the forward already
     computed (module doc). hidden and weight may be bf16 (GEMM operands, fp32 accumulation) or fp32.
@@ -139,5 +143,7 @@ def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss
     check_args(hidden, weight, labels, ignore_index, z_loss)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{chunk_size=} must be a positive int (tokens per [chunk_size, V] logits slab)")
+    if logits_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"{logits_dtype=} must be 'float32' or 'bfloat16' (what the head GEMM writes)")
     return _onepass(hidden, weight, labels, int(ignore_index), float(z_loss), chunk_size,
-                    jnp.dtype(weight.dtype).name)
+                    jnp.dtype(weight.dtype).name, logits_dtype)

@@ -129,6 +129,24 @@ def test_onepass_cross_entropy_matches_reference(z_loss, chunk):
     np.testing.assert_allclose(jax.jit(ours)(h, w), want / 0.37, rtol=1e-5)  # primal only: the loss path
 
 
+def test_onepass_bf16_logits_slab():
+    """logits_dtype=bfloat16: the head GEMM writes a bf16 slab (XLA:CPU may keep the excess precision,
+    so the rounding itself is seen on the GPU); loss and gradients within bf16 rounding of fp32's."""
+    h, w, y, _ = _ce_case(3, 37, 40, 301, dtype=jnp.bfloat16)
+    f = {dt: jax.jit(jax.value_and_grad(lambda h, w, dt=dt: onepass.onepass_cross_entropy_sum(
+        h, w, y, ignore_index=-100, chunk_size=16, logits_dtype=dt), (0, 1))) for dt in ("bfloat16", "float32")}
+    hlo = {dt: fn.lower(h, w).as_text() for dt, fn in f.items()}
+    head = "(tensor<16x40xbf16>, tensor<40x301xbf16>) -> tensor<16x301x"   # the head GEMM of a chunk
+    assert head + "bf16>" in hlo["bfloat16"] and head + "f32>" in hlo["float32"]
+    assert head + "f32>" not in hlo["bfloat16"]
+    (got, g16), (full, g32) = f["bfloat16"](h, w), f["float32"](h, w)
+    np.testing.assert_allclose(got, full, rtol=1e-3)
+    _close(g16[0], g32[0], 2e-2)
+    _close(g16[1], g32[1], 2e-2)
+    with pytest.raises(ValueError, match="logits_dtype='float16' must be"):
+        onepass.onepass_cross_entropy_sum(h, w, y, logits_dtype="float16")
+
+
 def test_onepass_cross_entropy_never_holds_tokens_x_vocab():
     t, d, v = 1024, 32, 2048  # as the test above: logits would be 8 MiB in fp32
     h, w, y, _ = _ce_case(5, t, d, v)

@@ -129,6 +129,8 @@ def test_config_errors(tmp_path):
         load_config("default", ["model.n_kv_heads=3"])
     with pytest.raises(ConfigError, match="model.remat='some'"):
         load_config("default", ["model.remat=some"])
+    with pytest.raises(ConfigError, match="model.loss_logits_dtype='float16' must be float32 or bfloat16"):
+        load_config("default", ["model.loss_logits_dtype=float16"])
 
 
 def test_unavailable_attention_is_an_error_not_a_fallback():
