@@ -25,6 +25,22 @@ def _has_gpu() -> bool:
         return False
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cheap_codegen: the module's compiles use LLVM's cheapest code generation "
+                                       "(tests.helpers.cheap_codegen); CPU only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cheap_codegen_for_marked_modules(request):
+    """A module marked `cheap_codegen` compiles everything, its module fixtures included, cheaply."""
+    if request.node.get_closest_marker("cheap_codegen") is None or os.environ.get("MESHLAB_TEST_GPU"):
+        yield
+        return
+    from helpers import cheap_codegen
+    with cheap_codegen():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
