@@ -25,7 +25,7 @@ from meshlab.train.loop import build_trainer
 
 # One xdist worker runs both files: compiled.measure caches each rule file's compiled step per
 # process, and the two files measure the same steps (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("compiled_steps")
+pytestmark = [pytest.mark.xdist_group("compiled_steps"), pytest.mark.cheap_codegen]
 
 # Weight-heavy: one row per device and 16 tokens, so state and gathered weights dominate temp.
 HEAVY = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=32", "model.mlp_dim=512",
