@@ -33,7 +33,7 @@ from meshlab.train.loop import build_trainer
 
 # One xdist worker runs both files: compiled.measure caches each rule file's compiled step per
 # process, and the two files measure the same steps (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("compiled_steps")
+pytestmark = [pytest.mark.xdist_group("compiled_steps"), pytest.mark.cheap_codegen]
 
 RULES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
 GRADS_READ = ("zero1", "zero2", "fsdp_tp")   # one compile more each: replicated, zero-2, zero-3 + tensor
