@@ -26,7 +26,7 @@ B, S = 8, 8                                # 8 rows: one per device under ep on 
 MESHES = {"local": None, "ep": "expert=8", "fsdp_tp_ep": "fsdp=2,tensor=2,expert=2"}
 # One xdist worker runs the whole file: the dense `reference` and the `single_device` run are compiled once, not once per worker
 # (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("moe")
+pytestmark = [pytest.mark.xdist_group("moe"), pytest.mark.cheap_codegen]
 
 
 @pytest.fixture(scope="module")
