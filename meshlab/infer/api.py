@@ -33,6 +33,7 @@ class Plan:
     echo: bool = False
     logprobs: Optional[int] = None     # top alternatives per token; None: no logprobs
     include_usage: bool = False
+    continuous_usage: bool = False     # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
 
 
@@ -99,9 +100,13 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
         raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
+    opts = opts or {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(opts.get(key, False), bool):
+            raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids)
-    return Plan(prompt, text, params, chat, stream, echo, logprobs, bool((opts or {}).get("include_usage")),
-                generate=max_tokens > 0)
+    return Plan(prompt, text, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
+                opts.get("continuous_usage_stats", False), generate=max_tokens > 0)
 
 
 def _chat_prompt(body, tok):
@@ -203,37 +208,52 @@ def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0)
     return k
 
 
-def _token_bytes(tok, t: int) -> bytes:
+def _token_bytes(tok, t: int, s: str) -> bytes:
     if not hasattr(tok, "tk"):                          # byte tokenizer: ids 0..255 are the bytes
         return bytes([t]) if 0 <= t < 256 else b""
-    return tok.decode([t]).encode("utf-8")
+    return s.encode("utf-8")
 
 
-def _token_str(tok, t: int, s: str | None = None) -> str:
-    """Token t as OpenAI shows it; s: tok.decode([t]) when the caller has it."""
-    s = tok.decode([t]) if s is None else s
-    if "\ufffd" in s:                                   # a part of a UTF-8 character: OpenAI's bytes: form
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in _token_bytes(tok, t))
-    return s
+class TokenText:
+    """Each token id's text alone, as OpenAI's logprobs show it, worked out once per id: (its decoded
+    text, its display string, its UTF-8 bytes). A streamed chunk's logprobs name every new token and
+    its alternatives; decoding and formatting them per chunk cost the event loop ~40% of its time
+    under load. At most `limit` ids are kept (then the cache starts again)."""
+
+    def __init__(self, tok, limit: int = 1 << 18):
+        self.tok, self.limit, self.known = tok, limit, {}
+
+    def __call__(self, t: int) -> tuple:
+        got = self.known.get(t)
+        if got is None:
+            if len(self.known) >= self.limit:
+                self.known.clear()
+            s = self.tok.decode([t])
+            raw = _token_bytes(self.tok, t, s)
+            # a part of a UTF-8 character: OpenAI's bytes: form
+            shown = "bytes:" + "".join(f"\\x{b:02x}" for b in raw) if "\ufffd" in s else s
+            got = self.known[t] = (s, shown, tuple(raw))
+        return got
 
 
-def completion_logprobs(tok, output, entries, offset: int) -> dict:
+def completion_logprobs(text: TokenText, output, entries, offset: int) -> dict:
     """OpenAI completions format for output tokens with (logprob, {id: logprob}) entries;
     `offset`: where the first token's text starts in the choice's text."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, (lp, top) in zip(output, entries):
-        piece = tok.decode([t])                         # once per token: its string and its length
-        out["tokens"].append(_token_str(tok, t, piece))
+        piece, shown, _ = text(t)
+        out["tokens"].append(shown)
         out["token_logprobs"].append(float(lp))
-        out["top_logprobs"].append({_token_str(tok, a): float(v) for a, v in top.items()})
+        out["top_logprobs"].append({text(a)[1]: float(v) for a, v in top.items()})
         out["text_offset"].append(offset)
         offset += len(piece)
     return out
 
 
-def chat_logprobs(tok, output, entries) -> dict:
+def chat_logprobs(text: TokenText, output, entries) -> dict:
     def one(t, lp):
-        return {"token": _token_str(tok, t), "logprob": float(lp), "bytes": list(_token_bytes(tok, t))}
+        _, shown, raw = text(t)
+        return {"token": shown, "logprob": float(lp), "bytes": raw}
     return {"content": [dict(one(t, lp), top_logprobs=[one(a, v) for a, v in top.items()])
                         for t, (lp, top) in zip(output, entries)]}
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import gc
 import json
 import sys
 import threading
@@ -38,6 +40,7 @@ class Server:
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_concurrent, self.max_waiting, self.max_n = max_concurrent, max_waiting, max_n
         engine.detokenize = tokenizer.decode
+        self.token_text = api.TokenText(tokenizer)
         self.wake = threading.Event()
         self.running = True
         self.engine_error: str | None = None
@@ -48,24 +51,50 @@ class Server:
         self.finished = collections.deque(maxlen=1000)   # metrics of the last finished requests (ttft, tpot)
         self.pending: list = []               # (call, choice, done) events of the engine step running now
         self.deliveries = 0                   # hand-overs of events from the engine thread to the loop
+        # Held by the engine thread while it works on the host (between its waits for the device), and by
+        # the event loop while it formats chunks: see _engine_loop.
+        self.host_lock = threading.Lock()
+        self.engine_thread: int | None = None
+        engine.device_wait = self._device_wait
         self.app = self._app()
 
     # -- engine thread --------------------------------------------------------------------
     def _engine_loop(self):
+        """Steps the engine while it has work. The engine thread and the event loop share one interpreter
+        lock, and a step's host work (scheduling, inputs, emitting tokens) is what the device waits for
+        whenever the next call cannot be chained. So the engine thread holds `host_lock` for its host
+        work and lets go only while it waits for the device (`_device_wait`), and the loop formats its
+        chunks under the same lock: then, rather than both threads taking turns at the interpreter every
+        switch interval, the engine's host work runs at its offline speed and the loop's fills the device
+        waits."""
+        self.engine_thread = threading.get_ident()
         while self.running:
             if not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
             try:
-                self.engine.step()
-                self._deliver_events()
+                with self.host_lock:
+                    self.engine.step()
+                    self._deliver_events()
             except Exception:  # noqa: BLE001 - reported to every request and on /health, not swallowed
                 self.engine_error = traceback.format_exc()
                 print(f"meshlab serve: the engine failed:\n{self.engine_error}", file=sys.stderr, flush=True)
                 if self.loop is not None:
                     self.loop.call_soon_threadsafe(self._fail_all)
                 return
+
+    @contextlib.contextmanager
+    def _device_wait(self):
+        """Engine.device_wait: the engine thread lets the event loop have host_lock while it waits."""
+        mine = threading.get_ident() == self.engine_thread
+        if mine:
+            self.host_lock.release()
+        try:
+            yield
+        finally:
+            if mine:
+                self.host_lock.acquire()
 
     def _deliver_events(self):
         """Hand the step's events to the event loop at once (engine thread): one wake-up of the loop per
@@ -95,6 +124,11 @@ class Server:
         # each device call while the loop streams chunks; at the default 5 ms switch interval each such
         # handoff can wait 5 ms (the HTTP load test's TPOT was 9.9 ms against 7.0 offline). 0.2 ms bounds it.
         sys.setswitchinterval(2e-4)
+        # What exists now (the engine, its compiled programs, the libraries) lives as long as the server:
+        # out of the collector's way, a full collection no longer walks it (pauses of ~0.2-0.4 s under load
+        # on the CPU here, every thread stopped).
+        gc.collect()
+        gc.freeze()
         # httptools / uvloop (the serve extra) when installed: the C parser and loop spend less of that
         # shared interpreter per streamed chunk than h11 / asyncio.
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", http="auto",
@@ -211,7 +245,10 @@ class Server:
             call.close()
         if call.failed:
             return error(BadRequest("the engine failed while answering; see the server's log", status=500))
-        return JSONResponse(call.whole()) if finished else Response(status_code=499)   # nobody reads it
+        if not finished:
+            return Response(status_code=499)                       # nobody reads it
+        with self.host_lock:
+            return JSONResponse(call.whole())
 
     def metrics_text(self) -> str:
         s, sched = self.engine.stats, self.engine.sched
@@ -229,6 +266,10 @@ class Server:
                 ("tpot_seconds_mean", mean(tpot)),
                 ("generation_tokens_per_second", s["generated_tokens"] / s["busy_s"] if s["busy_s"] else 0.0)]
         return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
+
+
+def _ignore(*_):
+    pass
 
 
 def _put_events(events):
@@ -269,6 +310,10 @@ class Call:
         self.done = [not plan.generate] * n
         self.shown = [0] * n                  # characters of each choice's text already streamed
         self.lp_sent = [0] * n                # tokens whose logprobs were streamed
+        self.counted = [0] * n                # tokens counted in the last chunk's usage (continuous usage)
+        head = {"id": self.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
+                "created": self.created, "model": server.model_name}
+        self.head = "data: " + json.dumps(head)[:-1] + ', "choices": ['    # every chunk's start, encoded once
         server.inflight += 1
         server.calls.add(self)
         if plan.generate:
@@ -313,6 +358,9 @@ class Call:
                 self.server.counts["aborted"] += 1
             else:
                 self.server.finished.append(r.metrics)
+            # the request's callback held this call, and the call its requests: without the cycle, both
+            # (and every token's logprobs) go at once instead of waiting for a full collection
+            r.on_event = _ignore
         self.server.wake.set()
 
     async def _next(self):
@@ -352,10 +400,10 @@ class Call:
     def _logprobs(self, i: int, start: int, end: int, offset: int):
         if self.plan.logprobs is None:
             return None
-        r, tok = self.reqs[i], self.server.tok
+        r, text = self.reqs[i], self.server.token_text
         toks, entries = r.output[start:end], r.logprobs[start:end]
-        return (api.chat_logprobs(tok, toks, entries) if self.plan.chat
-                else api.completion_logprobs(tok, toks, entries, offset))
+        return (api.chat_logprobs(text, toks, entries) if self.plan.chat
+                else api.completion_logprobs(text, toks, entries, offset))
 
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
         if self.plan.logprobs is None:
@@ -391,20 +439,23 @@ class Call:
                                                                            else {}))
         else:
             choice["text"] = text
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
-               "created": self.created, "model": self.server.model_name, "choices": [choice]}
-        return f"data: {json.dumps(obj)}\n\n".encode()
+        usage = ""
+        if self.plan.continuous_usage:         # this choice's tokens so far (vLLM's continuous_usage_stats)
+            usage = f', "usage": {json.dumps(api.usage(len(self.plan.prompt), self.counted[i]))}'
+        return f"{self.head}{json.dumps(choice)}]{usage}}}\n\n".encode()
 
     def _delta(self, i: int, final: bool) -> bytes | None:
         """The chunk for what choice i added since the last one (None: nothing new to show)."""
         text = self._text(i, final)
         new, k0 = text[self.shown[i]:], self.lp_sent[i]
         k = self._covered(i, text, final, k0)
-        if not new and k == k0 and not final:
+        n = len(self.reqs[i].output) if self.reqs else 0
+        grew = self.plan.continuous_usage and n > self.counted[i]   # a chunk for every new token then
+        if not new and k == k0 and not final and not grew:
             return None
         offset = self.shown[i] + (len(self.plan.prompt_text) if self.plan.echo else 0)
         lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
-        self.shown[i], self.lp_sent[i] = len(text), k
+        self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, n
         return self._chunk(i, new, self._finish(i) if final else None, lp)
 
     async def sse(self):
@@ -424,7 +475,8 @@ class Call:
                 if self.failed:
                     yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
                     return
-                chunks = [c for c in (self._delta(i, done) for i, done in sorted(ready.items())) if c]
+                with self.server.host_lock:           # not while the engine thread works on the host
+                    chunks = [c for c in (self._delta(i, done) for i, done in sorted(ready.items())) if c]
                 if chunks:
                     yield b"".join(chunks)
             if self.plan.include_usage:
