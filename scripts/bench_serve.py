@@ -12,8 +12,10 @@ never share one), printing `ROW {json}` lines:
            again one at a time: the share whose greedy tokens equal the concurrent run's
   peer_cb  transformers' continuous batching (default configuration) on the first --peer-n requests
   peer_b1  HF generate, static cache, torch.compile, batch 1 at ctx 2048
-  http     scripts/serve.py with the offline engine settings; the workload with Poisson arrivals
-           at each --rates (requests/s; 0 = all at once), streamed
+  http     scripts/serve.py with the offline engine settings (every bucket compiled before it
+           listens); the workload with Poisson arrivals at each --rates (requests/s; 0 = all at
+           once), streamed, tokens timed by the usage in each chunk (`continuous_usage_stats`);
+           --http-logprobs asks for logprobs too
 Writes bench_serve.json / .md under $OUT (or /tmp/bench_serve); on a GPU appends dated rows to
 docs/archive/benchmarks-diary.md and to $OUT/benchmarks_append.md.
 """
@@ -85,7 +87,7 @@ def http(args, preset, dtype, wl, ek, bs, work):
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", f"random:{preset}", "--port", "0",
            "--dtype", dtype, "--max-len", str(ek["max_len"]), "--max-seqs", str(ek["max_seqs"]), "--page-size",
            str(ek["page_size"]), "--chunk", str(ek["chunk"]), "--steps-per-call", str(ek["steps_per_call"]),
-           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n)]
+           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on"]
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
     try:
         line = srv.stdout.readline()
@@ -93,9 +95,10 @@ def http(args, preset, dtype, wl, ek, bs, work):
         if not m:
             raise RuntimeError(f"serve.py did not start: {line!r}")
         host, port = m.group(1), int(m.group(2))
-        bs.http_load(host, port, bs.workload(max(args.n // 4, 1), seed=1, **wl), 1e6, seed=1)   # compiles
+        # the server compiled every bucket before listening; this warms the rest (and logprobs' programs)
+        bs.http_load(host, port, bs.workload(max(args.n // 4, 1), seed=1, **wl), 1e6, args.http_logprobs, seed=1)
         for rate in args.rates:
-            bs.http_load(host, port, work, rate if rate > 0 else 1e6)
+            bs.http_load(host, port, work, rate if rate > 0 else 1e6, args.http_logprobs)
     finally:
         srv.terminate()
         srv.wait(30)
@@ -104,7 +107,7 @@ def http(args, preset, dtype, wl, ek, bs, work):
 def run_job(name, args, out: Path, timeout: float) -> list:
     cmd = [sys.executable, __file__, "--job", name, "--n", str(args.n), "--peer-n", str(args.peer_n),
            "--match", str(args.match), "--rates", ",".join(map(str, args.rates)), "--prefill", args.prefill] \
-        + (["--quick"] if args.quick else [])
+        + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -134,6 +137,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
+    ap.add_argument("--http-logprobs", action="store_true",
+                    help="HTTP clients also ask for the chosen tokens' logprobs (the offline run does not)")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()

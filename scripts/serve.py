@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,11 +44,15 @@ def main(argv=None):
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
     ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
+    ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+                    help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
+                         "bucket first met under load compiles then, stalling every request for seconds")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
     args = ap.parse_args(argv)
     if args.cpu_devices:
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
+    import jax
     from meshlab.infer.engine import Engine
     from meshlab.infer.loading import load_checkpoint, serving_placement, stop_token_ids
     from meshlab.infer.server import Server
@@ -57,6 +62,10 @@ def main(argv=None):
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                         impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
+        if args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu"):
+            t = time.perf_counter()
+            k = engine.warmup()
+            print(f"compiled {k} programs in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         max_concurrent=args.max_concurrent, max_waiting=args.max_waiting).start()
