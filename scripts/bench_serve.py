@@ -16,6 +16,9 @@ never share one), printing `ROW {json}` lines:
            listens); the workload with Poisson arrivals at each --rates (requests/s; 0 = all at
            once), streamed, tokens timed by the usage in each chunk (`continuous_usage_stats`);
            --http-logprobs asks for logprobs too
+  sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device
+           (meshlab/bench/serve.py SimulatedDevice): offline and all at once through the server in
+           one process, the ratio of the two (the server's host cost, with the engine's host work real)
 Writes bench_serve.json / .md under $OUT (or /tmp/bench_serve); on a GPU appends dated rows to
 docs/archive/benchmarks-diary.md and to $OUT/benchmarks_append.md.
 """
@@ -81,6 +84,8 @@ def child(args):
         return row
     if args.job == "http":
         return http(args, preset, dtype, wl, ek, bs, work)
+    if args.job == "sim":
+        return bs.simulated(args.n, args.http_logprobs)
 
 
 def http(args, preset, dtype, wl, ek, bs, work):

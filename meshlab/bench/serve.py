@@ -153,6 +153,107 @@ def http_load(host: str, port: int, work, rate: float, logprobs: bool = False, s
     return emit(row)
 
 
+# -- a simulated device: the host path on a CPU ---------------------------------------------------
+class _Pending:
+    """A device output that is ready at `end` (perf_counter seconds): reading it sleeps until then, the
+    interpreter lock let go, as reading a device array does."""
+
+    def __init__(self, value: np.ndarray, end: float):
+        self.value, self.end = value, end
+
+    def _wait(self):
+        if self.end > time.perf_counter():
+            time.sleep(self.end - time.perf_counter())
+
+    def __array__(self, dtype=None, copy=None):
+        self._wait()
+        return self.value
+
+    def block_until_ready(self):
+        self._wait()
+        return self
+
+    def copy_to_host_async(self):
+        pass
+
+
+class SimulatedDevice:
+    """An Engine whose device calls sample uniform random tokens at once and take a modeled time on one
+    device timeline (a call starts when the previous one ends): decode calls n * (step_s + row_s * b),
+    packed steps packed_s + row_s * n_dec + token_s * chunk tokens; each dispatch holds the host for
+    dispatch_s. The engine's and the server's host work are real, so the server's cost against the
+    offline engine shows on a CPU in the regime of a GPU (the defaults: llama3_1b's on the H200, about)."""
+
+    def __init__(self, engine, step_s=1.5e-3, row_s=4e-5, packed_s=2e-3, token_s=4e-6, dispatch_s=3e-4,
+                 vocab=128256, seed=0):
+        self.free, self.rng, self.vocab = 0.0, np.random.default_rng(seed), vocab
+        self.step_s, self.row_s, self.packed_s, self.token_s, self.dispatch_s = step_s, row_s, packed_s, token_s, \
+            dispatch_s
+        engine.decode_call, engine.packed_call = self.decode, self.packed
+
+    def _outputs(self, shape, cost, logprobs):
+        t = time.perf_counter()
+        while time.perf_counter() - t < self.dispatch_s:          # the host's part of a dispatch
+            pass
+        self.free = max(self.free, time.perf_counter()) + cost
+        out = {"tokens": self.rng.integers(0, self.vocab, shape).astype(np.int32)}
+        if logprobs is not None:
+            k = 20 if logprobs else 0
+            out.update(logprob=-self.rng.random(shape).astype(np.float32), top_id=np.zeros(shape + (k,), np.int32),
+                       top_logprob=np.zeros(shape + (k,), np.float32))
+        return {key: _Pending(v, self.free) for key, v in out.items()}, out["tokens"]
+
+    def decode(self, weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
+        b = dict((name, shape) for name, shape, _ in layout)["pos"][0]
+        out, toks = self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)
+        return dict(out, last=toks[-1]), cache, seen
+
+    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs):
+        shapes = dict((name, shape) for name, shape, _ in layout)
+        nd, t = shapes["p.dec_len"][0], shapes["p.tokens"][0]
+        cost = self.packed_s + self.row_s * nd + self.token_s * (t - nd)
+        return self._outputs((shapes["p.out_idx"][0],), cost, logprobs)[0], cache, seen
+
+
+def simulated(n: int, logprobs: bool, seed: int = 0) -> list[dict]:
+    """The load's shape (128 rows, 8 steps per call, outputs U[64, 256]) on the tiny model with a
+    SimulatedDevice (prompts U[16, 128], chunk 128): offline, then all at once through the HTTP server
+    in this process (the clients in another)."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+    import models
+    from meshlab.infer.engine import Engine
+    from meshlab.infer.loading import random_params
+    from meshlab.infer.server import Server
+    from meshlab.tokenizer import ByteTokenizer
+    from models import model_def
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
+    eng = Engine(model_def(cfg), random_params(cfg), max_len=512, max_seqs=128, page_size=16, chunk=128,
+                 steps_per_call=8)
+    SimulatedDevice(eng, seed=seed)
+    eng.warmup()                              # each bucket's first call, so none counts as a compile
+    wl = dict(prompt=(16, 128), output=(64, 256), vocab=cfg.vocab_size)
+    row, _ = offline(eng, workload(n, seed=seed, **wl), "simulated device")
+    srv = Server(eng, ByteTokenizer(), "sim", "127.0.0.1", 0, max_concurrent=4 * n, max_waiting=4 * n).start()
+    code = ("import json, sys; from meshlab.bench import serve as bs; "
+            f"w = bs.workload({n}, seed={seed}, **{wl!r}); bs.http_load('127.0.0.1', {srv.port}, w, 1e6, {logprobs})")
+    rows = [row]
+    try:
+        for _ in range(2):                    # the first warms the server's Python paths
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+            got = [json.loads(x[4:]) for x in out.stdout.splitlines() if x.startswith("ROW ")]
+            if not got:
+                raise RuntimeError(f"the load's client failed: {out.stderr[-500:]}")
+        http_row = dict(got[0], setting="simulated device " + got[0]["setting"], ratio=got[0]["value"] / row["value"])
+        http_row["note"] += f"; {http_row['ratio']:.0%} of offline"
+        rows.append(emit(http_row))
+    finally:
+        srv.stop()
+    return rows
+
+
 # -- peers (torch processes) ------------------------------------------------------------------
 def hf_llama(preset: str = "llama3_1b", device: str = "cuda"):
     """A transformers LlamaForCausalLM of the preset's shape, random weights, bf16."""
