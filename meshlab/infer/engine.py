@@ -232,6 +232,7 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
+        self._slots: dict = {}                   # (n_dec, k, width) -> calls.Slots of a packed step
         self._flight: _Flight | None = None      # a decode call not read back yet (step says why)
         self._waited = 0.0                       # this step's seconds waiting for the device
         # entered around each wait for the device: a server lets its other threads run only then
@@ -455,49 +456,52 @@ class Engine:
                 continue
             self._emit(r, toks[:, i], rows[i] if rows else None)
 
+    def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
+        """The host-input layout of a packed step's shape (one per bucket, kept)."""
+        key = (nd, k, c)
+        if key not in self._slots:
+            self._slots[key] = calls.packed_slots(nd, k, c, self.sched.max_pages, self.slot_rows, self.sched.max_seqs,
+                                                  self.cache["k"].shape[1])
+        return self._slots[key]
+
     def _packed(self, decodes, prefills):
         s, ps, m = self.sched, self.sched.page_size, len(decodes)
         c = next(w for w in self.WIDTHS if w >= prefills[0][1]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
-        t, r_out = nd + k * c, nd + k
-        num_pages = self.cache["k"].shape[1]
-        tokens, positions, write_off = (np.zeros(t, np.int32) for _ in range(3))
-        slot, write_page = np.full(t, s.max_seqs, np.int32), np.full(t, num_pages, np.int32)
-        out_idx, out_slot, counters = (np.zeros(r_out, np.int32) for _ in range(3))
-        dslots = np.array([r.slot for r in decodes], np.int32)
-        dpos = np.array([r.cached for r in decodes], np.int32)
-        tokens[:m] = [r.last_token() for r in decodes]
-        positions[:m], slot[:m], write_off[:m] = dpos, dslots, dpos % ps
-        write_page[:m] = s.table[dslots, dpos // ps]
-        dec_len = np.zeros(nd, np.int32)
-        dec_len[:m] = dpos + 1
-        dec_table = np.zeros((nd, s.max_pages), np.int32)
-        dec_table[:m] = s.table[dslots]
-        out_idx[:nd] = np.arange(nd)
-        out_slot[:m] = dslots
-        counters[:m] = [len(r.output) for r in decodes]
-        pre_table = np.zeros((k, s.max_pages), np.int32)
+        slots = self._packed_slots(nd, k, c)
+        v = slots.fill()                                      # views of the padding, filled below
+        out_slot, counters = v["out_slot"], v["counters"]
+        if m:
+            dslots = np.array([r.slot for r in decodes], np.int32)
+            dpos = np.array([r.cached for r in decodes], np.int32)
+            v["p.tokens"][:m] = [r.last_token() for r in decodes]
+            v["p.positions"][:m], v["p.slot"][:m], v["p.write_off"][:m] = dpos, dslots, dpos % ps
+            v["p.write_page"][:m] = s.table[dslots, dpos // ps]
+            v["p.dec_len"][:m] = dpos + 1
+            v["p.dec_table"][:m] = s.table[dslots]
+            out_slot[:m] = dslots
+            counters[:m] = [len(r.output) for r in decodes]
+        v["p.out_idx"][:nd] = np.arange(nd)
         for j, (r, n) in enumerate(prefills):
             base, pos = nd + j * c, np.arange(r.cached, r.cached + n, dtype=np.int32)
-            tokens[base:base + n] = r.slice(r.cached, r.cached + n)
-            positions[base:base + n], slot[base:base + n] = pos, r.slot
-            write_page[base:base + n], write_off[base:base + n] = s.table[r.slot, pos // ps], pos % ps
+            v["p.tokens"][base:base + n] = r.slice(r.cached, r.cached + n)
+            v["p.positions"][base:base + n], v["p.slot"][base:base + n] = pos, r.slot
+            v["p.write_page"][base:base + n] = s.table[r.slot, pos // ps]
+            off = v["p.write_off"][base:base + n]
+            off[:] = pos % ps
             if r.cached < r.prefix_hit_tokens:
                 # a fully cached prompt's last token: its K/V already lie in a shared page, which no
                 # request writes. An offset past the page drops the write (the scatter's mode="drop")
                 # while write_page still counts the token as a real query of its row.
-                write_off[base:base + n][pos < r.prefix_hit_tokens] = ps
-            pre_table[j] = s.table[r.slot]
-            out_idx[nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
-        live = np.concatenate([dslots, np.array([r.slot for r, _ in prefills], np.int32)])
-        greedy, logprobs = self._flags(live)
-        packed = {"tokens": tokens, "positions": positions, "slot": slot, "write_page": write_page,
-                  "write_off": write_off, "dec_table": dec_table, "dec_len": dec_len, "pre_table": pre_table,
-                  "out_idx": out_idx}
-        buf, layout = calls.packed_inputs(packed, self._row_inputs(out_slot), counters, out_slot)
-        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, buf, layout=layout,
-                               greedy=greedy, logprobs=logprobs)
+                off[pos < r.prefix_hit_tokens] = ps
+            v["p.pre_table"][j] = s.table[r.slot]
+            v["p.out_idx"][nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
+        for name, values in self.slot_rows.items():          # sampler settings of the output rows
+            np.take(values, out_slot, out=v[f"rows.{name}"])
+        greedy, logprobs = self._flags(np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]))
+        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, slots.take(),
+                               layout=slots.layout, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
         rows = _logprob_rows(out, 0) if logprobs is not None else None
@@ -518,8 +522,7 @@ class Engine:
         shape) by calling each on padding only: nothing is written, no request is touched. A
         server does this before its first request. report(key, seconds) after each program.
         Returns the number of programs compiled."""
-        s, b_max = self.sched, self.sched.max_seqs
-        num_pages, before = self.cache["k"].shape[1], self.stats["compiles"]
+        s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
         with placement(self.rules, self.mesh):
             for b in self.DECODE:
                 z = np.zeros(b, np.int32)
@@ -531,15 +534,11 @@ class Engine:
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
             for nd, k, w in shapes:
-                t, r = nd + k * w, nd + k
-                z, zr = np.zeros(t, np.int32), np.zeros(r, np.int32)
-                packed = {"tokens": z, "positions": z, "slot": np.full(t, b_max, np.int32),
-                          "write_page": np.full(t, num_pages, np.int32), "write_off": z,
-                          "dec_table": np.zeros((nd, s.max_pages), np.int32), "dec_len": np.zeros(nd, np.int32),
-                          "pre_table": np.zeros((k, s.max_pages), np.int32), "out_idx": zr}
                 key = ("packed", nd, k, w, greedy, logprobs)
-                buf, layout = calls.packed_inputs(packed, self._row_inputs(zr), zr, zr)
-                _, t0, t1 = self._call(key, self.packed_call, buf, layout=layout, greedy=greedy, logprobs=logprobs)
+                slots = self._packed_slots(nd, k, w)
+                slots.fill()                                          # padding only
+                _, t0, t1 = self._call(key, self.packed_call, slots.take(), layout=slots.layout, greedy=greedy,
+                                       logprobs=logprobs)
                 report and report(key, t1 - t0)
         return self.stats["compiles"] - before
 

@@ -8,10 +8,11 @@ tokens. A key can be computed alone (one hash call over the prefix's bytes) or e
 pass (one running hash, copied at each page end).
 
 Lookup (`longest`) probes the first page, then the whole prompt (a prompt met before: two hash
-calls, ~15 us for 2k tokens, where 127 per-page hashes took ~250 us in Python), and bisects
-between when neither settles it; then it walks the found page's parent keys (each registered
-key remembers its page's predecessor's) to check that every page before it is still cached; if
-one was evicted it falls back to hashing every page in order.
+calls, ~15 us for 2k tokens, where 127 per-page hashes took ~250 us in Python), then all but its
+last page (a prefix met before with a new tail), and bisects between when none settles it; then
+it walks the found page's parent keys (each registered key remembers its page's predecessor's) to
+check that every page before it is still cached; if one was evicted it falls back to hashing
+every page in order.
 
 Pages are reference counted: a request holding a page counts once; a page whose count
 drops to zero stays in the cache (least recently freed last) and is evicted only when a page is
@@ -67,6 +68,7 @@ class PagePool:
         self.lru: collections.OrderedDict = collections.OrderedDict()   # free but cached: page -> None
         self.ref = np.zeros(num_pages, np.int32)
         self.key_of: dict[int, bytes] = {}
+        self.keyed = np.zeros(num_pages, bool)      # page in key_of, for give's numpy pass
         self.page_of: dict[bytes, int] = {}
         self.parent_of: dict[bytes, bytes] = {}     # key -> its page's predecessor's key (ROOT_KEY: first)
         self.evictions = 0
@@ -91,6 +93,7 @@ class PagePool:
             else:
                 page, _ = self.lru.popitem(last=False)              # evict the least recently freed
                 key = self.key_of.pop(page)
+                self.keyed[page] = False
                 del self.page_of[key], self.parent_of[key]
                 self.evictions += 1
             self.ref[page] = 1
@@ -106,11 +109,11 @@ class PagePool:
             return
         idx = np.asarray(pages, np.intp)
         self.ref[idx] -= 1
-        for page in idx[self.ref[idx] == 0].tolist():                  # in order: the LRU order
-            if page in self.key_of:
-                self.lru[page] = None
-            else:
-                self.fresh.append(page)
+        freed = idx[self.ref[idx] == 0]                                # in order: the LRU order
+        if freed.size:
+            keyed = self.keyed[freed]
+            self.lru.update(dict.fromkeys(freed[keyed].tolist()))
+            self.fresh.extend(freed[~keyed].tolist())
 
     # -- prefix cache ---------------------------------------------------------------------
     def lookup(self, keys: list) -> list:
@@ -127,17 +130,28 @@ class PagePool:
     def longest(self, tokens, page_size: int, n: int, keys: list) -> list:
         """Pages of the longest cached prefix of `tokens` within its first n full pages (see the module
         doc); fills `keys` (empty) with their keys, as page_keys would."""
-        cached = lambda m: prefix_key(tokens, page_size, m) in self.page_of   # noqa: E731
+        probed = {}                                      # m -> prefix_key(m), each hashed once
+
+        def cached(m):
+            probed[m] = probed.get(m) or prefix_key(tokens, page_size, m)
+            return probed[m] in self.page_of
         if not self.prefix_cache or n <= 0 or not cached(1):
             return []
-        lo, hi = (n, n) if cached(n) else (1, n - 1)     # the answer m: prefix_key(m) cached
+        # the answer m: prefix_key(m) cached. Probed first: the whole prompt (met before), then all but
+        # its last page (the same prefix with a new tail of at most a page); else bisection.
+        if cached(n):
+            lo = hi = n
+        elif n > 2 and cached(n - 1):
+            lo = hi = n - 1
+        else:
+            lo, hi = 1, max(1, n - 2)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if cached(mid):
                 lo = mid
             else:
                 hi = mid - 1
-        chain, key = [], prefix_key(tokens, page_size, lo)
+        chain, key = [], probed.get(lo) or prefix_key(tokens, page_size, lo)
         while key != ROOT_KEY and key in self.page_of:
             chain.append(key)
             key = self.parent_of[key]
@@ -168,5 +182,6 @@ class PagePool:
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key
+                self.keyed[page] = True
                 self.parent_of[key] = parent
             parent = key

@@ -204,8 +204,8 @@ def test_each_call_sends_one_host_buffer_and_each_page_is_offered_once(tiny, mon
 
 def test_lookup_bisects_and_falls_back_when_a_page_before_was_evicted(monkeypatch):
     """The longest cached prefix of a 128-page prompt is found with a few hash calls, not one per
-    page: three when all of it is cached, about log2(128) more (one per bisection probe) for a
-    prompt that parts from it after 50 pages; when a page inside the prefix was evicted, the
+    page: two when all of it is cached, three when only its last page is new, about log2(128) more
+    (one per bisection probe) for a prompt that parts from it after 50 pages; when a page inside the prefix was evicted, the
     answer stops before it (every page hashed)."""
     import hashlib
     import types
@@ -218,7 +218,9 @@ def test_lookup_bisects_and_falls_back_when_a_page_before_was_evicted(monkeypatc
     calls = []
     monkeypatch.setattr(pg, "hashlib", types.SimpleNamespace(sha256=lambda *a: calls.append(1) or hashlib.sha256(*a)))
     keys = []
-    assert pool.longest(toks, ps, n, keys) == held and len(calls) == 3
+    assert pool.longest(toks, ps, n, keys) == held and len(calls) == 2
+    tail, calls[:] = np.concatenate([toks[:(n - 1) * ps], toks[(n - 1) * ps:] + 1]), []
+    assert pool.longest(tail, ps, n, []) == held[:-1] and len(calls) == 3     # a new last page: no bisection
     assert keys == page_keys(toks, ps, [], n)
     other, calls[:] = np.concatenate([toks[:50 * ps], toks[50 * ps:] + 1]), []
     assert pool.longest(other, ps, n, []) == held[:50] and len(calls) <= 3 + 8
