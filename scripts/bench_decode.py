@@ -31,10 +31,12 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
-                batch-1 decode at ctx 2048 through Engine against the roofline, TTFT with a 2k
-                prefix cached against uncached, then profiles: the batch-1 token (device us per
+                batch-1 decode at ctx 2048 through Engine against the roofline, TTFT (call to first
+                token, median of 5) of a 2k prompt with 2,032 tokens cached and of one met before
+                (all cached) against uncached, then profiles: the batch-1 token (device us per
                 token by kernel, wall and host time per token, decode calls chained or not) and
-                the cached prompt's first token (tables printed and written to bench_decode.md);
+                the cached prompt's first token (with its program's dispatch, buffer on host or
+                device; tables printed and written to bench_decode.md);
                 TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through one
                 Engine, then the first engine through HTTP (decode vs roofline, TTFT)
 

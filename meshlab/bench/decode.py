@@ -283,6 +283,27 @@ def _kernel_table(row: dict, trace_dir, run_traced) -> dict | None:
     return s
 
 
+def _dispatch_ab(engine, key, reps: int = 10) -> dict:
+    """Host time handing a packed program over (median of reps; padding only, nothing written), its
+    host buffer passed as numpy (copied to the device inside the call, as the engine does) and
+    already on the device: what of a dispatch is the copy and what the launch."""
+    _, nd, k, c, greedy, logprobs = key
+    slots = engine._packed_slots(nd, k, c)
+    slots.fill()
+    out = {}
+    for label, put in (("numpy", lambda b: b), ("device", lambda b: jax.block_until_ready(jax.device_put(b)))):
+        times = []
+        for _ in range(reps):
+            buf = put(slots.take())
+            t = time.perf_counter()
+            res, engine.cache, engine.seen = engine.packed_call(engine.weights, engine.cache, engine.seen, buf,
+                                                                layout=slots.layout, greedy=greedy, logprobs=logprobs)
+            times.append(time.perf_counter() - t)
+            jax.block_until_ready(res)
+        out[f"dispatch_{label}_us"] = round(float(np.median(times)) * 1e6, 1)
+    return out
+
+
 def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dict:
     """Where the time to first token of a prompt whose first n - tail tokens are in the prefix cache
     goes: wall time of the request (admission, the step, the read-back, release), the host's part
@@ -297,24 +318,29 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dic
     engine._launch = lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw)
     try:
         before, t = dict(engine.stats), time.perf_counter()
-        engine.generate([shared + new_tail()], one)
+        req = engine.generate([shared + new_tail()], one)[0]
         wall = time.perf_counter() - t
     finally:
         del engine._launch
     st = {k: engine.stats[k] - before[k] for k in before}
     row = {"section": "profile", "setting": f"engine prompt={n}, {n - tail} cached: first token", "unit": "us",
-           "value": wall * 1e6, "host_ms": st["host_s"] * 1e3, "dispatch_ms": st.get("dispatch_s", 0.0) * 1e3,
-           "prefill_tokens": st["prefill_tokens"],
+           "value": wall * 1e6, "ttft_ms": (req.t_first - t) * 1e3, "host_ms": st["host_s"] * 1e3,
+           "dispatch_ms": st.get("dispatch_s", 0.0) * 1e3, "prefill_tokens": st["prefill_tokens"],
            "programs": [list(k[:4]) for k in keys]}
+    packed = [k for k in keys if k[0] == "packed"]
+    if packed:
+        row.update(_dispatch_ab(engine, packed[0]))
     def traced_repeat():
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             engine.generate([shared + new_tail()], one)
         return 1
     s = _kernel_table(row, trace_dir, traced_repeat)
     busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us" if s else "no profile"
-    row["note"] = (f"TTFT {wall * 1e3:.2f} ms, host {row['host_ms']:.2f} ms (dispatch {row['dispatch_ms']:.2f}), "
-                   f"{st['prefill_tokens']} prompt tokens "
-                   f"computed in {row['programs']}; {busy}")
+    ab = (f"; dispatch alone {row['dispatch_numpy_us']:.0f} us, {row['dispatch_device_us']:.0f} with its buffer "
+          f"on the device" if "dispatch_numpy_us" in row else "")
+    row["note"] = (f"call {wall * 1e3:.2f} ms (first token at {row['ttft_ms']:.2f}), host {row['host_ms']:.2f} ms "
+                   f"(dispatch {row['dispatch_ms']:.2f}), {st['prefill_tokens']} prompt tokens "
+                   f"computed in {row['programs']}; {busy}{ab}")
     return row
 
 
