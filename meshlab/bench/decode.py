@@ -285,13 +285,16 @@ def _kernel_table(row: dict, trace_dir, run_traced) -> dict | None:
 
 def _dispatch_ab(engine, key, reps: int = 10) -> dict:
     """Host time handing a packed program over (median of reps; padding only, nothing written), its
-    host buffer passed as numpy (copied to the device inside the call, as the engine does) and
-    already on the device: what of a dispatch is the copy and what the launch."""
+    host buffer passed as numpy (copied to the device inside the call, as the engine does), already
+    on the device (a new buffer per call), and the same device buffer every call: what of a dispatch
+    is the copy, and what follows a new input address (XLA's command buffers re-record the kernels
+    whose buffers moved)."""
     _, nd, k, c, greedy, logprobs = key
     slots = engine._packed_slots(nd, k, c)
     slots.fill()
-    out = {}
-    for label, put in (("numpy", lambda b: b), ("device", lambda b: jax.block_until_ready(jax.device_put(b)))):
+    out, same = {}, jax.block_until_ready(jax.device_put(slots.take()))
+    for label, put in (("numpy", lambda b: b), ("device", lambda b: jax.block_until_ready(jax.device_put(b))),
+                       ("same", lambda b: same)):
         times = []
         for _ in range(reps):
             buf = put(slots.take())
@@ -337,7 +340,7 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16) -> dic
     s = _kernel_table(row, trace_dir, traced_repeat)
     busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us" if s else "no profile"
     ab = (f"; dispatch alone {row['dispatch_numpy_us']:.0f} us, {row['dispatch_device_us']:.0f} with its buffer "
-          f"on the device" if "dispatch_numpy_us" in row else "")
+          f"on the device, {row['dispatch_same_us']:.0f} with the same one each call" if "dispatch_numpy_us" in row else "")
     row["note"] = (f"call {wall * 1e3:.2f} ms (first token at {row['ttft_ms']:.2f}), host {row['host_ms']:.2f} ms "
                    f"(dispatch {row['dispatch_ms']:.2f}), {st['prefill_tokens']} prompt tokens "
                    f"computed in {row['programs']}; {busy}{ab}")
