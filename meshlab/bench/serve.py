@@ -81,21 +81,26 @@ def match_rate(engine, work, concurrent) -> dict:
 
 
 # -- HTTP -------------------------------------------------------------------------------------
-def stream_one(host: str, port: int, prompt, max_tokens: int, logprobs: bool, timeout: float = 600) -> dict:
-    """One streaming completion; the time of every chunk that carries tokens. Tokens per chunk are
-    counted from the usage each chunk carries (`continuous_usage_stats`: the byte tokenizer of a
-    random model shows most ids as no text, so text alone would not say when tokens came), the total
-    from the final usage. logprobs: also ask for the chosen tokens' logprobs (the engine's offline
-    run does not)."""
+def completion_body(prompt, max_tokens: int, logprobs: bool) -> bytes:
+    """A streamed greedy completion's body. Tokens per chunk are counted from the usage each chunk
+    carries (`continuous_usage_stats`: the byte tokenizer of a random model shows most ids as no text,
+    so text alone would not say when tokens came). logprobs: also ask for the chosen tokens' logprobs
+    (the engine's offline run does not)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if logprobs:
         body["logprobs"] = 0
+    return json.dumps(body).encode()
+
+
+def stream_one(host: str, port: int, body: bytes, timeout: float = 600) -> dict:
+    """One streaming completion (completion_body); the time of every chunk that carries tokens, the
+    total from the final usage."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     t0 = time.perf_counter()
     times, counts, usage, status, seen = [], [], None, 0, 0
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         status = resp.status
         if status != 200:
@@ -122,23 +127,29 @@ def stream_one(host: str, port: int, prompt, max_tokens: int, logprobs: bool, ti
 
 
 def http_load(host: str, port: int, work, rate: float, logprobs: bool = False, seed: int = 0) -> dict:
-    """The workload with Poisson arrivals at `rate` requests/s (one thread per request)."""
+    """The workload with Poisson arrivals at `rate` requests/s (one thread per request). Bodies are
+    encoded and threads started before the clock starts, so the clients' own start-up (~1 ms of this
+    process's interpreter per request) does not hold back the arrivals."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
     starts = np.cumsum(gaps) - gaps[0]
-    results = [None] * len(work)
-    t0 = time.perf_counter()
+    bodies = [completion_body(p, m, logprobs) for p, m in work]
+    results, go, t0 = [None] * len(work), threading.Event(), [0.0]
 
     def client(i):
-        delay = t0 + starts[i] - time.perf_counter()
+        go.wait()
+        delay = t0[0] + starts[i] - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        results[i] = stream_one(host, port, work[i][0], work[i][1], logprobs)
+        results[i] = stream_one(host, port, bodies[i])
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(work))]
     for t in threads:
         t.start()
+    t0[0] = time.perf_counter()
+    go.set()
     for t in threads:
         t.join()
+    t0 = t0[0]
     ok = [r for r in results if r and r["status"] == 200 and "error" not in r]
     wall = max(r["t_end"] for r in ok) - t0 if ok else float("nan")
     out_tok = sum(r["tokens"] for r in ok)

@@ -26,7 +26,7 @@ class BadRequest(Exception):
 class Plan:
     """One HTTP request as the engine sees it: the prompt, and one SamplingParams per choice."""
     prompt: list                       # token ids
-    prompt_text: str
+    prompt_text: str                   # what echo shows ("" for token ids without echo: never decoded then)
     params: list                       # [SamplingParams] * n (seeds seed + i)
     chat: bool
     stream: bool
@@ -96,6 +96,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     n = _typed(body, "n", int, 1, 1, max_n)
     stream = _typed(body, "stream", bool, False)
     echo = False if chat else _typed(body, "echo", bool, False)
+    if text is None:                   # token ids are decoded only for echo (~0.1 ms per 1k ids)
+        text = tok.decode(prompt) if echo else ""
     logprobs, max_tokens = _logprobs_and_length(body, chat, echo, len(prompt), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
@@ -163,13 +165,13 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids) -> list:
 
 
 def _completion_prompt(prompt, tok):
-    """(text, ids) of a completions prompt: a string, or token ids; one prompt per request."""
+    """(text, ids) of a completions prompt: a string, or token ids (text None); one prompt per request."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt, tok.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return tok.decode(prompt), list(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):     # bool is not int here
+        return None, list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest("one prompt per request; send several requests (they are batched together)",
                          param="prompt")

@@ -144,3 +144,13 @@ def test_logprob_rows_per_row_python_numbers():
     assert all(type(x) is float for row in rows for x, _, _ in row)
     packed = _logprob_rows({"logprob": lp[0], "top_id": ids[0, :, :0], "top_logprob": vals[0, :, :0]}, 0)
     assert packed == [[(float(lp[0, 0]), (), ())], [(float(lp[0, 1]), (), ())]]
+
+
+def test_token_id_prompts_are_decoded_only_for_echo(server):
+    """A prompt of token ids is decoded only when echo shows it back (the load test's prompts are ids)."""
+    ids = list(b"def f(x):")
+    status, text = post(server, {"prompt": ids, "max_tokens": 0, "echo": True})
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == "def f(x):"
+    whole = json.loads(post(server, {"prompt": ids, "max_tokens": 6})[1])["choices"][0]["text"]
+    assert whole == json.loads(post(server, {"prompt": "def f(x):", "max_tokens": 6})[1])["choices"][0]["text"]
+    assert post(server, {"prompt": ids[:3] + [True], "max_tokens": 2})[0] == 400
