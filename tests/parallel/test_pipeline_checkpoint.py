@@ -19,6 +19,9 @@ from meshlab.train.state import abstract_state, state_specs
 from models import model_def
 from tests.helpers import small_config
 
+# Compiling dominates (the pipelined step, its validation and the one-device forward): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 
 def _interleaved(tmp_path, virtual=2):
     text = open(R.load_rules("pp_fsdp").path).read()
