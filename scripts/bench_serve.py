@@ -131,6 +131,20 @@ def run_job(name, args, out: Path, timeout: float) -> list:
     return rows
 
 
+def ratio_row(rows, n) -> list:
+    """The best HTTP rate's output tokens/s against the offline run's (the serving issue's load Must)."""
+    off = [r for r in rows if r["job"] == "offline" and r["section"] == "offline" and r["unit"] == "tok/s"]
+    http = [r for r in rows if r["job"] == "http" and r["section"] == "http" and f" n={n}" in r["setting"]]
+    if not off or not http:
+        return []
+    best = max(http, key=lambda r: r["value"])
+    row = {"job": "http", "section": "http", "setting": f"best HTTP ({best['setting']}) / offline",
+           "value": 100 * best["value"] / off[0]["value"], "unit": "%",
+           "note": f"{best['value']:.0f} / {off[0]['value']:.0f} tok/s; TTFT p99 {best['ttft_p99_ms']:.0f} ms"}
+    print(f"[http] {row['setting']}: {row['value']:.1f}% ({row['note']})", flush=True)
+    return [row]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", default="offline,peer_cb,peer_b1,http")
@@ -158,6 +172,7 @@ def main():
         if args.quick and name.startswith("peer"):
             continue                                                  # torch peers need the GPU
         rows += run_job(name, args, out, args.timeout_s)
+    rows += ratio_row(rows, args.n)
     day = datetime.date.today().isoformat()
     table = "| date | job | section | setting | value | unit | note |\n| --- | --- | --- | --- | --- | --- | --- |\n"
     table += "".join(f"| {day} | {r['job']} | {r['section']} | {r['setting']} | {r['value']:.1f} | {r['unit']} | "
