@@ -12,6 +12,8 @@ from meshlab.parallel import ring_attention as ra
 from meshlab.parallel.context import context_attention, uses_zigzag, zigzag_batch, zigzag_reorder, zigzag_restore
 from pallas_kernels.attention import xla_attention
 
+# Compiling dominates (tiny shapes, many small programs): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(-start)?\(")
 
 
