@@ -9,6 +9,8 @@ from meshlab.parallel.context import context_attention
 from meshlab.parallel.attention_blocks import jnp_flash_attention
 from meshlab.parallel.ulysses import kv_head_repeats, ulysses_attention
 
+# Compiling dominates (tiny shapes, many small programs): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
 # Pairwise cover of context size x causal x GQA x segment ids; 8 query heads. kv heads 2 with
 # context 4 or 8 takes the replicate-kv-heads path.
 PAIRWISE = [  # n, causal, kv heads, segment ids
