@@ -19,6 +19,8 @@ from meshlab.plan import hlo
 from models.fp8 import E4M3, E5M2, dequantize, fp8_einsum, fp8_einsum_reference, pow2_scale, quantize
 from tests.helpers import rel_err
 
+# Compiling dominates (small GEMMs, a tiny model's steps): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
 U4, U5 = 2.0 ** -4, 2.0 ** -3
 FWD_BOUND = math.sqrt(2) * U4 / math.sqrt(3)
 BWD_BOUND = math.sqrt(U5 ** 2 + U4 ** 2) / math.sqrt(3)
