@@ -123,7 +123,7 @@ def test_cached_tail_runs_in_the_narrowest_row_that_fits(tiny, monkeypatch):
     before = {name: np.asarray(eng.cache[name])[:, pages] for name in ("k", "v")}
     keys, launch = [], eng._launch
     monkeypatch.setattr(eng, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
-    sp = SamplingParams(max_tokens=3, logprobs=5)
+    sp = SamplingParams(max_tokens=1, logprobs=5)                      # the packed call alone
     cases = ((shared + [4, 5, 6, 7], 16, 4), (shared + list(range(10, 50)), 64, 40), (shared, 16, 1),
              (shared + [9], 16, 1))                # one token to feed and no output yet: a packed row, not decode
     for prompt, width, fed in cases:
