@@ -172,8 +172,8 @@ class Scheduler:
     def _prefix_hit(self, req: Request) -> list:
         """Cached pages for req's prefix, its last full page included: when every token is cached,
         the last one is fed again for its logits and reads its own K/V from the shared page (its
-        write is dropped: Request.prefix_hit_tokens). Repetition-penalised requests compute everything: their
-        seen-token mask is built by feeding."""
+        write is dropped: Request.prefix_hit_tokens). Repetition-penalised requests compute
+        everything: their seen-token mask is built by feeding."""
         if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
             return []
         n = req.n_tokens // self.page_size
