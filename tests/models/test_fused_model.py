@@ -10,7 +10,7 @@ from tests.helpers import small_config
 FUSED = ["model.fused_norm=true", "model.fused_swiglu=true", "model.fused_rope=true", "model.loss_impl=pallas"]
 # One xdist worker runs the whole file: the `unfused` reference run is trained once, not once per worker
 # (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("fused_model")
+pytestmark = [pytest.mark.xdist_group("fused_model"), pytest.mark.cheap_codegen]
 
 
 def run(extra):
