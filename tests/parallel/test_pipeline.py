@@ -32,7 +32,7 @@ from tests.helpers import rel_err
 RTOL = 1e-5
 # One xdist worker runs the whole file: its module fixtures (the single-device reference, the 2-stage
 # programs of `curves`) are built once instead of once per worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("pipeline")
+pytestmark = [pytest.mark.xdist_group("pipeline"), pytest.mark.cheap_codegen]
 # Compiling dominates these tests: LLVM's cheapest codegen (the HLO, and so the buffers and numerics, unchanged).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 ROWS, SEQ, MB_ROWS = 12, 16, 2          # a micro-batch is MB_ROWS rows: M micro-batches take the first M x 2 rows
