@@ -12,6 +12,9 @@ from pallas_kernels.paged_attention import (BlockSizes, paged_attention, paged_a
                                             paged_decode_attention, plan, rope_cos_sin)
 from pallas_kernels.paged_tiles import CONFIGS
 
+# Compiling dominates (interpret-mode kernels and the engine's tiny programs): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 
 def make_case(seed, b=3, h=4, kvh=2, d=16, page_size=4, max_pages=6, num_pages=24, lengths=(1, 9, 24)):
     rng = np.random.default_rng(seed)
