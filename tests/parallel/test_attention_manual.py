@@ -15,6 +15,9 @@ from meshlab.train.loop import train
 from pallas_kernels.attention import dot_product_attention
 from tests.helpers import small_config
 
+# Compiling dominates (four tiny 2-step runs): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 
 def _never(*args, **kwargs):
     raise AssertionError("partitioner called: attention ran in a partially manual region")
