@@ -14,6 +14,8 @@ from pallas_kernels.flash_attention import (BlockSizes, flash_attention, flash_a
                                             flash_attention_block_fwd, flash_attention_reference)
 from tests.helpers import attention_inputs as _inputs, rel_err as _rel
 
+# Compiling dominates (interpret mode, tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
+pytestmark = pytest.mark.cheap_codegen
 TINY = BlockSizes(block_q=32, block_k=16, num_warps=4, block_q_dq=16, block_k_dq=32,
                   block_q_dkv=16, block_k_dkv=32, num_warps_bwd=4)
 MODES = [pytest.param("cpu", id="interpret"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
