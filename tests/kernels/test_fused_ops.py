@@ -18,6 +18,8 @@ from pallas_kernels import fused_rmsnorm as rn
 from pallas_kernels import rope
 from pallas_kernels import swiglu as sg
 
+# Compiling dominates (interpret mode, tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
+pytestmark = pytest.mark.cheap_codegen
 LLAMA3_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
