@@ -11,6 +11,9 @@ from flax import nnx
 import models
 from meshlab.train.data import make_example
 
+# Compiling dominates (a tiny model): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 
 def test_packed_document_equals_the_document_alone():
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", attention="xla")
