@@ -3,10 +3,14 @@ finite steps leave params updated and double the scale every `loss_scale_growth`
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from meshlab.train.loop import build_trainer, device_batch
 from meshlab.train.state import init_state
 from tests.helpers import small_config
+
+# Compiling the step dominates its few tiny runs: cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
 
 
 def test_dynamic_loss_scaling():
