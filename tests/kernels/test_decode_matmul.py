@@ -9,6 +9,8 @@ import pytest
 
 from pallas_kernels.decode_matmul import BlockSizes, decode_matmul, decode_matmul_reference
 
+# Compiling dominates (interpret mode, tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
+pytestmark = pytest.mark.cheap_codegen
 MODES = {"plain": {}, "norm": {"norm": True}, "residual": {"residual": True}, "norm_swiglu": {"norm": True, "swiglu": True}}
 
 
