@@ -10,6 +10,8 @@ from pallas_kernels import attention
 from pallas_kernels.flash_attention import flash_attention_reference
 from tests.helpers import rel_err as _rel
 
+# Compiling dominates (tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
+pytestmark = pytest.mark.cheap_codegen
 
 @pytest.fixture(autouse=True)
 def _fresh_auto(monkeypatch):
