@@ -31,8 +31,8 @@ from meshlab.plan import comm, memory
 from meshlab.train import compiled
 from meshlab.train.loop import build_trainer
 
-# One xdist worker runs both files: compiled.measure caches each rule file's compiled step per
-# process, and the two files measure the same steps (make test: --dist loadgroup).
+# One xdist worker runs test_zero, test_memory_comm and test_plan: compiled.measure caches each rule file's compiled step per
+# process, and the files measure the same steps (make test: --dist loadgroup).
 pytestmark = [pytest.mark.xdist_group("compiled_steps"), pytest.mark.cheap_codegen]
 
 RULES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "fsdp_tp_sp")

@@ -14,6 +14,10 @@ from meshlab.plan.hardware import HARDWARE, HardwareError, get_hardware
 from meshlab.rules import load_rules
 from models import model_def
 
+# One xdist worker runs this file with test_zero and test_memory_comm: the two steps the ranking test
+# compiles (dp; fsdp/full on data=4,fsdp=2) are test_memory_comm's, cached per process by compiled.measure.
+pytestmark = pytest.mark.xdist_group("compiled_steps")
+
 
 def test_flop_split_matches_the_6n_rule_and_crossover():
     cfg = models.preset("llama3_8b")
