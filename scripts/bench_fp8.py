@@ -130,19 +130,17 @@ def main(argv=None):
     args = parse(argv)
     import jax
     if args.only:
-        bf = f8 = run(args, args.only)
-        text = report_one(args, bf)
+        runs = {args.only: run(args, args.only)}
+        text = report_one(args, runs[args.only])
     else:
-        bf = run(args, "bfloat16")
-        f8 = run(args, "float8")
-        text = report(args, bf, f8)
+        runs = {"bf16": run(args, "bfloat16"), "fp8": run(args, "float8")}
+        text = report(args, runs["bf16"], runs["fp8"])
     print(text)
     if jax.default_backend() == "gpu":
         with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
             f.write(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        runs = {args.only: bf} if args.only else {"bf16": bf, "fp8": f8}
         Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps(runs, indent=1))
         Path(os.environ["OUT"], "bench_fp8_rows.md").write_text(text)   # the diary rows, for a remote run
 
