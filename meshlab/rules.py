@@ -330,6 +330,14 @@ def active() -> _Active | None:
     return _STACK[-1] if _STACK else None
 
 
+def is_local() -> bool:
+    """Whether code traced here sees whole arrays: no rules active, or every mesh axis of size > 1 is
+    manual here (the data-parallel step's shard_map, one device). A per-device kernel is safe then;
+    elsewhere GSPMD would gather its operands around it."""
+    a = active()
+    return a is None or all(size == 1 or name in a.manual for name, size in dict(a.mesh.shape).items())
+
+
 def gathers_weights() -> bool:
     """Whether `materialize` all-gathers parameters here (ZeRO-3 inside a manual data-parallel region)."""
     a = active()

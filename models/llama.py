@@ -19,10 +19,11 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
-from meshlab.rules import constrain, materialize
+from meshlab.rules import constrain, is_local, materialize
 from models import fp8
 from models.remat import REMAT_POLICIES, remat as _remat
 from pallas_kernels import cross_entropy_onepass as fused_ce_onepass
+from pallas_kernels.attention import available as kernel_available
 from pallas_kernels import fused_cross_entropy as fused_ce, fused_rmsnorm, rope as rope_kernels, swiglu as swiglu_kernel
 
 F32 = jnp.float32
@@ -67,6 +68,11 @@ class LlamaConfig:
     # onepass's logits slab as the head GEMM writes it: float32, or bfloat16 (half the bytes for the
     # slab's passes, which upcast in registers; torch recipes' bf16 logits). Rounds each logit once.
     loss_logits_dtype: str = "float32"
+    # onepass's passes over the slab (log-sum-exp, the label's logit, dlogits): xla (jnp; GSPMD
+    # partitions it, so it runs under any rule file) or pallas (pallas_kernels/softmax_rows.py: one
+    # read for the statistics, one read + write for dlogits). auto: pallas on a Triton GPU where the
+    # loss sees whole arrays (one device, or the data-parallel step's shard_map), xla elsewhere.
+    loss_softmax: str = "auto"
     # Pallas fused ops (pallas_kernels/), interpreted off-GPU. They run per device, so use them with
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
@@ -113,6 +119,9 @@ class LlamaConfig:
             raise ValueError(f"model.loss_chunk={self.loss_chunk} must be a positive number of tokens")
         if self.loss_logits_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"model.loss_logits_dtype={self.loss_logits_dtype!r} must be float32 or bfloat16")
+        if self.loss_softmax not in LOSS_SOFTMAX:
+            raise ValueError(f"model.loss_softmax={self.loss_softmax!r} must be one of {', '.join(LOSS_SOFTMAX)}"
+                             + _near(self.loss_softmax, LOSS_SOFTMAX))
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"model.loss_impl={self.loss_impl!r} must be one of {', '.join(LOSS_IMPLS)}"
                              + _near(self.loss_impl, LOSS_IMPLS))
@@ -131,6 +140,7 @@ MATMUL_DTYPES = ("bfloat16", "float8")
 
 # auto: an engine picks (the trainer: onepass on GPU, dense elsewhere; meshlab/train/fit.py)
 LOSS_IMPLS = ("dense", "chunked", "pallas", "onepass", "auto")
+LOSS_SOFTMAX = ("auto", "xla", "pallas")
 
 
 def _near(value: str, choices) -> str:
@@ -174,6 +184,18 @@ def apply_rope(cfg: LlamaConfig, q, k, positions):
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+def _loss_softmax(asked: str) -> str:
+    """The onepass loss's slab passes: model.loss_softmax resolved for where this trace runs."""
+    local = is_local()
+    if asked == "pallas" and not local:
+        raise ValueError("model.loss_softmax=pallas runs per device, but the rule file splits the loss's tokens or "
+                         "vocabulary over a mesh axis the step does not map by hand (a kernel there would be "
+                         "gathered whole); use model.loss_softmax=auto or xla with this rule file")
+    if asked == "auto":
+        return "pallas" if local and kernel_available("pallas") else "xla"   # "pallas": the Triton lowering
+    return asked
 
 
 # -- layers ----------------------------------------------------------------------------------
@@ -405,7 +427,9 @@ class Llama(nnx.Module):
         flat_y = jnp.swapaxes(jnp.where(labels >= 0, labels, -1), 0, 1).reshape(s * b)      # [s*b]
         return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, self.head_weight(), flat_y, ignore_index=-1,
                                                           chunk_size=self.cfg.loss_chunk,
-                                                          logits_dtype=self.cfg.loss_logits_dtype)
+                                                          logits_dtype=self.cfg.loss_logits_dtype,
+                                                          softmax=_loss_softmax(self.cfg.loss_softmax),
+                                                          interpret=_interpret())
 
     def token_losses(self, h, labels):
         """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding). loss_impl=onepass

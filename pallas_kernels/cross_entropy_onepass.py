@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import softmax_rows
 from pallas_kernels.cross_entropy_common import check_args, token_loss
 
 F32 = jnp.float32
@@ -27,31 +28,48 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b^T
 _TN = (((0,), (0,)), ((), ()))  # a^T @ b
 
 
-def _chunk(h, w, y, ignore_index, z_loss, grads, logits_dtype=F32):
-    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32).
-    logits_dtype: what the head GEMM writes (fp32 accumulation either way). bf16 halves the bytes of
-    the slab every pass below reads; each pass upcasts in registers, so the math stays fp32."""
-    logits = jnp.dot(h, w, preferred_element_type=logits_dtype).astype(F32)   # [n, V]
-    m = jnp.max(logits, axis=-1)                                             # [n]
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))        # [n]
-    # A compare with an iota, not a gather: it partitions over a vocab-sharded V and fuses into
-    # the reductions; the onehot is needed for dlogits anyway.
-    hit = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None]     # [n, V]
-    label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)              # [n]
+def slab_passes(logits, y, ignore_index, z_loss, grads, out_dtype, softmax="xla", interpret=False):
+    """Everything between a chunk's head GEMM and its gradient GEMMs: logits [n, V] (fp32 or bf16, as the
+    GEMM wrote them) -> the chunk's loss sum and, with grads, dlogits [n, V] in out_dtype. The math
+    is fp32 either way. softmax="pallas": two kernels (softmax_rows.py), one read of the slab for the
+    statistics and one read + write for dlogits, where XLA's fusions read it 4-5 times."""
+    if softmax == "pallas":
+        lse, label_logit = softmax_rows.softmax_stats(logits, y, interpret=interpret)   # [n], [n]
+    else:
+        logits = logits.astype(F32)
+        m = jnp.max(logits, axis=-1)                                         # [n]
+        lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))    # [n]
+        # A compare with an iota, not a gather: it partitions over a vocab-sharded V and fuses into
+        # the reductions; the onehot is needed for dlogits anyway.
+        hit = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == y[:, None] # [n, V]
+        label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)          # [n]
     loss = jnp.sum(token_loss(lse, label_logit, y, ignore_index, z_loss))
     if not grads:
-        return loss
+        return loss, None
     valid = y != ignore_index                                                # [n]
     cp = jnp.where(valid, 1.0 + 2.0 * z_loss * lse, 0.0)                     # d(lse + z lse^2)/d lse
     cy = valid.astype(F32)
+    if softmax == "pallas":
+        return loss, softmax_rows.softmax_grad(logits, lse, y, cp, cy, out_dtype=out_dtype, interpret=interpret)
     dlogits = cp[:, None] * jnp.exp(logits - lse[:, None]) - jnp.where(hit, cy[:, None], 0.0)  # [n, V]
-    dlogits = dlogits.astype(w.dtype)
+    return loss, dlogits.astype(out_dtype)
+
+
+def _chunk(h, w, y, ignore_index, z_loss, grads, logits_dtype=F32, softmax="xla", interpret=False):
+    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32).
+    logits_dtype: what the head GEMM writes (fp32 accumulation either way). bf16 halves the bytes of
+    the slab every pass reads; each pass upcasts in registers, so the math stays fp32."""
+    logits = jnp.dot(h, w, preferred_element_type=logits_dtype)              # [n, V]
+    loss, dlogits = slab_passes(logits, y, ignore_index, z_loss, grads, w.dtype, softmax, interpret)
+    if not grads:
+        return loss
     dh = lax.dot_general(dlogits, w, _NT, preferred_element_type=F32).astype(h.dtype)  # [n, V] x [d, V]^T -> [n, d]
     dw = lax.dot_general(h, dlogits, _TN, preferred_element_type=F32)                  # [n, d]^T x [n, V] -> [d, V]
     return loss, dh, dw
 
 
-def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logits_dtype=F32):
+def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logits_dtype=F32, softmax="xla",
+           interpret=False):
     """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32).
 
     Per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
@@ -71,7 +89,8 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logi
     c = min(chunk_size, t)
     n = t // c
     main = n * c
-    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads, logits_dtype=logits_dtype)
+    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads, logits_dtype=logits_dtype,
+                            softmax=softmax, interpret=interpret)
     # [main, d] -> [c, n, d]: column j is chunk j (strided, see the module doc); no copy of h.
     h3 = (hidden if main == t else hidden[:main]).reshape(c, n, d)           # [c, n, d]
     y2 = (labels if main == t else labels[:main]).reshape(c, n)              # [c, n]
@@ -108,19 +127,21 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logi
     return loss, dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax, interpret):
     # Not differentiated (eval): the loss only, one GEMM per chunk.
-    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False, logits_dtype=logits_dtype)
+    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False, logits_dtype=logits_dtype,
+                  softmax=softmax, interpret=interpret)
 
 
-def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype):
+def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax,
+                 interpret):
     loss, dh, dw = _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=True,
-                          logits_dtype=logits_dtype)
+                          logits_dtype=logits_dtype, softmax=softmax, interpret=interpret)
     return loss, (dh, dw)
 
 
-def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, res, g):
+def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax, interpret, res, g):
     # Saved: dh in h's dtype (as the dense path's dh GEMM writes it) and dW in fp32: it is the loop's
     # carry, so saving it costs no extra buffer (a bf16 copy would coexist with the carry while
     # converting); it lives only from the loss forward to the head's backward, adjacent in the step.
@@ -134,16 +155,20 @@ _onepass.defvjp(_onepass_fwd, _onepass_bwd)
 
 
 def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, chunk_size=4096,
-                              logits_dtype="float32"):
+                              logits_dtype="float32", softmax="xla", interpret=False):
     """Sum over tokens of the softmax cross-entropy of hidden [T, d] @ weight [d, V] against
     labels [T] (0 for labels == ignore_index): a float32 scalar whose gradient the forward already
     computed (module doc). hidden and weight may be bf16 (GEMM operands, fp32 accumulation) or fp32.
     Differentiate the sum itself (any scalar multiple of it is fine): this has no per-token output.
+    softmax: "xla" (jnp, partitioned by GSPMD) or "pallas" (softmax_rows.py's kernels: the caller
+    sees whole arrays, e.g. one device or inside a shard_map; interpret=True runs them on the CPU).
     """
     check_args(hidden, weight, labels, ignore_index, z_loss)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{chunk_size=} must be a positive int (tokens per [chunk_size, V] logits slab)")
     if logits_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"{logits_dtype=} must be 'float32' or 'bfloat16' (what the head GEMM writes)")
+    if softmax not in ("xla", "pallas"):
+        raise ValueError(f"{softmax=} must be 'xla' or 'pallas' (how the passes over the logits slab run)")
     return _onepass(hidden, weight, labels, int(ignore_index), float(z_loss), chunk_size,
-                    jnp.dtype(weight.dtype).name, logits_dtype)
+                    jnp.dtype(weight.dtype).name, logits_dtype, softmax, bool(interpret))

@@ -45,3 +45,12 @@ def load_vec(ref, r0, n, lim, other, mask_r):
     if not mask_r:
         return plgpu.load(ref.at[pl.ds(r0, n)])
     return plgpu.load(ref.at[pl.ds(r0, n)], mask=(r0 + jnp.arange(n)) < lim, other=other)
+
+
+def store_vec(ref, r0, n, lim, val, mask_r):
+    """1-D store of n values at r0, masked past `lim` when `mask_r`."""
+    view = ref.at[pl.ds(r0, n)]
+    if not mask_r:
+        plgpu.store(view, val)
+    else:
+        plgpu.store(view, val, mask=(r0 + jnp.arange(n)) < lim)

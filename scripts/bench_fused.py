@@ -2,7 +2,7 @@
 cross-entropy, against the chunked jnp version): same shapes, one process, correctness checked
 against the fp32-accumulated reference before any time is reported.
 
-    PYTHONPATH=$PWD python3 scripts/bench_fused.py [--ops ce,swiglu,rmsnorm,rope] [--out DIR]
+    PYTHONPATH=$PWD python3 scripts/bench_fused.py [--ops slab,ce,swiglu,rmsnorm,rope] [--out DIR]
     PYTHONPATH=$PWD python3 scripts/bench_fused.py --small --interpret   # CPU smoke test of this script
 
 Times: jit, 2 warm-up calls, then the median of --reps synchronised calls. Memory: the compiled
@@ -148,6 +148,47 @@ def bench_ce(rows, a):
                                                            interpret=a.interpret), (h, w, y), ref, a.reps, 2e-2)
 
 
+def bench_slab(rows, a):
+    """The onepass loss's passes over one [8192, V] logits slab (loss statistics + bf16 dlogits, what runs
+    between its head GEMM and its gradient GEMMs): XLA's fusions of the jnp passes against
+    softmax_rows' kernels, fp32 and bf16 slabs. GB/s over the least traffic: one read of the slab
+    for the statistics, one read + one bf16 write for dlogits."""
+    from pallas_kernels import softmax_rows as sr
+    n, v = (8192, 128256) if not a.small else (64, 1000)
+    k = jax.random.split(jax.random.key(3), 2)
+    y = jax.random.randint(k[1], (n,), 0, v).at[::50].set(-1)
+    tiles = [sr.RowBlocks(), sr.RowBlocks(stats_rows=1, stats_cols=4096), sr.RowBlocks(stats_rows=8, stats_cols=1024),
+             sr.RowBlocks(grad_rows=8, grad_cols=1024, num_warps=4), sr.RowBlocks(num_stages=1)]
+    for dt in (jnp.float32, jnp.bfloat16):
+        x = (jax.random.normal(k[0], (n, v), jnp.float32) * 3).astype(dt)
+        shape = f"n={n} V={v} {jnp.dtype(dt).name} slab"
+        gb = (2 * n * v * jnp.dtype(dt).itemsize + n * v * 2) / GB
+
+        def passes(softmax, bs=None):
+            def f(x, y):
+                if bs is not None and softmax == "pallas":   # a tile config other than the defaults
+                    lse, ll = sr.softmax_stats(x, y, blocks=bs, interpret=a.interpret)
+                    cp = cy = (y >= 0).astype(jnp.float32)
+                    g = sr.softmax_grad(x, lse, y, cp, cy, out_dtype=jnp.bfloat16, blocks=bs, interpret=a.interpret)
+                    return jnp.sum(jnp.where(y >= 0, lse - ll, 0.0)), g
+                return onepass.slab_passes(x, y, -1, 0.0, True, jnp.bfloat16, softmax, a.interpret)
+            return jax.jit(f)
+        op = f"slab_{jnp.dtype(dt).name}"
+        ref = case(rows, op, shape, "xla_reference", passes("xla"), (x, y), passes("xla")(x, y), a.reps, 1e-6)
+        _gbps(rows, gb)
+        for bs in tiles if not a.small else tiles[:1]:
+            tag = (f"pallas(stats {bs.stats_rows}x{bs.stats_cols} grad {bs.grad_rows}x{bs.grad_cols} "
+                   f"w{bs.num_warps} s{bs.num_stages})")
+            case(rows, op, shape, tag, passes("pallas", bs), (x, y), ref, a.reps, 1e-2)
+            _gbps(rows, gb)
+
+
+def _gbps(rows, gb):
+    if rows and rows[-1].get("ms"):
+        rows[-1]["gbps"] = gb / rows[-1]["ms"] * 1e3
+        print(f"{'':10s} {rows[-1]['gbps']:,.0f} GB/s", flush=True)
+
+
 def bench_pair(rows, a, op, shape, ours, ref_fn, args, tol, flops=None):
     """ours: one function, or {variant name: function}."""
     ours = ours if isinstance(ours, dict) else {"pallas": ours}
@@ -161,7 +202,7 @@ def bench_pair(rows, a, op, shape, ours, ref_fn, args, tol, flops=None):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="ce,swiglu,rmsnorm,rope")
+    p.add_argument("--ops", default="ce,swiglu,rmsnorm,rope", help="any of slab,ce,swiglu,rmsnorm,rope")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--interpret", action="store_true")
@@ -172,6 +213,8 @@ def main():
     ops = a.ops.split(",")
     k = jax.random.split(jax.random.key(1), 6)
     bf = jnp.bfloat16
+    if "slab" in ops:
+        bench_slab(rows, a)
     if "ce" in ops:  # first: the op that matters most, in case the run is cut short
         bench_ce(rows, a)
     if "swiglu" in ops:
@@ -209,7 +252,8 @@ def main():
         ratio = (f"{ref_ms[r['op']] / r['ms']:.2f}x" if r["ms"] and r["op"] in ref_ms else "-")
         ms = f"{r['ms']:.3f}" if r["ms"] else r.get("note", "-")
         err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
-        lines.append(f"| {stamp} | {dev.device_kind} | {jax.__version__} | {r['op']} | {r['shape']} | {r['impl']} | "
+        lines.append(f"| {stamp} | {dev.device_kind} | {jax.__version__} | {r['op']} | {r['shape']} | {r['impl']}"
+                     + (f" {r['gbps']:,.0f} GB/s" if r.get("gbps") else "") + " | "
                      f"{ms} | {ratio} | {err} | {r.get('temp_gb', float('nan')):.2f} | "
                      f"{r.get('total_gb', float('nan')):.2f} |")
     table = "\n".join(lines)

@@ -48,6 +48,7 @@ USE_RULES = {
     "meshlab/infer/engine.py": "the serving engine's program builder traces prefill / decode under the serving "
                                "rule file",
     "tests/models/test_moe.py": "runs the MoE layer by itself under each rule file (no step)",
+    "tests/kernels/test_fused_ops.py": "resolves model.loss_softmax under a rule file by itself (no step)",
     "tests/parallel/test_ring_attention.py": "runs the model's forward by itself under a context rule file (no step)",
     "scripts/bench_pipeline.py": "times make_loss_and_grads alone (no step), jitted by hand",
     "notebooks/08_moe_routing.ipynb": "runs the MoE layer by itself under the ep rule file",

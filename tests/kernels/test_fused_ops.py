@@ -5,6 +5,7 @@ GPU (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu tests/kernels/test_fused_ops.p
 kernels in fp32 (TF32 dots) and bf16, at tolerances for those precisions.
 """
 import dataclasses
+import functools
 import re
 
 import jax
@@ -16,6 +17,7 @@ from pallas_kernels import cross_entropy_onepass as onepass
 from pallas_kernels import fused_cross_entropy as ce
 from pallas_kernels import fused_rmsnorm as rn
 from pallas_kernels import rope
+from pallas_kernels import softmax_rows as sr
 from pallas_kernels import swiglu as sg
 
 # Compiling dominates (interpret mode, tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
@@ -129,6 +131,72 @@ def test_onepass_cross_entropy_matches_reference(z_loss, chunk):
     _close(ggot[1], gwant[1], 1e-5)
     assert np.all(np.asarray(ggot[0])[np.asarray(y) == -100] == 0.0)  # ignored tokens get no gradient
     np.testing.assert_allclose(jax.jit(ours)(h, w), want / 0.37, rtol=1e-5)  # primal only: the loss path
+
+
+ROW_TILES = sr.RowBlocks(stats_rows=4, stats_cols=64, grad_rows=4, grad_cols=64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_softmax_rows_match_reference(dtype):
+    """One-pass statistics and gradient kernels against jnp: 13 rows (not a multiple of 4), 301 columns
+    (4 full tiles of 64 and a masked tail), ignored labels, labels on the first and last column."""
+    n, v = 13, 301
+    x = (_rand(21, (n, v), scale=4.0)[0]).astype(dtype)
+    y = jax.random.randint(jax.random.key(22), (n,), 0, v).at[0].set(0).at[1].set(v - 1).at[::5].set(-100)
+    lse, ll = jax.jit(functools.partial(sr.softmax_stats, blocks=ROW_TILES, interpret=True))(x, y)
+    lse_ref, ll_ref = sr.softmax_stats_reference(x, y)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
+    np.testing.assert_array_equal(ll, ll_ref)                     # a selected logit: exact
+    assert np.all(np.asarray(ll)[np.asarray(y) == -100] == 0.0)
+    cp = jnp.where(y >= 0, 1.3, 0.0)
+    cy = (y >= 0).astype(jnp.float32)
+    for out in (jnp.float32, jnp.bfloat16):
+        got = jax.jit(functools.partial(sr.softmax_grad, out_dtype=out, blocks=ROW_TILES, interpret=True))(
+            x, lse_ref, y, cp, cy)
+        want = sr.softmax_grad_reference(x, lse_ref, y, cp, cy, out)
+        assert got.dtype == out
+        # the same fp32 math rounded once: bf16 outputs may differ by one ulp where exp's last bit differs
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-6 if out == jnp.float32 else 8e-3, atol=1e-7)
+    with pytest.raises(ValueError, match="stats_cols=100 must be a power of two"):
+        sr.softmax_stats(x, y, blocks=sr.RowBlocks(stats_cols=100))
+    with pytest.raises(ValueError, match="lse.shape"):
+        sr.softmax_grad(x, lse[:5], y, cp, cy, out_dtype=jnp.float32)
+
+
+def test_onepass_pallas_softmax_matches_xla():
+    """softmax="pallas" (the slab's passes as kernels, interpreted here) against the jnp passes: the same
+    loss and gradients, with chunks, a tail chunk, z-loss and ignored tokens."""
+    h, w, y, _ = _ce_case(4, 37, 40, 301)
+    run = {sm: jax.jit(jax.value_and_grad(lambda h, w, sm=sm: 0.37 * onepass.onepass_cross_entropy_sum(
+        h, w, y, ignore_index=-100, z_loss=1e-2, chunk_size=16, softmax=sm, interpret=True), (0, 1)))(h, w)
+        for sm in ("xla", "pallas")}
+    (want, gwant), (got, ggot) = run["xla"], run["pallas"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    _close(ggot[0], gwant[0], 1e-6)
+    _close(ggot[1], gwant[1], 1e-6)
+    with pytest.raises(ValueError, match="softmax='triton' must be"):
+        onepass.onepass_cross_entropy_sum(h, w, y, softmax="triton")
+
+
+def test_loss_softmax_choice_follows_the_rules():
+    """model.loss_softmax: auto is xla off the GPU; pallas is refused where GSPMD would gather the slab."""
+    from meshlab import rules as R
+    from meshlab.mesh import make_mesh
+    from meshlab.train.config import ConfigError, load_config
+    from models.llama import _loss_softmax
+    assert _loss_softmax("auto") == "xla" and _loss_softmax("pallas") == "pallas"   # CPU; no rules: local
+    mesh = make_mesh("data=4,tensor=2")
+    rules = R.load_rules("dp")
+    with R.use_rules(rules, mesh):
+        with pytest.raises(ValueError, match="loss_softmax=pallas runs per device"):
+            _loss_softmax("pallas")
+        with R.manual_axes(("data",), rules, mesh):                 # tensor=2 still automatic
+            assert not R.is_local()
+        with R.manual_axes(("data", "tensor"), rules, mesh):
+            assert R.is_local() and _loss_softmax("pallas") == "pallas"
+    with pytest.raises(ConfigError, match="model.loss_softmax='triton' must be one of auto, xla, pallas"):
+        load_config("default", ["model.loss_softmax=triton"])
 
 
 def test_onepass_bf16_logits_slab():
@@ -317,12 +385,13 @@ def test_gpu_swiglu(dtype, tol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("softmax", ["xla", "pallas"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 5e-3), (jnp.bfloat16, 2e-2)])
-def test_gpu_onepass_cross_entropy(dtype, tol):
+def test_gpu_onepass_cross_entropy(dtype, tol, softmax):
     h, w, y, _ = _ce_case(11, 5000, 256, 5000, dtype)  # 2 chunks of 2048 + a 904-token tail
     grads = lambda f: jax.jit(jax.value_and_grad(lambda h, w: 0.37 * f(h, w), (0, 1)))(h, w)  # noqa: E731
     want = grads(lambda h, w: jnp.sum(ce.cross_entropy_reference(h, w, y, ignore_index=-100, z_loss=1e-4)))
     got = grads(lambda h, w: onepass.onepass_cross_entropy_sum(h, w, y, ignore_index=-100, z_loss=1e-4,
-                                                               chunk_size=2048))
+                                                               chunk_size=2048, softmax=softmax))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(a, b, tol)
