@@ -4,10 +4,10 @@ A packed step takes 16 small host arrays (the packed stream's 9, the sampler's 5
 output slots) and a decode call 10; passed as they are, each is its own host-to-device copy, and
 a GPU copy costs tens of microseconds of host time whatever its size, on the first token's path.
 `HostInputs` lays the arrays of a call end to end in one int32 buffer (float32 ones bitcast, no
-conversion), so a call sends one array (a packed step fills its buffer in place: `Slots`); the
-wrapped program slices it apart on the device (static offsets: slices and reshapes, no copy worth
-a kernel). The layout (names, shapes, kinds) is a static argument, so each bucket's shape still
-compiles once.
+conversion), so a call sends one array (a packed step fills its buffer in place: `Slots`, filled
+from the scheduled requests by `fill_packed`); the wrapped program slices it apart on the device
+(static offsets: slices and reshapes, no copy worth a kernel). The layout (names, shapes, kinds)
+is a static argument, so each bucket's shape still compiles once.
 
 The weights go in as their flat list of leaves (`jax.tree.leaves(params)`, made once), rebuilt into
 their tree inside the program: the call's argument walk over ~100 nested dicts and tuples was
@@ -107,6 +107,44 @@ def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max
                  padding={"p.slot": max_seqs, "p.write_page": num_pages})
 
 
+def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
+    """Fill a packed step's views `v` (Slots.fill() of its bucket: n_dec decode tokens, then chunk rows
+    of equal width) with `decodes` (requests feeding one token) and `prefills` ([(request, tokens)]);
+    table: the scheduler's page table. Returns the slots of the step's real output rows (decodes,
+    then prefills), for its flags."""
+    m, ps, out_slot, counters = len(decodes), page_size, v["out_slot"], v["counters"]
+    nd, k = v["p.dec_len"].shape[0], v["p.pre_table"].shape[0]
+    c = (v["p.tokens"].shape[0] - nd) // k                       # the chunk rows' width
+    if m:
+        dslots = np.array([r.slot for r in decodes], np.int32)
+        dpos = np.array([r.cached for r in decodes], np.int32)
+        v["p.tokens"][:m] = [r.last_token() for r in decodes]
+        v["p.positions"][:m], v["p.slot"][:m], v["p.write_off"][:m] = dpos, dslots, dpos % ps
+        v["p.write_page"][:m] = table[dslots, dpos // ps]
+        v["p.dec_len"][:m] = dpos + 1
+        v["p.dec_table"][:m] = table[dslots]
+        out_slot[:m] = dslots
+        counters[:m] = [len(r.output) for r in decodes]
+    v["p.out_idx"][:nd] = np.arange(nd)
+    for j, (r, n) in enumerate(prefills):
+        base, pos = nd + j * c, np.arange(r.cached, r.cached + n, dtype=np.int32)
+        v["p.tokens"][base:base + n] = r.token_ids(r.cached + n)[r.cached:]        # int32 already: a copy
+        v["p.positions"][base:base + n], v["p.slot"][base:base + n] = pos, r.slot
+        v["p.write_page"][base:base + n] = table[r.slot, pos // ps]
+        off = v["p.write_off"][base:base + n]
+        np.remainder(pos, ps, out=off)
+        if r.cached < r.prefix_hit_tokens:
+            # a fully cached prompt's last token: its K/V already lie in a shared page, which no
+            # request writes. An offset past the page drops the write (the scatter's mode="drop")
+            # while write_page still counts the token as a real query of its row.
+            off[pos < r.prefix_hit_tokens] = ps
+        v["p.pre_table"][j] = table[r.slot]
+        v["p.out_idx"][nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
+    for name, values in slot_rows.items():                # sampler settings of the output rows
+        np.take(values, out_slot, out=v[f"rows.{name}"])
+    return np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]) if m else out_slot[nd:nd + len(prefills)]
+
+
 def unpack(buf, layout) -> dict:
     """Inside a jit: the named arrays of `layout` sliced out of buf; "a.b" names become nested dicts."""
     out, offset = {}, 0
@@ -124,25 +162,28 @@ def unpack(buf, layout) -> dict:
     return out
 
 
-def packed_program(packed_step, treedef):
+def packed_program(packed_step, treedef, compiler_options: dict | None = None):
     """packed_step (programs.make_engine_programs) taking (weights, cache, seen, buf, layout): weights
-    the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot."""
+    the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
+    compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off."""
     def call(weights, cache, seen, buf, layout, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"], greedy=greedy,
                            logprobs=logprobs)
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
+                   compiler_options=compiler_options)
 
 
-def decode_program(decode_loop, treedef):
-    """decode_loop taking (weights, cache, seen, tok, buf, layout): weights as in packed_program, tok
-    [b] apart (a chained call's comes from the device), the buffer holds pos, limit, table, slots,
-    rows.* and counters."""
+def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
+    """decode_loop taking (weights, cache, seen, tok, buf, layout): weights and compiler_options as in
+    packed_program, tok [b] apart (a chained call's comes from the device), the buffer holds pos,
+    limit, table, slots, rows.* and counters."""
     def call(weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return decode_loop(params, cache, seen, tok, a["pos"], a["limit"], a["table"], a["slots"], a["rows"],
                            a["counters"], n=n, greedy=greedy, logprobs=logprobs)
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
+                   compiler_options=compiler_options)
 
 
 def fetch(out: dict, skip=("last",)) -> dict:

@@ -1,18 +1,17 @@
-"""The serving engines: `Engine` (continuous batching over the paged KV cache) and
-`ContiguousGenerator` (a fixed batch of prompts over a contiguous cache, the simple path).
+"""The serving engine: `Engine`, continuous batching over the paged KV cache.
 
 The compiled programs and the serving weights live in `meshlab.infer.programs`, the scheduling
-policy (rows, pages, prefix cache, token budget) in `meshlab.infer.scheduler`; `Engine` turns
-each scheduled step into one device call: a token-packed step when some row prefills (decode
-tokens and prompt-chunk rows in one stream, no padding rows), else `steps_per_call` decode
-steps in one call over the decode rows only, the next such call dispatched before the host
-reads back the last (Engine says when). Host work per step is numpy over the rows of that step;
-the page table is kept by the scheduler and changed only where pages change; the only
+policy (rows, pages, prefix cache, token budget) in `meshlab.infer.scheduler`, the calls' host
+inputs (one buffer per call, a packed step's filled in place) in `meshlab.infer.calls`; `Engine`
+turns each scheduled step into one device call: a token-packed step when some row prefills
+(decode tokens and prompt-chunk rows in one stream, no padding rows), else `steps_per_call`
+decode steps in one call over the decode rows only, the next such call dispatched before the
+host reads back the last (Engine says when). Host work per step is numpy over the rows of that
+step; the page table is kept by the scheduler and changed only where pages change; the only
 device-to-host transfer is the sampled tokens (and logprobs when asked).
 
-ContiguousGenerator: one program shape covers prefill and decode: a step feeds t tokens per row
-([b, t], padding marked invalid), prefill in chunks of `chunk` tokens, decode t = 1 with
-`decode_loop` running n steps per call; compiled shapes t in {1, chunk}, n in {steps_per_call}.
+`ContiguousGenerator` (a fixed batch over a contiguous cache) lives in `meshlab.infer.contiguous`
+and is importable from here too.
 """
 from __future__ import annotations
 
@@ -27,106 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import calls, kv_cache
+from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
 from meshlab.infer.programs import (CONCATENATED, FUSED, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
-                                    TOP_LOGPROBS, make_engine_programs, make_programs, serving_params)
-from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
+                                    TOP_LOGPROBS, make_engine_programs, make_programs, placement, serving_params)
+from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
-from meshlab.rules import use_rules
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
-
-
-def reset_rows(seen, rows_mask):
-    """Forget the seen tokens of rows that get a new request."""
-    return jnp.where(jnp.asarray(rows_mask)[:, None], False, seen)
-
-
-def placement(rules, mesh):
-    """The context programs run in: the rule file's constraints when given, else nothing."""
-    return use_rules(rules, mesh) if rules is not None and mesh is not None else contextlib.nullcontext()
-
-
-class ContiguousGenerator:
-    """Generate for a fixed batch of prompts with a contiguous KV cache [layers, batch, max_len, ...]."""
-
-    def __init__(self, md, params, batch: int, max_len: int, chunk: int = 256, steps_per_call: int = 8,
-                 rules=None, mesh=None, layers: str = "split"):
-        if max_len % chunk and chunk < max_len:
-            raise ValueError(f"max_len={max_len} must be a multiple of chunk={chunk}")
-        self.md, self.batch, self.max_len = md, batch, max_len
-        self.chunk, self.steps_per_call, self.rules, self.mesh = min(chunk, max_len), steps_per_call, rules, mesh
-        self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)
-        with placement(rules, mesh):
-            self.params = serving_params(md, params, layers)
-            self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, rules=rules, mesh=mesh)
-
-    def _check(self, prompts, params):
-        if not 0 < len(prompts) <= self.batch:
-            raise ValueError(f"got {len(prompts)} prompts for a generator of batch {self.batch}")
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            sp.validate(self.md.cfg.vocab_size)
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + sp.max_tokens > self.max_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens={sp.max_tokens} exceed the context "
-                                 f"of {self.max_len}; shorten the prompt or lower max_tokens")
-
-    def prefill(self, prompts: Sequence[Sequence[int]], rows: dict, seen, greedy: bool | None = None):
-        """Prompts through the cache in chunks; returns (first sampled token per row [b], seen)."""
-        b, c = self.batch, self.chunk
-        lens = np.array([len(p) for p in prompts] + [1] * (b - len(prompts)), np.int32)
-        padded = np.zeros((b, -(-lens.max() // c) * c), np.int32)
-        for i, p in enumerate(prompts):
-            padded[i, :len(p)] = p
-        first = np.zeros(b, np.int32)
-        for start in range(0, padded.shape[1], c):
-            pos = np.broadcast_to(np.arange(start, start + c, dtype=np.int32), (b, c))
-            last = np.clip(lens - 1 - start, 0, c - 1).astype(np.int32)
-            tok, self.cache, seen = self.step(self.params, self.cache, seen, padded[:, start:start + c], pos,
-                                              pos < lens[:, None], last, None, rows, np.zeros(b, np.int32),
-                                              greedy=greedy)
-            done_here = (lens - 1 >= start) & (lens - 1 < start + c)
-            first = np.where(done_here, np.asarray(tok), first)
-        return first, seen
-
-    def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-        """Tokens generated per prompt (stop token included when hit); `on_token(row, token)` streams."""
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        self._check(prompts, params)
-        b, n = self.batch, len(prompts)
-        rows = row_arrays(params + [None] * (b - n))
-        greedy = all_greedy(rows)
-        out: list[list[int]] = [[] for _ in range(n)]
-        done = [False] * n
-
-        def emit(i, t):
-            if done[i]:
-                return
-            out[i].append(int(t))
-            if on_token:
-                on_token(i, int(t))
-            done[i] = int(t) in params[i].stop_token_ids or len(out[i]) >= params[i].max_tokens
-
-        with placement(self.rules, self.mesh):
-            seen = jnp.zeros((b, self.md.cfg.vocab_size), bool)
-            tok, seen = self.prefill(prompts, rows, seen, greedy)
-            for i in range(n):
-                emit(i, tok[i])
-            pos = np.array([len(p) for p in prompts] + [0] * (b - n), np.int32)
-            active = np.arange(b) < n
-            while not all(done):
-                left = max(params[i].max_tokens - len(out[i]) for i in range(n) if not done[i])
-                steps = self.steps_per_call if left >= self.steps_per_call else 1
-                counters = np.array([len(o) for o in out] + [0] * (b - n), np.int32)
-                toks, self.cache, seen = self.decode_loop(self.params, self.cache, seen, tok, pos, active, None,
-                                                          rows, counters, n=steps, greedy=greedy)
-                toks = np.asarray(toks)
-                for s in range(steps):
-                    for i in range(n):
-                        emit(i, toks[s, i])
-                tok, pos = toks[-1], pos + steps
-        return out
 
 
 def _logprob_rows(out: dict, axis: int) -> list:
@@ -171,13 +77,18 @@ class Engine:
     the same (no arrival, abort, free row wanted, or row at max_tokens). A row that meets a stop
     token inside a call loses the chained call's samples (dropped, as a call's samples past a stop
     always are). chain_decode=False reads every call back before the next (the A/B for the benchmark).
+
+    compiler_options: XLA options per program kind, {"packed": {...}, "decode": {...}} (jax.jit's
+    compiler_options), e.g. {"packed": {"xla_gpu_enable_command_buffer": ""}}: a packed step's
+    program without CUDA graphs (the benchmark's first-token profile times both).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
                  num_pages: int | None = None, chunk: int = 64, steps_per_call: int = 8,
                  max_step_tokens: int | None = None, impl: str = "auto", interpret: bool = False,
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
-                 prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True):
+                 prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
+                 compiler_options: dict | None = None):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -212,8 +123,12 @@ class Engine:
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
-        self.packed_call = calls.packed_program(self.packed_fn, treedef)
-        self.decode_call = calls.decode_program(self.loop_fn, treedef)
+        opts = compiler_options or {}
+        if set(opts) - {"packed", "decode"}:
+            raise ValueError(f"compiler_options={compiler_options!r}: give XLA options per program kind, "
+                             "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode)")
+        self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"))
+        self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 (a decode step at small batch reads the weights once whatever its rows,
@@ -229,6 +144,7 @@ class Engine:
         self.WIDTHS = sorted({min(w, self.chunk) for w in NARROW} | {self.chunk})
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
         self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
+        self.slot_sampled = np.zeros(max_seqs, bool)             # slot samples or penalises (not argmax)
         self.inbox: queue.Queue = queue.Queue()
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
@@ -330,6 +246,8 @@ class Engine:
                                ("penalty", p.repetition_penalty), ("seed", p.seed)):
                 self.slot_rows[key][r.slot] = value
             self.slot_logprobs[r.slot] = -1 if p.logprobs is None else p.logprobs
+            rows = self.slot_rows           # the stored (float32) settings decide, as the sampler sees them
+            self.slot_sampled[r.slot] = rows["temperature"][r.slot] > 0 or rows["penalty"][r.slot] != 1.0
             if p.repetition_penalty != 1.0:
                 self.seen = self._forget(self.seen, r.slot)
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
@@ -338,10 +256,9 @@ class Engine:
     def _flags(self, slots) -> tuple[bool, bool]:
         """(greedy, logprobs) for the rows in a step: argmax suffices; None (no row wants logprobs),
         0 (only the chosen tokens') or TOP_LOGPROBS (some row wants alternatives)."""
-        rows, asked = self.slot_rows, self.slot_logprobs[slots]
-        greedy = not (np.any(rows["temperature"][slots] > 0) or np.any(rows["penalty"][slots] != 1.0))
-        logprobs = None if not np.any(asked >= 0) else (TOP_LOGPROBS if np.any(asked > 0) else 0)
-        return bool(greedy), logprobs
+        most = self.slot_logprobs[slots].max()           # two numpy reductions: ~7 us, six were ~21 here
+        logprobs = None if most < 0 else (TOP_LOGPROBS if most > 0 else 0)
+        return not self.slot_sampled[slots].any(), logprobs
 
     def step(self) -> None:
         """Admit, feed one planned step (or n decode steps in one call), emit tokens, free finished rows.
@@ -468,41 +385,13 @@ class Engine:
         return self._slots[key]
 
     def _packed(self, decodes, prefills):
-        s, ps, m = self.sched, self.sched.page_size, len(decodes)
+        s, m = self.sched, len(decodes)
         c = next(w for w in self.WIDTHS if w >= prefills[0][1]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         slots = self._packed_slots(nd, k, c)
-        v = slots.fill()                                      # views of the padding, filled below
-        out_slot, counters = v["out_slot"], v["counters"]
-        if m:
-            dslots = np.array([r.slot for r in decodes], np.int32)
-            dpos = np.array([r.cached for r in decodes], np.int32)
-            v["p.tokens"][:m] = [r.last_token() for r in decodes]
-            v["p.positions"][:m], v["p.slot"][:m], v["p.write_off"][:m] = dpos, dslots, dpos % ps
-            v["p.write_page"][:m] = s.table[dslots, dpos // ps]
-            v["p.dec_len"][:m] = dpos + 1
-            v["p.dec_table"][:m] = s.table[dslots]
-            out_slot[:m] = dslots
-            counters[:m] = [len(r.output) for r in decodes]
-        v["p.out_idx"][:nd] = np.arange(nd)
-        for j, (r, n) in enumerate(prefills):
-            base, pos = nd + j * c, np.arange(r.cached, r.cached + n, dtype=np.int32)
-            v["p.tokens"][base:base + n] = r.slice(r.cached, r.cached + n)
-            v["p.positions"][base:base + n], v["p.slot"][base:base + n] = pos, r.slot
-            v["p.write_page"][base:base + n] = s.table[r.slot, pos // ps]
-            off = v["p.write_off"][base:base + n]
-            off[:] = pos % ps
-            if r.cached < r.prefix_hit_tokens:
-                # a fully cached prompt's last token: its K/V already lie in a shared page, which no
-                # request writes. An offset past the page drops the write (the scatter's mode="drop")
-                # while write_page still counts the token as a real query of its row.
-                off[pos < r.prefix_hit_tokens] = ps
-            v["p.pre_table"][j] = s.table[r.slot]
-            v["p.out_idx"][nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
-        for name, values in self.slot_rows.items():          # sampler settings of the output rows
-            np.take(values, out_slot, out=v[f"rows.{name}"])
-        greedy, logprobs = self._flags(np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]))
+        real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
+        greedy, logprobs = self._flags(real)
         out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, slots.take(),
                                layout=slots.layout, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
@@ -516,9 +405,11 @@ class Engine:
         for j, (r, n) in enumerate(prefills):
             r.cached += n
             self.stats["prefill_tokens"] += n
+            # the first token goes out before its pages are offered to the prefix cache (hashing them
+            # is ~15-200 us per 2k-token prompt); a request that finishes here is registered as it leaves
+            if r.cached == r.n_tokens and self._emit(r, out["tokens"][nd + j:nd + j + 1], lp(nd + j)):
+                continue
             s.register(r)
-            if r.cached == r.n_tokens:
-                self._emit(r, out["tokens"][nd + j:nd + j + 1], lp(nd + j))
 
     def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None) -> int:
         """Compile every bucket's program now (decode calls of steps_per_call steps, every packed

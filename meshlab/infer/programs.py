@@ -31,11 +31,14 @@ Programs:
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
 from meshlab.infer import kv_cache
 from meshlab.infer.sampler import sample
+from meshlab.rules import use_rules
 from models import serving
 
 TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's limit)
@@ -44,6 +47,11 @@ TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
 CONCATENATED = ("fused", "kernels")     # modes whose layers carry wq|wk|wv and w_gate|w_up concatenated
 FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
+
+
+def placement(rules, mesh):
+    """The context programs run in: the rule file's constraints when given, else nothing."""
+    return use_rules(rules, mesh) if rules is not None and mesh is not None else contextlib.nullcontext()
 
 
 def _fuse(layer: dict):
