@@ -425,11 +425,15 @@ class Llama(nnx.Module):
         b, s, d = h.shape
         flat_h = jnp.swapaxes(h, 0, 1).reshape(s * b, d)                                  # [s*b, d]
         flat_y = jnp.swapaxes(jnp.where(labels >= 0, labels, -1), 0, 1).reshape(s * b)      # [s*b]
-        return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, self.head_weight(), flat_y, ignore_index=-1,
+        # A tied head goes in as the embedding itself, [V, d]: its gradient comes back [V, d], where
+        # the transposed [d, V] one would be read transposed by every optimizer pass over it.
+        tied = self.cfg.tie_embeddings
+        weight = _w(self.embed, jnp.dtype(self.cfg.dtype)) if tied else self.head_weight()   # [V, d] | [d, V]
+        return fused_ce_onepass.onepass_cross_entropy_sum(flat_h, weight, flat_y, ignore_index=-1,
                                                           chunk_size=self.cfg.loss_chunk,
                                                           logits_dtype=self.cfg.loss_logits_dtype,
                                                           softmax=_loss_softmax(self.cfg.loss_softmax),
-                                                          interpret=_interpret())
+                                                          interpret=_interpret(), vocab_major=tied)
 
     def token_losses(self, h, labels):
         """Cross-entropy per token [b, s] in fp32; 0 where labels < 0 (padding). loss_impl=onepass

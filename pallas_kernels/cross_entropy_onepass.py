@@ -14,6 +14,7 @@ Speed and memory against the dense loss: docs/benchmarks.md#fused-ops.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,7 +25,6 @@ from pallas_kernels import softmax_rows
 from pallas_kernels.cross_entropy_common import check_args, token_loss
 
 F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a @ b^T
 _TN = (((0,), (0,)), ((), ()))  # a^T @ b
 
 
@@ -55,22 +55,40 @@ def slab_passes(logits, y, ignore_index, z_loss, grads, out_dtype, softmax="xla"
     return loss, dlogits.astype(out_dtype)
 
 
-def _chunk(h, w, y, ignore_index, z_loss, grads, logits_dtype=F32, softmax="xla", interpret=False):
-    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part [d, V] fp32).
-    logits_dtype: what the head GEMM writes (fp32 accumulation either way). bf16 halves the bytes of
-    the slab every pass reads; each pass upcasts in registers, so the math stays fp32."""
-    logits = jnp.dot(h, w, preferred_element_type=logits_dtype)              # [n, V]
-    loss, dlogits = slab_passes(logits, y, ignore_index, z_loss, grads, w.dtype, softmax, interpret)
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The static choices of one call (hashable: custom_vjp's one non-differentiable argument)."""
+    ignore_index: int
+    z_loss: float
+    chunk_size: int
+    weight_dtype: str
+    logits_dtype: str = "float32"
+    softmax: str = "xla"
+    interpret: bool = False
+    vocab_major: bool = False   # weight stored [V, d] (a tied embedding): dW made [V, d] too
+
+
+def _chunk(h, w, y, o: _Options, grads):
+    """Loss sum of one chunk h [n, d], y [n]; with grads also (dh [n, d] in h's dtype, dW part fp32, in
+    the weight's layout). logits_dtype: what the head GEMM writes (fp32 accumulation either way).
+    bf16 halves the bytes of the slab every pass reads; each pass upcasts in registers."""
+    vd = o.vocab_major
+    contract_w = ((1,), (1 if vd else 0,))
+    logits = lax.dot_general(h, w, (contract_w, ((), ())), preferred_element_type=o.logits_dtype)  # [n, V]
+    loss, dlogits = slab_passes(logits, y, o.ignore_index, o.z_loss, grads, w.dtype, o.softmax, o.interpret)
     if not grads:
         return loss
-    dh = lax.dot_general(dlogits, w, _NT, preferred_element_type=F32).astype(h.dtype)  # [n, V] x [d, V]^T -> [n, d]
-    dw = lax.dot_general(h, dlogits, _TN, preferred_element_type=F32)                  # [n, d]^T x [n, V] -> [d, V]
+    dh = lax.dot_general(dlogits, w, (((1,), (0 if vd else 1,)), ((), ())),
+                         preferred_element_type=F32).astype(h.dtype)                  # [n, V] x W -> [n, d]
+    if vd:
+        dw = lax.dot_general(dlogits, h, _TN, preferred_element_type=F32)             # [n, V]^T x [n, d] -> [V, d]
+    else:
+        dw = lax.dot_general(h, dlogits, _TN, preferred_element_type=F32)             # [n, d]^T x [n, V] -> [d, V]
     return loss, dh, dw
 
 
-def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logits_dtype=F32, softmax="xla",
-           interpret=False):
-    """Loss sum over all chunks; with grads also (dh [T, d], dW [d, V] fp32).
+def _sweep(hidden, weight, labels, o: _Options, grads):
+    """Loss sum over all chunks; with grads also (dh [T, d], dW fp32 in the weight's layout).
 
     Per chunk of N tokens (a loop over T // N chunks, one more call for a T % N tail):
         logits = h_c @ W             bf16 GEMM, fp32 output                          [N, V]
@@ -81,16 +99,18 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logi
         dW   += h_c^T @ dlogits      fp32 carry [d, V]; XLA can fuse the add into the GEMM (beta=1)
     Cost beside the GEMMs: dW is read-modified-written once per chunk after the first, 2*d*V*4
     bytes, so larger chunks trade that traffic for a larger slab.
+    dW comes out in the layout the weight is stored in ([V, d] for a tied embedding): the GEMM
+    writes either orientation at the same cost, while a transposed gradient would be read
+    transposed by every optimizer pass over it (the norm, both moments, the update).
     Chunks are strided (chunk j = tokens {j, j + n, j + 2n, ...}, n = T // N): a sharded token
     dimension (context parallelism) stays sharded inside every chunk, where contiguous chunks
     would slice across shards. There GSPMD keeps the dW carry replicated, so each chunk's partial
     dW is all-reduced over the token shards (T/N all-reduces of d*V*4 bytes where one would do)."""
     t, d = hidden.shape
-    c = min(chunk_size, t)
+    c = min(o.chunk_size, t)
     n = t // c
     main = n * c
-    one = functools.partial(_chunk, ignore_index=ignore_index, z_loss=z_loss, grads=grads, logits_dtype=logits_dtype,
-                            softmax=softmax, interpret=interpret)
+    one = functools.partial(_chunk, o=o, grads=grads)
     # [main, d] -> [c, n, d]: column j is chunk j (strided, see the module doc); no copy of h.
     h3 = (hidden if main == t else hidden[:main]).reshape(c, n, d)           # [c, n, d]
     y2 = (labels if main == t else labels[:main]).reshape(c, n)              # [c, n]
@@ -127,48 +147,49 @@ def _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads, logi
     return loss, dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _onepass(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _onepass(hidden, weight, labels, o: _Options):
     # Not differentiated (eval): the loss only, one GEMM per chunk.
-    return _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=False, logits_dtype=logits_dtype,
-                  softmax=softmax, interpret=interpret)
+    return _sweep(hidden, weight, labels, o, grads=False)
 
 
-def _onepass_fwd(hidden, weight, labels, ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax,
-                 interpret):
-    loss, dh, dw = _sweep(hidden, weight, labels, ignore_index, z_loss, chunk_size, grads=True,
-                          logits_dtype=logits_dtype, softmax=softmax, interpret=interpret)
+def _onepass_fwd(hidden, weight, labels, o: _Options):
+    loss, dh, dw = _sweep(hidden, weight, labels, o, grads=True)
     return loss, (dh, dw)
 
 
-def _onepass_bwd(ignore_index, z_loss, chunk_size, weight_dtype, logits_dtype, softmax, interpret, res, g):
+def _onepass_bwd(o: _Options, res, g):
     # Saved: dh in h's dtype (as the dense path's dh GEMM writes it) and dW in fp32: it is the loop's
     # carry, so saving it costs no extra buffer (a bf16 copy would coexist with the carry while
     # converting); it lives only from the loss forward to the head's backward, adjacent in the step.
     dh, dw = res
     g = g.astype(F32)
     # Scaled in fp32 and rounded once to the operands' dtypes; labels are integers: no cotangent.
-    return (dh.astype(F32) * g).astype(dh.dtype), (dw * g).astype(weight_dtype), None
+    return (dh.astype(F32) * g).astype(dh.dtype), (dw * g).astype(o.weight_dtype), None
 
 
 _onepass.defvjp(_onepass_fwd, _onepass_bwd)
 
 
 def onepass_cross_entropy_sum(hidden, weight, labels, *, ignore_index=-1, z_loss=0.0, chunk_size=4096,
-                              logits_dtype="float32", softmax="xla", interpret=False):
+                              logits_dtype="float32", softmax="xla", interpret=False, vocab_major=False):
     """Sum over tokens of the softmax cross-entropy of hidden [T, d] @ weight [d, V] against
     labels [T] (0 for labels == ignore_index): a float32 scalar whose gradient the forward already
     computed (module doc). hidden and weight may be bf16 (GEMM operands, fp32 accumulation) or fp32.
     Differentiate the sum itself (any scalar multiple of it is fine): this has no per-token output.
     softmax: "xla" (jnp, partitioned by GSPMD) or "pallas" (softmax_rows.py's kernels: the caller
     sees whole arrays, e.g. one device or inside a shard_map; interpret=True runs them on the CPU).
+    vocab_major: weight is stored [V, d] (a tied embedding) and used as its transpose; its gradient
+    comes out [V, d] as well.
     """
-    check_args(hidden, weight, labels, ignore_index, z_loss)
+    check_args(hidden, jax.ShapeDtypeStruct(weight.shape[::-1] if vocab_major else weight.shape, weight.dtype),
+               labels, ignore_index, z_loss)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{chunk_size=} must be a positive int (tokens per [chunk_size, V] logits slab)")
     if logits_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"{logits_dtype=} must be 'float32' or 'bfloat16' (what the head GEMM writes)")
     if softmax not in ("xla", "pallas"):
         raise ValueError(f"{softmax=} must be 'xla' or 'pallas' (how the passes over the logits slab run)")
-    return _onepass(hidden, weight, labels, int(ignore_index), float(z_loss), chunk_size,
-                    jnp.dtype(weight.dtype).name, logits_dtype, softmax, bool(interpret))
+    return _onepass(hidden, weight, labels, _Options(int(ignore_index), float(z_loss), chunk_size,
+                                                     jnp.dtype(weight.dtype).name, logits_dtype, softmax,
+                                                     bool(interpret), bool(vocab_major)))

@@ -1,6 +1,7 @@
 """The cross-entropy's passes over a logits slab, one HBM pass each (Pallas, Triton lowering).
 
     softmax_stats(logits [n, V], labels [n]) -> (lse [n], label_logit [n])        fp32
+        lse in one read of the slab; the n label logits gathered beside it
     softmax_grad(logits, lse, labels, cp [n], cy [n]) -> dlogits [n, V]           out_dtype
         dlogits = cp * exp(logits - lse) - cy * onehot(labels)
 
@@ -82,30 +83,28 @@ def softmax_grad_reference(logits, lse, labels, cp, cy, out_dtype):
 
 # --------------------------------------------------------------------------- kernels
 
-def _stats_kernel(x_ref, lab_ref, lse_ref, ll_ref, *, n, v, br, bc, mask_r):
+def _stats_kernel(x_ref, lse_ref, *, n, v, br, bc, mask_r):
     r0 = pl.program_id(0) * br
-    lab = load_vec(lab_ref, r0, br, n, -1, mask_r)
-    cols = jnp.arange(bc)
 
     def tile(c0, carry, mask_c):
-        m, s, ll = carry
-        # Out-of-range columns load as -inf: they add exp(-inf) = 0 to the sum and never win the max.
+        m, s = carry
+        # Out-of-range columns load as -inf: exp(-inf) = 0 adds nothing and never wins the max.
         x = load_tile(x_ref, r0, br, n, c0, bc, v, mask_r=mask_r, mask_c=mask_c, other=-jnp.inf).astype(F32)
-        m_new = jnp.maximum(m, jnp.max(x, axis=1))                          # [br]
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
-        ll = ll + jnp.sum(jnp.where((c0 + cols)[None, :] == lab[:, None], x, 0.0), axis=1)
-        return m_new, s, ll
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))                          # [br]: one cross-lane max a tile
+        # The sums stay per lane ([br, bc]) and are rescaled when the row max grows; they are
+        # reduced across lanes once, after the loop.
+        s = s * jnp.exp(m - m_new)[:, None] + jnp.exp(x - m_new[:, None])   # [br, bc]
+        return m_new, s
 
-    # m starts finite: exp(m - m_new) of a first tile is exp(-inf) = 0 (not exp(nan)); a padding row past n
+    # m starts finite: a first tile rescales exp(-1e30 - m_new) = 0 (not exp(nan)); a padding row past n
     # (all -inf) keeps m = -1e30, s = 0, and its store is masked.
-    carry = (jnp.full((br,), -1e30, F32), jnp.zeros((br,), F32), jnp.zeros((br,), F32))
+    carry = (jnp.full((br,), -1e30, F32), jnp.zeros((br, bc), F32))
     full = v // bc
     carry = lax.fori_loop(0, full, lambda j, c: tile(j * bc, c, False), carry)
     if v % bc:  # a traced start: the tail tile's slice runs past V, which only its mask makes legal
         carry = tile(r0 * 0 + full * bc, carry, True)
-    m, s, ll = carry
-    store_vec(lse_ref, r0, br, n, m + jnp.log(s), mask_r)
-    store_vec(ll_ref, r0, br, n, ll, mask_r)
+    m, s = carry
+    store_vec(lse_ref, r0, br, n, m + jnp.log(jnp.sum(s, axis=1)), mask_r)
 
 
 def _grad_kernel(x_ref, lse_ref, lab_ref, cp_ref, cy_ref, g_ref, *, n, v, br, bc, mask_r, mask_c):
@@ -141,18 +140,21 @@ def _check(logits, labels, *vecs):
 
 
 def softmax_stats(logits, labels, *, blocks: RowBlocks | None = None, interpret: bool = False):
-    """(lse [n], label_logit [n]) in fp32 from logits [n, V] (fp32 or bf16) in one read."""
+    """(lse [n], label_logit [n]) in fp32 from logits [n, V] (fp32 or bf16): the log-sum-exp in one read
+    of the slab (the kernel), the label's logit by a gather of n values beside it."""
     _check(logits, labels)
     bs = blocks or RowBlocks()
     bs.validate()
     n, v = logits.shape
     br, bc = _fit(bs.stats_rows, n), _fit(bs.stats_cols, v)
     kern = functools.partial(_stats_kernel, n=n, v=v, br=br, bc=bc, mask_r=n % br != 0)
-    out = jax.ShapeDtypeStruct((n,), F32)
-    return pl.pallas_call(
-        kern, out_shape=(out, out), grid=(pl.cdiv(n, br),), interpret=interpret,
+    lse = pl.pallas_call(
+        kern, out_shape=jax.ShapeDtypeStruct((n,), F32), grid=(pl.cdiv(n, br),), interpret=interpret,
         compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages), name="softmax_stats",
-    )(logits, labels.astype(jnp.int32))
+    )(logits)
+    hit = (labels >= 0) & (labels < v)
+    picked = jnp.take_along_axis(logits, jnp.where(hit, labels, 0)[:, None].astype(jnp.int32), axis=1)[:, 0]  # [n]
+    return lse, jnp.where(hit, picked.astype(F32), 0.0)
 
 
 def softmax_grad(logits, lse, labels, cp, cy, *, out_dtype, blocks: RowBlocks | None = None,

@@ -149,38 +149,49 @@ def bench_ce(rows, a):
 
 
 def bench_slab(rows, a):
-    """The onepass loss's passes over one [8192, V] logits slab (loss statistics + bf16 dlogits, what runs
-    between its head GEMM and its gradient GEMMs): XLA's fusions of the jnp passes against
-    softmax_rows' kernels, fp32 and bf16 slabs. GB/s over the least traffic: one read of the slab
-    for the statistics, one read + one bf16 write for dlogits."""
+    """The onepass loss's passes over one [8192, V] logits slab, what runs between its head GEMM and its
+    gradient GEMMs: XLA's fusions of the jnp passes (onepass.slab_passes) against softmax_rows'
+    kernels, fp32 and bf16 slabs; the statistics and dlogits (bf16) timed apart, then both. GB/s
+    over the least traffic: one read for the statistics, one read + one bf16 write for dlogits."""
     from pallas_kernels import softmax_rows as sr
     n, v = (8192, 128256) if not a.small else (64, 1000)
     k = jax.random.split(jax.random.key(3), 2)
     y = jax.random.randint(k[1], (n,), 0, v).at[::50].set(-1)
-    tiles = [sr.RowBlocks(), sr.RowBlocks(stats_rows=1, stats_cols=4096), sr.RowBlocks(stats_rows=8, stats_cols=1024),
-             sr.RowBlocks(grad_rows=8, grad_cols=1024, num_warps=4), sr.RowBlocks(num_stages=1)]
+    cp = cy = (y >= 0).astype(jnp.float32)
+    stats_tiles = [(4, 2048, 8, 2), (1, 4096, 8, 2), (2, 4096, 8, 2), (1, 8192, 8, 2), (4, 2048, 8, 3), (8, 1024, 4, 2)]
+    grad_tiles = [(16, 512, 8, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2)]
     for dt in (jnp.float32, jnp.bfloat16):
         x = (jax.random.normal(k[0], (n, v), jnp.float32) * 3).astype(dt)
+        isz = jnp.dtype(dt).itemsize
         shape = f"n={n} V={v} {jnp.dtype(dt).name} slab"
-        gb = (2 * n * v * jnp.dtype(dt).itemsize + n * v * 2) / GB
-
-        def passes(softmax, bs=None):
-            def f(x, y):
-                if bs is not None and softmax == "pallas":   # a tile config other than the defaults
-                    lse, ll = sr.softmax_stats(x, y, blocks=bs, interpret=a.interpret)
-                    cp = cy = (y >= 0).astype(jnp.float32)
-                    g = sr.softmax_grad(x, lse, y, cp, cy, out_dtype=jnp.bfloat16, blocks=bs, interpret=a.interpret)
-                    return jnp.sum(jnp.where(y >= 0, lse - ll, 0.0)), g
-                return onepass.slab_passes(x, y, -1, 0.0, True, jnp.bfloat16, softmax, a.interpret)
-            return jax.jit(f)
-        op = f"slab_{jnp.dtype(dt).name}"
-        ref = case(rows, op, shape, "xla_reference", passes("xla"), (x, y), passes("xla")(x, y), a.reps, 1e-6)
-        _gbps(rows, gb)
-        for bs in tiles if not a.small else tiles[:1]:
-            tag = (f"pallas(stats {bs.stats_rows}x{bs.stats_cols} grad {bs.grad_rows}x{bs.grad_cols} "
-                   f"w{bs.num_warps} s{bs.num_stages})")
-            case(rows, op, shape, tag, passes("pallas", bs), (x, y), ref, a.reps, 1e-2)
-            _gbps(rows, gb)
+        name = jnp.dtype(dt).name
+        both = lambda sm: jax.jit(lambda x, y: onepass.slab_passes(x, y, -1, 0.0, True, jnp.bfloat16, sm,  # noqa: E731
+                                                                   a.interpret))
+        op = f"slab_{name}"
+        ref = case(rows, op, shape, "xla_reference", both("xla"), (x, y), both("xla")(x, y), a.reps, 1e-6)
+        _gbps(rows, (2 * n * v * isz + n * v * 2) / GB)
+        case(rows, op, shape, "pallas (defaults)", both("pallas"), (x, y), ref, a.reps, 1e-2)
+        _gbps(rows, (2 * n * v * isz + n * v * 2) / GB)
+        op = f"stats_{name}"
+        xla_stats = jax.jit(lambda x, y: sr.softmax_stats_reference(x, y))
+        ref = case(rows, op, shape, "xla_reference", xla_stats, (x, y), xla_stats(x, y), a.reps, 1e-6)
+        _gbps(rows, n * v * isz / GB)
+        for r_, c_, w_, s_ in stats_tiles if not a.small else stats_tiles[:1]:
+            bs = sr.RowBlocks(stats_rows=r_, stats_cols=c_, num_warps=w_, num_stages=s_)
+            f = jax.jit(lambda x, y, bs=bs: sr.softmax_stats(x, y, blocks=bs, interpret=a.interpret))
+            case(rows, op, shape, f"pallas({r_}x{c_} w{w_} s{s_})", f, (x, y), ref, a.reps, 1e-5)
+            _gbps(rows, n * v * isz / GB)
+        op = f"grad_{name}"
+        lse = ref[0]
+        xla_grad = jax.jit(lambda x, lse, y: sr.softmax_grad_reference(x, lse, y, cp, cy, jnp.bfloat16))
+        ref = case(rows, op, shape, "xla_reference", xla_grad, (x, lse, y), xla_grad(x, lse, y), a.reps, 1e-6)
+        _gbps(rows, (n * v * isz + n * v * 2) / GB)
+        for r_, c_, w_, s_ in grad_tiles if not a.small else grad_tiles[:1]:
+            bs = sr.RowBlocks(grad_rows=r_, grad_cols=c_, num_warps=w_, num_stages=s_)
+            f = jax.jit(lambda x, lse, y, bs=bs: sr.softmax_grad(x, lse, y, cp, cy, out_dtype=jnp.bfloat16, blocks=bs,
+                                                                 interpret=a.interpret))
+            case(rows, op, shape, f"pallas({r_}x{c_} w{w_} s{s_})", f, (x, lse, y), ref, a.reps, 1e-2)
+            _gbps(rows, (n * v * isz + n * v * 2) / GB)
 
 
 def _gbps(rows, gb):

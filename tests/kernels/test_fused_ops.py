@@ -179,6 +179,23 @@ def test_onepass_pallas_softmax_matches_xla():
         onepass.onepass_cross_entropy_sum(h, w, y, softmax="triton")
 
 
+def test_onepass_vocab_major_weight():
+    """A tied head passed as the embedding [V, d] (vocab_major): the same loss and dh, and dW in [V, d]
+    made by the GEMM itself (no transpose of a weight-sized array in the program)."""
+    h, w, y, _ = _ce_case(6, 37, 40, 301)
+    grads = lambda w_, vm: jax.jit(jax.value_and_grad(lambda h, w_: onepass.onepass_cross_entropy_sum(  # noqa: E731
+        h, w_, y, ignore_index=-100, chunk_size=16, vocab_major=vm), (0, 1)))
+    (want, (dh_want, dw_want)), (got, (dh_got, dw_got)) = grads(w, False)(h, w), grads(w.T, True)(h, w.T)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    _close(dh_got, dh_want, 1e-6)
+    assert dw_got.shape == (301, 40)
+    _close(dw_got, dw_want.T, 1e-6)
+    hlo = grads(w.T, True).lower(h, w.T).as_text()
+    assert not re.search(r"stablehlo.transpose .*tensor<(301x40|40x301)x", hlo), "a weight-sized transpose"
+    with pytest.raises(ValueError, match="weight"):
+        onepass.onepass_cross_entropy_sum(h, w, y, vocab_major=True)      # [d, V] passed as [V, d]
+
+
 def test_loss_softmax_choice_follows_the_rules():
     """model.loss_softmax: auto is xla off the GPU; pallas is refused where GSPMD would gather the slab."""
     from meshlab import rules as R
