@@ -39,6 +39,13 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 device; tables printed and written to bench_decode.md);
                 TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through one
                 Engine, then the first engine through HTTP (decode vs roofline, TTFT)
+  first_token   the prefix-cache TTFT alone (~1 min): a 2k prompt with 2,032 tokens cached, and one
+                met before, against uncached (median of 5), then the first token's profile
+                (meshlab/bench/first_token.py: the call's timeline before dispatch / dispatch /
+                device wait / read-back; the packed program's dispatch and call as jit, AOT, and
+                AOT without command buffers; device_put alone; dispatch with ~100 argument leaves
+                against 1; device time per kernel), then the TTFT rows again through an Engine whose
+                packed programs are compiled without command buffers (tagged [packed no cmdbuf])
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -81,6 +88,7 @@ JOBS = {
     "matmul": ("", 120, ""),
     "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
+    "first_token": ("", 100, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -233,6 +241,7 @@ def run_child(args):
     elif args.job == "cublas":
         decode(1, "fused", impl="pallas", profile=True)
     elif args.job == "engine":
+        from meshlab.bench import first_token
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
         layers_gate("fused")               # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
@@ -256,7 +265,7 @@ def run_child(args):
                             ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
                             ("profile", lambda: bench.emit(bench.engine_profile(
                                 eng, Path("/tmp/bench_decode_traces") / "engine_b1", ctx=ctx, n=min(128, n)))),
-                            ("profile", lambda: bench.emit(bench.engine_tail_profile(
+                            ("profile", lambda: bench.emit(first_token.engine_tail_profile(
                                 eng, Path("/tmp/bench_decode_traces") / "engine_tail", n=min(2048, sz["lengths"][-1])))),
                             ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
                             ("sweep", sweep),
@@ -266,6 +275,38 @@ def run_child(args):
                 fn()
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
+    elif args.job == "first_token":
+        first_token_job(md, params, sz)
+
+
+def first_token_job(md, params, sz):
+    """The prefix-cache TTFT and its profile on one max_seqs=1 engine (the engine job's), no warmup:
+    each program compiles at its first (untimed) use; then the TTFT again with the packed programs
+    compiled without command buffers."""
+    from meshlab.bench import decode as bench
+    from meshlab.bench import first_token
+    from meshlab.bench import serve as bs
+    from meshlab.infer.engine import Engine
+    n = min(2048, sz["lengths"][-1])
+    make = functools.partial(Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
+                             steps_per_call=16, layers="fused")
+
+    def ttft_without_cmdbuf():
+        tag = " [packed no cmdbuf]"
+        bs.emit = lambda row: bench.emit(dict(row, setting=row["setting"] + tag))    # this child's rows only
+        try:
+            bs.prefix_ttft(make(compiler_options={"packed": first_token.NO_CMDBUF}), n=n)
+        finally:
+            bs.emit = bench.emit
+    eng = make()
+    for section, fn in (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
+                        ("profile", lambda: bench.emit(first_token.engine_tail_profile(
+                            eng, Path("/tmp/bench_decode_traces") / "first_token", n=n))),
+                        ("ttft", ttft_without_cmdbuf)):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            bench.fail_row(section, "first_token", e)
 
 
 # -- parent side ------------------------------------------------------------------------------
@@ -325,7 +366,7 @@ def markdown(rows, meta) -> str:
 
 
 def profile_table(r) -> str:
-    """An engine profile row (meshlab.bench.decode.engine_profile / engine_tail_profile) as a per-kernel
+    """An engine profile row (meshlab.bench.decode.engine_profile / first_token.engine_tail_profile) as a per-kernel
     table: us per decode token, or per request for the cached prompt's first token."""
     per = "token" if r["unit"] == "us/token" else "request"
     lines = [f"\n## {r['setting']}: where the time goes\n", r["note"] + "\n",
