@@ -51,6 +51,7 @@ def _timed(fn, reps: int, before=None) -> float:
         res = fn(arg)
         times.append(time.perf_counter() - t)
         jax.block_until_ready(res)
+        del res, arg                  # freed before the next call, as the engine's outputs are
     return _median_us(times)
 
 
