@@ -51,7 +51,8 @@ def _timed(fn, reps: int, before=None) -> float:
         res = fn(arg)
         times.append(time.perf_counter() - t)
         jax.block_until_ready(res)
-        del res, arg                  # freed before the next call, as the engine's outputs are
+        del res            # the outputs freed before the next call, as the engine's are (the input
+        #                    stays alive while `before` makes the next: the "device" variant's new address)
     return _median_us(times)
 
 
