@@ -133,7 +133,8 @@ def setup(args):
         dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
              max_len=8192 + 256, chunk=512, tpot_n=256)
     bw = args.bw
-    if args.job == "base" or not bw:          # base always measures: its rows are the JAX copy peers
+    # base always measures (its rows are the JAX copy peers); first_token needs no roofline
+    if args.job == "base" or not bw and args.job != "first_token":
         gib = 1 << 24 if args.cpu_smoke else 1 << 30
         for setting, nbytes, donate in (("1 GiB", gib, False), ("4 GiB", 4 * gib, False), ("1 GiB donated", gib, True)):
             rate = bench.copy_bandwidth(nbytes, donate=donate)
