@@ -42,10 +42,11 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   first_token   the prefix-cache TTFT alone (~1 min): a 2k prompt with 2,032 tokens cached, and one
                 met before, against uncached (median of 5), then the first token's profile
                 (meshlab/bench/first_token.py: the call's timeline before dispatch / dispatch /
-                device wait / read-back; the packed program's dispatch and call as jit, AOT, and
-                AOT without command buffers; device_put alone; dispatch with ~100 argument leaves
-                against 1; device time per kernel), then the TTFT rows again through an Engine whose
-                packed programs are compiled without command buffers (tagged [packed no cmdbuf])
+                device wait / read-back; the packed program's dispatch and call as jit, AOT, AOT
+                without command buffers, input via pinned host memory; device_put alone; dispatch
+                with ~100 argument leaves against 1; device time per kernel), then the TTFT rows
+                again through an Engine whose packed programs are compiled without command buffers
+                (tagged [packed no cmdbuf])
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or

@@ -22,6 +22,7 @@ to the tokens on the host:
   aot_nocmdbuf  compiled with compiler_options {"xla_gpu_enable_command_buffer": ""}: no CUDA
                 graphs, every kernel launched by the host (what a command buffer's record or
                 update costs against plain launches)
+plus "pinned": the input put into pinned host memory and moved to the device inside the program;
 and measures device_put of the input alone, and the dispatch of a trivial program that takes the
 engine's weights, cache and seen-mask as arguments against one that takes only the input (what the
 ~100 argument leaves cost a dispatch).
@@ -100,6 +101,7 @@ def dispatch_variants(engine, key, reps: int = 10) -> dict:
             times.append(time.perf_counter() - t)
         out[f"{name}_call_us"] = _median_us(times)
     out["put_us"] = _timed(lambda _: jax.block_until_ready(jax.device_put(slots.take())), reps)
+    out.update(_pinned_variant(engine, slots, static, call, reps))
     many = jax.jit(lambda w, cache, seen, buf: buf + 1, keep_unused=True)
     one = jax.jit(lambda buf: buf + 1)
     leaves = len(engine.weights) + len(jax.tree.leaves(engine.cache)) + 1
@@ -110,6 +112,33 @@ def dispatch_variants(engine, key, reps: int = 10) -> dict:
     # the engine's own names for the jit variant (earlier rows of the archive)
     out.update({f"dispatch_{label}_us": out[f"jit_dispatch_{label}_us"] for label in ("numpy", "device", "same")})
     return out
+
+
+def _pinned_variant(engine, slots, static, call, reps: int) -> dict:
+    """The input put into pinned host memory (a host copy) and moved to the device inside the program
+    (XLA's own copy on the program's stream), instead of the runtime's host-to-device transfer before
+    it: "pinned_dispatch_numpy_us" (the put and the dispatch), "pinned_dispatch_same_us" (the same
+    pinned buffer each call) and "pinned_call_us" (put to tokens on the host)."""
+    from jax.sharding import SingleDeviceSharding
+    try:
+        dev = next(iter(engine.cache["k"].devices()))
+        host, on_dev = (SingleDeviceSharding(dev, memory_kind=k) for k in ("pinned_host", "device"))
+        fn = jax.jit(lambda w, cache, seen, buf: engine.packed_call(w, cache, seen, jax.device_put(buf, on_dev), **static),
+                     donate_argnums=(1, 2))
+        put = lambda: jax.device_put(slots.take(), host)   # noqa: E731
+        same = jax.block_until_ready(put())
+        jax.block_until_ready(call(fn, same))
+        out = {"pinned_dispatch_numpy_us": _timed(lambda _: call(fn, put()), reps),
+               "pinned_dispatch_same_us": _timed(lambda _: call(fn, same), reps)}
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            np.asarray(call(fn, put())["tokens"])
+            times.append(time.perf_counter() - t)
+        out["pinned_call_us"] = _median_us(times)
+        return out
+    except Exception as e:  # noqa: BLE001 - a variant this backend cannot run is reported, not fatal
+        return {"pinned_error": f"{type(e).__name__}: {str(e)[:160]}"}
 
 
 def variants_note(row: dict) -> str:
@@ -123,6 +152,11 @@ def variants_note(row: dict) -> str:
                          f"{row[f'{name}_dispatch_same_us']:.0f} same buffer, call to tokens {row[f'{name}_call_us']:.0f}")
         elif f"{name}_error" in row:
             parts.append(f"{name}: {row[f'{name}_error']}")
+    if "pinned_call_us" in row:
+        parts.append(f"pinned: put + dispatch {row['pinned_dispatch_numpy_us']:.0f} us / same pinned buffer "
+                     f"{row['pinned_dispatch_same_us']:.0f}, call to tokens {row['pinned_call_us']:.0f}")
+    elif "pinned_error" in row:
+        parts.append(f"pinned: {row['pinned_error']}")
     if "put_us" in row:
         many = row["args_{}_us".format(row["arg_leaves"])]
         parts.append(f"device_put alone {row['put_us']:.0f} us; a trivial program's dispatch with "
