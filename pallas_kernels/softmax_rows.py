@@ -5,14 +5,11 @@
     softmax_grad(logits, lse, labels, cp [n], cy [n]) -> dlogits [n, V]           out_dtype
         dlogits = cp * exp(logits - lse) - cy * onehot(labels)
 
-Why kernels: the one-pass loss (cross_entropy_onepass.py) holds a [n, V] logits slab per chunk, and
-everything it does besides its three GEMMs is memory-bound over that slab. XLA:GPU cannot compute a
-log-sum-exp in one read (the max must be known before the sum of exponentials), so it reads the
-slab once for the max, again for the sum, again for the label's logit, and splits the gradient
-into more passes: about 9 ms per 8192-token chunk at llama3_1b's 128,256-token vocabulary on an
-H200, where one read for the statistics (an online log-sum-exp: running max, its sum rescaled
-when the max grows, Milakov & Gimelshein 2018) and one read + write for the gradient move
-2.5x fewer bytes. logits may be fp32 or bf16 (the slab's bytes halve; the math stays fp32).
+Why kernels: besides its three GEMMs the one-pass loss (cross_entropy_onepass.py) is memory-bound
+over its [n, V] logits slab, and XLA:GPU reads it once for the max, again for the sum of exponentials,
+again for the label's logit, and more for the gradient. Here: one read for an online log-sum-exp
+(running max, sums rescaled when it grows; Milakov & Gimelshein 2018), one read + write for dlogits.
+logits may be fp32 or bf16 (the math stays fp32). Speed: docs/benchmarks.md#fused-ops.
 
 Not differentiated: the one-pass loss calls these inside its own custom_vjp forward, where the
 gradient is what it computes; there is no cotangent to pass through them.
@@ -41,12 +38,14 @@ class RowBlocks:
     """Tile sizes (powers of two, Triton's requirement) and launch parameters of both kernels.
 
     stats: one program per `stats_rows` rows, looping over the vocabulary `stats_cols` columns at a
-    time; a full tile loads unmasked, the vocabulary's tail (V % stats_cols) once, masked.
+    time (0: 16 KiB of logits a tile, 4096 fp32 or 8192 bf16 columns, the best of the H200 sweep in
+    docs/benchmarks.md#fused-ops for either dtype); a full tile loads unmasked, the vocabulary's
+    tail (V % stats_cols) once, masked.
     grad: one program per [grad_rows, grad_cols] tile (a 2-D grid: many small programs keep every
     SM's loads in flight; an elementwise pass needs nothing across tiles).
     """
-    stats_rows: int = 4
-    stats_cols: int = 2048
+    stats_rows: int = 1
+    stats_cols: int = 0
     grad_rows: int = 16
     grad_cols: int = 512
     num_warps: int = 8
@@ -55,7 +54,7 @@ class RowBlocks:
     def validate(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or v < (0 if f.name == "stats_cols" else 1):
                 raise ValueError(f"RowBlocks.{f.name}={v!r} must be a positive int")
         for name in ("stats_rows", "stats_cols", "grad_rows", "grad_cols"):
             v = getattr(self, name)
@@ -146,7 +145,7 @@ def softmax_stats(logits, labels, *, blocks: RowBlocks | None = None, interpret:
     bs = blocks or RowBlocks()
     bs.validate()
     n, v = logits.shape
-    br, bc = _fit(bs.stats_rows, n), _fit(bs.stats_cols, v)
+    br, bc = _fit(bs.stats_rows, n), _fit(bs.stats_cols or 16384 // jnp.dtype(logits.dtype).itemsize, v)
     kern = functools.partial(_stats_kernel, n=n, v=v, br=br, bc=bc, mask_r=n % br != 0)
     lse = pl.pallas_call(
         kern, out_shape=jax.ShapeDtypeStruct((n,), F32), grid=(pl.cdiv(n, br),), interpret=interpret,
