@@ -77,3 +77,19 @@ def test_compiler_options_keep_tokens_and_prefix_counts(tiny):
     assert [n for _, n in outs[0]] == [27, 5, 1]          # the prefix computed once, then only what is new
     with pytest.raises(ValueError, match="per program kind"):
         Engine(md, params, max_len=64, max_seqs=2, page_size=4, compiler_options=NO_CMDBUF)
+
+
+def test_a_cached_prompts_first_token_sends_one_array(tiny, capfd):
+    """The first token of a prompt whose prefix is cached costs one host-to-device transfer per request
+    (the packed step's buffer): a GPU copy costs tens of microseconds of host time whatever its size."""
+    import jax
+    md, params = tiny
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4)
+    prefix = list(range(30, 54))
+    for tail in ([1, 2], [3, 4]):                          # caches the prefix, compiles the tail's program
+        eng.generate([prefix + tail], SamplingParams(max_tokens=1))
+    capfd.readouterr()
+    with jax.transfer_guard_host_to_device("log"):
+        reqs = [eng.generate([prefix + tail], SamplingParams(max_tokens=1))[0] for tail in ([5, 6], [7, 8])]
+    assert [r.prefix_hit_tokens for r in reqs] == [24, 24]
+    assert capfd.readouterr().err.count("host-to-device transfer") == 2
