@@ -12,10 +12,31 @@ if "xla_backend_optimization_level" not in _flags and not os.environ.get("MESHLA
     _flags += " --xla_backend_optimization_level=1"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# One persistent compile cache per run, shared by the xdist workers (made by the first process that
+# imports this file, inherited by the workers it starts, removed when that process exits): the suite
+# compiles the same programs again and again from fresh jit objects (a new trainer or engine per test)
+# and in both workers, and jax's in-memory caches key on the object, so each time was a full XLA
+# compile. A hit loads the same executable (memory_analysis and as_text included). Subprocesses the
+# tests start see none of it: their environment is as a user's. CPU only (GPU runs compile as usual);
+# MESHLAB_TEST_COMPILE_CACHE=off compiles everything afresh.
+_CACHE_ENV = "MESHLAB_TEST_COMPILE_CACHE"
+if not os.environ.get("MESHLAB_TEST_GPU") and os.environ.get(_CACHE_ENV) != "off":
+    if not os.environ.get(_CACHE_ENV):
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="meshlab-test-compile-cache-")
+        atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)   # below that a read saves little
+    # a size limit turns on jax's file lock, so a worker never reads an entry the other is still writing
+    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 def _has_gpu() -> bool:
