@@ -19,6 +19,9 @@ from meshlab.checkpoint import write_run_tokenizer
 from meshlab.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
+# One xdist worker runs the whole file: the `run` fixture (a training subprocess, ~60 s) is trained once, not once per
+# worker (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serve_cli")
 
 
 def fresh_env() -> dict:
