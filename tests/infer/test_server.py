@@ -22,6 +22,10 @@ from meshlab.tokenizer import ByteTokenizer
 from models import model_def
 
 ROOT = Path(__file__).resolve().parents[2]
+# One xdist worker runs this file and test_server_load.py: each module's server compiles its engine's programs once, not
+# once per worker, and the second engine (the same model and shapes) reads them from the run's compile cache
+# (tests/conftest.py; make test: --dist loadgroup).
+pytestmark = [pytest.mark.xdist_group("server"), pytest.mark.cheap_codegen]
 
 
 @pytest.fixture(scope="module")

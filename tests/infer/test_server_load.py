@@ -20,6 +20,9 @@ from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
 
+# One xdist worker runs this file and test_server.py: the same engine, its programs compiled once (see there).
+pytestmark = [pytest.mark.xdist_group("server"), pytest.mark.cheap_codegen]
+
 
 @pytest.fixture(scope="module")
 def server():
