@@ -97,14 +97,15 @@ class Slots:
 def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max_seqs: int, num_pages: int) -> Slots:
     """The Slots of a packed step (packed_program) with n_dec decode tokens and k chunk rows `chunk`
     wide; rows: the sampler's per-row settings (their names and dtypes). Padding tokens have slot
-    max_seqs (no seen row) and write page num_pages (no cache write)."""
+    max_seqs (no seen row) and write page num_pages (no cache write); decode row i samples token i."""
     t, r = n_dec + k * chunk, n_dec + k
     stream = [(f"p.{name}", (t,), "i") for name in ("tokens", "positions", "slot", "write_page", "write_off")]
     tables = [("p.dec_table", (n_dec, max_pages), "i"), ("p.dec_len", (n_dec,), "i"),
               ("p.pre_table", (k, max_pages), "i"), ("p.out_idx", (r,), "i")]
     settings = [(f"rows.{name}", (r,), "f" if a.dtype == np.float32 else "i") for name, a in rows.items()]
     return Slots(stream + tables + settings + [("counters", (r,), "i"), ("out_slot", (r,), "i")],
-                 padding={"p.slot": max_seqs, "p.write_page": num_pages})
+                 padding={"p.slot": max_seqs, "p.write_page": num_pages,
+                          "p.out_idx": np.where(np.arange(r) < n_dec, np.arange(r), 0)})   # decode row i: token i
 
 
 def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
@@ -125,7 +126,6 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
         v["p.dec_table"][:m] = table[dslots]
         out_slot[:m] = dslots
         counters[:m] = [len(r.output) for r in decodes]
-    v["p.out_idx"][:nd] = np.arange(nd)
     for j, (r, n) in enumerate(prefills):
         base, pos = nd + j * c, np.arange(r.cached, r.cached + n, dtype=np.int32)
         v["p.tokens"][base:base + n] = r.token_ids(r.cached + n)[r.cached:]        # int32 already: a copy
@@ -141,7 +141,7 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
         v["p.pre_table"][j] = table[r.slot]
         v["p.out_idx"][nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
     for name, values in slot_rows.items():                # sampler settings of the output rows
-        np.take(values, out_slot, out=v[f"rows.{name}"])
+        values.take(out_slot, out=v[f"rows.{name}"])
     return np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]) if m else out_slot[nd:nd + len(prefills)]
 
 
