@@ -44,9 +44,10 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 (meshlab/bench/first_token.py: the call's timeline before dispatch / dispatch /
                 device wait / read-back; the packed program's dispatch and call as jit, AOT, AOT
                 without command buffers, input via pinned host memory; device_put alone; dispatch
-                with ~100 argument leaves against 1; device time per kernel), then the TTFT rows
-                again through an Engine whose packed programs are compiled without command buffers
-                (tagged [packed no cmdbuf])
+                with ~100 argument leaves against 1; device time per kernel)
+  first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
+                command buffers (tagged [packed no cmdbuf]), then through one whose packed input
+                goes through pinned host memory (tagged [pinned input]); ~1 min more
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -89,7 +90,8 @@ JOBS = {
     "matmul": ("", 120, ""),
     "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
-    "first_token": ("", 100, ""),
+    "first_token": ("", 80, ""),
+    "first_token_ab": ("", 80, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -135,7 +137,7 @@ def setup(args):
              max_len=8192 + 256, chunk=512, tpot_n=256)
     bw = args.bw
     # base always measures (its rows are the JAX copy peers); first_token needs no roofline
-    if args.job == "base" or not bw and args.job != "first_token":
+    if args.job == "base" or not bw and not args.job.startswith("first_token"):
         gib = 1 << 24 if args.cpu_smoke else 1 << 30
         for setting, nbytes, donate in (("1 GiB", gib, False), ("4 GiB", 4 * gib, False), ("1 GiB donated", gib, True)):
             rate = bench.copy_bandwidth(nbytes, donate=donate)
@@ -277,14 +279,14 @@ def run_child(args):
                 fn()
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
-    elif args.job == "first_token":
-        first_token_job(md, params, sz)
+    elif args.job in ("first_token", "first_token_ab"):
+        first_token_job(md, params, sz, ab=args.job == "first_token_ab")
 
 
-def first_token_job(md, params, sz):
+def first_token_job(md, params, sz, ab: bool):
     """The prefix-cache TTFT and its profile on one max_seqs=1 engine (the engine job's), no warmup:
-    each program compiles at its first (untimed) use; then the TTFT again with the packed programs
-    compiled without command buffers."""
+    each program compiles at its first (untimed) use. ab: the TTFT through engines built otherwise
+    instead (packed programs without command buffers; packed input in pinned host memory)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import first_token
     from meshlab.bench import serve as bs
@@ -293,18 +295,21 @@ def first_token_job(md, params, sz):
     make = functools.partial(Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
                              steps_per_call=16, layers="fused")
 
-    def ttft_without_cmdbuf():
-        tag = " [packed no cmdbuf]"
+    def tagged_ttft(tag, **kw):
         bs.emit = lambda row: bench.emit(dict(row, setting=row["setting"] + tag))    # this child's rows only
         try:
-            bs.prefix_ttft(make(compiler_options={"packed": first_token.NO_CMDBUF}), n=n)
+            bs.prefix_ttft(make(**kw), n=n)
         finally:
             bs.emit = bench.emit
-    eng = make()
-    for section, fn in (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
-                        ("profile", lambda: bench.emit(first_token.engine_tail_profile(
-                            eng, Path("/tmp/bench_decode_traces") / "first_token", n=n))),
-                        ("ttft", ttft_without_cmdbuf)):
+    if ab:
+        sections = (("ttft", lambda: tagged_ttft(" [packed no cmdbuf]", compiler_options={"packed": first_token.NO_CMDBUF})),
+                    ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)))
+    else:
+        eng = make()
+        sections = (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
+                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(
+                        eng, Path("/tmp/bench_decode_traces") / "first_token", n=n))))
+    for section, fn in sections:
         try:
             fn()
         except Exception as e:  # noqa: BLE001

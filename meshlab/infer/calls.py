@@ -162,11 +162,25 @@ def unpack(buf, layout) -> dict:
     return out
 
 
-def packed_program(packed_step, treedef, compiler_options: dict | None = None):
+def pinned_shardings(like: jax.Array) -> tuple:
+    """(pinned host, device) shardings of the one device that `like` lives on, for a call's input
+    buffer passed in pinned host memory (packed_program's on_device)."""
+    from jax.sharding import SingleDeviceSharding
+    devices = like.devices()
+    if len(devices) != 1:
+        raise ValueError(f"pinned_inputs needs the engine on one device; its cache spans {len(devices)}")
+    dev = next(iter(devices))
+    return tuple(SingleDeviceSharding(dev, memory_kind=kind) for kind in ("pinned_host", "device"))
+
+
+def packed_program(packed_step, treedef, compiler_options: dict | None = None, on_device=None):
     """packed_step (programs.make_engine_programs) taking (weights, cache, seen, buf, layout): weights
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
-    compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off."""
+    compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
+    the buffer comes in pinned host memory and the program copies it to this sharding first."""
     def call(weights, cache, seen, buf, layout, greedy, logprobs):
+        if on_device is not None:
+            buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"], greedy=greedy,
                            logprobs=logprobs)

@@ -78,6 +78,10 @@ class Engine:
     token inside a call loses the chained call's samples (dropped, as a call's samples past a stop
     always are). chain_decode=False reads every call back before the next (the A/B for the benchmark).
 
+    pinned_inputs: a packed step's input buffer is put into pinned host memory and copied to the
+    device by the program itself, instead of by the runtime before it (one device only; the
+    benchmark's first-token profile times both).
+
     compiler_options: XLA options per program kind, {"packed": {...}, "decode": {...}} (jax.jit's
     compiler_options), e.g. {"packed": {"xla_gpu_enable_command_buffer": ""}}: a packed step's
     program without CUDA graphs (the benchmark's first-token profile times both).
@@ -88,7 +92,7 @@ class Engine:
                  max_step_tokens: int | None = None, impl: str = "auto", interpret: bool = False,
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, pinned_inputs: bool = False):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -127,7 +131,9 @@ class Engine:
         if set(opts) - {"packed", "decode"}:
             raise ValueError(f"compiler_options={compiler_options!r}: give XLA options per program kind, "
                              "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode)")
-        self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"))
+        self._pinned = calls.pinned_shardings(self.cache["k"]) if pinned_inputs else None
+        self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"),
+                                                self._pinned[1] if pinned_inputs else None)
         self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
@@ -384,6 +390,11 @@ class Engine:
                                                   self.cache["k"].shape[1])
         return self._slots[key]
 
+    def _packed_input(self, slots: calls.Slots):
+        """A packed step's input buffer: numpy (the runtime copies it to the device inside the call), or
+        with pinned_inputs put into pinned host memory first (the program copies it in)."""
+        return slots.take() if self._pinned is None else jax.device_put(slots.take(), self._pinned[0])
+
     def _packed(self, decodes, prefills):
         s, m = self.sched, len(decodes)
         c = next(w for w in self.WIDTHS if w >= prefills[0][1]) if len(prefills) == 1 else self.chunk
@@ -392,7 +403,7 @@ class Engine:
         slots = self._packed_slots(nd, k, c)
         real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
         greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, slots.take(),
+        out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, self._packed_input(slots),
                                layout=slots.layout, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
@@ -431,7 +442,7 @@ class Engine:
                 key = ("packed", nd, k, w, greedy, logprobs)
                 slots = self._packed_slots(nd, k, w)
                 slots.fill()                                          # padding only
-                _, t0, t1 = self._call(key, self.packed_call, slots.take(), layout=slots.layout, greedy=greedy,
+                _, t0, t1 = self._call(key, self.packed_call, self._packed_input(slots), layout=slots.layout, greedy=greedy,
                                        logprobs=logprobs)
                 report and report(key, t1 - t0)
         return self.stats["compiles"] - before

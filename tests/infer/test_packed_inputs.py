@@ -1,5 +1,6 @@
 """A packed step's host inputs (calls.fill_packed) hold exactly what the program reads, and an
-Engine whose programs take XLA compiler_options (command buffers off) gives the same tokens."""
+Engine whose programs take XLA compiler_options (command buffers off) or whose packed input goes
+through pinned host memory gives the same tokens."""
 import dataclasses
 
 import numpy as np
@@ -59,21 +60,21 @@ def tiny():
     return model_def(cfg), nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
 
 
-def test_compiler_options_keep_tokens_and_prefix_counts(tiny):
+def test_compiler_options_and_pinned_inputs_keep_tokens_and_prefix_counts(tiny):
     md, params = tiny
     rng = np.random.default_rng(4)
     prefix = rng.integers(0, 257, 24).tolist()
     prompts = [prefix + rng.integers(0, 257, 3).tolist(), prefix + rng.integers(0, 257, 5).tolist(), prefix]
     outs = []
-    for opts in (None, {"packed": NO_CMDBUF, "decode": NO_CMDBUF}):
-        eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, compiler_options=opts)
+    for kw in ({}, {"compiler_options": {"packed": NO_CMDBUF, "decode": NO_CMDBUF}}, {"pinned_inputs": True}):
+        eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, **kw)
         run = []
         for p in prompts:
             before = eng.stats["prefill_tokens"]
             r = eng.generate([p], SamplingParams(max_tokens=6))[0]
             run.append((r.output, eng.stats["prefill_tokens"] - before))
         outs.append(run)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     assert [n for _, n in outs[0]] == [27, 5, 1]          # the prefix computed once, then only what is new
     with pytest.raises(ValueError, match="per program kind"):
         Engine(md, params, max_len=64, max_seqs=2, page_size=4, compiler_options=NO_CMDBUF)
