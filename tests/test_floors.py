@@ -45,8 +45,8 @@ BENCH_USERS = ("meshlab.bench", "scripts", "tests")   # tests: the harness has i
 USE_RULES = {
     "meshlab/layout.py": "Layout.active, entered by Layout.jit: the train step, the eval program and the "
                          "planner's loss-and-grads compile carry their own rules",
-    "meshlab/infer/engine.py": "the serving engine's program builder traces prefill / decode under the serving "
-                               "rule file",
+    "meshlab/infer/programs.py": "placement: the serving engine traces its prefill / decode programs under the "
+                                 "serving rule file",
     "tests/models/test_moe.py": "runs the MoE layer by itself under each rule file (no step)",
     "tests/kernels/test_fused_ops.py": "resolves model.loss_softmax under a rule file by itself (no step)",
     "tests/parallel/test_ring_attention.py": "runs the model's forward by itself under a context rule file (no step)",
