@@ -38,16 +38,19 @@ def test_chunked_loss_matches_dense(unfused):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rules,mesh,n", [("dp", "data=2", 2), ("fsdp_tp_sp", "data=1,fsdp=2,tensor=2", 4)],
-                         ids=["dp", "tp_sp"])
-def test_onepass_loss_matches_dense(unfused, rules, mesh, n):
+@pytest.mark.parametrize("rules,mesh,n,softmax", [("dp", "data=2", 2, "auto"), ("dp", "data=2", 2, "pallas"),
+                                                  ("fsdp_tp_sp", "data=1,fsdp=2,tensor=2", 4, "auto")],
+                         ids=["dp", "dp_slab_kernels", "tp_sp"])
+def test_onepass_loss_matches_dense(unfused, rules, mesh, n, softmax):
     """The one-pass loss (gradients made in the forward, scaled by the step's 1/n_valid cotangent)
     gives the dense step's losses and parameters; under fsdp_tp_sp the head weight is vocab-sharded
     over tensor and the residual stream sequence-sharded, the same global batch (data order is
-    mesh-independent)."""
+    mesh-independent). softmax=pallas: the slab's passes as kernels (interpreted) inside the
+    data-parallel step's shard_map, where each device holds whole rows and the whole vocabulary."""
     ref_losses, ref_params = unfused
     cfg = small_config(rules, mesh=mesh, steps=2,
-                       extra=["data.global_batch=4", "data.seq_len=16", "model.loss_impl=onepass"])
+                       extra=["data.global_batch=4", "data.seq_len=16", "model.loss_impl=onepass",
+                              f"model.loss_softmax={softmax}"])
     out = train(cfg, devices=jax.devices()[:n], progress=False, write=False)
     losses, params = out["losses"], jax.device_get(out["state"]["params"])
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
