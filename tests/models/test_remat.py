@@ -3,6 +3,9 @@ falls from `none` to `full` (read from the compiler's memory analysis, printed).
 import jax
 import pytest
 
+# Compiling dominates (steps compiled to be read; the unroll test's also run a little): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 POLICIES = ("none", "save_dots", "save_dots_no_batch", "full")
 
 
