@@ -13,6 +13,10 @@ from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import AdmissionError
 from models import model_def
 
+# One xdist worker builds the module's engines and fixtures once per suite; their compiles are
+# compile-bound, so cheap to generate.
+pytestmark = [pytest.mark.xdist_group("infer_engine"), pytest.mark.cheap_codegen]
+
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -12,6 +12,10 @@ from meshlab.infer.pages import PagePool, page_keys
 from meshlab.infer.sampler import SamplingParams
 from models import model_def
 
+# One xdist worker builds the module fixture once per suite; its compiles are compile-bound, so
+# cheap to generate.
+pytestmark = [pytest.mark.xdist_group("prefix_cache"), pytest.mark.cheap_codegen]
+
 
 def test_page_keys_chain_over_the_prefix():
     a = page_keys(list(range(12)), 4, [], 3)
