@@ -39,7 +39,7 @@ class RowBlocks:
 
     stats: one program per `stats_rows` rows, looping over the vocabulary `stats_cols` columns at a
     time (0: 16 KiB of logits a tile, 4096 fp32 or 8192 bf16 columns, the best of the H200 sweep in
-    docs/benchmarks.md#fused-ops for either dtype); a full tile loads unmasked, the vocabulary's
+    docs/archive/benchmarks-diary.md for either dtype); a full tile loads unmasked, the vocabulary's
     tail (V % stats_cols) once, masked.
     grad: one program per [grad_rows, grad_cols] tile (a 2-D grid: many small programs keep every
     SM's loads in flight; an elementwise pass needs nothing across tiles).
