@@ -7,8 +7,9 @@ Why one pass: the training loss is a *sum* of per-token losses, so its cotangent
 and d(sum)/dlogits = softmax - onehot does not depend on g. The forward finishes the gradient while
 each chunk's logits are in hand, saves dh [T, d] and dW [d, V], and the backward only scales them.
 3 logits-sized GEMMs (the minimum) against 4 for fused_cross_entropy.py's slab mode; one [N, V]
-logits slab at a time. Plain jnp + cuBLAS, not Pallas: the GEMMs run at cuBLAS speed and GSPMD
-partitions them (a vocab-sharded head weight is never gathered). Design and costs: `_sweep`.
+logits slab at a time. The GEMMs are jnp (cuBLAS speed; GSPMD partitions them, so a vocab-sharded
+head weight is never gathered); the passes over each slab are jnp too, or softmax_rows.py's kernels
+(softmax="pallas") where the arrays are local. Design and costs: `_sweep`.
 Limits: no per-token output; differentiate the sum (or a scalar multiple of it).
 Speed and memory against the dense loss: docs/benchmarks.md#fused-ops.
 """
