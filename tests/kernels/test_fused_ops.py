@@ -196,22 +196,27 @@ def test_onepass_vocab_major_weight():
         onepass.onepass_cross_entropy_sum(h, w, y, vocab_major=True)      # [d, V] passed as [V, d]
 
 
-def test_loss_softmax_choice_follows_the_rules():
-    """model.loss_softmax: auto is xla off the GPU; pallas is refused where GSPMD would gather the slab."""
+def test_loss_softmax_choice_follows_the_rules(monkeypatch):
+    """model.loss_softmax: auto is xla off the GPU; on a Triton GPU (stood in for here) pallas exactly where
+    the loss is local; an explicit pallas is refused where GSPMD would gather the slab."""
     from meshlab import rules as R
     from meshlab.mesh import make_mesh
     from meshlab.train.config import ConfigError, load_config
-    from models.llama import _loss_softmax
-    assert _loss_softmax("auto") == "xla" and _loss_softmax("pallas") == "pallas"   # CPU; no rules: local
+    from models import llama
+    assert llama._loss_softmax("auto") == "xla" and llama._loss_softmax("pallas") == "pallas"   # CPU, no rules
+    monkeypatch.setattr(llama, "kernel_available", lambda impl: impl == "pallas")   # the GPU's answer
+    assert llama._loss_softmax("auto") == "pallas"                   # no rules: local
     mesh = make_mesh("data=4,tensor=2")
     rules = R.load_rules("dp")
     with R.use_rules(rules, mesh):
+        assert llama._loss_softmax("auto") == "xla"                  # GSPMD over data and tensor
         with pytest.raises(ValueError, match="loss_softmax=pallas runs per device"):
-            _loss_softmax("pallas")
-        with R.manual_axes(("data",), rules, mesh):                 # tensor=2 still automatic
-            assert not R.is_local()
+            llama._loss_softmax("pallas")
+        with R.manual_axes(("data",), rules, mesh):                  # tensor=2 still automatic
+            assert not R.is_local() and llama._loss_softmax("auto") == "xla"
         with R.manual_axes(("data", "tensor"), rules, mesh):
-            assert R.is_local() and _loss_softmax("pallas") == "pallas"
+            assert R.is_local() and llama._loss_softmax("auto") == "pallas"
+            assert llama._loss_softmax("pallas") == "pallas"
     with pytest.raises(ConfigError, match="model.loss_softmax='triton' must be one of auto, xla, pallas"):
         load_config("default", ["model.loss_softmax=triton"])
 
