@@ -296,11 +296,7 @@ def first_token_job(md, params, sz, ab: bool):
                              steps_per_call=16, layers="fused")
 
     def tagged_ttft(tag, **kw):
-        bs.emit = lambda row: bench.emit(dict(row, setting=row["setting"] + tag))    # this child's rows only
-        try:
-            bs.prefix_ttft(make(**kw), n=n)
-        finally:
-            bs.emit = bench.emit
+        bs.prefix_ttft(make(**kw), n=n, tag=tag)
     if ab:
         sections = (("ttft", lambda: tagged_ttft(" [packed no cmdbuf]", compiler_options={"packed": first_token.NO_CMDBUF})),
                     ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)))

@@ -377,10 +377,11 @@ def _first_token(engine, prompt) -> tuple[float, float]:
     return req.t_first - t, time.perf_counter() - t
 
 
-def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5) -> list[dict]:
+def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5, tag: str = "") -> list[dict]:
     """TTFT (from the call to the first token, medians of `reps`, all warm) of n-token prompts whose
     first n - tail tokens are in the prefix cache, and of an n-token prompt met before (all cached:
-    its last token is fed for the logits), against n-token prompts uncached."""
+    its last token is fed for the logits), against n-token prompts uncached. tag: appended to each
+    row's setting (the engine variant measured)."""
     rng = np.random.default_rng(1)
     med = lambda xs, i: float(np.median([x[i] for x in xs]))   # noqa: E731
     _first_token(engine, _prompt(rng, engine, n))
@@ -395,7 +396,7 @@ def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5) -> list[di
         warm = [_first_token(engine, p) for p in prompts]
         hit, fed = ((engine.stats[k] - before[k]) // reps for k in ("prefix_hit_tokens", "prefill_tokens"))
         ratio = med(warm, 0) / med(cold, 0)
-        rows.append(emit({"section": "ttft", "setting": f"engine prompt={n}, {label}", "value": med(warm, 0) * 1e3,
+        rows.append(emit({"section": "ttft", "setting": f"engine prompt={n}, {label}{tag}", "value": med(warm, 0) * 1e3,
                           "unit": "ms", "uncached_ms": med(cold, 0) * 1e3, "ratio": ratio,
                           "wall_ms": med(warm, 1) * 1e3, "uncached_wall_ms": med(cold, 1) * 1e3,
                           "note": f"{hit} tokens from the prefix cache, {fed} fed; uncached {med(cold, 0) * 1e3:.1f} ms; "
