@@ -335,9 +335,14 @@ def layer_loop(body, x, block_state, cfg):
     leaves, as a scan or unrolled (`cfg.scan_layers`); returns x and the per-layer outputs stacked."""
     if cfg.scan_layers:
         return jax.lax.scan(body, x, block_state)
+    # One split per stacked leaf, not `leaf[i]` per layer: the gradient of a split is one concatenate
+    # of the layers' gradients, where n_layers indexings transpose to n_layers zero-padded copies
+    # summed (an add-of-pads fusion that ran at a third of HBM bandwidth, ~10 ms of llama3_1b's step).
+    leaves, treedef = jax.tree.flatten(block_state)
+    per_layer = [[jnp.squeeze(s, 0) for s in jnp.split(leaf, cfg.n_layers)] for leaf in leaves]
     outs = []
     for i in range(cfg.n_layers):
-        x, out = body(x, jax.tree.map(lambda leaf: leaf[i], block_state))
+        x, out = body(x, jax.tree.unflatten(treedef, [layers[i] for layers in per_layer]))
         outs.append(out)
     return x, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 

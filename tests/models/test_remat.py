@@ -164,3 +164,25 @@ def test_save_dots_attn_keeps_the_attention_forward():
     for flash in ("cudnn", "pallas"):
         assert flops[flash]["save_dots_attn"] == 0 < flops[flash]["save_dots_no_batch"]
     assert flops["xla"]["save_dots_attn"] == flops["xla"]["save_dots_no_batch"] > 0
+
+
+def test_unrolled_layer_gradients_are_one_concatenate():
+    """Unrolled, each stacked leaf is split once: its gradient is one concatenate of the layers'
+    gradients, never n_layers zero-padded copies summed (an add-of-pads fusion, slow on the GPU)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import models
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", scan_layers=False, remat="none", n_layers=3)
+    graph, params = nnx.split(models.build(cfg, nnx.Rngs(0)), nnx.Param)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(nnx.merge(graph, p).hidden(tokens) ** 2)))(params)
+    n = cfg.n_layers
+    layer_pads = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pad"
+                  and e.outvars[0].aval.shape[0] == n and e.invars[0].aval.shape[0] == 1]
+    layer_concats = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "concatenate" and len(e.invars) == n]
+    stacked = [x for x in jax.tree.leaves(params) if x.ndim and x.shape[0] == n]
+    assert not layer_pads
+    assert len(layer_concats) == len(stacked) > 0
