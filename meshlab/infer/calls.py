@@ -145,6 +145,35 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
     return np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]) if m else out_slot[nd:nd + len(prefills)]
 
 
+def first_token_slots(b: int, max_pages: int, rows: dict, max_seqs: int) -> Slots:
+    """The Slots of a one-step decode call over b rows (a bucket) fed from host tokens, some of them a
+    prompt's last token (fill_decode): tokens and hit positions in the buffer. Padding rows have
+    limit 0 (nothing fed or written) and seen slot max_seqs (no seen row)."""
+    entries = [(name, (b,), "i") for name in ("tok", "pos", "limit", "slots", "hit")]
+    entries += [("table", (b, max_pages), "i")]
+    entries += [(f"rows.{name}", (b,), "f" if a.dtype == np.float32 else "i") for name, a in rows.items()]
+    return Slots(entries + [("counters", (b,), "i")], padding={"slots": max_seqs})
+
+
+def fill_decode(v: dict, reqs, table: np.ndarray, slot_rows: dict) -> np.ndarray:
+    """Fill first_token_slots' views `v` (Slots.fill()) with `reqs` (each feeding one token at position
+    r.cached: its last, prompt or output); returns their slots (for the step's flags)."""
+    m = len(reqs)
+    slots = np.array([r.slot for r in reqs], np.int32)
+    v["tok"][:m] = [r.last_token() for r in reqs]
+    v["pos"][:m] = [r.cached for r in reqs]
+    v["limit"][:m] = [r.end for r in reqs]
+    v["hit"][:m] = [r.prefix_hit_tokens for r in reqs]
+    v["counters"][:m] = [len(r.output) for r in reqs]
+    v["slots"][:m] = slots
+    v["table"][:m] = table[slots]
+    pad = np.zeros(len(v["pos"]), np.intp)                # padding rows: slot 0's settings (ignored)
+    pad[:m] = slots
+    for name, values in slot_rows.items():
+        values.take(pad, out=v[f"rows.{name}"])
+    return slots
+
+
 def unpack(buf, layout) -> dict:
     """Inside a jit: the named arrays of `layout` sliced out of buf; "a.b" names become nested dicts."""
     out, offset = {}, 0
@@ -190,12 +219,14 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
 
 def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
     """decode_loop taking (weights, cache, seen, tok, buf, layout): weights and compiler_options as in
-    packed_program, tok [b] apart (a chained call's comes from the device), the buffer holds pos,
-    limit, table, slots, rows.* and counters."""
+    packed_program, the buffer holds pos, limit, table, slots, rows.* and counters; tok [b] apart (a
+    chained call's comes from the device), or None with "tok" in the buffer (a call from host tokens:
+    one host-to-device copy, not two). With "hit" in the buffer (first_token_slots), rows whose
+    position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
     def call(weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
-        return decode_loop(params, cache, seen, tok, a["pos"], a["limit"], a["table"], a["slots"], a["rows"],
-                           a["counters"], n=n, greedy=greedy, logprobs=logprobs)
+        return decode_loop(params, cache, seen, a["tok"] if tok is None else tok, a["pos"], a["limit"], a["table"],
+                           a["slots"], a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs, keep=a.get("hit"))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 

@@ -70,6 +70,10 @@ class Engine:
                          tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
                          max_prefill_rows) chunk rows `chunk` wide (or one row 16 or 64 wide
                          when the step has one piece that fits: a cached prefix's tail);
+      every prompt row has   one decode step (n = 1) over the rows, b in DECODE, read back at once
+      one token left         (a prompt met before: its last token, read from its shared page and
+                             not written; or one uncached token): a decode step's device time (the
+                             paged decode kernel behind XLA's RoPE and write, not the fused one);
     each with static greedy / logprobs flags (from the rows in the step).
 
     Decode calls chain (chain_decode): while one runs, the next is dispatched from its last tokens
@@ -163,7 +167,7 @@ class Engine:
                       "device_calls": 0, "preemptions": 0, "busy_s": 0.0, "prefill_tokens": 0,
                       "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
                       "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
-                      "dispatch_s": 0.0}
+                      "dispatch_s": 0.0, "first_token_calls": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -284,7 +288,9 @@ class Engine:
             if self.sched.running():
                 decodes, prefills = self.sched.plan()
                 with placement(self.rules, self.mesh):
-                    if prefills:
+                    if prefills and all(r.n_tokens - r.cached == 1 for r, _ in prefills):
+                        self._first_tokens(decodes, [r for r, _ in prefills])
+                    elif prefills:
                         self._packed(decodes, prefills)
                     elif decodes:
                         n = self.steps_per_call
@@ -382,6 +388,35 @@ class Engine:
                 continue
             self._emit(r, toks[:, i], rows[i] if rows else None)
 
+    def _first_tokens(self, decodes, firsts) -> None:
+        """One decode step over the rows decoding and `firsts` (each feeding its one token left), read back
+        at once: a prompt met before up to its last token (its slot in a shared page, kept as it was) or
+        with one uncached token. The batch-b decode program with n=1, whose device time is a decode
+        step's, instead of a 16-wide packed row's (a prompt kernel per layer); host tokens in its one
+        input buffer."""
+        s, rows = self.sched, decodes + firsts
+        b = next(x for x in self.DECODE if x >= len(rows))
+        slots = self._first_slots(b)
+        real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
+        greedy, logprobs = self._flags(real)
+        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.decode_call, None, slots.take(),
+                               layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs)
+        self.stats["steps"] += 1
+        self.stats["first_token_calls"] += 1
+        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in rows)
+        lps = _logprob_rows(out, 1) if logprobs is not None else None
+        for i, r in enumerate(rows):
+            r.cached += 1
+            if self._emit(r, out["tokens"][:, i], lps[i] if lps else None) or i < len(decodes):
+                continue
+            s.register(r)                 # after its first token, as a packed step's prefill does
+
+    def _first_slots(self, b: int) -> calls.Slots:
+        key = ("first", b)
+        if key not in self._slots:
+            self._slots[key] = calls.first_token_slots(b, self.sched.max_pages, self.slot_rows, self.sched.max_seqs)
+        return self._slots[key]
+
     def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
         """The host-input layout of a packed step's shape (one per bucket, kept)."""
         key = (nd, k, c)
@@ -434,6 +469,11 @@ class Engine:
                 key = ("decode", b, self.steps_per_call, greedy, logprobs)
                 buf, layout = calls.decode_inputs(z, z, s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z)
                 _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
+                                       greedy=greedy, logprobs=logprobs)
+                report and report(key, t1 - t0)
+                key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
+                slots.fill()                                          # padding only: limit 0, nothing fed
+                _, t0, t1 = self._call(key, self.decode_call, None, slots.take(), layout=slots.layout, n=1,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)

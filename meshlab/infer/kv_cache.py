@@ -184,8 +184,13 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
         return "flash"
 
 
-def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False):
+def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False, cached=None):
     """The Attend of the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
+
+    cached [b, t] bool or None: tokens whose K/V already lie in a shared prefix page (a fully cached
+    prompt's last token, fed again for its logits): attended from there and not written, so the
+    page stays exactly as every other request reads it (recomputed K/V of the same token may differ
+    in the last bits). The fused kernel writes every token, so with `cached` it is not offered.
 
     impl="xla" gathers the sequence's pages and runs dense attention (any t); impl="pallas" uses
     the paged decode kernel for t == 1 (reads pages in place through the table, no gather). With
@@ -202,7 +207,8 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         num_pages, page_size = cache["k"].shape[1:3]
         logical_page = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
         page = jnp.take_along_axis(page_table, logical_page, axis=1)                  # [b, t]
-        page = jnp.where(valid, page, num_pages)                                     # padding -> dropped
+        write = valid if cached is None else valid & ~cached
+        page = jnp.where(write, page, num_pages)                                     # padding -> dropped
         offset = positions % page_size
         new = {name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype), mode="drop"),
                                PAGED_NAMES)
@@ -231,4 +237,4 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
-    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None)
+    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small and cached is None else None)

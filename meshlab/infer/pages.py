@@ -20,8 +20,9 @@ needed and no never-cached page is free. Page 0 is never handed out: unused page
 point at it.
 
 The last prompt token is always fed (its logits start the output). A lookup may still take the
-page that holds it: a fully cached prompt then feeds only that token, which reads its own K/V
-from the shared page and writes nothing (the scheduler's Request.prefix_hit_tokens).
+page that holds it: a fully cached prompt then feeds only that token, and the shared page stays as
+it was: the token reads its own K/V from the shared page and its write is dropped (in a packed row
+or a one-step decode call; the scheduler's Request.prefix_hit_tokens).
 """
 from __future__ import annotations
 

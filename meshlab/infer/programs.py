@@ -174,8 +174,10 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       samples from);
       rows/counters/out_slot describe the R = n_dec + k output rows.
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
-      logprobs): rows [b] at positions pos, each fed while pos < limit; returns outputs [n, b] and
-      "last" [b], the last sampled tokens (a chained call's input, without a slice dispatched).
+      logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
+      [n, b] and "last" [b], the last sampled tokens (a chained call's input, without a slice
+      dispatched). keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
+      last token): attended from there, not written (kv_cache.paged_attend's cached).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend).
     """
@@ -193,13 +195,15 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         seen_rows = None if greedy else seen[out_slot]
         return _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs), cache, seen
 
-    def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs):
+    def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
+                    keep=None):
         model, per_layer = _bind(md, params, layers)
 
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
             valid = pos < limit                                                       # [b]
-            attend = kv_cache.paged_attend(pos[:, None], valid[:, None], table, impl, interpret)
+            cached = None if keep is None else (pos < keep)[:, None]                  # [b, 1]
+            attend = kv_cache.paged_attend(pos[:, None], valid[:, None], table, impl, interpret, cached)
             h, cache = serving.forward(model, tok[:, None], pos[:, None], cache, attend, unroll=unroll,
                                        layers=per_layer, kernels=kernels)             # [b, 1, d]
             if not greedy:

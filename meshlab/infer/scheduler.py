@@ -268,8 +268,9 @@ class Scheduler:
     def decoding(req: Request) -> bool:
         """Whether req's next token goes through a decode call: one token left to feed, an output
         already begun (a first token never waits behind a call of steps_per_call decode steps: a
-        prompt with one uncached token takes a narrow packed row), and a position its own (a
-        fully cached prompt's last token lies in a shared page: the packed row drops its write)."""
+        prompt with one token left is planned as a prefill of 1, which the engine feeds in a packed
+        row or, when every prompt row of the step has one token left, in one decode step), and a
+        position its own (a fully cached prompt's last token lies in a shared page, left unchanged)."""
         return req.n_tokens - req.cached == 1 and bool(req.output) and req.cached >= req.prefix_hit_tokens
 
     def plan(self) -> tuple[list, list]:

@@ -111,12 +111,15 @@ def argmax_of_uncached(md, params, req) -> list:
 
 def test_cached_tail_runs_in_the_narrowest_row_that_fits(tiny, monkeypatch):
     """A prompt whose prefix is cached computes only its uncached tokens, in the narrowest packed row
-    that fits (16 up to a page, 64 beyond), its first token never from a decode call; a fully cached
-    prompt feeds its last token only and leaves the shared pages as they were (its write dropped). Tokens equal the uncached forward's
-    argmax, and the first token's log-probabilities those of a chunk-wide row (float32)."""
+    that fits (16 up to a page, 64 beyond), its first token never from a call of several decode steps;
+    a prompt with one token left to feed (fully cached: its last token; or one uncached token) takes
+    a one-step decode call, and a fully cached one leaves the shared pages as they were. Tokens equal
+    the uncached forward's argmax, and the first token's log-probabilities those of an engine without
+    prefix cache, whose chunk-wide rows compute the whole prompt (float32)."""
     md, params = tiny
-    make_one = lambda: Engine(md, params, max_len=256, max_seqs=2, page_size=16, chunk=128, steps_per_call=4)  # noqa: E731
-    eng, wide = make_one(), make_one()
+    make_one = lambda **kw: Engine(md, params, max_len=256, max_seqs=2, page_size=16, chunk=128,  # noqa: E731
+                                   steps_per_call=4, **kw)
+    eng, wide = make_one(), make_one(prefix_cache=False)
     assert eng.WIDTHS == [16, 64, 128]
     wide.WIDTHS = [wide.chunk]                                          # every piece in a chunk-wide row
     shared = np.random.default_rng(2).integers(0, 257, size=96).tolist()   # six pages
@@ -128,13 +131,14 @@ def test_cached_tail_runs_in_the_narrowest_row_that_fits(tiny, monkeypatch):
     keys, launch = [], eng._launch
     monkeypatch.setattr(eng, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
     sp = SamplingParams(max_tokens=1, logprobs=5)                      # the packed call alone
-    cases = ((shared + [4, 5, 6, 7], 16, 4), (shared + list(range(10, 50)), 64, 40), (shared, 16, 1),
-             (shared + [9], 16, 1))                # one token to feed and no output yet: a packed row, not decode
-    for prompt, width, fed in cases:
+    first = ("first", 1, 1, True)                 # one token to feed, no output yet: one decode step, b=1
+    cases = ((shared + [4, 5, 6, 7], ("packed", 0, 1, 16), 4), (shared + list(range(10, 50)), ("packed", 0, 1, 64), 40),
+             (shared, first, 1), (shared + [9], first, 1))
+    for prompt, program, fed in cases:
         keys.clear()
         req, n = computed(eng, prompt, max_tokens=3)
         assert req.prefix_hit_tokens == 96 and n == fed
-        assert keys[0][:4] == ("packed", 0, 1, width) and all(k[0] == "decode" for k in keys[1:])
+        assert keys[0][:4] == program and all(k[0] == "decode" for k in keys[1:])
         assert req.output == argmax_of_uncached(md, params, req)
         mine = eng.generate([prompt], sp)[0].logprobs[0]
         ref = wide.generate([prompt], sp)[0].logprobs[0]
@@ -150,8 +154,8 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     is cached computes exactly its 4-token tail, in one call of the narrow (16-wide) packed
     program whose attention is the paged prompt kernel (it reads the cached pages in place, no
     window of the table's width), then decodes; its tokens equal the uncached forward's argmax.
-    So do those of the fully cached prefix, which feeds only its last token (a real query of the
-    kernel whose K/V write is dropped)."""
+    So do those of the fully cached prefix, which feeds only its last token in a one-step decode call
+    (the fused RoPE + write + attention kernel), and its shared pages stay as they were."""
     from pallas_kernels import paged_prefill as pa
     md, params = tiny
     eng = Engine(md, params, max_len=256, max_seqs=1, page_size=16, chunk=128, steps_per_call=2, impl="pallas",
@@ -170,10 +174,14 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     assert widths == [16, 16]                         # traced once per layer, 16 queries wide
     assert req.output == argmax_of_uncached(md, params, req)
     keys.clear()
+    pages = eng.sched.pool.lookup(page_keys(shared, 16, [], 6))
+    kept = {name: np.asarray(eng.cache[name])[:, pages] for name in ("k", "v")}
     req = eng.generate([shared], SamplingParams(max_tokens=3))[0]
     assert req.prefix_hit_tokens == 96 and eng.stats["prefill_tokens"] - before == 4 + 1
-    assert [k[:4] for k in keys] == [("packed", 0, 1, 16), ("decode", 1, 2, True)]
+    assert [k[:4] for k in keys] == [("first", 1, 1, True), ("decode", 1, 2, True)]
     assert req.output == argmax_of_uncached(md, params, req)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.asarray(eng.cache[name])[:, pages], kept[name])
 
 
 def test_each_call_sends_one_host_buffer_and_each_page_is_offered_once(tiny, monkeypatch):
