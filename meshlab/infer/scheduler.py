@@ -187,17 +187,18 @@ class Scheduler:
         while self.waiting and None in self.rows:
             req = self.waiting[0]
             hit = self._prefix_hit(req)
+            idx = np.asarray(hit, np.intp)                    # converted once for the three uses below
             need = -(-(req.n_tokens + 1) // self.page_size) - len(hit)
-            if need + self.pool.unreferenced(hit) > self.pool.available:
+            if need + self.pool.unreferenced(idx) > self.pool.available:
                 break
             self.waiting.popleft()
-            self.pool.acquire(hit)
+            self.pool.acquire(idx)
             req.pages, req.registered = list(hit), len(hit)
             req.prefix_hit_tokens = len(hit) * self.page_size
             req.cached = min(req.prefix_hit_tokens, req.n_tokens - 1)      # the last token is fed for its logits
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req
-            self.table[req.slot, :len(hit)] = hit
+            self.table[req.slot, :len(hit)] = idx
             self._grow(req, need)
             self._admit_order.append(req)
             admitted.append(req)

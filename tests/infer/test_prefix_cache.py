@@ -43,6 +43,54 @@ def test_pool_refcounts_and_lru_eviction():
         pool.take(4)
 
 
+def test_pool_evicts_in_the_order_freed_last_through_stale_entries():
+    """The free cached pages' queue is read lazily (pages taken back by acquire, or freed again, leave
+    stale entries; compaction drops them): over random takes, gives, registrations and acquires, the
+    pages handed out, the free list and its order are those of an ordered map kept exactly."""
+    import collections
+    import itertools
+    rng = np.random.default_rng(7)
+    pool = PagePool(12)
+    pool.stale_limit = 12                                     # compact often
+    fresh, lru, ref, keyed = collections.deque(range(1, 12)), collections.OrderedDict(), collections.Counter(), set()
+    held, names = [], itertools.count()
+    for _ in range(3000):
+        op = rng.choice(4, p=[0.1, 0.35, 0.2, 0.35])          # few takes: stale entries pile up
+        if op == 0 and len(fresh) + len(lru):                 # a request takes pages
+            n = int(rng.integers(1, len(fresh) + len(lru) + 1))
+            expect = []
+            for _ in range(n):
+                page = fresh.popleft() if fresh else lru.popitem(last=False)[0]
+                keyed.discard(page)
+                ref[page] = 1
+                expect.append(page)
+            assert pool.take(n) == expect
+            held.append(expect)
+        elif op == 1 and held:                                # a request leaves
+            pages = held.pop(int(rng.integers(len(held))))
+            pool.give(pages)
+            for page in pages:
+                ref[page] -= 1
+                if not ref[page]:
+                    if page in keyed:
+                        lru[page] = None
+                    else:
+                        fresh.append(page)
+        elif op == 2 and held:                                # its pages become findable
+            pages = [p for p in held[int(rng.integers(len(held)))] if p not in keyed]
+            pool.register(pages, [b"k%d" % next(names) for _ in pages])
+            keyed.update(pages)
+        elif op == 3 and keyed:                               # a prefix hit takes cached pages back
+            pages = sorted(rng.choice(sorted(keyed), size=int(rng.integers(1, len(keyed) + 1)), replace=False).tolist())
+            pool.acquire(pages)
+            for page in pages:
+                lru.pop(page, None)
+                ref[page] += 1
+            held.append(pages)
+        assert pool.free == list(fresh) + list(lru) and pool.available == len(fresh) + len(lru)
+    assert len(pool.lru) <= 12 + pool.total                   # compaction kept the stale entries bounded
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
