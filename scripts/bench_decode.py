@@ -45,6 +45,10 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 device wait / read-back; the packed program's dispatch and call as jit, AOT, AOT
                 without command buffers, input via pinned host memory; device_put alone; dispatch
                 with ~100 argument leaves against 1; device time per kernel)
+                and of a prompt met before (all cached: its last token in a one-step decode call), and
+                the first token's host time (first_token.host_rows)
+  first_token_host  the first token's host time alone, 2k prompts on any model (--cpu-smoke: the tiny
+                one, a 2k prompt still: what the host does per request does not depend on the model)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]); ~1 min more
@@ -90,8 +94,9 @@ JOBS = {
     "matmul": ("", 120, ""),
     "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
-    "first_token": ("", 80, ""),
+    "first_token": ("", 110, ""),
     "first_token_ab": ("", 80, ""),
+    "first_token_host": ("", 40, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -281,6 +286,13 @@ def run_child(args):
                 bench.fail_row(section, "engine", e)
     elif args.job in ("first_token", "first_token_ab"):
         first_token_job(md, params, sz, ab=args.job == "first_token_ab")
+    elif args.job == "first_token_host":
+        from meshlab.bench import first_token
+        from meshlab.infer.engine import Engine
+        eng = Engine(md, params, max_len=max(sz["max_len"], 2048 + 256), max_seqs=1, page_size=16, chunk=sz["chunk"],
+                     steps_per_call=16, layers="fused")
+        for row in first_token.host_rows(eng, n=2048):
+            bench.emit(row)
 
 
 def first_token_job(md, params, sz, ab: bool):
@@ -302,9 +314,12 @@ def first_token_job(md, params, sz, ab: bool):
                     ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)))
     else:
         eng = make()
+        trace = Path("/tmp/bench_decode_traces")
         sections = (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
-                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(
-                        eng, Path("/tmp/bench_decode_traces") / "first_token", n=n))))
+                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token", n=n))),
+                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token_all", n=n,
+                                                                                   tail=0))),
+                    ("host", lambda: [bench.emit(r) for r in first_token.host_rows(eng, n=n)]))
     for section, fn in sections:
         try:
             fn()

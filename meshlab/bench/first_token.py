@@ -164,14 +164,17 @@ def variants_note(row: dict) -> str:
     return "; ".join(parts)
 
 
-def _timeline(engine, prompts) -> tuple[list, list, dict]:
+def _timeline(engine, prompts, leaves: list | None = None) -> tuple[list, list, dict]:
     """Each prompt through engine.generate (max_tokens=1) with the call's time split (module doc);
-    returns ([per-call {piece: seconds}], the programs launched, the engine's counters over all)."""
+    returns ([per-call {piece: seconds}], the programs launched, the engine's counters over all).
+    leaves: gets each call's argument leaves (weights, cache, seen-mask and the call's own inputs)."""
     marks, launch, fetch = {}, engine._launch, engine._fetch
     keys = []
 
     def timed_launch(key, *a, **kw):
         keys.append(key)
+        if leaves is not None:
+            leaves.append(len(jax.tree.leaves((engine.weights, engine.cache, engine.seen, a[1:]))))
         marks.setdefault("l0", time.perf_counter())
         out = launch(key, *a, **kw)
         marks["l1"] = time.perf_counter()
@@ -200,7 +203,8 @@ def _timeline(engine, prompts) -> tuple[list, list, dict]:
 def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16, reps: int = 5) -> dict:
     """The first token of prompts of n tokens whose first n - tail are cached (the module doc): the
     call's timeline (medians of reps), the packed program's dispatch variants, and the device time
-    per kernel of a traced repeat (meshlab.bench.decode._kernel_table)."""
+    per kernel of a traced repeat (meshlab.bench.decode._kernel_table). tail=0: one prompt met
+    again, all cached (its last token fed in a one-step decode call: no dispatch variants)."""
     from meshlab.bench.decode import _kernel_table
     rng = np.random.default_rng(5)
     shared = rng.integers(0, engine.md.cfg.vocab_size, n - tail).tolist()
@@ -208,12 +212,15 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16, reps: 
     one = SamplingParams(max_tokens=1)
     engine.generate([shared + new_tail()], one)                                  # caches the prefix
     engine.generate([shared + new_tail()], one)                                  # compiles the tail's program
-    rows, keys, st = _timeline(engine, [shared + new_tail() for _ in range(reps)])
+    leaves = []
+    rows, keys, st = _timeline(engine, [shared + new_tail() for _ in range(reps)], leaves)
     us = {k: _median_us([r[k] for r in rows]) for k in rows[0]}
-    row = {"section": "profile", "setting": f"engine prompt={n}, {n - tail} cached: first token", "unit": "us",
+    cached = f"{n - tail} cached" if tail else "all cached"
+    row = {"section": "profile", "setting": f"engine prompt={n}, {cached}: first token", "unit": "us",
            "value": us["call"], "ttft_ms": us["ttft"] / 1e3, "timeline_us": us,
            "host_ms": st["host_s"] / reps * 1e3, "dispatch_ms": st.get("dispatch_s", 0.0) / reps * 1e3,
-           "prefill_tokens": st["prefill_tokens"] // reps, "programs": sorted({tuple(k[:4]) for k in keys})}
+           "prefill_tokens": st["prefill_tokens"] // reps, "programs": sorted({tuple(k[:4]) for k in keys}),
+           "arg_leaves": sorted(set(leaves))}
     packed = [k for k in keys if k[0] == "packed"]
     if packed:
         row.update(dispatch_variants(engine, packed[0]))
@@ -230,5 +237,33 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16, reps: 
     line = ", ".join(f"{k} {us[k]:.0f}" for k in ("before_dispatch", "dispatch", "device_wait", "to_first_token", "after"))
     row["note"] = (f"call {us['call'] / 1e3:.2f} ms (first token at {us['ttft'] / 1e3:.2f}; us: {line}), host "
                    f"{row['host_ms']:.2f} ms per call, {row['prefill_tokens']} prompt tokens computed in "
-                   f"{[list(k) for k in row['programs']]}; {busy}; {variants_note(row)}")
+                   f"{[list(k) for k in row['programs']]} ({row['arg_leaves']} argument leaves); {busy}; "
+                   f"{variants_note(row)}")
     return row
+
+
+def host_rows(engine, n: int = 2048, reps: int = 30) -> list[dict]:
+    """Host time of the first token of n-token prompts met before up to their last 16 tokens (a packed
+    row) and up to their last token (a one-step decode call), one request at a time, medians of reps:
+    the timeline's host pieces (before dispatch, dispatch, to the first token, after), the engine's
+    host_s per call (its step time less the device waits), the program and its argument leaves."""
+    rng, one, out = np.random.default_rng(9), SamplingParams(max_tokens=1), []
+    for tail, label in ((16, f"{n - 16} cached"), (0, "all cached")):
+        shared = rng.integers(0, engine.md.cfg.vocab_size, n - tail).tolist()
+        prompt = lambda: shared + rng.integers(0, engine.md.cfg.vocab_size, tail).tolist()  # noqa: E731
+        engine.generate([prompt()], one)
+        engine.generate([prompt()], one)                  # compiles the program of the cached call
+        leaves = []
+        rows, keys, st = _timeline(engine, [prompt() for _ in range(reps)], leaves)
+        us = {k: _median_us([r[k] for r in rows]) for k in rows[0]}
+        host = us["before_dispatch"] + us["dispatch"] + us["to_first_token"]
+        out.append({"section": "host", "setting": f"engine prompt={n}, {label}: first token's host time", "unit": "us",
+                     "value": host, "timeline_us": us, "host_us_per_call": round(st["host_s"] / reps * 1e6, 1),
+                     "prefill_tokens": st["prefill_tokens"] // reps, "programs": sorted({tuple(k[:4]) for k in keys}),
+                     "arg_leaves": sorted(set(leaves)),
+                     "note": f"host to the first token {host:.0f} us (before dispatch {us['before_dispatch']:.0f}, "
+                             f"dispatch {us['dispatch']:.0f}, after the read-back {us['to_first_token']:.0f}), after it "
+                             f"{us['after']:.0f}; device wait {us['device_wait']:.0f}; host_s {st['host_s'] / reps * 1e6:.0f} "
+                             f"us per call; {st['prefill_tokens'] // reps} tokens fed in {[list(k[:4]) for k in keys[:1]]}, "
+                             f"{sorted(set(leaves))} argument leaves; median of {reps}"})
+    return out
