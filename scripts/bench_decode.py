@@ -51,7 +51,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 one, a 2k prompt still: what the host does per request does not depend on the model)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
-                goes through pinned host memory (tagged [pinned input]); ~1 min more
+                goes through pinned host memory (tagged [pinned input]), then through one that feeds a
+                prompt's one token left in a 16-wide packed row instead of a one-step decode call (tagged
+                [one token left: packed row]); ~1.5 min more
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -95,7 +97,7 @@ JOBS = {
     "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
     "first_token": ("", 110, ""),
-    "first_token_ab": ("", 80, ""),
+    "first_token_ab": ("", 110, ""),
     "first_token_host": ("", 40, ""),
 }
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -311,7 +313,8 @@ def first_token_job(md, params, sz, ab: bool):
         bs.prefix_ttft(make(**kw), n=n, tag=tag)
     if ab:
         sections = (("ttft", lambda: tagged_ttft(" [packed no cmdbuf]", compiler_options={"packed": first_token.NO_CMDBUF})),
-                    ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)))
+                    ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)),
+                    ("ttft", lambda: tagged_ttft(" [one token left: packed row]", first_token_decode=False)))
     else:
         eng = make()
         trace = Path("/tmp/bench_decode_traces")

@@ -86,7 +86,8 @@ class Engine:
     device by the program itself, instead of by the runtime before it (one device only; the
     benchmark's first-token profile times both).
 
-    compiler_options: XLA options per program kind, {"packed": {...}, "decode": {...}} (jax.jit's
+    first_token_decode: a step whose prompt rows each have one token left runs one decode step
+    (False: a packed row, the benchmark's A/B). compiler_options: XLA options per program kind, {"packed": {...}, "decode": {...}} (jax.jit's
     compiler_options), e.g. {"packed": {"xla_gpu_enable_command_buffer": ""}}: a packed step's
     program without CUDA graphs (the benchmark's first-token profile times both).
     """
@@ -96,12 +97,13 @@ class Engine:
                  max_step_tokens: int | None = None, impl: str = "auto", interpret: bool = False,
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
-                 compiler_options: dict | None = None, pinned_inputs: bool = False):
+                 compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
         self.md, self.rules, self.mesh, self.chain_decode = md, rules, mesh, chain_decode
+        self.first_token_decode = first_token_decode
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
@@ -288,7 +290,7 @@ class Engine:
             if self.sched.running():
                 decodes, prefills = self.sched.plan()
                 with placement(self.rules, self.mesh):
-                    if prefills and all(r.n_tokens - r.cached == 1 for r, _ in prefills):
+                    if prefills and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, _ in prefills):
                         self._first_tokens(decodes, [r for r, _ in prefills])
                     elif prefills:
                         self._packed(decodes, prefills)
@@ -396,7 +398,7 @@ class Engine:
         input buffer."""
         s, rows = self.sched, decodes + firsts
         b = next(x for x in self.DECODE if x >= len(rows))
-        slots = self._first_slots(b)
+        slots = self._first_slots(b)                # the bucket's layout, kept
         real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
         greedy, logprobs = self._flags(real)
         out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.decode_call, None, slots.take(),
@@ -412,10 +414,9 @@ class Engine:
             s.register(r)                 # after its first token, as a packed step's prefill does
 
     def _first_slots(self, b: int) -> calls.Slots:
-        key = ("first", b)
-        if key not in self._slots:
-            self._slots[key] = calls.first_token_slots(b, self.sched.max_pages, self.slot_rows, self.sched.max_seqs)
-        return self._slots[key]
+        if ("first", b) not in self._slots:
+            self._slots["first", b] = calls.first_token_slots(b, self.sched.max_pages, self.slot_rows, self.sched.max_seqs)
+        return self._slots["first", b]
 
     def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
         """The host-input layout of a packed step's shape (one per bucket, kept)."""

@@ -9,7 +9,8 @@ pass (one running hash, copied at each page end).
 
 Lookup (`longest`) probes the first page, then the whole prompt (a prompt met before: two hash
 calls, ~15 us for 2k tokens, where 127 per-page hashes took ~250 us in Python), then all but its
-last page (a prefix met before with a new tail), and bisects between when none settles it; then
+last page (a prefix met before with a new tail; its key from the same pass over the prompt), and
+bisects between when none settles it; then
 it walks the found page's parent keys (each registered key remembers its page's predecessor's) to
 check that every page before it is still cached; if one was evicted it falls back to hashing
 every page in order.
@@ -175,7 +176,14 @@ class PagePool:
         if not self.prefix_cache or n <= 0 or not cached(1):
             return []
         # the answer m: prefix_key(m) cached. Probed first: the whole prompt (met before), then all but
-        # its last page (the same prefix with a new tail of at most a page); else bisection.
+        # its last page (the same prefix with a new tail of at most a page); else bisection. The keys
+        # of both come from one pass over the prompt (one hash call, its state copied before the last page).
+        if n > 2:
+            h = hashlib.sha256(ROOT_KEY)
+            h.update(_ids(tokens, (n - 1) * page_size))
+            probed[n - 1] = h.copy().digest()
+            h.update(_ids(tokens, n * page_size)[(n - 1) * page_size:])
+            probed[n] = h.digest()
         if cached(n):
             lo = hi = n
         elif n > 2 and cached(n - 1):
