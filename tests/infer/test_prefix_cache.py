@@ -149,6 +149,31 @@ def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
     assert again.output == base.output and again.prefix_hit_tokens < 20 and n == 21 - again.prefix_hit_tokens
 
 
+def test_first_token_step_takes_decoding_rows_along(tiny, monkeypatch):
+    """A prompt met before (all cached) arriving while another request decodes: both feed one token
+    in one decode step of the b=2 bucket (the decoding row's next token, the prompt's first), then
+    decode together; every token equals that request's alone, and the prompt's K/V pages stay."""
+    rng = np.random.default_rng(8)
+    a, b = rng.integers(0, 257, size=10).tolist(), rng.integers(0, 257, size=12).tolist()   # b: three full pages
+    eng = make(tiny, True)
+    alone_b = [computed(eng, b, max_tokens=6)[0].output for _ in range(2)]     # the second: all cached
+    alone_a = computed(eng, a, max_tokens=12)[0].output
+    assert alone_b[0] == alone_b[1]
+    pages = eng.sched.pool.lookup(page_keys(b, 4, [], 3))
+    kept = {name: np.asarray(eng.cache[name])[:, pages] for name in ("k", "v")}
+    keys, launch = [], eng._launch
+    monkeypatch.setattr(eng, "_launch", lambda key, *x, **kw: keys.append(key) or launch(key, *x, **kw))
+    ra = eng.add_request(a, SamplingParams(max_tokens=12))
+    while not ra.output or eng._flight is None:                        # a decodes (a call in flight)
+        eng.step()
+    rb = eng.add_request(b, SamplingParams(max_tokens=6))
+    eng.run()
+    assert ("first", 2, 1, True, None) in keys and rb.prefix_hit_tokens == 12
+    assert ra.output == alone_a and rb.output == alone_b[0]
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.asarray(eng.cache[name])[:, pages], kept[name])
+
+
 def argmax_of_uncached(md, params, req) -> list:
     """The greedy tokens the uncached forward gives after req's prompt (its output's length)."""
     import jax.numpy as jnp
