@@ -87,9 +87,10 @@ class Engine:
     benchmark's first-token profile times both).
 
     first_token_decode: a step whose prompt rows each have one token left runs one decode step
-    (False: a packed row, the benchmark's A/B). compiler_options: XLA options per program kind, {"packed": {...}, "decode": {...}} (jax.jit's
-    compiler_options), e.g. {"packed": {"xla_gpu_enable_command_buffer": ""}}: a packed step's
-    program without CUDA graphs (the benchmark's first-token profile times both).
+    (False: a packed row, the benchmark's A/B). compiler_options: XLA options per program kind,
+    {"packed": {...}, "decode": {...}} (jax.jit's compiler_options), e.g. {"packed":
+    {"xla_gpu_enable_command_buffer": ""}}: a packed step's program without CUDA graphs (the
+    benchmark's first-token profile times both).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
