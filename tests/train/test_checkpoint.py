@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resharding restore onto another rule file and mesh, missing /
 partial / corrupt checkpoints, and the NaN policy (never a poisoned checkpoint)."""
+import atexit
 import os
 import shutil
 import signal
@@ -20,7 +21,12 @@ from tests.helpers import persistent_compile_cache, small_config
 ROOT = Path(__file__).resolve().parents[2]
 # Compiled programs are shared between the train() calls of these tests and their subprocesses
 # through JAX's persistent cache: a cold small train step costs ~30 s on 2 cores, a cached one ~1 s.
-CACHE_DIR = Path(tempfile.gettempdir()) / f"meshlab-test-jax-cache-{os.getuid()}"
+# The run's own cache (tests/conftest.py), so that this machine's runs are as cold as CI's first one
+# (a directory kept across runs made later runs here hit programs CI compiles).
+_RUN_CACHE = os.environ.get("MESHLAB_TEST_COMPILE_CACHE") or "off"
+CACHE_DIR = Path(_RUN_CACHE if _RUN_CACHE != "off" else tempfile.mkdtemp(prefix="meshlab-test-jax-cache-"))
+if _RUN_CACHE == "off":
+    atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
 # One xdist worker runs the whole file: the uninterrupted fsdp run of `uninterrupted` is trained once, not once per worker
 # (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("checkpoint")
@@ -35,7 +41,11 @@ def compile_cache():
 def subprocess_env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(CACHE_DIR),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    env.pop("XLA_FLAGS", None)   # each subprocess sets its own device count
+    # each subprocess sets its own device count; the compile flags are the tests' (tests/conftest.py), so
+    # its programs and the test process's share cache entries
+    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))   # jax's file lock, as the test workers'
     env.update(extra)
     return env
 
