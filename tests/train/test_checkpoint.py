@@ -29,7 +29,8 @@ if _RUN_CACHE == "off":
     atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
 # One xdist worker runs the whole file: the uninterrupted fsdp run of `uninterrupted` is trained once, not once per worker
 # (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("checkpoint")
+# Compiling dominates (tiny fsdp/tp steps, 4 steps each): cheap_codegen, in its subprocesses too.
+pytestmark = [pytest.mark.xdist_group("checkpoint"), pytest.mark.cheap_codegen]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,6 +47,8 @@ def subprocess_env(**extra) -> dict:
     env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
     env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))   # jax's file lock, as the test workers'
+    if not os.environ.get("MESHLAB_TEST_GPU"):   # the cheap_codegen of these modules (tests/helpers.py)
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
     env.update(extra)
     return env
 

@@ -20,7 +20,8 @@ from tests.train.test_checkpoint import ROOT, compile_cache, subprocess_env  # n
 TIMEOUT = 400
 # One xdist worker runs the whole file: the two-process run of `two_process_run` happens once, not once
 # per worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("multiprocess")
+# Compiling dominates; its subprocesses compile as cheaply (test_checkpoint.subprocess_env).
+pytestmark = [pytest.mark.xdist_group("multiprocess"), pytest.mark.cheap_codegen]
 
 
 def free_port() -> int:

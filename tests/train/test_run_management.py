@@ -20,7 +20,8 @@ import plot_metrics  # noqa: E402
 # The same program as tests/train/test_checkpoint.py (fsdp, 4 steps): its compiled step is cached.
 ARGS = ["--rules", "fsdp", "--steps", "4", *SMALL, "checkpoint.every=2"]
 # One xdist worker runs the whole file: `reference` is trained once, not once per worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("run_management")
+# Compiling dominates; its subprocess compiles as cheaply (test_checkpoint.subprocess_env).
+pytestmark = [pytest.mark.xdist_group("run_management"), pytest.mark.cheap_codegen]
 
 
 def cfg(run, extra=()):
