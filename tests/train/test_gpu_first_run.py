@@ -15,6 +15,9 @@ from meshlab.train.config import ConfigError, load_config
 from meshlab.peak import datasheet_tflops, mfu, peak_flops
 from tests.helpers import persistent_compile_cache, small_config
 
+# Compiling dominates (steps compiled to be read for their memory, a few short dp runs): cheap_codegen.
+pytestmark = pytest.mark.cheap_codegen
+
 def _dp(tmp_path, extra=(), steps=3):
     """The small model, data parallel over the 8 simulated devices."""
     return small_config("dp", steps=steps, tmp_path=tmp_path, extra=list(extra))
