@@ -11,9 +11,10 @@ if "xla_backend_optimization_level" not in _flags and not os.environ.get("MESHLA
     # 5x faster CPU compiles (meshlab.compat); never applied to GPU code generation
     _flags += " --xla_backend_optimization_level=1"
 if "xla_cpu_use_fusion_emitters" not in _flags and not os.environ.get("MESHLAB_TEST_GPU"):
-    # XLA's older elemental fusion code generation: the same optimized HLO, collectives and numerics
-    # (buffer sizes within bytes), 3-4x less CPU per compile of a small sharded step (fsdp_tp: 7.5 -> 2.1 s,
-    # its init 2.9 -> 1.5 s); the suite is compile-bound. CPU only: GPU code generation never sees it.
+    # XLA's elemental fusion code generation in place of its MLIR fusion emitters: the same collectives and
+    # buffer sizes within bytes (the memory and HLO tests pass unchanged), 3-4x less CPU per compile of a
+    # small sharded step (fsdp_tp: 7.5 -> 2.1 s, its init 2.9 -> 1.5 s); the suite is compile-bound.
+    # CPU only: GPU code generation never sees it. Subprocesses the tests start inherit it.
     _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
@@ -31,8 +32,8 @@ jax.config.update("jax_enable_x64", False)
 # compiles the same programs again and again from fresh jit objects (a new trainer or engine per test)
 # and in both workers, and jax's in-memory caches key on the object, so each time was a full XLA
 # compile. A hit loads the same executable (memory_analysis and as_text included). Subprocesses the
-# tests start see none of it: their environment is as a user's. CPU only (GPU runs compile as usual);
-# MESHLAB_TEST_COMPILE_CACHE=off compiles everything afresh.
+# tests start see none of it (their environment is as a user's), but for test_checkpoint.subprocess_env's.
+# CPU only (GPU runs compile as usual); MESHLAB_TEST_COMPILE_CACHE=off compiles everything afresh.
 _CACHE_ENV = "MESHLAB_TEST_COMPILE_CACHE"
 if not os.environ.get("MESHLAB_TEST_GPU") and os.environ.get(_CACHE_ENV) != "off":
     if not os.environ.get(_CACHE_ENV):
