@@ -145,9 +145,11 @@ def gemm_text(gemm) -> str:
 
 def write_profile(trace_dir, label, step_s, dest):
     """Kernel-time table of the traced steps (the trace itself stays on the device machine)."""
-    from meshlab.bench.profile_summary import format_summary, summarize
+    from meshlab.bench.profile_summary import format_summary, hlo_kernels, summarize
     try:
-        text = format_summary(summarize(trace_dir, steps=2), label, step_s * 1e3)
+        hlo = Path(trace_dir) / "step.hlo.txt"
+        names = hlo_kernels(hlo.read_text()) if hlo.exists() else None
+        text = format_summary(summarize(trace_dir, steps=2), label, step_s * 1e3, kernels_hlo=names)
     except Exception as e:  # a profile that fails must not lose the timing rows
         text = f"profile of {label} failed: {type(e).__name__}: {str(e)[:300]}\n"
     with dest.open("a") as f:

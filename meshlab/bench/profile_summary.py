@@ -94,12 +94,47 @@ def summarize(log_dir: str | Path, steps: int, top: int = 25) -> dict:
     }
 
 
-def format_summary(summary: dict, label: str = "", step_ms: float | None = None) -> str:
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (fusion|custom-call)\(.*?(?:calls=%?([\w.\-]+)"
+                    r"|custom_call_target=\"([^\"]+)\")")
+
+
+def hlo_kernels(hlo_text: str) -> dict[str, str]:
+    """Kernel name -> "output shape, what it computes" for each fusion and custom call of an optimized
+    HLO module (`compiled.as_text()`): XLA:GPU names a fusion's kernel after the instruction, with
+    '.' as '_'. What it computes is the fused computation's root op, or the custom call's target;
+    cuBLAS GEMMs keep cuBLAS's own kernel names and are not matched."""
+    roots, current = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+        elif current and line.lstrip().startswith("ROOT "):
+            op = re.search(r"= \S+ ([\w\-]+)\(", line) or re.search(r"= \(.*?\) ([\w\-]+)\(", line)
+            roots.setdefault(current, op.group(1) if op else "")
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            name, shape, _, called, target = m.groups()
+            shape = re.sub(r"\{[^}]*\}", "", shape)          # layouts dropped
+            out[name.replace(".", "_")] = f"{shape[:100]} {roots.get(called, '') if called else target}".strip()
+    return out
+
+
+def format_summary(summary: dict, label: str = "", step_ms: float | None = None,
+                   kernels_hlo: dict[str, str] | None = None) -> str:
+    """Markdown tables; with `kernels_hlo` (hlo_kernels of the traced program) each kernel row also
+    says which HLO fusion it is: its output shape and root op."""
     lines = [f"#### Device time per step{f' - {label}' if label else ''}",
              f"GPU busy {summary['busy_ms_per_step']:.1f} ms/step" +
              (f" of {step_ms:.1f} ms wall ({summary['busy_ms_per_step'] / step_ms:.0%} busy)" if step_ms else ""),
              "", "| class | ms/step | share |", "|---|---|---|"]
     lines += [f"| {c} | {t:.2f} | {s:.1%} |" for c, t, s in summary["classes"]]
-    lines += ["", "| kernel | ms/step | calls/step | share |", "|---|---|---|---|"]
-    lines += [f"| `{n}` | {t:.2f} | {k:.0f} | {s:.1%} |" for n, t, k, s in summary["kernels"]]
+    if kernels_hlo is None:
+        lines += ["", "| kernel | ms/step | calls/step | share |", "|---|---|---|---|"]
+        lines += [f"| `{n}` | {t:.2f} | {k:.0f} | {s:.1%} |" for n, t, k, s in summary["kernels"]]
+    else:
+        lines += ["", "| kernel | ms/step | calls/step | share | HLO: output, root |", "|---|---|---|---|---|"]
+        lines += [f"| `{n}` | {t:.2f} | {k:.0f} | {s:.1%} | {kernels_hlo.get(n.replace('.', '_'), '')} |"
+                  for n, t, k, s in summary["kernels"]]
     return "\n".join(lines) + "\n"

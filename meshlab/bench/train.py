@@ -3,6 +3,7 @@ scripts/bench_scaling.py call these): build, size the batch from the compiled pr
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -69,6 +70,10 @@ def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_st
         loss = float(m["loss"])         # sync each step: a clean per-step time
         times.append(time.perf_counter() - t)
     if profile_dir:
+        # the program's text beside its trace: the kernel table names each fusion's shape and root op
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        if hasattr(step, "as_text"):
+            (Path(profile_dir) / "step.hlo.txt").write_text(step.as_text())
         with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
             for _ in range(profile_steps):
                 state, m = step(state, b)

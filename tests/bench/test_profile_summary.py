@@ -49,3 +49,47 @@ def test_trace_without_gpu_events_is_a_clear_error(tmp_path):
 def test_collectives_before_gemm_names():
     assert kernel_class("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
     assert kernel_class("triton_swiglu_fwd") == "pallas/triton"
+
+
+GPU_HLO = """HloModule jit_step
+
+%fused_convert.3 (p0: bf16[16,4]) -> f32[16,4] {
+  %p0 = bf16[16,4]{1,0} parameter(0)
+  ROOT %convert.7 = f32[16,4]{1,0} convert(%p0)
+}
+
+ENTRY %main (a: bf16[16,4], b: bf16[4,8]) -> f32[16,4] {
+  %a = bf16[16,4]{1,0} parameter(0)
+  %b = bf16[4,8]{1,0} parameter(1)
+  %loop_convert_fusion.31 = f32[16,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_convert.3
+  %custom-call.2 = (bf16[16,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm"
+  ROOT %r = f32[16,4]{1,0} copy(%loop_convert_fusion.31)
+}
+"""
+
+
+def test_kernels_named_by_their_hlo_fusion():
+    """Kernel rows gain the fusion's output shape and root op: XLA:GPU names a fusion's kernel after the
+    instruction with '.' as '_'; a custom call reads as its target."""
+    from meshlab.bench.profile_summary import hlo_kernels
+    names = hlo_kernels(GPU_HLO)
+    assert names["loop_convert_fusion_31"] == "f32[16,4] convert"
+    assert names["custom-call_2"].endswith("__cublas$gemm")
+    s = {"busy_ms_per_step": 1.0, "classes": [("reduce/fusion", 1.0, 1.0)],
+         "kernels": [("loop_convert_fusion_31", 1.0, 1, 1.0), ("nvjet_sm90_tst", 0.5, 1, 0.5)]}
+    table = format_summary(s, kernels_hlo=names)
+    assert "| `loop_convert_fusion_31` | 1.00 | 1 | 100.0% | f32[16,4] convert |" in table
+    assert "| `nvjet_sm90_tst` | 0.50 | 1 | 50.0% |  |" in table
+
+
+def test_hlo_kernels_reads_a_compiled_program():
+    """On a real optimized module (CPU here): every fusion instruction is found with its output shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshlab.bench.profile_summary import hlo_kernels
+    text = jax.jit(lambda x, w: jnp.tanh(x @ w) * 2 + 1).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile().as_text()
+    names = hlo_kernels(text)
+    fusions = [line for line in text.splitlines() if " fusion(" in line]
+    assert fusions and len([k for k in names if "fusion" in k]) == len(fusions)
+    assert any(v.startswith("f32[8,32]") for v in names.values())
