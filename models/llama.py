@@ -77,6 +77,10 @@ class LlamaConfig:
     # data-parallel / FSDP rule files; a tensor-sharded operand would be gathered around the call.
     fused_norm: bool = False              # RMSNorm fused with the residual add
     fused_swiglu: bool = False            # gate/up matmuls + SiLU*up in one kernel, recomputed in backward
+    # gate and up as two [d, f] GEMMs (split) or one over the pair stacked [d, f, 2] (stacked): one GEMM
+    # each way, d(gate|up) in one elementwise pass, one [b, s, f] activation less saved per layer, one
+    # tensor-parallel all-reduce less per layer. Same parameters and checkpoints either way.
+    gate_up: str = "split"
     fused_rope: bool = False              # Q and K rotated in one kernel (XLA's fusion is faster on H200)
     # bfloat16 | float8: the decoder layers' projection GEMMs (q|k|v, o, gate, up, down) in the training
     # forward and backward; float8 is e4m3 forward / e5m2 gradients, per-tensor scaling (models/fp8.py)
@@ -131,6 +135,8 @@ class LlamaConfig:
         if self.matmul_dtype == "float8" and self.dtype == "float16":
             raise ValueError("model.matmul_dtype=float8 with model.dtype=float16: the per-tensor scales of small "
                              "gradients fall outside fp16's range; use model.dtype=bfloat16 with float8")
+        if self.gate_up not in ("split", "stacked"):
+            raise ValueError(f"model.gate_up={self.gate_up!r} must be split or stacked")
         if self.matmul_dtype == "float8" and self.fused_swiglu:
             raise ValueError("model.matmul_dtype=float8 runs gate/up as FP8 GEMMs, model.fused_swiglu=true runs them "
                              "in a bf16 Pallas kernel: set model.fused_swiglu=false (or matmul_dtype=bfloat16)")
@@ -286,6 +292,31 @@ class Attention(nnx.Module):
         out = scattered_matmul(mm, "bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
 
+@jax.custom_vjp
+def swiglu_pair(gate_up):
+    """silu(gate) * up of gate_up [..., f, 2] (gate, up interleaved), fp32 math, in gate_up's dtype. Its
+    residual is gate_up alone and its backward writes d(gate|up) [..., f, 2] in one pass: autodiff of
+    the two slices would save them besides gate_up and run one elementwise pass per slice."""
+    return _swiglu_pair_fwd(gate_up)[0]
+
+
+def _swiglu_pair_fwd(gate_up):
+    gate, up = gate_up[..., 0].astype(F32), gate_up[..., 1].astype(F32)      # [..., f] x2
+    return (jax.nn.silu(gate) * up).astype(gate_up.dtype), gate_up
+
+
+def _swiglu_pair_bwd(gate_up, dh):
+    gate, up = gate_up[..., 0].astype(F32), gate_up[..., 1].astype(F32)      # [..., f] x2
+    dh = dh.astype(F32)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh * up * sig * (1 + gate * (1 - sig))                           # silu'(g) = s (1 + g (1 - s))
+    d_up = dh * gate * sig
+    return (jnp.stack([d_gate, d_up], axis=-1).astype(gate_up.dtype),)        # [..., f, 2]
+
+
+swiglu_pair.defvjp(_swiglu_pair_fwd, _swiglu_pair_bwd)
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
@@ -301,6 +332,13 @@ class MLP(nnx.Module):
             b, s, d = x.shape
             h = swiglu_kernel.swiglu(x.reshape(b * s, d), _w(self.w_gate, dt), _w(self.w_up, dt),
                                      interpret=_interpret()).reshape(b, s, -1).astype(dt)  # [b, s, f]
+        elif self.cfg.gate_up == "stacked":
+            # Stacked as stored, then cast and gathered as one weight: a ZeRO-3 gather stays a gather
+            # (models/remat.py does not keep it for the backward), not a stack of two gathered halves.
+            pair = jnp.stack([self.w_gate[...], self.w_up[...]], axis=-1)             # [d, f, 2]
+            w_gate_up = materialize(pair, ("embed", "mlp", None), dt)
+            (gate_up,) = gathered_matmul(mm, "bsd,dfg->bsfg", x, w_gate_up)          # [b, s, f, 2]
+            h = swiglu_pair(gate_up)                                                  # [b, s, f]
         else:
             gate, up = gathered_matmul(mm, "bsd,df->bsf", x, _w(self.w_gate, dt), _w(self.w_up, dt))   # [b, s, f] x2
             h = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)   # one fusion; fp32 math

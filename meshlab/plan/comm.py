@@ -161,6 +161,8 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
     lc = local_sizes(cfg, rules, mesh, global_batch, seq, k)
     L = cfg.n_layers
     t_ax = tuple(a for a in rules.axes("act_heads", mesh))
+    # column-parallel projections whose input gradients travel: q, k, v, and gate and up (one GEMM stacked)
+    n_col = 4 if getattr(cfg, "gate_up", "split") == "stacked" else 5
     out = []
     if t_ax:
         x = lc.b * (lc.s * lc.t if lc.sp else lc.s) * lc.d * c   # the full residual stream of one micro-batch
@@ -181,14 +183,14 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
             # reduce-scatters and 4% temp: not cheaper. Under remat the recomputed forward's gathers serve.
             out.append(Comm("all-gather", t_ax, x, 2 * L * k, "sequence-parallel re-gather (bwd: weight grads)",
                             False, True))
-            out.append(Comm("reduce-scatter", t_ax, x // lc.t, 5 * L * k, "sequence-parallel scatter (bwd: q,k,v,gate,up)",
-                            False, True))
+            out.append(Comm("reduce-scatter", t_ax, x // lc.t, n_col * L * k,
+                            "sequence-parallel scatter (bwd: q,k,v,gate,up)", False, True))
             if policy == "full":
                 out.append(Comm("reduce-scatter", t_ax, x // lc.t, L * k, "sequence-parallel scatter (remat: o)", False,
                                 True))
         else:       # row-parallel outputs in the forward (o, down); input grads of q,k,v,gate,up in the backward
             out.append(Comm("all-reduce", t_ax, x, 2 * L * k, "row-parallel outputs (fwd)", False, True))
-            out.append(Comm("all-reduce", t_ax, x, 5 * L * k, "column-parallel input grads (bwd)", False, True))
+            out.append(Comm("all-reduce", t_ax, x, n_col * L * k, "column-parallel input grads (bwd)", False, True))
             if policy == "full":
                 out.append(Comm("all-reduce", t_ax, x, L * k, "row-parallel output (remat: o)", False, True))
         if rules.axes("vocab", mesh) and lc.sp:
