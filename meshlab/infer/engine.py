@@ -473,6 +473,8 @@ class Engine:
                 _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
+                if not self.first_token_decode:   # its one-step program is never called: not compiled
+                    continue
                 key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
                 slots.fill()                                          # padding only: limit 0, nothing fed
                 _, t0, t1 = self._call(key, self.decode_call, None, slots.take(), layout=slots.layout, n=1,

@@ -266,6 +266,10 @@ def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
     assert eng.stats["compiles"] == 8, sorted(eng._programs)        # every step found its program compiled
     for r in reqs:
         assert_greedy_matches(fwd, params, r.prompt, r.output)
+    # Without the first-token route its programs are not compiled at start-up.
+    off = Engine(md, params, max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=2, max_step_tokens=20,
+                 first_token_decode=False)
+    assert off.warmup() == 2 + 2 * 2 and not [k for k in off._programs if k[0] == "first"]
 
 
 def test_chained_decode_calls_equal_unchained(tiny):
