@@ -162,7 +162,7 @@ def _activation_collectives(cfg, rules, mesh, global_batch, seq, k, c, policy: s
     L = cfg.n_layers
     t_ax = tuple(a for a in rules.axes("act_heads", mesh))
     # column-parallel projections whose input gradients travel: q, k, v, and gate and up (one GEMM stacked)
-    n_col = 4 if getattr(cfg, "gate_up", "split") == "stacked" else 5
+    n_col = 4 if cfg.gate_up == "stacked" else 5
     out = []
     if t_ax:
         x = lc.b * (lc.s * lc.t if lc.sp else lc.s) * lc.d * c   # the full residual stream of one micro-batch
