@@ -182,6 +182,8 @@ def train(mode: str, dev, world: int, a) -> dict:
             logits = model(input_ids=inp, use_cache=False).logits
             loss = loss_fn(logits, lab)
         loss.backward()
+        if a.clip_grad > 0:   # torchtitan clips every step (max_norm 1.0), as meshlab's AdamW chain does
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -196,7 +198,7 @@ def train(mode: str, dev, world: int, a) -> dict:
     return {"tokens_per_s_per_gpu": tok_gpu, "step_ms": dt * 1e3, "peak_mem_gib": peak / 2**30,
             "mfu_989": tok_gpu * flops_per_token(cfg, n_params, a.seq) / 989e12, "loss": float(loss.detach()),
             "warmup_s": warm_s, "batch_per_gpu": a.batch, "seq": a.seq, "params": n_params,
-            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "model": "tiny" if a.tiny else a.model}
+            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "clip_grad": a.clip_grad, "model": "tiny" if a.tiny else a.model}
 
 
 def worker(rank: int, world: int, gpu: int, port: int, jobs: list[str], a, q, group: str):
@@ -337,6 +339,8 @@ def main(argv=None) -> int:
                     help="blocks: each decoder layer compiled (one graph reused); model: the whole wrapped model")
     ap.add_argument("--fsdp-mp", choices=("policy", "autocast"), default="policy",
                     help="FSDP2 precision: bf16 gathered params + fp32 reduce, or fp32 params under autocast only")
+    ap.add_argument("--clip-grad", type=float, default=0.0,
+                    help="clip_grad_norm_ to this global norm every step (foreach), as torchtitan does (1.0); 0: off")
     ap.add_argument("--no-concurrent", action="store_true", help="1-GPU runs one after another on GPU 0")
     ap.add_argument("--no-collectives", action="store_true")
     ap.add_argument("--ar-sizes", default="64MiB,256MiB,1GiB,4GiB")
