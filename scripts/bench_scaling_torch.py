@@ -198,7 +198,8 @@ def train(mode: str, dev, world: int, a) -> dict:
     return {"tokens_per_s_per_gpu": tok_gpu, "step_ms": dt * 1e3, "peak_mem_gib": peak / 2**30,
             "mfu_989": tok_gpu * flops_per_token(cfg, n_params, a.seq) / 989e12, "loss": float(loss.detach()),
             "warmup_s": warm_s, "batch_per_gpu": a.batch, "seq": a.seq, "params": n_params,
-            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "clip_grad": a.clip_grad, "model": "tiny" if a.tiny else a.model}
+            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "clip_grad": a.clip_grad,
+            "model": "tiny" if a.tiny else a.model}
 
 
 def worker(rank: int, world: int, gpu: int, port: int, jobs: list[str], a, q, group: str):
