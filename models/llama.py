@@ -79,7 +79,8 @@ class LlamaConfig:
     fused_swiglu: bool = False            # gate/up matmuls + SiLU*up in one kernel, recomputed in backward
     # gate and up as two [d, f] GEMMs (split) or one over the pair stacked [d, f, 2] (stacked): one GEMM
     # each way, d(gate|up) in one elementwise pass, one [b, s, f] activation less saved per layer, one
-    # tensor-parallel all-reduce less per layer. Same parameters and checkpoints either way.
+    # tensor-parallel all-reduce less per layer. Same parameters and checkpoints either way. On one H200
+    # (llama3_1b, unrolled, remat none) stacked ran at split's speed in 6.5 GiB more compiled memory.
     gate_up: str = "split"
     fused_rope: bool = False              # Q and K rotated in one kernel (XLA's fusion is faster on H200)
     # bfloat16 | float8: the decoder layers' projection GEMMs (q|k|v, o, gate, up, down) in the training
