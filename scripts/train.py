@@ -50,6 +50,7 @@ def main(argv=None):
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except distributed.DistributedError as e:
         sys.exit(f"error: {e}")
+    from meshlab.train import compile_cache
     from meshlab.train.loop import train
     import jax
     overrides = list(args.overrides)
@@ -60,6 +61,7 @@ def main(argv=None):
             overrides.append(f"{key}={flag}")
     try:
         cfg = load_config(args.config, overrides)
+        compile_cache.enable_for_run(cfg)   # before the first compile: a rerun loads the compiled step
         result = train(cfg)
     except (ConfigError, ValueError, FileNotFoundError, FloatingPointError, CheckpointError,
             distributed.DistributedError, OutOfMemoryError) as e:

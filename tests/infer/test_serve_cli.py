@@ -43,7 +43,8 @@ def run(tmp_path_factory):
     out = subprocess.run([sys.executable, str(ROOT / "scripts/train.py"), "--config", "default", "--rules",
                           "fsdp_tp", "--cpu-devices", "8", "--steps", "2", "--run-dir", "runs/default",
                           "sample_tokens=0", "data.max_bytes=200000", "log_every=1"],
-                         cwd=work, env=fresh_env(), capture_output=True, text=True, timeout=600)
+                         cwd=work, env=dict(fresh_env(), XDG_CACHE_HOME=str(tmp_path_factory.mktemp("xdg"))),
+                         capture_output=True, text=True, timeout=600)   # train.py's compile cache: not in ~/.cache
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = work / "runs/default"
     assert json.loads((run_dir / "tokenizer_meta.json").read_text())["tokenizer"] == "byte"

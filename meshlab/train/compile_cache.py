@@ -1,0 +1,49 @@
+"""The persistent XLA compile cache of training runs (`compile_cache` in the run config).
+
+A step compiles once per process: llama3_1b's unrolled layers take about a minute on an H200 host,
+llama3_3b's several. Every later run of the same program (a resume, a restart after preemption, the
+next experiment that changes only the data, the seed or the run directory) loads it from here instead: jax's persistent
+cache, keyed on the program's HLO, the compile options, the devices and the jax version, so a change
+to the model, the rules or the code is a new entry, never a stale one. Autotuning results live in the
+cached executable. Set `compile_cache=` (empty) to compile afresh every time.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+
+def default_dir() -> str:
+    """$XDG_CACHE_HOME/meshlab/jax, else ~/.cache/meshlab/jax."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "meshlab" / "jax")
+
+
+def enable_for_run(cfg) -> str | None:
+    """`enable` with the run config's `compile_cache` (auto: `default_dir()`); its startup line joins the
+    run's others (cfg.auto_notes). The entry scripts call it; library calls of `train` leave jax's
+    cache as the caller set it."""
+    where, line = enable(default_dir() if cfg.compile_cache == "auto" else cfg.compile_cache)
+    cfg.auto_notes = [*getattr(cfg, "auto_notes", []), line]
+    return where
+
+
+def enable(path: str) -> tuple[str | None, str]:
+    """Point jax's persistent compile cache at `path` (`~` expanded), unless one is set already
+    (JAX_COMPILATION_CACHE_DIR, or jax.config by the caller): that one is kept. Returns (directory in
+    use or None, the startup line saying so). A directory that cannot be created turns the cache off
+    with a line naming why; the run goes on."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current, f"compile cache: {current} (set before this run)"
+    if not path:
+        return None, "compile cache: off (compile_cache is empty)"
+    target = Path(path).expanduser()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set compile_cache=DIR)"
+    jax.config.update("jax_compilation_cache_dir", str(target))
+    return str(target), f"compile cache: {target} (compile_cache=DIR moves it; compile_cache= turns it off)"

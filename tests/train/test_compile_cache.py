@@ -1,0 +1,72 @@
+"""The training entry point's persistent compile cache: on by default under $XDG_CACHE_HOME, a rerun of
+the same run loads its programs instead of compiling them (no new entries, the same losses), a cache set
+before the run is kept, an empty setting turns it off, an unusable directory turns it off with a line."""
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from meshlab.train import compile_cache
+from tests.helpers import SMALL
+from tests.train.test_checkpoint import ROOT, subprocess_env
+
+pytestmark = pytest.mark.cheap_codegen
+
+
+@pytest.fixture
+def no_cache_set():
+    """jax's cache directory unset for the test (the suite's own cache put back after it)."""
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_enable_keeps_a_cache_set_before(tmp_path):
+    current = jax.config.jax_compilation_cache_dir
+    if not current:
+        pytest.skip("the suite runs without a compile cache (MESHLAB_TEST_COMPILE_CACHE=off)")
+    where, line = compile_cache.enable(str(tmp_path / "other"))
+    assert where == current and "set before this run" in line and not (tmp_path / "other").exists()
+
+
+def test_enable_sets_off_and_refuses_an_unusable_directory(tmp_path, no_cache_set):
+    assert compile_cache.enable("") == (None, "compile cache: off (compile_cache is empty)")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    where, line = compile_cache.enable(str(blocker / "cache"))
+    assert where is None and "cannot be created" in line and jax.config.jax_compilation_cache_dir is None
+    where, line = compile_cache.enable(str(tmp_path / "c"))
+    assert where == str(tmp_path / "c") and jax.config.jax_compilation_cache_dir == where
+
+
+def test_default_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.default_dir() == str(tmp_path / "meshlab" / "jax")
+
+
+def _train(cwd, run, env):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/train.py"), "--rules", "dp", "--steps", "2",
+                          "--run-dir", str(run), *SMALL, "data.max_bytes=200000", "checkpoint.at_end=false"],
+                         cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_rerun_loads_the_step_from_the_default_cache(tmp_path):
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("JAX_COMPILATION_CACHE_DIR")          # as a user's shell has it: the default applies
+    cache = tmp_path / "xdg" / "meshlab" / "jax"
+    first = _train(tmp_path, tmp_path / "run1", env)
+    assert f"compile cache: {cache}" in first
+    entries = sorted(os.listdir(cache))
+    assert any(e.startswith("jit_step") for e in entries), entries
+    second = _train(tmp_path, tmp_path / "run2", env)
+    assert sorted(os.listdir(cache)) == entries      # every program loaded, none compiled and written again
+    losses = [re.search(r"loss (\S+) -> (\S+) over", out).groups() for out in (first, second)]
+    assert losses[0] == losses[1]
