@@ -14,6 +14,8 @@ from pathlib import Path
 
 import jax
 
+MAX_BYTES = 16 << 30   # past this, jax evicts the least recently used entries
+
 
 def default_dir() -> str:
     """$XDG_CACHE_HOME/meshlab/jax, else ~/.cache/meshlab/jax."""
@@ -46,4 +48,6 @@ def enable(path: str) -> tuple[str | None, str]:
     except OSError as e:
         return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set compile_cache=DIR)"
     jax.config.update("jax_compilation_cache_dir", str(target))
+    if jax.config.jax_compilation_cache_max_size < 0:   # jax's default: unbounded
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return str(target), f"compile cache: {target} (compile_cache=DIR moves it; compile_cache= turns it off)"

@@ -19,12 +19,14 @@ pytestmark = pytest.mark.cheap_codegen
 @pytest.fixture
 def no_cache_set():
     """jax's cache directory unset for the test (the suite's own cache put back after it)."""
-    before = jax.config.jax_compilation_cache_dir
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
     jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_compilation_cache_max_size", -1)
     try:
         yield
     finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_compilation_cache_max_size", before[1])
 
 
 def test_enable_keeps_a_cache_set_before(tmp_path):
@@ -43,6 +45,7 @@ def test_enable_sets_off_and_refuses_an_unusable_directory(tmp_path, no_cache_se
     assert where is None and "cannot be created" in line and jax.config.jax_compilation_cache_dir is None
     where, line = compile_cache.enable(str(tmp_path / "c"))
     assert where == str(tmp_path / "c") and jax.config.jax_compilation_cache_dir == where
+    assert jax.config.jax_compilation_cache_max_size == compile_cache.MAX_BYTES     # bounded, not jax's unbounded
 
 
 def test_default_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
