@@ -27,7 +27,7 @@ def enable_for_run(cfg) -> str | None:
     """`enable` with the run config's `compile_cache` (auto: `default_dir()`); its startup line joins the
     run's others (cfg.auto_notes). The entry scripts call it; library calls of `train` leave jax's
     cache as the caller set it."""
-    where, line = enable(default_dir() if cfg.compile_cache == "auto" else cfg.compile_cache)
+    where, line = enable(default_dir() if cfg.compile_cache == "auto" else cfg.compile_cache or "")
     cfg.auto_notes = [*getattr(cfg, "auto_notes", []), line]
     return where
 

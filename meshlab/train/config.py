@@ -78,7 +78,7 @@ class TrainConfig:
     heartbeat_timeout: int = 300  # multi-process: stop when a process makes no progress this long (s)
     # jax's persistent compile cache (meshlab/train/compile_cache.py): auto = $XDG_CACHE_HOME/meshlab/jax
     # (~/.cache/meshlab/jax); a directory; empty: off. JAX_COMPILATION_CACHE_DIR, when set, wins.
-    compile_cache: str = "auto"
+    compile_cache: Optional[str] = "auto"
     # Device memory the fit check and remat=auto budget against, GiB per device. 0: the device's own
     # (the allocator's bytes_limit); CPU devices report none, so there the check is off unless set.
     device_memory_gib: float = 0.0

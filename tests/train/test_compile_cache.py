@@ -48,6 +48,15 @@ def test_enable_sets_off_and_refuses_an_unusable_directory(tmp_path, no_cache_se
     assert jax.config.jax_compilation_cache_max_size == compile_cache.MAX_BYTES     # bounded, not jax's unbounded
 
 
+def test_config_key_turns_it_off_or_moves_it(tmp_path, no_cache_set):
+    from meshlab.train.config import load_config
+    off = load_config("default", ["compile_cache="])           # as typed on the command line
+    assert compile_cache.enable_for_run(off) is None and off.auto_notes[-1].startswith("compile cache: off")
+    moved = load_config("default", [f"compile_cache={tmp_path / 'mine'}"])
+    assert compile_cache.enable_for_run(moved) == str(tmp_path / "mine")
+    assert moved.auto_notes[-1].startswith(f"compile cache: {tmp_path / 'mine'}")
+
+
 def test_default_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compile_cache.default_dir() == str(tmp_path / "meshlab" / "jax")
