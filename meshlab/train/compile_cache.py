@@ -48,6 +48,16 @@ def enable(path: str) -> tuple[str | None, str]:
     except OSError as e:
         return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set compile_cache=DIR)"
     jax.config.update("jax_compilation_cache_dir", str(target))
-    if jax.config.jax_compilation_cache_max_size < 0:   # jax's default: unbounded
+    if jax.config.jax_compilation_cache_max_size < 0 and _has_filelock():   # jax's default: unbounded
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return str(target), f"compile cache: {target} (compile_cache=DIR moves it; compile_cache= turns it off)"
+
+
+def _has_filelock() -> bool:
+    """jax bounds its cache only with the filelock package (without it, setting a size fails at the
+    first compile), so without it the cache stays unbounded."""
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -45,7 +45,14 @@ def test_enable_sets_off_and_refuses_an_unusable_directory(tmp_path, no_cache_se
     assert where is None and "cannot be created" in line and jax.config.jax_compilation_cache_dir is None
     where, line = compile_cache.enable(str(tmp_path / "c"))
     assert where == str(tmp_path / "c") and jax.config.jax_compilation_cache_dir == where
-    assert jax.config.jax_compilation_cache_max_size == compile_cache.MAX_BYTES     # bounded, not jax's unbounded
+    bounded = compile_cache.MAX_BYTES if compile_cache._has_filelock() else -1     # jax bounds it only with filelock
+    assert jax.config.jax_compilation_cache_max_size == bounded
+
+
+def test_without_filelock_the_cache_stays_unbounded(tmp_path, no_cache_set, monkeypatch):
+    monkeypatch.setitem(sys.modules, "filelock", None)       # `import filelock` raises ImportError
+    where, _ = compile_cache.enable(str(tmp_path / "c"))
+    assert where == str(tmp_path / "c") and jax.config.jax_compilation_cache_max_size == -1
 
 
 def test_config_key_turns_it_off_or_moves_it(tmp_path, no_cache_set):
