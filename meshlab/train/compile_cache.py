@@ -2,10 +2,10 @@
 
 A step compiles once per process: llama3_1b's unrolled layers take about a minute on an H200 host,
 llama3_3b's several. Every later run of the same program (a resume, a restart after preemption, the
-next experiment that changes only the data, the seed or the run directory) loads it from here instead: jax's persistent
-cache, keyed on the program's HLO, the compile options, the devices and the jax version, so a change
-to the model, the rules or the code is a new entry, never a stale one. Autotuning results live in the
-cached executable. Set `compile_cache=` (empty) to compile afresh every time.
+next experiment that changes only the data, the seed or the run directory) loads it from here instead:
+jax's persistent cache, keyed on the program's HLO, the compile options, the devices and the jax
+version, so a change to the model, the rules or the code is a new entry, never a stale one. Autotuning
+results live in the cached executable. Set `compile_cache=` (empty) to compile afresh every time.
 """
 from __future__ import annotations
 
