@@ -138,13 +138,18 @@ def test_step_without_commit_marker_is_partial(uninterrupted, tmp_path):
 
 
 KILL_DURING_SAVE = """
-import os, signal, sys
+import os, signal, sys, time
 import jax, jax.numpy as jnp
 from meshlab.checkpoint import Checkpointer
 ck = Checkpointer(sys.argv[1])
 ck.save(1, {"w": jnp.ones((256, 1024)), "step": jnp.int32(1)}, {"n": 1}, wait=True)
 big = {"w": jax.random.normal(jax.random.key(0), (32, 1024, 1024)), "step": jnp.int32(2)}
 ck.save(2, big, {"n": 2})          # async: returns while the bytes are being written
+# orbax may create its temporary step directory from its background thread: kill once it exists,
+# so the kill lands mid-save however loaded the machine is (not before the save began, nor after)
+d, t0 = ck.directory, time.monotonic()
+while not any(".orbax-checkpoint-tmp" in q.name for q in d.iterdir()) and time.monotonic() - t0 < 30:
+    time.sleep(0.0005)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
