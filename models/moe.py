@@ -23,7 +23,7 @@ from flax import nnx
 
 from meshlab.parallel import experts as dispatch_mod
 from meshlab.rules import constrain
-from models.llama import F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _param, _w, layer_loop
+from models.llama import F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _param, _w, embed_lookup, layer_loop
 from models.remat import remat as _remat
 
 
@@ -188,7 +188,7 @@ class MoeLM(Llama):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)  # [b, s]
-        x = constrain(jnp.take(_w(self.embed, dt), tokens, axis=0), ("act_batch", "act_seq", "act_embed"))
+        x = constrain(embed_lookup(self.embed, tokens, dt), ("act_batch", "act_seq", "act_embed"))
         block_def, block_state = nnx.split(self.layers)
 
         def layer(x, one_layer):
