@@ -53,6 +53,8 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="MFU's peak per device (default: the device kind's datasheet dense bf16 figure)")
     p.add_argument("--no-torch-gemm", action="store_true", help="skip torch's GEMM rate (own process)")
+    p.add_argument("--tokens", default="random", choices=("random", "text"),
+                   help="the batch: ids uniform over the vocabulary, or byte text as train.py's corpus feeds")
     args = p.parse_args()
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = R.load_rules("dp")
@@ -76,13 +78,14 @@ def main():
     def record(label, cfg, batch, seq):
         prof = Path("/tmp/meshlab_traces") / f"v{len(rows)}" if args.profile else None
         try:
-            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps, profile_dir=prof)
+            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps, profile_dir=prof,
+                                              tokens=args.tokens)
         except Exception as e:  # an unavailable or failing variant is reported, not fatal
             rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(rows[-1], flush=True)
             return
         f = cfg.train_flops_per_token(seq)
-        rows.append({"variant": label, "batch": batch, "seq": seq, "tokens_per_s": round(tok_s),
+        rows.append({"variant": label, "batch": batch, "seq": seq, "tokens": args.tokens, "tokens_per_s": round(tok_s),
                      "step_ms": round(dt * 1e3, 1), "mfu": round(tok_s * f / peak, 4),
                      "program_gib": round(mem / 2**30, 1),
                      "loss": round(loss, 3), "vocab": cfg.vocab_size})

@@ -15,15 +15,33 @@ from meshlab.train.step import make_train_step
 from models import model_def
 
 
-def build(cfg, rules, mesh, batch, seq):
-    """(model def, optimizer, state shardings, jitted step, a sharded random batch)."""
+def sample_tokens(kind: str, vocab: int, shape, seed: int = 0):
+    """int32 tokens of `shape`: "random", uniform over the vocabulary (every id about once: no repeats
+    in the embedding gradient's scatter), or "text", this interpreter's standard-library source as byte
+    ids, what train.py's embedded corpus feeds (a few hundred ids, the most frequent thousands of times
+    a batch)."""
+    n = int(np.prod(shape))
+    if kind == "random":
+        return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32).reshape(shape)
+    if kind != "text":
+        raise ValueError(f"tokens={kind!r} must be random or text")
+    import sysconfig
+    text = bytearray()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text += path.read_bytes()
+        if len(text) >= n:
+            break
+    return np.resize(np.frombuffer(bytes(text), np.uint8), n).astype(np.int32).reshape(shape)
+
+
+def build(cfg, rules, mesh, batch, seq, tokens="random"):
+    """(model def, optimizer, state shardings, jitted step, a sharded batch of `tokens`: sample_tokens)."""
     md = model_def(cfg)
     tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=2), 100, md.names)
     layout = Layout.build(md, rules, mesh)
     sh = to_shardings(mesh, state_specs(md, rules, mesh, tx, False, layout=layout))
     step = make_train_step(md, rules, mesh, tx, sh, layout=layout)   # traced under its own rules and mesh
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    tokens = sample_tokens(tokens, cfg.vocab_size, (batch, seq + 1))
     host = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.zeros((batch, seq), np.int32),
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
     return md, tx, sh, step, {k: jax.device_put(v, layout.batch_sharding) for k, v in host.items()}
@@ -48,10 +66,10 @@ def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80, multiple=1):
     return max(multiple, min(batch, 64 * multiple)), (args, temp, per_row)
 
 
-def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2):
+def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2, tokens="random"):
     """(tokens/s, median step s, last loss, program bytes per device). With `profile_dir`, a
     Perfetto trace of `profile_steps` more steps is written there after the timed ones."""
-    md, tx, sh, jitted, b = build(cfg, rules, mesh, batch, seq)
+    md, tx, sh, jitted, b = build(cfg, rules, mesh, batch, seq, tokens)
     # One compile: its memory analysis is this program's own footprint (the allocator's peak is
     # process-wide across variants), and it runs the steps.
     step = jitted.lower(abstract_state(md, tx, sh, False), b).compile()

@@ -76,3 +76,18 @@ def test_torch_peer_phases():
     assert phases[1] == [("x1-ddp", 1, [0], ["ddp"]), ("x1-fsdp2", 1, [1], ["fsdp2"])]   # one GPU each, at once
     one = bt.plan_phases([1, 4], ["ddp", "fsdp2"], ngpu=2, concurrent=False, collectives=True)
     assert one[0] == [("x1", 1, [0], ["ddp", "fsdp2"])] and one[1] == [("x4", 4, [], [])]   # 4: reported as not run
+
+
+def test_bench_tokens_random_and_text():
+    """The harness's two batches: ids spread over the vocabulary, or byte text's skew (train.py's corpus)."""
+    import numpy as np
+
+    from meshlab.bench.train import sample_tokens
+    rand = sample_tokens("random", 128256, (4, 4097))
+    text = sample_tokens("text", 128256, (4, 4097))
+    assert rand.shape == text.shape == (4, 4097) and rand.dtype == text.dtype == np.int32
+    assert np.bincount(rand.ravel()).max() <= 4                 # no id repeats much
+    counts = np.bincount(text.ravel(), minlength=256)
+    assert text.max() < 256 and counts.max() > 1000             # a few hundred ids, one of them (space) > 1000 times
+    with pytest.raises(ValueError, match="tokens='bytes' must be random or text"):
+        sample_tokens("bytes", 10, (1, 2))
