@@ -11,8 +11,8 @@ of each and the ratio, and the FP8 and bf16 GEMMs in the compiled FP8 step.
 The config's own schedule is kept (llama3_1b: linear warmup over 100 steps to 3e-4, cosine to 10% over
 `--steps`), so 300 steps see warmup, peak and decay. A tolerance needs runs that agree without FP8: at 3e-4
 two bf16 runs of the same math (another rounding order) ended 0.06 nats apart by step 300 on the H200, at
-`optim.lr=1e-4` 0.017 (docs/benchmarks.md, Training), so the comparison against 0.02 is made there. Its corpus (the embedded standard library) is
-prepared on first use, as train.py does. Prints a table; on a GPU appends dated rows to
+`optim.lr=1e-4` 0.017 (docs/benchmarks.md, Training), so the comparison against 0.02 is made there.
+Its corpus (the embedded standard library) is prepared on first use, as train.py does. Prints a table; on a GPU appends dated rows to
 docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves, $OUT/bench_fp8_rows.md the rows. A ratio is reported only
 for a run whose final loss is within the tolerance.
 """
