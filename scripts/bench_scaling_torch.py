@@ -141,6 +141,7 @@ def train(mode: str, dev, world: int, a) -> dict:
         model = LlamaForCausalLM(cfg)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    fp8_note = float8_linears(model) if a.float8 else ""
     layers = model.model.layers
     if a.compile == "blocks":   # one compiled decoder layer, reused by every layer (torchtitan's recipe)
         for i in range(len(layers)):
@@ -198,8 +199,23 @@ def train(mode: str, dev, world: int, a) -> dict:
     return {"tokens_per_s_per_gpu": tok_gpu, "step_ms": dt * 1e3, "peak_mem_gib": peak / 2**30,
             "mfu_989": tok_gpu * flops_per_token(cfg, n_params, a.seq) / 989e12, "loss": float(loss.detach()),
             "warmup_s": warm_s, "batch_per_gpu": a.batch, "seq": a.seq, "params": n_params,
-            "compile": a.compile, "precision": mp_note, "optimizer": opt_note, "clip_grad": a.clip_grad,
+            "compile": a.compile, "precision": mp_note + fp8_note, "optimizer": opt_note, "clip_grad": a.clip_grad,
             "model": "tiny" if a.tiny else a.model}
+
+
+def float8_linears(model) -> str:
+    """torchao's float8 training on the decoder layers' projections (q, k, v, o, gate, up, down), the
+    LM head left in bf16: meshlab's model.matmul_dtype=float8 split. torchao's default recipe scales
+    per tensor from the current amax (tensorwise, dynamic), as meshlab's does; converted before
+    torch.compile and FSDP, as torchtitan orders it. Returns the row's note."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise SystemExit(f"--float8 needs torchao ({e}); carry its wheel to the GPU machine") from None
+    convert_to_float8_training(model, config=Float8LinearConfig(),
+                               module_filter_fn=lambda module, fqn: fqn.startswith("model.layers."))
+    import torchao
+    return f"; torchao {torchao.__version__} float8 projections (tensorwise)"
 
 
 def worker(rank: int, world: int, gpu: int, port: int, jobs: list[str], a, q, group: str):
@@ -342,6 +358,8 @@ def main(argv=None) -> int:
                     help="FSDP2 precision: bf16 gathered params + fp32 reduce, or fp32 params under autocast only")
     ap.add_argument("--clip-grad", type=float, default=0.0,
                     help="clip_grad_norm_ to this global norm every step (foreach), as torchtitan does (1.0); 0: off")
+    ap.add_argument("--float8", action="store_true",
+                    help="torchao float8 training of the decoder layers' projections (the FP8 peer)")
     ap.add_argument("--no-concurrent", action="store_true", help="1-GPU runs one after another on GPU 0")
     ap.add_argument("--no-collectives", action="store_true")
     ap.add_argument("--ar-sizes", default="64MiB,256MiB,1GiB,4GiB")

@@ -78,6 +78,17 @@ def test_torch_peer_phases():
     assert one[0] == [("x1", 1, [0], ["ddp", "fsdp2"])] and one[1] == [("x4", 4, [], [])]   # 4: reported as not run
 
 
+def test_torch_float8_peer_needs_torchao():
+    """--float8 converts through torchao; without it one message says so (this CPU venv has neither torch
+    nor torchao: the conversion itself runs on the GPU machine)."""
+    import importlib.util
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao installed: the missing-package message is not reachable")
+    bt = _load("bench_scaling_torch")
+    with pytest.raises(SystemExit, match="--float8 needs torchao"):
+        bt.float8_linears(None)
+
+
 def test_bench_tokens_random_and_text():
     """The harness's two batches: ids spread over the vocabulary, or byte text's skew (train.py's corpus)."""
     import numpy as np
