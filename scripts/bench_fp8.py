@@ -7,6 +7,7 @@ of each and the ratio, and the FP8 and bf16 GEMMs in the compiled FP8 step.
     PYTHONPATH=$PWD python3 scripts/bench_fp8.py [--config llama3_1b] [--rules dp] [--steps 300]
     PYTHONPATH=$PWD python3 scripts/bench_fp8.py --cpu-smoke      # tiny model, 8 steps: the mechanics
     ... --steps 300 model.scan_layers=true    # overrides apply to both runs (here: a shorter compile)
+    ... --torch-peer      # also torch FSDP2 in bf16 and with torchao float8, timed first (needs torchao)
 
 The config's own schedule is kept (llama3_1b: linear warmup over 100 steps to 3e-4, cosine to 10% over
 `--steps`), so 300 steps see warmup, peak and decay. A tolerance needs runs that agree without FP8: at 3e-4
@@ -41,6 +42,9 @@ def parse(argv=None):
     p.add_argument("--only", choices=("bfloat16", "float8"),
                    help="train one of the two (a control: a repeat, another seed, or bf16 with the layer loop flipped "
                         "by an override, to see how far two runs of the same math drift apart by step N)")
+    p.add_argument("--torch-peer", action="store_true",
+                   help="first time torch FSDP2 in bf16 and with torchao float8 (bench_scaling_torch.py --float8), "
+                        "same shape and batch, each in its own process before JAX takes the GPU")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, --steps 8: mechanics only")
     p.add_argument("overrides", nargs="*", help="config overrides for both runs, key=value")
     args = p.parse_args(argv)
@@ -115,6 +119,54 @@ def report(args, bf, f8) -> str:
     return "\n".join(lines) + "\n"
 
 
+def peer_shape(config: str, overrides) -> tuple[str, int, int]:
+    """(model name, batch, seq) of the config file and overrides, read as YAML: load_config resolves
+    against the devices, which would start JAX's GPU backend before torch runs."""
+    import yaml
+
+    from meshlab.train.config import TrainConfig, _config_file
+    raw = yaml.safe_load(_config_file(config).read_text()) or {}
+    dotted = dict(o.split("=", 1) for o in overrides if "=" in o)
+    default = TrainConfig().data
+    pick = lambda key, section, field, d: dotted.get(key) or (raw.get(section) or {}).get(field) or d  # noqa: E731
+    return (str(pick("model.name", "model", "name", "tiny")), int(pick("data.global_batch", "data", "global_batch",
+            default.global_batch)), int(pick("data.seq_len", "data", "seq_len", default.seq_len)))
+
+
+def torch_peers(model: str, batch: int, seq: int, runner=None) -> dict:
+    """{"bfloat16": row, "float8": row}: bench_scaling_torch.py's JSON row (tokens_per_s_per_gpu, ...) or
+    {"error": ...} for each, run one after the other on GPU 0."""
+    import subprocess
+    runner = runner or (lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
+    out = {}
+    for dtype, extra in (("bfloat16", []), ("float8", ["--float8"])):
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_scaling_torch.py"), "--gpus", "1", "--modes", "fsdp2",
+               "--no-collectives", "--model", model, "--batch", str(batch), "--seq", str(seq), *extra]
+        try:
+            lines = [json.loads(x) for x in runner(cmd).splitlines() if x.startswith("{")]
+        except Exception as e:   # a hung or failed peer is a row that says so, not a lost benchmark
+            lines = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
+        rows = [x for x in lines if "tokens_per_s_per_gpu" in x or "error" in x]
+        out[dtype] = rows[-1] if rows else {"error": "no JSON row"}
+    return out
+
+
+def report_peers(peers: dict, ours: dict) -> str:
+    """Rows of the torch peers beside ours: tokens/s, and float8 over bf16 on each side."""
+    lines = ["", "| torch FSDP2 (per-layer compile, fused AdamW) | tokens/s | ours / peer |", "|---|---|---|"]
+    rate = {k: v.get("tokens_per_s_per_gpu") for k, v in peers.items()}
+    for dtype, row in peers.items():
+        mine = ours.get(dtype, {}).get("tokens_per_s")
+        label = "float8 (torchao, tensorwise)" if dtype == "float8" else "bfloat16"
+        if rate[dtype] is None:
+            lines.append(f"| {label} | failed: {row.get('error', '?')[:120]} | - |")
+        else:
+            lines.append(f"| {label} | {rate[dtype]:,.0f} | " + (f"{mine / rate[dtype]:.3f} |" if mine else "- |"))
+    if rate.get("float8") and rate.get("bfloat16"):
+        lines.append(f"\ntorch float8 / bf16: {rate['float8'] / rate['bfloat16']:.3f}x.")
+    return "\n".join(lines) + "\n"
+
+
 def report_one(args, r) -> str:
     """The rows of a single control run: its final loss, speed and curve."""
     import jax
@@ -130,6 +182,9 @@ def report_one(args, r) -> str:
 
 def main(argv=None):
     args = parse(argv)
+    peers = None
+    if args.torch_peer:   # before this process initialises a JAX backend: torch gets the whole GPU
+        peers = torch_peers(*peer_shape(args.config, args.overrides))
     import jax
     if args.only:
         runs = {args.only: run(args, args.only)}
@@ -137,6 +192,9 @@ def main(argv=None):
     else:
         runs = {"bf16": run(args, "bfloat16"), "fp8": run(args, "float8")}
         text = report(args, runs["bf16"], runs["fp8"])
+    if peers is not None:
+        text += report_peers(peers, {r["matmul_dtype"]: r for r in runs.values()})
+        runs["torch_peers"] = peers
     print(text)
     if jax.default_backend() == "gpu":
         with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:

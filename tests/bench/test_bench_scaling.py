@@ -102,3 +102,29 @@ def test_bench_tokens_random_and_text():
     assert text.max() < 256 and counts.max() > 1000             # a few hundred ids, one of them (space) > 1000 times
     with pytest.raises(ValueError, match="tokens='bytes' must be random or text"):
         sample_tokens("bytes", 10, (1, 2))
+
+
+def test_fp8_bench_torch_peers_rows():
+    """bench_fp8.py --torch-peer: the shape read without starting JAX's backend, both peers' commands,
+    a failed peer reported as such, and the ratios against ours."""
+    import subprocess
+    import sys
+    fp8 = _load("bench_fp8")
+    assert fp8.peer_shape("llama3_1b", ["data.global_batch=2"]) == ("llama3_1b", 2, 4096)
+    probe = ("import sys; sys.argv = ['x']; sys.path.insert(0, 'scripts'); import bench_fp8; "
+             "bench_fp8.peer_shape('llama3_1b', []); from jax._src import xla_bridge; print(bool(xla_bridge._backends))")
+    started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                             cwd=SCRIPTS.parent).stdout.strip()
+    assert started == "False"                                       # read as YAML: no backend started by it
+    cmds = []
+
+    def runner(cmd):
+        cmds.append(cmd)
+        if "--float8" in cmd:
+            raise TimeoutError("peer hung")
+        return 'log line\n{"tokens_per_s_per_gpu": 60000.0, "step_ms": 273.1}\n'
+    peers = fp8.torch_peers("llama3_1b", 2, 4096, runner=runner)
+    assert [c[-1] for c in cmds] == ["4096", "--float8"] and "--batch" in cmds[0]
+    assert peers["bfloat16"]["tokens_per_s_per_gpu"] == 60000.0 and "TimeoutError" in peers["float8"]["error"]
+    text = fp8.report_peers(peers, {"bfloat16": {"tokens_per_s": 63000.0}, "float8": {"tokens_per_s": 72000.0}})
+    assert "| bfloat16 | 60,000 | 1.050 |" in text and "| float8 (torchao, tensorwise) | failed: TimeoutError" in text
