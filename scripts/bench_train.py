@@ -3,6 +3,8 @@ pallas attention, fused ops on and off, every remat policy, vocab 50257 vs 50304
 peer (own process; `--peer-json` takes its line when it ran before JAX took the GPU).
 
     PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--profile] [--variants ...]
+    ... --variants A B --rounds 3     # A B A B A B: each compiled once, the median round reported
+    ... --tokens text                 # byte text as train.py's embedded corpus feeds (default: random ids)
 Appends dated rows to docs/archive/benchmarks-diary.md. The batch is chosen from the compiled memory analysis.
 """
 import argparse
@@ -18,11 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
-from meshlab.bench.train import pick_batch, time_steps, torch_gemm_tflops  # noqa: E402
+from meshlab.bench.train import StepRunner, pick_batch, torch_gemm_tflops  # noqa: E402
 from meshlab.peak import measured_gemm_flops, peak_flops  # noqa: E402
 
 
@@ -53,6 +56,9 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="MFU's peak per device (default: the device kind's datasheet dense bf16 figure)")
     p.add_argument("--no-torch-gemm", action="store_true", help="skip torch's GEMM rate (own process)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant again this many rounds, alternating (each variant's state stays on the "
+                        "device: for variants whose states fit together); a row reports the median round")
     p.add_argument("--tokens", default="random", choices=("random", "text"),
                    help="the batch: ids uniform over the vocabulary, or byte text as train.py's corpus feeds")
     args = p.parse_args()
@@ -75,23 +81,45 @@ def main():
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     out_dir.mkdir(parents=True, exist_ok=True)   # the profile table is appended there after the timing
 
+    runners = []   # (row, runner) kept for --rounds > 1
+
     def record(label, cfg, batch, seq):
         prof = Path("/tmp/meshlab_traces") / f"v{len(rows)}" if args.profile else None
         try:
-            tok_s, dt, loss, mem = time_steps(cfg, rules, mesh, batch, seq, args.steps, profile_dir=prof,
-                                              tokens=args.tokens)
+            runner = StepRunner(cfg, rules, mesh, batch, seq, args.tokens)
+            dt = runner.time(args.steps)
+            if prof:
+                runner.profile(prof)
         except Exception as e:  # an unavailable or failing variant is reported, not fatal
             rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(rows[-1], flush=True)
             return
         f = cfg.train_flops_per_token(seq)
-        rows.append({"variant": label, "batch": batch, "seq": seq, "tokens": args.tokens, "tokens_per_s": round(tok_s),
-                     "step_ms": round(dt * 1e3, 1), "mfu": round(tok_s * f / peak, 4),
-                     "program_gib": round(mem / 2**30, 1),
-                     "loss": round(loss, 3), "vocab": cfg.vocab_size})
+        rows.append({"variant": label, "batch": batch, "seq": seq, "tokens": args.tokens,
+                     "tokens_per_s": round(batch * seq / dt), "step_ms": round(dt * 1e3, 1),
+                     "mfu": round(batch * seq / dt * f / peak, 4), "program_gib": round(runner.program_bytes / 2**30, 1),
+                     "loss": round(runner.loss, 3), "vocab": cfg.vocab_size, "flops_per_token": f})
         print(rows[-1], flush=True)
         if prof:
             write_profile(prof, label, dt, out_dir / "profiles.md")
+        if args.rounds > 1:
+            rows[-1]["rounds_ms"] = [rows[-1]["step_ms"]]
+            runners.append((rows[-1], runner))
+        else:
+            runner.close()
+
+    def more_rounds():
+        """Rounds 2..R, the variants alternating; each row then reports its median round."""
+        for _ in range(args.rounds - 1):
+            for row, runner in runners:
+                row["rounds_ms"].append(round(runner.time(args.steps) * 1e3, 1))
+        for row, runner in runners:
+            runner.close()
+            dt = float(np.median(row["rounds_ms"])) / 1e3
+            row.update(step_ms=round(dt * 1e3, 1), tokens_per_s=round(row["batch"] * row["seq"] / dt),
+                       mfu=round(row["batch"] * row["seq"] / dt * row["flops_per_token"] / peak, 4))
+            print({"variant": row["variant"], "rounds_ms": row["rounds_ms"], "tokens_per_s": row["tokens_per_s"]},
+                  flush=True)
 
     def variant(attention="cudnn", remat="none", **over):
         cfg = models.preset(args.model)
@@ -134,6 +162,7 @@ def main():
         if i == 0 and not args.no_peer and not args.peer_json:
             peer = run_peer(min(batch, 8), args.seq, args.steps)
             print("peer:", peer, flush=True)
+    more_rounds()
     if args.peer_json:
         lines = [x for x in Path(args.peer_json).read_text().splitlines() if x.startswith("{")]
         peer = json.loads(lines[-1]) if lines else {"error": Path(args.peer_json).read_text()[-300:]}
@@ -174,7 +203,8 @@ def write_rows(dev, peak, gemm, rows, peer, args):
         if "error" in r:
             lines.append(f"| {r['variant']} | - | FAILED: {r['error']} | | | | |")
         else:
-            lines.append(f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:,} | {r['step_ms']} | "
+            rounds = f" (rounds {' / '.join(map(str, r['rounds_ms']))})" if "rounds_ms" in r else ""
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']:,} | {r['step_ms']}{rounds} | "
                          f"{100 * r['mfu']:.1f}% | {r['program_gib']} | {r['loss']} |")
     if peer.get("tokens_per_s"):
         lines.append(f"| peer: transformers Llama, torch.compile + AMP bf16 + fused AdamW | {peer['batch']} | "

@@ -66,40 +66,60 @@ def pick_batch(cfg, rules, mesh, seq, hbm_bytes, budget=0.80, multiple=1):
     return max(multiple, min(batch, 64 * multiple)), (args, temp, per_row)
 
 
+class StepRunner:
+    """One variant's compiled step, state and batch, kept so that it can be timed again: `time()` per
+    round, variants alternating (bench_train.py --rounds), the clock drift between them shared."""
+
+    def __init__(self, cfg, rules, mesh, batch, seq, tokens="random"):
+        md, tx, sh, jitted, self.batch = build(cfg, rules, mesh, batch, seq, tokens)
+        # One compile: its memory analysis is this program's own footprint (the allocator's peak is
+        # process-wide across variants), and it runs the steps.
+        self.step = jitted.lower(abstract_state(md, tx, sh, False), self.batch).compile()
+        _, _, self.program_bytes = program_memory(jitted, md, tx, sh, self.batch, compiled=self.step)
+        self.state = init_state(md, tx, sh, 0, False)
+        try:
+            self.state, m = self.step(self.state, self.batch)       # first step
+        except (TypeError, ValueError):     # arguments the compiled program refuses (checked before it runs)
+            self.step = jitted
+            self.state, m = self.step(self.state, self.batch)
+        self.loss = float(m["loss"])
+
+    def time(self, steps: int) -> float:
+        """Median seconds of `steps` steps, each synchronised (a clean per-step time)."""
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            self.state, m = self.step(self.state, self.batch)
+            self.loss = float(m["loss"])
+            times.append(time.perf_counter() - t)
+        if not np.isfinite(self.loss):
+            raise FloatingPointError(f"non-finite loss {self.loss}")
+        return float(np.median(times))
+
+    def profile(self, profile_dir, steps: int = 2):
+        """A Perfetto trace of `steps` more steps, the program's text beside it (the kernel table names
+        each fusion's shape and root op)."""
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        if hasattr(self.step, "as_text"):
+            (Path(profile_dir) / "step.hlo.txt").write_text(self.step.as_text())
+        with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+            for _ in range(steps):
+                self.state, m = self.step(self.state, self.batch)
+            float(m["loss"])
+
+    def close(self):
+        self.state = None
+
+
 def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2, tokens="random"):
     """(tokens/s, median step s, last loss, program bytes per device). With `profile_dir`, a
     Perfetto trace of `profile_steps` more steps is written there after the timed ones."""
-    md, tx, sh, jitted, b = build(cfg, rules, mesh, batch, seq, tokens)
-    # One compile: its memory analysis is this program's own footprint (the allocator's peak is
-    # process-wide across variants), and it runs the steps.
-    step = jitted.lower(abstract_state(md, tx, sh, False), b).compile()
-    _, _, program_bytes = program_memory(jitted, md, tx, sh, b, compiled=step)
-    state = init_state(md, tx, sh, 0, False)
-    try:
-        state, m = step(state, b)       # first step
-    except (TypeError, ValueError):     # arguments the compiled program refuses (checked before it runs)
-        step = jitted
-        state, m = step(state, b)
-    float(m["loss"])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = step(state, b)
-        loss = float(m["loss"])         # sync each step: a clean per-step time
-        times.append(time.perf_counter() - t)
+    runner = StepRunner(cfg, rules, mesh, batch, seq, tokens)
+    dt = runner.time(steps)
     if profile_dir:
-        # the program's text beside its trace: the kernel table names each fusion's shape and root op
-        Path(profile_dir).mkdir(parents=True, exist_ok=True)
-        if hasattr(step, "as_text"):
-            (Path(profile_dir) / "step.hlo.txt").write_text(step.as_text())
-        with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
-            for _ in range(profile_steps):
-                state, m = step(state, b)
-            float(m["loss"])
-    if not np.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss}")
-    dt = float(np.median(times))
-    del state
+        runner.profile(profile_dir, profile_steps)
+    loss, program_bytes = runner.loss, runner.program_bytes
+    runner.close()
     return batch * seq / dt, dt, loss, program_bytes
 
 

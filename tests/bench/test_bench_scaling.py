@@ -128,3 +128,21 @@ def test_fp8_bench_torch_peers_rows():
     assert peers["bfloat16"]["tokens_per_s_per_gpu"] == 60000.0 and "TimeoutError" in peers["float8"]["error"]
     text = fp8.report_peers(peers, {"bfloat16": {"tokens_per_s": 63000.0}, "float8": {"tokens_per_s": 72000.0}})
     assert "| bfloat16 | 60,000 | 1.050 |" in text and "| float8 (torchao, tensorwise) | failed: TimeoutError" in text
+
+
+def test_step_runner_times_again_from_its_kept_state():
+    """bench_train.py --rounds: a variant's compiled step and state stay, each round continues training."""
+    import jax
+    import numpy as np
+
+    from meshlab import rules as R
+    from meshlab.bench.train import StepRunner
+    from meshlab.mesh import make_mesh
+    cfg = models.preset("tiny")
+    cfg.attention, cfg.n_layers = "xla", 1
+    runner = StepRunner(cfg, R.load_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]), 2, 32, "text")
+    first = runner.loss
+    times = [runner.time(2), runner.time(2)]
+    assert all(t > 0 for t in times) and np.isfinite(runner.loss) and runner.loss < first   # five steps on one batch
+    runner.close()
+    assert runner.state is None
