@@ -119,20 +119,6 @@ def report(args, bf, f8) -> str:
     return "\n".join(lines) + "\n"
 
 
-def peer_shape(config: str, overrides) -> tuple[str, int, int]:
-    """(model name, batch, seq) of the config file and overrides, read as YAML: load_config resolves
-    against the devices, which would start JAX's GPU backend before torch runs."""
-    import yaml
-
-    from meshlab.train.config import TrainConfig, _config_file
-    raw = yaml.safe_load(_config_file(config).read_text()) or {}
-    dotted = dict(o.split("=", 1) for o in overrides if "=" in o)
-    default = TrainConfig().data
-    pick = lambda key, section, field, d: dotted.get(key) or (raw.get(section) or {}).get(field) or d  # noqa: E731
-    return (str(pick("model.name", "model", "name", "tiny")), int(pick("data.global_batch", "data", "global_batch",
-            default.global_batch)), int(pick("data.seq_len", "data", "seq_len", default.seq_len)))
-
-
 def torch_peers(model: str, batch: int, seq: int, runner=None) -> dict:
     """{"bfloat16": row, "float8": row}: bench_scaling_torch.py's JSON row (tokens_per_s_per_gpu, ...) or
     {"error": ...} for each, run one after the other on GPU 0."""
@@ -184,7 +170,8 @@ def main(argv=None):
     args = parse(argv)
     peers = None
     if args.torch_peer:   # before this process initialises a JAX backend: torch gets the whole GPU
-        peers = torch_peers(*peer_shape(args.config, args.overrides))
+        from meshlab.bench.train import config_shape
+        peers = torch_peers(*config_shape(args.config, args.overrides))
     import jax
     if args.only:
         runs = {args.only: run(args, args.only)}

@@ -15,6 +15,23 @@ from meshlab.train.step import make_train_step
 from models import model_def
 
 
+def config_shape(config: str, overrides=()) -> tuple[str, int, int]:
+    """(model name, batch, seq) of a config file and key=value overrides, read as YAML: load_config
+    resolves against the devices, which would start JAX's GPU backend before a torch peer runs."""
+    import yaml
+
+    from meshlab.train.config import TrainConfig, _config_file
+    raw = yaml.safe_load(_config_file(config).read_text()) or {}
+    dotted = dict(o.split("=", 1) for o in overrides if "=" in o)
+    default = TrainConfig().data
+
+    def pick(key, d):
+        section, field = key.split(".")
+        return dotted.get(key) or (raw.get(section) or {}).get(field) or d
+    return (str(pick("model.name", "tiny")), int(pick("data.global_batch", default.global_batch)),
+            int(pick("data.seq_len", default.seq_len)))
+
+
 def sample_tokens(kind: str, vocab: int, shape, seed: int = 0):
     """int32 tokens of `shape`: "random", uniform over the vocabulary (every id about once: no repeats
     in the embedding gradient's scatter), or "text", this interpreter's standard-library source as byte

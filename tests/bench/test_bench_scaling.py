@@ -110,9 +110,10 @@ def test_fp8_bench_torch_peers_rows():
     import subprocess
     import sys
     fp8 = _load("bench_fp8")
-    assert fp8.peer_shape("llama3_1b", ["data.global_batch=2"]) == ("llama3_1b", 2, 4096)
-    probe = ("import sys; sys.argv = ['x']; sys.path.insert(0, 'scripts'); import bench_fp8; "
-             "bench_fp8.peer_shape('llama3_1b', []); from jax._src import xla_bridge; print(bool(xla_bridge._backends))")
+    from meshlab.bench.train import config_shape
+    assert config_shape("llama3_1b", ["data.global_batch=2"]) == ("llama3_1b", 2, 4096)
+    probe = ("from meshlab.bench.train import config_shape; config_shape('llama3_1b'); "
+             "from jax._src import xla_bridge; print(bool(xla_bridge._backends))")
     started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                              cwd=SCRIPTS.parent).stdout.strip()
     assert started == "False"                                       # read as YAML: no backend started by it
@@ -146,3 +147,32 @@ def test_step_runner_times_again_from_its_kept_state():
     assert all(t > 0 for t in times) and np.isfinite(runner.loss) and runner.loss < first   # five steps on one batch
     runner.close()
     assert runner.state is None
+
+
+def test_vs_torch_rounds_alternate_and_void_a_slow_peer(tmp_path):
+    """bench_vs_torch.py: peer then ours each round; ours read from train.py's summary row (a stale one
+    removed first); a round whose peer is under the floor, or whose run failed, does not count."""
+    import json
+    vt = _load("bench_vs_torch")
+    args = vt.parse(["--config", "llama3_1b", "--rounds", "3", "--peer-floor", "61000", "--run-dir",
+                     str(tmp_path / "run"), "optim.lr=1e-4"])
+    peer_cmd, ours_cmd = vt.commands(args, "llama3_1b", 4, 4096)
+    assert "--float8" not in peer_cmd and peer_cmd[-4:] == ["--batch", "4", "--seq", "4096"]
+    assert ours_cmd[-2:] == ["checkpoint.at_end=false", "optim.lr=1e-4"]
+    peers, ours, calls = iter([62000.0, 60000.0, 61500.0]), iter([65100.0, 63000.0, None]), []
+
+    def runner(cmd, timeout):
+        calls.append("peer" if cmd is peer_cmd else "ours")
+        if cmd is peer_cmd:
+            return f'warming\n{{"tokens_per_s_per_gpu": {next(peers)}}}\n'
+        rate, run = next(ours), tmp_path / "run"
+        run.mkdir(exist_ok=True)
+        rows = [{"step": 10, "loss": 3.0}] + ([{"event": "summary", "tokens_per_s": rate}] if rate else [])
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return ""
+    rounds = vt.measure(args, peer_cmd, ours_cmd, runner=runner)
+    assert calls == ["peer", "ours"] * 3
+    assert [r["valid"] for r in rounds] == [True, False, False]             # slow peer; failed run
+    assert rounds[0]["ratio"] == 65100.0 / 62000.0 and rounds[2]["ours"] is None
+    text = vt.report(args, ("llama3_1b", 4, 4096), rounds)
+    assert "| 3 | 61,500 | failed | failed | no" in text and "Median ratio of the rounds that count: 1.050 (1 of 3)" in text
