@@ -256,8 +256,8 @@ def embed_lookup(embed, tokens, dtype):
     """Rows of the embedding parameter for tokens [b, s] -> [b, s, d] in dtype. The lookup's gradient
     is a scatter-add of b*s rows into [V, d], a frequent token's thousands of rows into one; autodiff
     of a bf16 lookup adds them in bf16, each add rounded (Zipf-skewed byte ids, 8-16k tokens, XLA:CPU:
-    5-7% error in the most frequent id's row). Here they add in fp32 and the sum is rounded once; the forward is unchanged (the
-    weight cast, then gathered if stored sharded: half the bytes)."""
+    5-7% error in the most frequent id's row). Here they add in fp32 and the sum is rounded once. The
+    forward is unchanged: the weight cast, then gathered if stored sharded (half the bytes)."""
     return _take_rows(_w(embed, dtype), tokens)
 
 
