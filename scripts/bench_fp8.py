@@ -13,9 +13,9 @@ The config's own schedule is kept (llama3_1b: linear warmup over 100 steps to 3e
 `--steps`), so 300 steps see warmup, peak and decay. A tolerance needs runs that agree without FP8: at 3e-4
 two bf16 runs of the same math (another rounding order) ended 0.06 nats apart by step 300 on the H200, at
 `optim.lr=1e-4` 0.017 (docs/benchmarks.md, Training), so the comparison against 0.02 is made there.
-Its corpus (the embedded standard library) is prepared on first use, as train.py does. Prints a table; on a GPU appends dated rows to
-docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves, $OUT/bench_fp8_rows.md the rows. A ratio is reported only
-for a run whose final loss is within the tolerance.
+Its corpus (the embedded standard library) is prepared on first use, as train.py does. Prints a table;
+on a GPU appends dated rows to docs/archive/benchmarks-diary.md; $OUT/bench_fp8.json holds the curves,
+$OUT/bench_fp8_rows.md the rows. A ratio is reported only for a run whose final loss is within the tolerance.
 """
 import argparse
 import datetime
@@ -120,21 +120,11 @@ def report(args, bf, f8) -> str:
 
 
 def torch_peers(model: str, batch: int, seq: int, runner=None) -> dict:
-    """{"bfloat16": row, "float8": row}: bench_scaling_torch.py's JSON row (tokens_per_s_per_gpu, ...) or
-    {"error": ...} for each, run one after the other on GPU 0."""
-    import subprocess
-    runner = runner or (lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
-    out = {}
-    for dtype, extra in (("bfloat16", []), ("float8", ["--float8"])):
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_scaling_torch.py"), "--gpus", "1", "--modes", "fsdp2",
-               "--no-collectives", "--model", model, "--batch", str(batch), "--seq", str(seq), *extra]
-        try:
-            lines = [json.loads(x) for x in runner(cmd).splitlines() if x.startswith("{")]
-        except Exception as e:   # a hung or failed peer is a row that says so, not a lost benchmark
-            lines = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
-        rows = [x for x in lines if "tokens_per_s_per_gpu" in x or "error" in x]
-        out[dtype] = rows[-1] if rows else {"error": "no JSON row"}
-    return out
+    """{"bfloat16": row, "float8": row}: torch FSDP2 at this shape without and with torchao float8, one
+    after the other on GPU 0 (meshlab.bench.train.torch_peer's rows)."""
+    from meshlab.bench.train import torch_peer
+    return {dtype: torch_peer(model, batch, seq, extra, runner=runner)
+            for dtype, extra in (("bfloat16", ()), ("float8", ("--float8",)))}
 
 
 def report_peers(peers: dict, ours: dict) -> str:

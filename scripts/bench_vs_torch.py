@@ -41,25 +41,16 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def commands(args, model: str, batch: int, seq: int) -> tuple[list, list]:
-    peer = [sys.executable, str(ROOT / "scripts" / "bench_scaling_torch.py"), "--gpus", "1", "--modes", "fsdp2",
-            "--no-collectives", "--model", model, "--batch", str(batch), "--seq", str(seq)]
-    ours = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", args.config, "--rules", args.rules,
+def ours_command(args) -> list:
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", args.config, "--rules", args.rules,
             "--steps", str(args.steps), "--run-dir", args.run_dir, "checkpoint.at_end=false", *args.overrides]
-    return peer, ours
 
 
-def _run(cmd, timeout) -> str:
+def _stdout(cmd, timeout) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
-    except subprocess.TimeoutExpired as e:
-        return (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-
-
-def peer_rate(stdout: str) -> float | None:
-    rows = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
-    rates = [r["tokens_per_s_per_gpu"] for r in rows if "tokens_per_s_per_gpu" in r]
-    return rates[-1] if rates else None
+    except subprocess.TimeoutExpired:
+        return ""      # no summary row is written: the round reports the run as failed
 
 
 def ours_rate(run_dir: Path) -> float | None:
@@ -72,13 +63,14 @@ def ours_rate(run_dir: Path) -> float | None:
     return summary[-1]["tokens_per_s"] if summary else None
 
 
-def measure(args, peer_cmd, ours_cmd, runner=_run) -> list[dict]:
+def measure(args, shape, runner=_stdout) -> list[dict]:
     """One row per round: the peer's and our tokens/s, the ratio, and whether the round counts."""
+    from meshlab.bench.train import torch_peer
     out = []
     for i in range(args.rounds):
-        peer = peer_rate(runner(peer_cmd, args.peer_timeout))
+        peer = torch_peer(*shape, timeout=args.peer_timeout, runner=runner).get("tokens_per_s_per_gpu")
         shutil.rmtree(args.run_dir, ignore_errors=True)     # a stale summary row never stands for this run
-        runner(ours_cmd, args.ours_timeout)
+        runner(ours_command(args), args.ours_timeout)
         ours = ours_rate(args.run_dir)
         ratio = ours / peer if ours and peer else None
         valid = ratio is not None and peer >= args.peer_floor
@@ -108,18 +100,14 @@ def report(args, shape, rounds) -> str:
 def main(argv=None):
     args = parse(argv)
     from meshlab.bench.train import config_shape
+    from meshlab.xla_flags import on_gpu
     shape = config_shape(args.config, args.overrides)
-    rounds = measure(args, *commands(args, *shape))
+    rounds = measure(args, shape)
     text = report(args, shape, rounds)
     print(text)
-    if any(r["ours"] for r in rounds) and _on_gpu():
+    if any(r["ours"] for r in rounds) and on_gpu():
         with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
             f.write(text)
-
-
-def _on_gpu() -> bool:
-    from meshlab.xla_flags import on_gpu
-    return on_gpu()
 
 
 if __name__ == "__main__":

@@ -16,20 +16,11 @@ from models import model_def
 
 
 def config_shape(config: str, overrides=()) -> tuple[str, int, int]:
-    """(model name, batch, seq) of a config file and key=value overrides, read as YAML: load_config
-    resolves against the devices, which would start JAX's GPU backend before a torch peer runs."""
-    import yaml
-
-    from meshlab.train.config import TrainConfig, _config_file
-    raw = yaml.safe_load(_config_file(config).read_text()) or {}
-    dotted = dict(o.split("=", 1) for o in overrides if "=" in o)
-    default = TrainConfig().data
-
-    def pick(key, d):
-        section, field = key.split(".")
-        return dotted.get(key) or (raw.get(section) or {}).get(field) or d
-    return (str(pick("model.name", "tiny")), int(pick("data.global_batch", default.global_batch)),
-            int(pick("data.seq_len", default.seq_len)))
+    """(model name, batch, seq) of a config and key=value overrides, read without starting a JAX
+    backend (load_config(resolve=False)), so that a torch peer run next gets the whole GPU."""
+    from meshlab.train.config import load_config
+    cfg = load_config(config, list(overrides), resolve=False)
+    return cfg.model.name, cfg.data.global_batch, cfg.data.seq_len
 
 
 def sample_tokens(kind: str, vocab: int, shape, seed: int = 0):
@@ -175,3 +166,22 @@ def torch_gemm_tflops(timeout: float = 120) -> dict:
         return json.loads(lines[-1]) if lines else {"error": (out.stderr or out.stdout)[-300:]}
     except Exception as e:   # no torch, no GPU: the JAX figure stands alone
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def torch_peer(model: str, batch: int, seq: int, extra=(), timeout: float = 300, runner=None) -> dict:
+    """scripts/bench_scaling_torch.py's JSON row for torch FSDP2 on GPU 0 at this shape (tokens_per_s_per_gpu,
+    step_ms, ...; `extra`: e.g. --float8), or {"error"}. Its own process: call it before this process
+    starts a JAX backend. runner(cmd, timeout) -> stdout (tests pass their own)."""
+    import json
+    import subprocess
+    import sys
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling_torch.py"),
+           "--gpus", "1", "--modes", "fsdp2", "--no-collectives", "--model", model, "--batch", str(batch),
+           "--seq", str(seq), *extra]
+    runner = runner or (lambda c, t: subprocess.run(c, capture_output=True, text=True, timeout=t).stdout)
+    try:
+        rows = [json.loads(x) for x in runner(cmd, timeout).splitlines() if x.startswith("{")]
+    except Exception as e:   # a hung or failed peer is a row that says so, not a lost benchmark
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    rows = [r for r in rows if "tokens_per_s_per_gpu" in r or "error" in r]
+    return rows[-1] if rows else {"error": "no JSON row"}

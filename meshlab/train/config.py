@@ -116,8 +116,10 @@ def _all_keys(node, prefix="") -> list[str]:
     return out
 
 
-def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Shipped name or path, then `key=value` overrides; unknown keys list their near matches."""
+def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (), resolve: bool = True) -> TrainConfig:
+    """Shipped name or path, then `key=value` overrides; unknown keys list their near matches.
+    resolve=False leaves remat/loss_impl "auto" unresolved: nothing touches a device (a torch peer can
+    still take the whole GPU after this process read the config's shape)."""
     raw = {}
     if name_or_path:
         path = _config_file(name_or_path)
@@ -161,6 +163,8 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
                           f"greater than {r} (the run's total, not the steps to add)")
     if cfg.device_memory_gib < 0 or cfg.peak_tflops < 0:
         raise ConfigError("device_memory_gib and peak_tflops must be >= 0 (0: the device's own figure)")
+    if not resolve:
+        return cfg
     from meshlab.train import fit   # model.remat=auto / loss_impl=auto -> concrete choices for this device
     try:
         fit.resolve_auto(cfg)

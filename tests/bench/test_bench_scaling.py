@@ -116,10 +116,10 @@ def test_fp8_bench_torch_peers_rows():
              "from jax._src import xla_bridge; print(bool(xla_bridge._backends))")
     started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                              cwd=SCRIPTS.parent).stdout.strip()
-    assert started == "False"                                       # read as YAML: no backend started by it
+    assert started == "False"                                       # load_config(resolve=False): no backend
     cmds = []
 
-    def runner(cmd):
+    def runner(cmd, timeout):
         cmds.append(cmd)
         if "--float8" in cmd:
             raise TimeoutError("peer hung")
@@ -156,21 +156,22 @@ def test_vs_torch_rounds_alternate_and_void_a_slow_peer(tmp_path):
     vt = _load("bench_vs_torch")
     args = vt.parse(["--config", "llama3_1b", "--rounds", "3", "--peer-floor", "61000", "--run-dir",
                      str(tmp_path / "run"), "optim.lr=1e-4"])
-    peer_cmd, ours_cmd = vt.commands(args, "llama3_1b", 4, 4096)
-    assert "--float8" not in peer_cmd and peer_cmd[-4:] == ["--batch", "4", "--seq", "4096"]
-    assert ours_cmd[-2:] == ["checkpoint.at_end=false", "optim.lr=1e-4"]
+    assert vt.ours_command(args)[-2:] == ["checkpoint.at_end=false", "optim.lr=1e-4"]
     peers, ours, calls = iter([62000.0, 60000.0, 61500.0]), iter([65100.0, 63000.0, None]), []
 
     def runner(cmd, timeout):
-        calls.append("peer" if cmd is peer_cmd else "ours")
-        if cmd is peer_cmd:
+        if cmd[1].endswith("bench_scaling_torch.py"):
+            calls.append("peer")
+            assert "--float8" not in cmd and cmd[-4:] == ["--batch", "4", "--seq", "4096"]
             return f'warming\n{{"tokens_per_s_per_gpu": {next(peers)}}}\n'
+        calls.append("ours")
+        assert not (tmp_path / "run").exists()                              # the last round's rows removed
         rate, run = next(ours), tmp_path / "run"
-        run.mkdir(exist_ok=True)
+        run.mkdir()
         rows = [{"step": 10, "loss": 3.0}] + ([{"event": "summary", "tokens_per_s": rate}] if rate else [])
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         return ""
-    rounds = vt.measure(args, peer_cmd, ours_cmd, runner=runner)
+    rounds = vt.measure(args, ("llama3_1b", 4, 4096), runner=runner)
     assert calls == ["peer", "ours"] * 3
     assert [r["valid"] for r in rounds] == [True, False, False]             # slow peer; failed run
     assert rounds[0]["ratio"] == 65100.0 / 62000.0 and rounds[2]["ours"] is None
