@@ -361,7 +361,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     ndev = tr.mesh.devices.size
     peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
     validate = Validator(tr) if cfg.val.every > 0 else None
-    profiler = ProfileWindow(cfg.profile, run_dir)
+    profiler = ProfileWindow(cfg.profile, run_dir, hlo_text=lambda: tr.step_fn.fn.as_text())
     if progress and is_main:
         print(f"meshlab: {cfg.model.name} ({tr.md.param_count():,} params), rules {tr.rules.name}, "
               f"mesh {format_sizes(dict(tr.mesh.shape))} on {ndev} {jax.default_backend()} devices")
@@ -482,23 +482,27 @@ def steady_state(rates: list, flops_tok: float, peak, ndev: int) -> dict | None:
 
 
 class ProfileWindow:
-    """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile."""
+    """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile, with a
+    Perfetto copy, and on a GPU the window's device time per step by kernel (kernels.md beside it;
+    meshlab.bench.profile_summary): where the step goes, without TensorBoard."""
 
-    def __init__(self, pcfg, run_dir: Path):
+    def __init__(self, pcfg, run_dir: Path, hlo_text=None):
         self.start, self.stop_at = pcfg.start_step, pcfg.start_step + pcfg.num_steps
         self.dir = Path(pcfg.dir or run_dir / "profile")
-        self.active = False
+        self.active, self.traced, self.hlo_text = False, 0, hlo_text
 
     def before(self, i: int) -> None:
         if self.start >= 0 and i == self.start:
             self.dir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.dir))
+            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
             self.active = True
 
     def after(self, i: int, state) -> None:
-        if self.active and i + 1 >= self.stop_at:
-            jax.block_until_ready(state)   # the trace must hold the device work of the window
-            self.close()
+        if self.active:
+            self.traced += 1
+            if i + 1 >= self.stop_at:
+                jax.block_until_ready(state)   # the trace must hold the device work of the window
+                self.close()
 
     def close(self) -> None:
         if self.active:
@@ -506,6 +510,22 @@ class ProfileWindow:
             self.active = False
             if jax.process_index() == 0:
                 print(f"meshlab: profile written to {self.dir}", flush=True)
+                self.write_kernel_table()
+
+    def write_kernel_table(self) -> None:
+        from meshlab.bench.profile_summary import format_summary, hlo_kernels, summarize
+        try:
+            summary = summarize(self.dir, steps=max(self.traced, 1))
+        except (FileNotFoundError, ValueError) as e:   # a CPU run has no device kernels to count
+            print(f"meshlab: no kernel table ({str(e)[:160]})", flush=True)
+            return
+        try:
+            names = hlo_kernels(self.hlo_text()) if self.hlo_text else None
+        except Exception:   # the table without HLO names is still the table
+            names = None
+        (self.dir / "kernels.md").write_text(format_summary(summary, f"{self.traced} traced steps",
+                                                            kernels_hlo=names))
+        print(f"meshlab: device time per step by kernel: {self.dir / 'kernels.md'}", flush=True)
 
 
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:

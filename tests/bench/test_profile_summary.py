@@ -93,3 +93,23 @@ def test_hlo_kernels_reads_a_compiled_program():
     fusions = [line for line in text.splitlines() if " fusion(" in line]
     assert fusions and len([k for k in names if "fusion" in k]) == len(fusions)
     assert any(v.startswith("f32[8,32]") for v in names.values())
+
+
+def test_train_profile_window_writes_the_kernel_table(tmp_path, capsys):
+    """train.py's profile window (profile.start_step=...) ends with kernels.md beside its trace on a
+    GPU, each kernel named by its HLO fusion; a trace without device kernels gets a note, no file."""
+    from types import SimpleNamespace
+    from meshlab.train.loop import ProfileWindow
+    hlo = ("%fused_mul (p: f32[8]) -> f32[8] {\n  ROOT %m = f32[8]{0} multiply(%p, %p)\n}\n\n"
+           "ENTRY %main {\n  %loop_multiply_fusion = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_mul\n}\n")
+    window = ProfileWindow(SimpleNamespace(start_step=3, num_steps=2, dir=""), tmp_path, hlo_text=lambda: hlo)
+    window.dir = _trace(tmp_path, _meta(2, 20, "/host:CPU", "python"))
+    window.write_kernel_table()
+    assert "no kernel table" in capsys.readouterr().out and not (window.dir / "kernels.md").exists()
+
+    ev = _meta(1, 10, "/device:GPU:0", "Stream #14(Compute)")
+    ev += [{"ph": "X", "pid": 1, "tid": 10, "ts": 0, "dur": 800.0, "name": "loop_multiply_fusion"}] * 2
+    window.dir, window.traced = _trace(tmp_path / "gpu", ev), 2
+    window.write_kernel_table()
+    table = (window.dir / "kernels.md").read_text()
+    assert "| `loop_multiply_fusion` | 0.80 | 1 | 100.0% | f32[8] multiply |" in table, table

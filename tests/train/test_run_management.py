@@ -66,6 +66,7 @@ def test_sigterm_saves_then_resume_continues_exactly(reference, tmp_path):
     assert [r["step"] for r in rows if "loss" in r][-len(res["losses"]):] == list(range(saved[-1] + 1, 5))
     assert any("val_loss" in r and r["val_loss"] > 0 for r in rows)
     assert list((run / "profile").rglob("*.xplane.pb")), "profile trace written"
+    assert list((run / "profile").rglob("perfetto_trace.json.gz")), "with a Perfetto copy"
 
     png = plot_metrics.plot([run, ref_dir], tmp_path / "cmp.png")
     assert png.stat().st_size > 10_000
