@@ -2,7 +2,7 @@
 cross-entropy, against the chunked jnp version): same shapes, one process, correctness checked
 against the fp32-accumulated reference before any time is reported.
 
-    PYTHONPATH=$PWD python3 scripts/bench_fused.py [--ops slab,ce,swiglu,rmsnorm,rope] [--out DIR]
+    PYTHONPATH=$PWD python3 scripts/bench_fused.py [--ops slab,ce,swiglu,rmsnorm,rope,embed] [--out DIR]
     PYTHONPATH=$PWD python3 scripts/bench_fused.py --small --interpret   # CPU smoke test of this script
 
 Times: jit, 2 warm-up calls, then the median of --reps synchronised calls. Memory: the compiled
@@ -211,9 +211,32 @@ def bench_pair(rows, a, op, shape, ours, ref_fn, args, tol, flops=None):
             case(rows, f"{op}_{mode}", shape, name, wrap(fn), args, ref, a.reps, tol, fl)
 
 
+def bench_embed(rows, a):
+    """The embedding lookup's gradient, b*s rows scatter-added into [V, d], on byte text (a few hundred
+    ids, the frequent ones thousands of times) and on random ids: embed_lookup (fp32 sums, rounded once)
+    against autodiff of a bf16 take (bf16 adds: no hardware atomic, and rounded at every add). Both are
+    timed whatever their error, which the row reports against the fp32 lookup's gradient."""
+    from flax import nnx
+    from meshlab.bench.train import sample_tokens
+    from models.llama import embed_lookup
+    v, d, n = (128256, 2048, 16384) if not a.small else (1000, 64, 512)
+    w = jax.random.normal(jax.random.key(2), (v, d), jnp.float32)
+    variants = {"embed_lookup (fp32 sums)": lambda w, t: embed_lookup(nnx.Param(w, logical=("vocab", "embed")),
+                                                                         t, jnp.bfloat16),
+                "bf16 take, autodiff": lambda w, t: jnp.take(w.astype(jnp.bfloat16), t, axis=0)}
+    for kind in ("text", "random"):
+        tokens = jnp.asarray(sample_tokens(kind, v, (n,)))
+        ref_fn = train_fn(lambda w, t: jnp.take(w, t, axis=0))
+        ref = ref_fn(w, tokens)
+        op, shape = f"embed_{kind}_fwd+bwd", f"T={n} V={v} d={d}"
+        case(rows, op, shape, "xla_reference", ref_fn, (w, tokens), ref, a.reps, 1e-6)   # fp32 take
+        for name, fn in variants.items():
+            case(rows, op, shape, name, train_fn(fn), (w, tokens), ref, a.reps, float("inf"))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="ce,swiglu,rmsnorm,rope", help="any of slab,ce,swiglu,rmsnorm,rope")
+    p.add_argument("--ops", default="ce,swiglu,rmsnorm,rope", help="any of slab,ce,swiglu,rmsnorm,rope,embed")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--interpret", action="store_true")
@@ -228,6 +251,8 @@ def main():
         bench_slab(rows, a)
     if "ce" in ops:  # first: the op that matters most, in case the run is cut short
         bench_ce(rows, a)
+    if "embed" in ops:
+        bench_embed(rows, a)
     if "swiglu" in ops:
         t, d, f = (16384, 2048, 8192) if not a.small else (100, 64, 128)
         x = jax.random.normal(k[0], (t, d)).astype(bf)
