@@ -177,7 +177,7 @@ def gemm_text(gemm) -> str:
 
 def write_profile(trace_dir, label, step_s, dest):
     """Kernel-time table of the traced steps (the trace itself stays on the device machine)."""
-    from meshlab.bench.profile_summary import format_summary, hlo_kernels, summarize
+    from meshlab.profile_summary import format_summary, hlo_kernels, summarize
     try:
         hlo = Path(trace_dir) / "step.hlo.txt"
         names = hlo_kernels(hlo.read_text()) if hlo.exists() else None

@@ -29,6 +29,7 @@ FLOORS = {
     "meshlab.peak": 1,                   # datasheet peak, MFU
     "meshlab.tokenizer": 1,
     "meshlab.checkpoint": 1,             # a run's on-disk format: training writes it, serving reads it
+    "meshlab.profile_summary": 1,        # a profiler trace -> device time by kernel (train.py, the benchmarks)
     "models": 2,                         # registry (ModelDef), architectures, their counts
     "meshlab.plan": 3,                   # the planner: consulted by training before its first step
     "meshlab.train": 4,

@@ -216,7 +216,7 @@ def measure_decode(md, params, bw, batch, ctx, *, impl="xla", layers="split", n=
 def profile(run, trace_dir, n, step_s) -> dict:
     """Device time per token by kernel class from a Perfetto trace of one call (XLA replaces
     command buffers by op-by-op launches while profiling, so busy% is a lower bound)."""
-    from meshlab.bench.profile_summary import summarize
+    from meshlab.profile_summary import summarize
     try:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             jax.block_until_ready(run())
@@ -272,7 +272,7 @@ def engine_profile(engine, trace_dir, ctx: int = 2048, n: int = 64) -> dict:
 def _kernel_table(row: dict, trace_dir, run_traced) -> dict | None:
     """Run `run_traced()` (it writes a trace to trace_dir and returns the steps it traced) and add its
     per-kernel summary to `row`; on failure the row carries the error (a profile is a bonus)."""
-    from meshlab.bench.profile_summary import summarize
+    from meshlab.profile_summary import summarize
     try:
         s = summarize(trace_dir, steps=run_traced(), top=40)
     except Exception as e:  # noqa: BLE001 - a profile is a bonus, never a failure

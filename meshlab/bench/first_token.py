@@ -231,7 +231,7 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16, reps: 
         return 1
     s = _kernel_table(row, trace_dir, traced_repeat)
     if s:           # every kernel's launches: what the host launches one by one without CUDA graphs
-        from meshlab.bench.profile_summary import summarize
+        from meshlab.profile_summary import summarize
         row["kernel_launches"] = round(sum(k[2] for k in summarize(trace_dir, steps=1, top=1 << 20)["kernels"]))
     busy = f"device busy {s['busy_ms_per_step'] * 1e3:.0f} us in {row['kernel_launches']} kernels" if s else "no profile"
     line = ", ".join(f"{k} {us[k]:.0f}" for k in ("before_dispatch", "dispatch", "device_wait", "to_first_token", "after"))

@@ -484,7 +484,7 @@ def steady_state(rates: list, flops_tok: float, peak, ndev: int) -> dict | None:
 class ProfileWindow:
     """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile, with a
     Perfetto copy, and on a GPU the window's device time per step by kernel (kernels.md beside it;
-    meshlab.bench.profile_summary): where the step goes, without TensorBoard."""
+    meshlab.profile_summary): where the step goes, without TensorBoard."""
 
     def __init__(self, pcfg, run_dir: Path, hlo_text=None):
         self.start, self.stop_at = pcfg.start_step, pcfg.start_step + pcfg.num_steps
@@ -513,7 +513,7 @@ class ProfileWindow:
                 self.write_kernel_table()
 
     def write_kernel_table(self) -> None:
-        from meshlab.bench.profile_summary import format_summary, hlo_kernels, summarize
+        from meshlab.profile_summary import format_summary, hlo_kernels, summarize
         try:
             summary = summarize(self.dir, steps=max(self.traced, 1))
         except (FileNotFoundError, ValueError) as e:   # a CPU run has no device kernels to count

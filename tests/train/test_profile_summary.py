@@ -1,11 +1,11 @@
-"""The profile reader on a synthetic Perfetto trace: kernels on GPU stream tracks are summed per
+"""The profile reader (meshlab.profile_summary) on a synthetic Perfetto trace: kernels on GPU stream tracks are summed per
 step, HLO-level tracks are not double-counted, host events are ignored, classes are assigned."""
 import gzip
 import json
 
 import pytest
 
-from meshlab.bench.profile_summary import format_summary, kernel_class, summarize
+from meshlab.profile_summary import format_summary, kernel_class, summarize
 
 
 def _trace(tmp_path, events):
@@ -71,7 +71,7 @@ ENTRY %main (a: bf16[16,4], b: bf16[4,8]) -> f32[16,4] {
 def test_kernels_named_by_their_hlo_fusion():
     """Kernel rows gain the fusion's output shape and root op: XLA:GPU names a fusion's kernel after the
     instruction with '.' as '_'; a custom call reads as its target."""
-    from meshlab.bench.profile_summary import hlo_kernels
+    from meshlab.profile_summary import hlo_kernels
     names = hlo_kernels(GPU_HLO)
     assert names["loop_convert_fusion_31"] == "f32[16,4] convert"
     assert names["custom-call_2"].endswith("__cublas$gemm")
@@ -87,7 +87,7 @@ def test_hlo_kernels_reads_a_compiled_program():
     import jax
     import jax.numpy as jnp
 
-    from meshlab.bench.profile_summary import hlo_kernels
+    from meshlab.profile_summary import hlo_kernels
     text = jax.jit(lambda x, w: jnp.tanh(x @ w) * 2 + 1).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile().as_text()
     names = hlo_kernels(text)
     fusions = [line for line in text.splitlines() if " fusion(" in line]
