@@ -361,7 +361,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
     ndev = tr.mesh.devices.size
     peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
     validate = Validator(tr) if cfg.val.every > 0 else None
-    profiler = ProfileWindow(cfg.profile, run_dir, hlo_text=lambda: tr.step_fn.fn.as_text())
+    profiler = ProfileWindow(cfg.profile, run_dir, hlo_text=lambda: _program_text(tr))
     if progress and is_main:
         print(f"meshlab: {cfg.model.name} ({tr.md.param_count():,} params), rules {tr.rules.name}, "
               f"mesh {format_sizes(dict(tr.mesh.shape))} on {ndev} {jax.default_backend()} devices")
@@ -417,7 +417,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             bar.update(row, force_line=(step_done % (cfg.log_every * 5) == 0) or last or step_done == 1)
 
     for i in range(start, cfg.steps):
-        profiler.before(i)
+        profiler.before(i, state)
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
             try:
                 state, metrics = tr.step_fn(state, device_batch(tr, next(batches)))
@@ -481,6 +481,12 @@ def steady_state(rates: list, flops_tok: float, peak, ndev: int) -> dict | None:
             "mfu": mfu(med, flops_tok, peak, ndev), "steps_timed": len(steady)}
 
 
+def _program_text(tr: Trainer) -> str | None:
+    """The optimized HLO of the compiled step the loop runs (None when it runs the jitted function)."""
+    compiled = getattr(tr.step_fn, "fn", None)
+    return compiled.as_text() if hasattr(compiled, "as_text") else None
+
+
 class ProfileWindow:
     """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile, with a
     Perfetto copy, and on a GPU the window's device time per step by kernel (kernels.md beside it;
@@ -491,8 +497,11 @@ class ProfileWindow:
         self.dir = Path(pcfg.dir or run_dir / "profile")
         self.active, self.traced, self.hlo_text = False, 0, hlo_text
 
-    def before(self, i: int) -> None:
+    def before(self, i: int, state=None) -> None:
         if self.start >= 0 and i == self.start:
+            # The steps before the window finish first: else the trace would catch the tail of the
+            # one still running and count it as the window's (one sync, once a run).
+            jax.block_until_ready(state)
             self.dir.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
             self.active = True
@@ -519,10 +528,8 @@ class ProfileWindow:
         except (FileNotFoundError, ValueError) as e:   # a CPU run has no device kernels to count
             print(f"meshlab: no kernel table ({str(e)[:160]})", flush=True)
             return
-        try:
-            names = hlo_kernels(self.hlo_text()) if self.hlo_text else None
-        except Exception:   # the table without HLO names is still the table
-            names = None
+        text = self.hlo_text() if self.hlo_text else None
+        names = hlo_kernels(text) if text else None
         (self.dir / "kernels.md").write_text(format_summary(summary, f"{self.traced} traced steps",
                                                             kernels_hlo=names))
         print(f"meshlab: device time per step by kernel: {self.dir / 'kernels.md'}", flush=True)
