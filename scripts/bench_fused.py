@@ -224,9 +224,9 @@ def bench_embed(rows, a):
     variants = {"embed_lookup (fp32 sums)": lambda w, t: embed_lookup(nnx.Param(w, logical=("vocab", "embed")),
                                                                          t, jnp.bfloat16),
                 "bf16 take, autodiff": lambda w, t: jnp.take(w.astype(jnp.bfloat16), t, axis=0)}
+    ref_fn = train_fn(lambda w, t: jnp.take(w, t, axis=0))
     for kind in ("text", "random"):
         tokens = jnp.asarray(sample_tokens(kind, v, (n,)))
-        ref_fn = train_fn(lambda w, t: jnp.take(w, t, axis=0))
         ref = ref_fn(w, tokens)
         op, shape = f"embed_{kind}_fwd+bwd", f"T={n} V={v} d={d}"
         case(rows, op, shape, "xla_reference", ref_fn, (w, tokens), ref, a.reps, 1e-6)   # fp32 take

@@ -25,21 +25,23 @@ def config_shape(config: str, overrides=()) -> tuple[str, int, int]:
 
 def sample_tokens(kind: str, vocab: int, shape, seed: int = 0):
     """int32 tokens of `shape`: "random", uniform over the vocabulary (every id about once: no repeats
-    in the embedding gradient's scatter), or "text", this interpreter's standard-library source as byte
-    ids, what train.py's embedded corpus feeds (a few hundred ids, the most frequent thousands of times
-    a batch)."""
+    in the embedding gradient's scatter), or "text", the start of train.py's embedded corpus (the files
+    of meshlab.train.data.stdlib_files as byte ids, EOD between them; a few hundred ids, the most frequent
+    thousands of times a batch)."""
     n = int(np.prod(shape))
     if kind == "random":
         return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32).reshape(shape)
     if kind != "text":
         raise ValueError(f"tokens={kind!r} must be random or text")
-    import sysconfig
-    text = bytearray()
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text += path.read_bytes()
-        if len(text) >= n:
+    from meshlab.tokenizer import EOD
+    from meshlab.train.data import stdlib_files
+    docs, total = [], 0
+    for path in stdlib_files():
+        docs.append(np.append(np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32), EOD))
+        total += len(docs[-1])
+        if total >= n:
             break
-    return np.resize(np.frombuffer(bytes(text), np.uint8), n).astype(np.int32).reshape(shape)
+    return np.resize(np.concatenate(docs), n).astype(np.int32).reshape(shape)
 
 
 def build(cfg, rules, mesh, batch, seq, tokens="random"):

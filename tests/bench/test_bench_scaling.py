@@ -99,7 +99,7 @@ def test_bench_tokens_random_and_text():
     assert rand.shape == text.shape == (4, 4097) and rand.dtype == text.dtype == np.int32
     assert np.bincount(rand.ravel()).max() <= 4                 # no id repeats much
     counts = np.bincount(text.ravel(), minlength=256)
-    assert text.max() < 256 and counts.max() > 1000             # a few hundred ids, one of them (space) > 1000 times
+    assert text.max() <= 256 and counts.max() > 1000            # bytes and EOD; one of them (space) > 1000 times
     with pytest.raises(ValueError, match="tokens='bytes' must be random or text"):
         sample_tokens("bytes", 10, (1, 2))
 
