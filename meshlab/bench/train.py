@@ -121,13 +121,11 @@ class StepRunner:
         self.state = None
 
 
-def time_steps(cfg, rules, mesh, batch, seq, steps, profile_dir=None, profile_steps=2, tokens="random"):
-    """(tokens/s, median step s, last loss, program bytes per device). With `profile_dir`, a
-    Perfetto trace of `profile_steps` more steps is written there after the timed ones."""
-    runner = StepRunner(cfg, rules, mesh, batch, seq, tokens)
+def time_steps(cfg, rules, mesh, batch, seq, steps):
+    """(tokens/s, median step s, last loss, program bytes per device) of one variant on random tokens,
+    timed once (bench_train.py keeps a StepRunner to time it again, profile it or feed it text)."""
+    runner = StepRunner(cfg, rules, mesh, batch, seq)
     dt = runner.time(steps)
-    if profile_dir:
-        runner.profile(profile_dir, profile_steps)
     loss, program_bytes = runner.loss, runner.program_bytes
     runner.close()
     return batch * seq / dt, dt, loss, program_bytes
