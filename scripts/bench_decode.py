@@ -49,6 +49,12 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 the first token's host time (first_token.host_rows)
   first_token_host  the first token's host time alone, 2k prompts on any model (--cpu-smoke: the tiny
                 one, a 2k prompt still: what the host does per request does not depend on the model)
+  engine_ab, engine_pdl, engine_lock, engine_concurrent, engine_va, engine_pdl_lock, engine_ab2
+                the engine's batch-1 decode and prefix-cache TTFT rows (engine_ab_job) under XLA runtime
+                flags, one process each: programmatic dependent launch (a kernel's launch overlaps
+                the tail of the one before), the exclusive-lock executable (less per-call resource
+                bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
+                addresses instead of updating the graph; as shipped first and last (the noise)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
@@ -99,7 +105,16 @@ JOBS = {
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 110, ""),
     "first_token_host": ("", 40, ""),
+    # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
+    "engine_ab": ("", 75, " [ab: as shipped]"),
+    "engine_pdl": ("--xla_gpu_enable_pdl=true", 75, " [pdl]"),
+    "engine_lock": ("--xla_gpu_require_exclusive_lock=true", 75, " [exclusive lock]"),
+    "engine_concurrent": ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", 75, " [cmdbuf concurrent]"),
+    "engine_va": ("--xla_gpu_enable_command_buffer_va_remapping=true", 75, " [va remapping]"),
+    "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
+    "engine_ab2": ("", 75, " [ab: as shipped, again]"),
 }
+ENGINE_AB = [name for name in JOBS if name.startswith("engine_")]
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -286,6 +301,9 @@ def run_child(args):
                 fn()
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
+    elif args.job in ENGINE_AB:
+        layers_gate("fused")               # fp32: a runtime flag must not change what is computed
+        engine_ab_job(md, params, sz, bw, tag)
     elif args.job in ("first_token", "first_token_ab"):
         first_token_job(md, params, sz, ab=args.job == "first_token_ab")
     elif args.job == "first_token_host":
@@ -295,6 +313,28 @@ def run_child(args):
                      steps_per_call=16, layers="fused")
         for row in first_token.host_rows(eng, n=2048):
             bench.emit(row)
+
+
+def engine_ab_job(md, params, sz, bw, tag: str):
+    """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
+    the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
+    from meshlab.bench import decode as bench
+    from meshlab.bench import serve as bs
+    from meshlab.infer.engine import Engine
+    from meshlab.infer.sampler import SamplingParams
+    eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
+                 layers="fused")
+    n = min(2048, sz["lengths"][-1])
+    for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
+                        ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),
+                        ("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag + " again"))):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            bench.fail_row(section, "engine" + tag, e)
+    toks = eng.generate([list(range(7, 7 + n // 4))], SamplingParams(max_tokens=24))[0].output
+    bench.emit({"section": "tokens", "setting": "greedy bf16" + tag, "value": float(sum(toks) % 100003), "unit": "sum",
+                "note": " ".join(map(str, toks))})
 
 
 def first_token_job(md, params, sz, ab: bool):

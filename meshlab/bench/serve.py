@@ -405,15 +405,16 @@ def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5, tag: str =
     return rows
 
 
-def engine_tpot(engine, bw: float, ctx: int = 2048, n: int = 256) -> dict:
+def engine_tpot(engine, bw: float, ctx: int = 2048, n: int = 256, tag: str = "") -> dict:
     """Decode tokens/s of one request at context ~ctx through the engine (host loop included),
-    against the HBM roofline at `bw` (weights + ctx tokens' K/V per token)."""
+    against the HBM roofline at `bw` (weights + ctx tokens' K/V per token); tag: appended to the
+    setting (the engine variant measured)."""
     prompt = list(range(1, ctx - n // 2))                                   # contexts average ctx
     _time(engine, [prompt], n)                                              # warm; caches the prompt
     t1 = _time(engine, [prompt], 1)
     tpot = (_time(engine, [prompt], n) - t1) / (n - 1)
     roof = roofline(engine, bw, ctx) if bw else float("nan")
-    return emit({"section": "decode", "setting": f"engine b=1 ctx={ctx}", "value": 1 / tpot, "unit": "tok/s",
+    return emit({"section": "decode", "setting": f"engine b=1 ctx={ctx}{tag}", "value": 1 / tpot, "unit": "tok/s",
                  "tpot_ms": tpot * 1e3, "frac_roofline": 1 / tpot / roof,
                  "note": f"TPOT {tpot * 1e3:.2f} ms incl. host, {engine.steps_per_call} steps per call; "
                          f"{1 / tpot / roof:.0%} of the roofline {roof:.0f} tok/s at {bw / 1e9:.0f} GB/s"})
