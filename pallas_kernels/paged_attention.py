@@ -79,16 +79,18 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_
     _write_partials(outs, m, l, acc)
 
 
-def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *outs, page_size,
+def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *outs, page_size,
                   splits, pages_per_block, rows, sm_scale, use_dot, group, n_heads, v_first):
     """_kernel for one decode step with RoPE and the cache write folded in (paged_decode_attention).
 
     The new token (position length - 1) is not read back from the cache: every program masks it,
     and the program whose split holds it adds it to the online softmax from registers and writes
-    its rotated k and its v into the cache slot. No program reads that slot, so there is no race."""
+    its rotated k and its v into the cache slot. No program reads that slot, so there is no race.
+    A cached row (cached_ref[b] != 0: the token's K/V already lie in a shared prefix page) is read
+    from the cache like every earlier token, and neither added from registers nor written."""
     *outs, k_out, v_out = outs
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length, layer = lengths_ref[b], layer_ref[0]
+    length, layer, keep = lengths_ref[b], layer_ref[0], cached_ref[b] != 0
     new = length - 1                                                              # the new token's position
     first, n_blocks = split_range(length, s, splits=splits, page_size=page_size, ppb=pages_per_block)
     d = qkv_ref.shape[-1]
@@ -105,9 +107,9 @@ def _fused_kernel(layer_ref, lengths_ref, table_ref, qkv_ref, cs_ref, k_ref, v_r
     k1, k2 = rotate(qkv_ref[b, n_heads + kh, lo], qkv_ref[b, n_heads + kh, hi])   # [d/2] x2
     v_new = qkv_ref[b, n_heads + v_ref.shape[3] + kh, :]                         # [d]
     m, l, acc = page_loop(table_ref, k_ref, v_ref, (q1, q2), b=b, kh=kh, layer=layer, first=first,
-                          n_blocks=n_blocks, visible=new, page_size=page_size, ppb=pages_per_block, sm_scale=sm_scale,
-                          use_dot=use_dot, v_first=v_first)
-    mine = (length > 0) & (new // page_size >= first) & (new // page_size < first + n_blocks * pages_per_block)
+                          n_blocks=n_blocks, visible=jnp.where(keep, length, new), page_size=page_size,
+                          ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, v_first=v_first)
+    mine = (length > 0) & ~keep & (new // page_size >= first) & (new // page_size < first + n_blocks * pages_per_block)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     s_new = jnp.sum(f32(q1) * f32(k1)[None, :] + f32(q2) * f32(k2)[None, :], axis=-1) * sm_scale   # [rows]
     s_new = jnp.where(mine, s_new, NEG)
@@ -237,8 +239,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "block_sizes", "sm_scale", "interpret"))
-def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, layer=None, *, n_heads: int,
-                           block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
+def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, layer=None, cached=None, *,
+                           n_heads: int, block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
                            interpret: bool = False):
     """One decode step of attention with RoPE and the KV-cache write in the same kernel.
 
@@ -250,7 +252,10 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     including the new one, whose position is lengths - 1 (0: inactive row, nothing written, zeros).
     Returns (o [qkv rows, n_heads, d], k_pages, v_pages) with the new rotated k and v written at
     page_table[b, (length-1) // page_size], slot (length-1) % page_size: in place when the caller
-    donates the cache (the serving step does; aliased outputs), else into a copy. Against RoPE + scatter +
+    donates the cache (the serving step does; aliased outputs), else into a copy. cached [b] bool or
+    None: rows whose new token already lies in a shared prefix page (a fully cached prompt's last
+    token, fed again for its logits): attended from the cache, not written, so the shared page
+    stays exactly as every other request reads it. Against RoPE + scatter +
     paged_attention it saves four XLA launches per layer
     (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
     attention itself at batch 1 (H200 profile, docs/benchmarks.md#decode-and-serving)."""
@@ -271,10 +276,14 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     kernel = functools.partial(_fused_kernel, page_size=page_size, splits=p["splits"],
                                pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
                                use_dot=p["use_dot"], group=g, n_heads=n_heads, v_first=block_sizes.v_first)
-    in_specs = [whole((1,)), whole((b,)), whole(page_table.shape), whole(qkv.shape), whole(cos_sin.shape),
+    if cached is None:
+        cached = jnp.zeros((b,), jnp.int32)
+    elif cached.shape != (b,):
+        raise ValueError(f"paged_decode_attention: cached {cached.shape} must be [b] = {(b,)}")
+    in_specs = [whole((1,)), whole((b,)), whole((b,)), whole(page_table.shape), whole(qkv.shape), whole(cos_sin.shape),
                 whole(k_pages.shape), whole(v_pages.shape)]
-    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), page_table.astype(jnp.int32),
-            qkv, cos_sin.astype(jnp.float32), k_pages, v_pages)
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), cached.astype(jnp.int32),
+            page_table.astype(jnp.int32), qkv, cos_sin.astype(jnp.float32), k_pages, v_pages)
     *outs, k_pages, v_pages = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=qkv.dtype,
                                       block_sizes=block_sizes, interpret=interpret, caches=(k_pages, v_pages))
     if one_layer:

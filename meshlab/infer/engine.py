@@ -73,7 +73,7 @@ class Engine:
       every prompt row has   one decode step (n = 1) over the rows, b in DECODE, read back at once
       one token left         (a prompt met before: its last token, read from its shared page and
                              not written; or one uncached token): a decode step's device time (the
-                             paged decode kernel behind XLA's RoPE and write, not the fused one);
+                             fused RoPE + write + attention kernel, told which rows not to write);
     each with static greedy / logprobs flags (from the rows in the step).
 
     Decode calls chain (chain_decode): while one runs, the next is dispatched from its last tokens

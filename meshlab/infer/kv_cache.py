@@ -190,7 +190,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     cached [b, t] bool or None: tokens whose K/V already lie in a shared prefix page (a fully cached
     prompt's last token, fed again for its logits): attended from there and not written, so the
     page stays exactly as every other request reads it (recomputed K/V of the same token may differ
-    in the last bits). The fused kernel writes every token, so with `cached` it is not offered.
+    in the last bits). The fused kernel takes the same flag per row.
 
     impl="xla" gathers the sequence's pages and runs dense attention (any t); impl="pallas" uses
     the paged decode kernel for t == 1 (reads pages in place through the table, no gather). With
@@ -228,8 +228,8 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         b, t, heads, d = qkv.shape
         n_heads = heads - 2 * cache["k"].shape[3]
         o, k, v = paged_decode_attention(qkv.reshape(b * t, heads, d), rope_cos_sin(positions[:, 0], inv_freq),
-                                         cache["k"], cache["v"], page_table, lengths(), layer, n_heads=n_heads,
-                                         interpret=interpret)
+                                         cache["k"], cache["v"], page_table, lengths(), layer,
+                                         None if cached is None else cached[:, 0], n_heads=n_heads, interpret=interpret)
         return o.reshape(b, t, n_heads, d), {"k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
 
     # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a
@@ -237,4 +237,4 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
-    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small and cached is None else None)
+    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None)

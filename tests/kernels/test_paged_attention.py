@@ -157,6 +157,31 @@ def test_fused_decode_matches_rope_write_attend(bs):
     assert int(jnp.sum(k_new != k_cache)) == 3 * kvh * d                          # 3 active rows written
 
 
+def test_fused_decode_cached_rows_read_the_cache_and_write_nothing():
+    # A cached row's token already lies in its page: attended from there (the recomputed k/v in
+    # qkv are ignored), its slot left as it was; the other rows are fed as usual.
+    rng = np.random.default_rng(9)
+    b, h, kvh, d, page_size, max_pages, num_pages = 3, 8, 2, 32, 4, 6, 30
+    qkv = jnp.asarray(rng.normal(size=(b, h + 2 * kvh, d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, num_pages, page_size, kvh, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    lengths, cached = jnp.asarray([9, 24, 5], jnp.int32), jnp.asarray([True, False, True])
+    cos_sin = rope_cos_sin(lengths - 1, rope.rope_frequencies(d, 10000.0))
+    fed, fed_k, fed_v = _fused_reference(qkv, k_cache, v_cache, table, lengths, 1, h, 10000.0)
+    q = rope.apply_rope_reference(qkv[:, None, :h], qkv[:, None, h:h + kvh], (lengths - 1)[:, None], theta=10000.0)[0]
+    from_cache = paged_attention_reference(q[:, 0], k_cache[1], v_cache[1], table, lengths)
+    for bs in (BlockSizes(1), BlockSizes()):
+        o, k_new, v_new = paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, jnp.int32(1), cached,
+                                                 n_heads=h, block_sizes=bs, interpret=True)
+        want = jnp.where(cached[:, None, None], from_cache, fed)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want), atol=2e-5, rtol=2e-5)
+        keep_k = jnp.where(jnp.arange(num_pages)[None, :, None, None, None] == table[1, 23 // page_size], fed_k, k_cache)
+        np.testing.assert_allclose(np.asarray(k_new), np.asarray(keep_k), atol=1e-6)   # row 1's slot only
+        assert int(jnp.sum(v_new != v_cache)) == kvh * d and int(jnp.sum(v_new != fed_v)) == 2 * kvh * d
+    with pytest.raises(ValueError, match="cached"):
+        paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, 1, cached[:2], n_heads=h, interpret=True)
+
+
 def test_fused_decode_bf16_and_errors():
     rng = np.random.default_rng(8)
     b, h, kvh, d = 2, 8, 2, 64
