@@ -24,7 +24,7 @@ from flax import nnx
 
 from meshlab.rules import constrain
 from models.llama import F32, _interpret, _mm, _w, apply_rope, rope_scaling
-from pallas_kernels import decode_matmul as decode_kernels, rope as rope_kernels
+from pallas_kernels import decode_gemv as decode_kernels, rope as rope_kernels
 
 ACT = ("act_batch", "act_seq", "act_embed")
 
@@ -109,10 +109,10 @@ def feed_forward(block, x, fused=None):
 def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, kernels=False):
     """One decoder block (Llama's or a mixture of experts') over x [b, t, d] -> ([b, t, d], cache).
     fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only). kernels:
-    a decode token (t == 1, at most decode_kernels.ROWS rows) of a fused dense layer, with the
-    one-kernel attention offered, goes through `decode_step` instead."""
+    a decode token (t == 1, at most decode_kernels.MAX_ROWS rows) of a fused dense layer with its
+    decode copies, the one-kernel attention offered, goes through `decode_step` instead."""
     b, t, _ = x.shape
-    if kernels and fused is not None and "w_gate_up" in fused and t == 1 and b <= decode_kernels.ROWS \
+    if kernels and fused is not None and "decode" in fused and t == 1 and b <= decode_kernels.MAX_ROWS \
             and attend.fused is not None:
         return decode_step(block, x, attend, layer, cache, fused)
     h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,
@@ -124,19 +124,21 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
 
 def decode_step(block, x, attend: Attend, layer, cache, fused):
     """One decode token per row x [b, 1, d] in five launches: [norm + q|k|v], [RoPE + cache write +
-    attention], [wo + residual], [norm + gate|up + SwiGLU], [down + residual]; the same math and
-    roundings as `block_step` (pallas_kernels/decode_matmul.py says why: at decode batch the
-    layer's small XLA kernels cost about a third of the step)."""
-    cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
+    attention], [wo + residual], [norm + gate|up + SwiGLU], [down + residual], over the layer's
+    [n, k] copies fused["decode"] (meshlab/infer/programs.py); the same math and roundings as
+    `block_step` (pallas_kernels/decode_gemv.py says why: at batch 1 a layer's XLA GEMMs and the
+    small kernels between them are mostly latency)."""
+    cfg, w = block.attn.cfg, fused["decode"]
     b, _, d = x.shape
-    mm = functools.partial(decode_kernels.decode_matmul, eps=cfg.norm_eps, interpret=_interpret())
+    mv = functools.partial(decode_kernels.decode_gemv, eps=cfg.norm_eps, interpret=_interpret())
     x = x.reshape(b, d)                                                                   # [b, d]
-    qkv = mm(x, fused["wqkv"].reshape(d, -1), norm_scale=_w(block.attn_norm.scale, F32))  # [b, (h + 2 kvh) hd]
+    stored = lambda scale: _w(scale, scale[...].dtype)   # noqa: E731 - the kernel reads it in fp32 (no convert launch)
+    qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale))                    # [b, (h + 2 kvh) hd]
     inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
     o, cache = attend.fused(layer, qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)  # [b, 1, h, hd]
-    x = mm(o.reshape(b, -1), _w(block.attn.wo, dt).reshape(-1, d), residual=x)           # [b, h*hd] x [h*hd, d] -> [b, d]
-    h = mm(x, fused["w_gate_up"], norm_scale=_w(block.mlp_norm.scale, F32), swiglu=True)  # [b, f]
-    x = mm(h, _w(block.mlp.w_down, dt), residual=x)                                       # [b, d]
+    x = mv(o.reshape(b, -1), w["wo_t"], residual=x)                                       # [b, h hd] . [d, h hd]^T -> [b, d]
+    h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True)     # [b, f]
+    x = mv(h, w["w_down_t"], residual=x)                                                  # [b, d]
     return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
 
 

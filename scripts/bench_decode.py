@@ -55,6 +55,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 the tail of the one before), the exclusive-lock executable (less per-call resource
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
+  engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
+                through engines with layers=fused and =kernels alternating, then kernels under the
+                _gemv_tiles() tiles, and a profile of the kernels engine's batch-1 token
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
@@ -113,8 +116,18 @@ JOBS = {
     "engine_va": ("--xla_gpu_enable_command_buffer_va_remapping=true", 75, " [va remapping]"),
     "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
+    "engine_gemv": ("", 300, ""),
 }
-ENGINE_AB = [name for name in JOBS if name.startswith("engine_")]
+ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
+# decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
+def _gemv_tiles():
+    from pallas_kernels.decode_gemv import BlockSizes as B
+    return {"n4": lambda n, k, sw: B(block_n=4), "n2": lambda n, k, sw: B(block_n=2),
+            "n1": lambda n, k, sw: B(block_n=1), "n4 swiglu n2": lambda n, k, sw: B(block_n=2 if sw else 4),
+            "n2 w2": lambda n, k, sw: B(block_n=2, num_warps=2), "n4 s3": lambda n, k, sw: B(block_n=4, num_stages=3),
+            "n2 down k4096": lambda n, k, sw: B(block_n=2, block_k=4096 if k > 4096 else 2048)}
+
+
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -304,6 +317,8 @@ def run_child(args):
     elif args.job in ENGINE_AB:
         layers_gate("fused")               # fp32: a runtime flag must not change what is computed
         engine_ab_job(md, params, sz, bw, tag)
+    elif args.job == "engine_gemv":
+        engine_gemv_job(md, params, sz, bw, layers_gate)
     elif args.job in ("first_token", "first_token_ab"):
         first_token_job(md, params, sz, ab=args.job == "first_token_ab")
     elif args.job == "first_token_host":
@@ -315,7 +330,39 @@ def run_child(args):
             bench.emit(row)
 
 
-def engine_ab_job(md, params, sz, bw, tag: str):
+def engine_gemv_job(md, params, sz, bw, layers_gate):
+    """engine_gemv (the job list says what): fused against kernels, then the kernels' tiles."""
+    from meshlab.bench import decode as bench
+    from meshlab.infer.engine import Engine
+    from pallas_kernels import decode_gemv as dg
+    if layers_gate("kernels").get("paged-pallas") != "ok":
+        return
+    for layers in ("fused", "kernels", "fused"):
+        engine_ab_job(md, params, sz, bw, f" [{layers}]", layers=layers)
+    default = dg.default_block_sizes
+    for name, tiles in _gemv_tiles().items():
+        dg.default_block_sizes = tiles
+        engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
+    dg.default_block_sizes = default
+    # the fused attention kernel's tiles (the same kernel in both modes), through layers=fused
+    from pallas_kernels import paged_attention as pa
+    from pallas_kernels.paged_tiles import BlockSizes as AB
+    plain = pa.paged_decode_attention
+    for name, bs in (("v_first", AB(v_first=True)), ("p132", AB(min_programs=132)), ("ppb4", AB(pages_per_block=4))):
+        pa.paged_decode_attention = functools.partial(plain, block_sizes=bs)
+        engine_ab_job(md, params, sz, bw, f" [fused, attention {name}]")
+    pa.paged_decode_attention = plain
+    try:
+        eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
+                     layers="kernels")
+        row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
+                                  n=min(128, sz["tpot_n"]))
+        bench.emit(dict(row, setting=row["setting"] + " [kernels]"))
+    except Exception as e:  # noqa: BLE001
+        bench.fail_row("profile", "engine kernels", e)
+
+
+def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
     """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
     the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
     from meshlab.bench import decode as bench
@@ -323,7 +370,7 @@ def engine_ab_job(md, params, sz, bw, tag: str):
     from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
     eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
-                 layers="fused")
+                 layers=layers)
     n = min(2048, sz["lengths"][-1])
     for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
                         ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),

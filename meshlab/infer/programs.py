@@ -9,8 +9,9 @@ temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan
 alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and w_gate|w_up per
 layer (two GEMM launches instead of five; XLA's own dot merger would concatenate them at run
 time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused" whose decode
-tokens (batch <= 16, Pallas attention) run each layer as five Pallas launches (models/serving.py
-decode_step; slower than "fused" today, docs/benchmarks.md). layers="scan" | "unroll"
+tokens (batch <= 4, Pallas attention) run each layer as five Pallas launches (models/serving.py
+decode_step) over [n, k] copies of the layer's matrices (twice the layer weights' memory; the
+prompt path keeps reading the [k, n] ones). layers="scan" | "unroll"
 keep the stacked params.
 
 Programs:
@@ -54,9 +55,18 @@ def placement(rules, mesh):
     return use_rules(rules, mesh) if rules is not None and mesh is not None else contextlib.nullcontext()
 
 
-def _fuse(layer: dict):
-    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer."""
+def _fuse(layer: dict, decode: bool = False):
+    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer. decode: also
+    {"decode": ...}, the batch-1 kernels' copies ([n, k]: each output's weights contiguous;
+    pallas_kernels/decode_gemv.py): wqkv_t [(h + 2 kvh) hd, d], wo_t [d, h hd], w_gate_up_t
+    [2, f, d], w_down_t [d, f]."""
     fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
+    if decode:
+        d = layer["attn"]["wo"].shape[-1]
+        fused["decode"] = {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                              # [(h+2kvh) hd, d]
+                           "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                            # [d, h hd]
+                           "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),  # [2, f, d]
+                           "w_down_t": layer["mlp"]["w_down"].T}                                     # [d, f]
     rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
             for k, v in layer.items()}
     return rest, fused
@@ -86,7 +96,7 @@ def serving_params(md, params, layers: str = "split"):
         if layers in ("split",) + CONCATENATED:
             p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
         if layers in CONCATENATED:
-            p["layers"] = [_fuse(one) for one in p["layers"]]
+            p["layers"] = [_fuse(one, decode=layers == "kernels") for one in p["layers"]]
         return p
     return jax.jit(prepare)(params)
 

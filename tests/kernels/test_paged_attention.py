@@ -92,7 +92,7 @@ def test_bf16_and_gqa_group_of_four():
 
 # fused: RoPE + cache write inside the kernel (at one sequence, the residual stream's zero padding
 # row through every layer); kernels: also every decode matmul with its norm / residual / SwiGLU
-@pytest.mark.parametrize("layers,max_seqs", [("split", 2), ("fused", 2), ("fused", 1), ("kernels", 2)])
+@pytest.mark.parametrize("layers,max_seqs", [("split", 2), ("fused", 2), ("fused", 1), ("kernels", 2), ("kernels", 1)])
 def test_engine_with_kernel_matches_uncached(layers, max_seqs):
     from flax import nnx
     import models

@@ -1,0 +1,167 @@
+"""One-token matrix-vector products for decode (Pallas Triton): weights stored [n, k], every load issued at once.
+
+    decode_gemv(x [m, k], w [n, k])                          -> x @ w.T                  [m, n]
+        norm_scale=[k]:  RMSNorm(x) * norm_scale  @ w.T       (the pre-attention / pre-MLP norm)
+        swiglu=True:     w = [2, f, k] (gate, up)  -> silu(x @ gate.T) * (x @ up.T)     [m, f]
+        residual=[m, n]: residual + x @ w.T                    (the block's residual adds)
+
+Why: at batch 1 a decode layer's matmuls are small (llama3_1b: 12.6 MB q|k|v, 8.4 MB wo) and the
+XLA GEMMs before and after them (split-K partials, their reduce, the norm, SwiGLU's product)
+are separate launches of a few microseconds each, most of it latency. Here each program owns
+`block_n` output columns, their weights contiguous rows of the [n, k] layout (4 KB per row at
+k = 2048): it loads its whole [block_n, block_k] weight tile and its rows of x in one go, with no
+loop-carried dependence between them, then multiplies and sums along k on the vector units (a
+tensor-core dot would pad the 1-4 rows to 16), so every byte of the launch is in flight after
+one memory latency. k > block_k loops (down: k = 8192), pipelined by Triton (`num_stages`).
+Limits: at most MAX_ROWS rows (decode batch), n % block_n == 0 (k is split into the largest
+power-of-two chunks <= block_k that divide it), the Triton
+backend (GPU) or interpret=True. Numerics follow the model's XLA path (models/llama.py): fp32
+products and sums, the normed x and the matmul output rounded to x's dtype before the epilogue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
+
+MAX_ROWS = 4       # the FMAs grow with the rows; past a few, a tensor-core GEMM is the tool
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_n: int = 8        # output columns per program: q|k|v 3072 / 8 = 384 programs, wo 256
+    block_k: int = 2048     # contraction per load: all of k = d_model in one, down's 8192 in four
+    num_warps: int = 4
+    num_stages: int = 2     # weight tiles in flight per program when k > block_k
+
+    def validate(self, n: int, k: int) -> int:
+        """Checks the tiles against [n, k]; returns the contraction chunk: the largest power of two
+        <= block_k dividing k (Triton's tiles are powers of two)."""
+        for name, v in (("block_n", self.block_n), ("block_k", self.block_k)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"decode_gemv: BlockSizes.{name}={v} must be a power of two")
+        if n % self.block_n:
+            raise ValueError(f"decode_gemv: {n=} output columns must be a multiple of block_n={self.block_n}")
+        bk = self.block_k
+        while k % bk:
+            bk //= 2
+        return bk
+
+
+def default_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
+    """The tiles a call gets when it names none (module-level, so a benchmark can swap it)."""
+    return BlockSizes(block_n=4)
+
+
+def decode_gemv_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, swiglu=False):
+    """Pure jnp, the model's op order and roundings (models/llama.py RMSNorm, _mm, MLP); w [n, k]
+    or, with swiglu, [2, f, k]."""
+    dt = x.dtype
+    if norm_scale is not None:
+        xf = x.astype(F32)
+        x = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)).astype(dt)
+    if swiglu:
+        gate, up = (jnp.dot(x, w[i].T, preferred_element_type=F32).astype(dt) for i in range(2))   # [m, f] x2
+        return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)
+    y = jnp.dot(x, w.T, preferred_element_type=F32).astype(dt)                                   # [m, n]
+    if residual is not None:
+        return (residual.astype(F32) + y.astype(F32)).astype(dt)
+    return y
+
+
+def _row_sums(w_tiles, xs):
+    """[(bn,) fp32 per (tile, row)]: each weight tile [bn, bk] times each x row [1, bk], summed over k."""
+    return [[jnp.sum(w.astype(F32) * x, axis=1) for x in xs] for w in w_tiles]
+
+
+def _kernel(*refs, m, k, bn, bk, eps, norm, swiglu, residual):
+    """One program per `bn` output columns (per gate and up column block with swiglu); see the module doc."""
+    x_ref, w_ref, *refs = refs
+    scale_ref = refs.pop(0) if norm else None
+    res_ref = refs.pop(0) if residual else None
+    (o_ref,) = refs
+    c0 = pl.program_id(0) * bn
+    dt = o_ref.dtype
+    rstd = None
+    if norm:                     # the whole rows of x (k = d_model: one chunk at 2048), from L2
+        rstd = []
+        for r in range(m):
+            ss = sum(jnp.sum(jnp.square(plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(c * bk, bk)]).astype(F32)))  # [1, bk]
+                     for c in range(k // bk))
+            rstd.append(lax.rsqrt(ss / k + eps))
+
+    def x_rows(k0):
+        xs = []
+        for r in range(m):
+            xr = plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(k0, bk)])                           # [1, bk]
+            if norm:
+                scale = plgpu.load(scale_ref.at[pl.ds(k0, bk)]).astype(F32)[None, :]
+                xr = (xr.astype(F32) * rstd[r] * scale).astype(x_ref.dtype)                 # the model's rounding
+            xs.append(xr.astype(F32))
+        return xs
+
+    def tiles(k0):
+        if swiglu:
+            return [plgpu.load(w_ref.at[pl.ds(g, 1), pl.ds(c0, bn), pl.ds(k0, bk)]).reshape(bn, bk)
+                    for g in range(2)]                                                       # [bn, bk] x2
+        return [plgpu.load(w_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)])]                          # [bn, bk]
+
+    def body(i, accs):
+        sums = _row_sums(tiles(i * bk), x_rows(i * bk))
+        return tuple(a + s for a, s in zip(accs, [s for per_tile in sums for s in per_tile]))
+
+    n_tiles = 2 if swiglu else 1
+    accs = tuple(jnp.zeros((bn,), F32) for _ in range(n_tiles * m))
+    accs = body(0, accs) if k == bk else lax.fori_loop(0, k // bk, body, accs)
+    for r in range(m):
+        y = accs[r].astype(dt).astype(F32)                                                  # the GEMM's rounding
+        if swiglu:
+            up = accs[m + r].astype(dt).astype(F32)
+            y = y * jax.nn.sigmoid(y) * up
+        y = y[None, :]                                                                       # [1, bn]
+        if residual:
+            y = y + plgpu.load(res_ref.at[pl.ds(r, 1), pl.ds(c0, bn)]).astype(F32)
+        plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(c0, bn)], y.astype(dt))
+
+
+def decode_gemv(x, w, *, norm_scale=None, eps: float = 1e-5, residual=None, swiglu: bool = False,
+                block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """See the module doc. x [m, k] (m <= MAX_ROWS), w [n, k] (or [2, f, k] with swiglu) in x's dtype."""
+    return _decode_gemv(x, w, norm_scale=norm_scale, eps=eps, residual=residual, swiglu=swiglu,
+                        block_sizes=block_sizes or default_block_sizes(w.shape[-2], x.shape[-1], swiglu),
+                        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "block_sizes", "interpret"))
+def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interpret):
+    (m, k), n = x.shape, w.shape[-2]
+    if w.shape[-1] != k or w.dtype != x.dtype or w.ndim != (3 if swiglu else 2) or (swiglu and w.shape[0] != 2):
+        raise ValueError(f"decode_gemv: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share k and dtype, "
+                         f"w [n, k] or with swiglu [2, f, k]")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"decode_gemv: {m=} rows must be in 1..{MAX_ROWS} (decode batch); use a GEMM for more")
+    if norm_scale is not None and norm_scale.shape != (k,):
+        raise ValueError(f"decode_gemv: norm_scale {norm_scale.shape} must be [{k}]")
+    if residual is not None and (swiglu or residual.shape != (m, n)):
+        raise ValueError(f"decode_gemv: residual {residual.shape} must be [{m}, {n}], and not with swiglu")
+    bs = block_sizes
+    bk = bs.validate(n, k)
+    args = [x, w] + ([norm_scale] if norm_scale is not None else []) + ([residual] if residual is not None else [])
+    kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, eps=eps, norm=norm_scale is not None,
+                               swiglu=swiglu, residual=residual is not None)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
+    return pl.pallas_call(
+        kernel, grid=(n // bs.block_n,), in_specs=[whole(a) for a in args],
+        out_specs=pl.BlockSpec((m, n), lambda j: (0, 0)), out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        interpret=interpret, compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        # one name per variant, so that profiles tell the layer's four launches apart
+        name="decode_gemv" + "_norm" * (norm_scale is not None) + "_swiglu" * swiglu + "_residual" * (residual is not None),
+    )(*args)

@@ -1,0 +1,68 @@
+"""pallas_kernels/decode_gemv.py against its jnp reference (interpret mode), its errors, its CUDA lowering."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_gemv import BlockSizes, decode_gemv, decode_gemv_reference
+
+pytestmark = pytest.mark.cheap_codegen
+
+
+def _case(seed, m, k, n, swiglu=False, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=((2, n, k) if swiglu else (n, k))) / np.sqrt(k), dtype)
+    return x, w, jnp.asarray(rng.uniform(0.5, 1.5, size=k), jnp.float32), jnp.asarray(rng.normal(size=(m, n)), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("op", ["plain", "norm", "residual", "swiglu", "norm_swiglu"])
+def test_matches_reference(m, op):
+    # k = 96: chunks of 32 (the largest power of two <= block_k dividing it), three of them;
+    # n = 48 in blocks of 16 (gate and up each 48 wide with swiglu)
+    swiglu = "swiglu" in op
+    x, w, scale, res = _case(m * 7 + len(op), m, 96, 48, swiglu)
+    kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
+    got = decode_gemv(x, w, block_sizes=BlockSizes(block_n=16, block_k=64), interpret=True, **kw)
+    want = decode_gemv_reference(x, w, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_one_chunk_and_rounding():
+    # bf16 at k = 128 in one chunk: the model's roundings (normed x, matmul output) are reproduced
+    x, w, scale, res = _case(3, 1, 128, 64, dtype=jnp.bfloat16)
+    for kw in (dict(norm_scale=scale), dict(residual=res)):
+        got = decode_gemv(x, w, block_sizes=BlockSizes(block_n=8, block_k=2048), interpret=True, **kw)
+        want = decode_gemv_reference(x, w, **kw)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_errors_name_the_fix():
+    x, w, scale, _ = _case(4, 2, 64, 32)
+    with pytest.raises(ValueError, match="rows must be in"):
+        decode_gemv(jnp.ones((5, 64)), w, interpret=True)
+    with pytest.raises(ValueError, match="share k and dtype"):
+        decode_gemv(x, w[:, :32], interpret=True)
+    with pytest.raises(ValueError, match="block_n=16"):
+        decode_gemv(x, w[:24], block_sizes=BlockSizes(block_n=16), interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_gemv(x, w, block_sizes=BlockSizes(block_n=12), interpret=True)
+    with pytest.raises(ValueError, match="norm_scale"):
+        decode_gemv(x, w, norm_scale=scale[:8], interpret=True)
+    with pytest.raises(ValueError, match="residual"):
+        decode_gemv(x, w, residual=jnp.ones((2, 8)), interpret=True)
+
+
+def test_lowers_for_cuda_at_llama3_1b_shapes():
+    # the Triton path without a GPU, at the layer's four shapes (batch 1)
+    d, f, qkv = 2048, 8192, 3072
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    scale = jax.ShapeDtypeStruct((d,), jnp.float32)
+    cases = [(lambda x, w, g: decode_gemv(x, w, norm_scale=g), (s(1, d), s(qkv, d), scale)),
+             (lambda x, w, r: decode_gemv(x, w, residual=r), (s(1, d), s(d, d), s(1, d))),
+             (lambda x, w, g: decode_gemv(x, w, norm_scale=g, swiglu=True), (s(1, d), s(2, f, d), scale)),
+             (lambda x, w, r: decode_gemv(x, w, residual=r), (s(1, f), s(d, f), s(1, d)))]
+    for fn, args in cases:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "decode_gemv" in text
