@@ -90,21 +90,27 @@ def _kernel(*refs, m, k, bn, bk, eps, norm, swiglu, residual):
     (o_ref,) = refs
     c0 = pl.program_id(0) * bn
     dt = o_ref.dtype
-    rstd = None
-    if norm:                     # the whole rows of x (k = d_model: one chunk at 2048), from L2
-        rstd = []
+    one_chunk = k == bk
+
+    def norms():
+        """[m] 1/rms of x's rows, read in chunks (the rows' whole width, so the pass before the loop)."""
+        out = []
         for r in range(m):
             ss = sum(jnp.sum(jnp.square(plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(c * bk, bk)]).astype(F32)))  # [1, bk]
                      for c in range(k // bk))
-            rstd.append(lax.rsqrt(ss / k + eps))
+            out.append(lax.rsqrt(ss / k + eps))
+        return out
+    rstd = norms() if norm and not one_chunk else None
 
     def x_rows(k0):
         xs = []
         for r in range(m):
             xr = plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(k0, bk)])                           # [1, bk]
             if norm:
+                xf = xr.astype(F32)
+                inv = lax.rsqrt(jnp.sum(xf * xf) / k + eps) if one_chunk else rstd[r]        # one chunk: the whole row
                 scale = plgpu.load(scale_ref.at[pl.ds(k0, bk)]).astype(F32)[None, :]
-                xr = (xr.astype(F32) * rstd[r] * scale).astype(x_ref.dtype)                 # the model's rounding
+                xr = (xf * inv * scale).astype(x_ref.dtype)                                 # the model's rounding
             xs.append(xr.astype(F32))
         return xs
 
@@ -115,7 +121,8 @@ def _kernel(*refs, m, k, bn, bk, eps, norm, swiglu, residual):
         return [plgpu.load(w_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)])]                          # [bn, bk]
 
     def body(i, accs):
-        sums = _row_sums(tiles(i * bk), x_rows(i * bk))
+        w = tiles(i * bk)            # issued first: the weight loads do not wait for x or its norm
+        sums = _row_sums(w, x_rows(i * bk))
         return tuple(a + s for a, s in zip(accs, [s for per_tile in sums for s in per_tile]))
 
     n_tiles = 2 if swiglu else 1

@@ -26,8 +26,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 kernel behind XLA's RoPE and scatter (impl pallas_unfused), batch 1 (profiled) and 64
   kernels       fp32 gate with layers=kernels (every decode matmul a Pallas kernel with its norm /
                 residual / SwiGLU), then kernels vs fused at batch 1 (both profiled), 4 and 16
-  kernels_tune  batch-1 decode with layers=kernels under several decode-matmul tile configs, profiled
-  matmul        the four decode matmul kernels in a BlockSizes sweep against XLA, batch 1 and 16
+  matmul        the four decode matmuls (decode_gemv) in a BlockSizes sweep against XLA, batch 1 and 4
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
@@ -103,7 +102,6 @@ JOBS = {
     "profile1": ("", 60, ""),
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
-    "kernels_tune": ("", 150, ""),
     "engine": ("", 65, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 110, ""),
@@ -131,20 +129,14 @@ def _gemv_tiles():
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _matmul_configs(quick=False, tune=False):
-    from pallas_kernels.decode_matmul import BlockSizes
+def _matmul_configs(quick=False):
+    """decode_gemv tiles for the matmul job (kernel alone against XLA)."""
+    from pallas_kernels.decode_gemv import BlockSizes
     if quick:
-        return {"default": BlockSizes(), "nk": (BlockSizes(), "nk")}
-    if tune:   # whole decode steps, profiled: the four kernels' times in place
-        return {"n32k256": BlockSizes(), "n16k256": BlockSizes(block_n=16), "n64k128": BlockSizes(64, 128),
-                "n32k512": BlockSizes(32, 512), "n16k512": BlockSizes(16, 512), "n64k256w8": BlockSizes(64, 256, 8),
-                "n32k128s6": BlockSizes(32, 128, num_stages=6)}
-    # [k, n] weights: the best of a 9-point grid on 2026-12-01 (H200), then [n, k] ("nk") variants
-    kn = {"n32k256": BlockSizes(), "n64k128": BlockSizes(64, 128)}
-    nk = {f"nk_n{n}k{k}{'w8' if w == 8 else ''}{'s3' if st == 3 else ''}": (BlockSizes(n, k, w, st), "nk")
-          for n, k, w, st in ((16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 4),
-                              (32, 512, 8, 4), (64, 256, 4, 4), (64, 256, 8, 4), (16, 512, 4, 3), (32, 256, 4, 3))}
-    return {**kn, **nk}
+        return {"n4": BlockSizes(block_n=4)}
+    return {"n1": BlockSizes(block_n=1), "n2": BlockSizes(block_n=2), "n4": BlockSizes(block_n=4),
+            "n8": BlockSizes(block_n=8), "n2w2": BlockSizes(block_n=2, num_warps=2),
+            "n4k1024": BlockSizes(block_n=4, block_k=1024)}
 
 
 def _sweep_configs():
@@ -263,18 +255,10 @@ def run_child(args):
             for i, (batch, layers) in enumerate(((1, "kernels"), (1, "fused"), (16, "kernels"), (16, "fused"),
                                                  (4, "kernels"), (1, "kernels"), (1, "fused"))):
                 decode(batch, layers, impl="pallas", detail=i == 0, profile=batch == 1)
-    elif args.job == "kernels_tune":
-        from pallas_kernels import decode_matmul as dm
-        for name, bs in _matmul_configs(tune=True, quick=args.cpu_smoke).items():
-            dm.default_block_sizes = lambda k, n, swiglu, bs=bs: bs   # this child process only
-            decode(1, "kernels", impl="pallas", profile=True, variant=f"[{name}]")
     elif args.job == "matmul":
         from meshlab.bench.matmul import matmul_peers
-        for batch in (1, 16):
-            configs = _matmul_configs(quick=args.cpu_smoke)
-            if batch > 1 and not args.cpu_smoke:
-                configs = {k: configs[k] for k in ("n32k256", "nk_n16k512", "nk_n32k256", "nk_n32k512")}
-            matmul_peers(cfg, bw, batch, configs)
+        for batch in (1, 4):
+            matmul_peers(cfg, bw, batch, _matmul_configs(quick=args.cpu_smoke))
     elif args.job == "profile1":
         decode(1, "fused", impl="pallas", detail=True, profile=True)
     elif args.job == "cublas":

@@ -1,4 +1,4 @@
-"""The decode layer's four matmuls (pallas_kernels/decode_matmul.py) against XLA, for bench_decode.
+"""The decode layer's four matmuls (pallas_kernels/decode_gemv.py) against XLA, for bench_decode.
 
 Each op at the model's shapes: [norm + q|k|v], [wo + residual], [norm + gate|up + SwiGLU],
 [down + residual]. The XLA peer is the same math as the model's serving path writes it (the
@@ -22,12 +22,29 @@ F32 = jnp.float32
 
 
 def _xla(x, w, norm_scale=None, residual=None, swiglu=False, eps=1e-5):
-    from pallas_kernels.decode_matmul import decode_matmul_reference
-    if x.shape[0] != 1:
-        return decode_matmul_reference(x, w, norm_scale=norm_scale, residual=residual, swiglu=swiglu, eps=eps)
-    two = lambda a: None if a is None else jnp.concatenate([a, jnp.zeros_like(a)], axis=0)  # noqa: E731
-    return decode_matmul_reference(two(x), w, norm_scale=norm_scale, residual=two(residual), swiglu=swiglu,
-                                   eps=eps)[:1]
+    """The serving path's XLA math on [k, n] weights (gate|up concatenated: one GEMM, split after),
+    with _mm_decode's zero second row at one token; pallas_kernels/decode_gemv.py's roundings."""
+    from jax import lax
+    if x.shape[0] == 1:
+        two = lambda a: None if a is None else jnp.concatenate([a, jnp.zeros_like(a)], axis=0)  # noqa: E731
+        return _xla(two(x), w, norm_scale, two(residual), swiglu, eps)[:1]
+    dt = x.dtype
+    if norm_scale is not None:
+        xf = x.astype(F32)
+        x = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)).astype(dt)
+    y = jnp.dot(x, w, preferred_element_type=F32).astype(dt)                                    # [m, n]
+    if swiglu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)
+    return y if residual is None else (residual.astype(F32) + y.astype(F32)).astype(dt)
+
+
+def _nk(w, swiglu: bool):
+    """[k, n] -> decode_gemv's layout: [n, k], or [2, f, k] for gate|up (a copy, as serving keeps)."""
+    if swiglu:
+        gate, up = jnp.split(w, 2, axis=1)
+        return jnp.stack([gate.T, up.T])
+    return jnp.asarray(w.T)
 
 
 def ops(cfg, batch: int) -> dict:
@@ -41,9 +58,9 @@ def ops(cfg, batch: int) -> dict:
 
 
 def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
-    """us per call and % of copy bandwidth (weight bytes) for XLA and each config in `configs`:
-    {label: BlockSizes, or (BlockSizes, w_layout)} (w_layout "nk": the weights stored transposed)."""
-    from pallas_kernels.decode_matmul import decode_matmul
+    """us per call and % of copy bandwidth (weight bytes) for XLA ([k, n] weights) and decode_gemv
+    ([n, k] copies) under each {label: BlockSizes} of `configs`."""
+    from pallas_kernels.decode_gemv import decode_gemv
     interpret = jax.default_backend() != "gpu"
     out = []
     for name, (xs, ws, kind) in ops(cfg, batch).items():
@@ -63,13 +80,12 @@ def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
         want = _xla(x, ws_[0], swiglu=swiglu, **kw).astype(F32)
         impls = {"xla": (lambda x, w, **k: _xla(x, w, swiglu=swiglu, **k), "kn")}
         for label, bs in configs.items():
-            bs, layout = bs if isinstance(bs, tuple) else (bs, "kn")
-            impls[f"ours[{label}]"] = (lambda x, w, bs=bs, layout=layout, **k: decode_matmul(
-                x, w, swiglu=swiglu, w_layout=layout, block_sizes=bs, interpret=interpret, **k), layout)
+            impls[f"ours[{label}]"] = (lambda x, w, bs=bs, **k: decode_gemv(
+                x, w, swiglu=swiglu, block_sizes=bs, interpret=interpret, **k), "nk")
         ws_t = None
         for label, (fn, layout) in impls.items():
             if layout == "nk" and ws_t is None:
-                ws_t = [jnp.asarray(w.T) for w in ws_]                  # stored [n, k]: a copy, not a view
+                ws_t = [_nk(w, swiglu) for w in ws_]
             weights = ws_t if layout == "nk" else ws_
             setting = f"{name} {label} b={batch}"
             try:
