@@ -102,7 +102,7 @@ JOBS = {
     "profile1": ("", 60, ""),
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
-    "engine": ("", 65, ""),
+    "engine": ("", 160, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 110, ""),
     "first_token_host": ("", 40, ""),
@@ -120,9 +120,8 @@ ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "en
 # decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
 def _gemv_tiles():
     from pallas_kernels.decode_gemv import BlockSizes as B
-    return {"n4": lambda n, k, sw: B(block_n=4), "n2": lambda n, k, sw: B(block_n=2),
-            "n1": lambda n, k, sw: B(block_n=1), "n4 swiglu n2": lambda n, k, sw: B(block_n=2 if sw else 4),
-            "n2 w2": lambda n, k, sw: B(block_n=2, num_warps=2), "n4 s3": lambda n, k, sw: B(block_n=4, num_stages=3),
+    return {"n2": lambda n, k, sw: B(block_n=2), "n1": lambda n, k, sw: B(block_n=1),
+            "n4 swiglu n2": lambda n, k, sw: B(block_n=2 if sw else 4),
             "n2 down k4096": lambda n, k, sw: B(block_n=2, block_k=4096 if k > 4096 else 2048)}
 
 
@@ -332,7 +331,7 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
     from pallas_kernels import paged_attention as pa
     from pallas_kernels.paged_tiles import BlockSizes as AB
     plain = pa.paged_decode_attention
-    for name, bs in (("v_first", AB(v_first=True)), ("p132", AB(min_programs=132)), ("ppb4", AB(pages_per_block=4))):
+    for name, bs in (("v_first", AB(v_first=True)), ("p132", AB(min_programs=132))):
         pa.paged_decode_attention = functools.partial(plain, block_sizes=bs)
         engine_ab_job(md, params, sz, bw, f" [fused, attention {name}]")
     pa.paged_decode_attention = plain
