@@ -108,17 +108,37 @@ def feed_forward(block, x, fused=None):
 
 def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, kernels=False):
     """One decoder block (Llama's or a mixture of experts') over x [b, t, d] -> ([b, t, d], cache).
-    fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only). kernels:
-    a decode token (t == 1, at most decode_kernels.MAX_ROWS rows) of a fused dense layer with its
-    decode copies, the one-kernel attention offered, goes through `decode_step` instead."""
+    fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only), or
+    {"decode": the layer's matrices stored [n, k]} (serving layers="kernels"): then a decode token
+    (t == 1, at most decode_kernels.MAX_ROWS rows, kernels=True, the one-kernel attention offered)
+    goes through `decode_step`, anything else through `nk_step`."""
     b, t, _ = x.shape
-    if kernels and fused is not None and "decode" in fused and t == 1 and b <= decode_kernels.MAX_ROWS \
-            and attend.fused is not None:
-        return decode_step(block, x, attend, layer, cache, fused)
+    if fused is not None and "decode" in fused:
+        if kernels and t == 1 and b <= decode_kernels.MAX_ROWS and attend.fused is not None:
+            return decode_step(block, x, attend, layer, cache, fused)
+        return nk_step(block, x, positions, attend, layer, cache, fused["decode"])
     h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,
                          wqkv=None if fused is None else fused.get("wqkv"))
     x = constrain(x + h, ACT)
     x = x + feed_forward(block, block.mlp_norm(x), fused)
+    return constrain(x, ACT), cache
+
+
+def nk_step(block, x, positions, attend: Attend, layer, cache, w):
+    """`block_step`'s math over w = the layer's matrices stored [n, k] (serving layers="kernels"):
+    prompt chunks and decode batches past decode_step's rows, as XLA GEMMs on the transposed
+    operands (cuBLAS and Triton read either layout at the same rate)."""
+    cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
+    b, t, _ = x.shape
+    h = block.attn_norm(x)
+    qkv = _mm_decode("bsd,nd->bsn", h, w["wqkv_t"]).reshape(b, t, -1, cfg.head_dim)        # [b, t, h + 2 kvh, hd]
+    q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
+    q, k = apply_rope(cfg, q, k, positions)
+    o, cache = attend(layer, q, k, v, cache)                                                 # [b, t, h, hd]
+    x = constrain(x + _mm_decode("bsn,dn->bsd", o.reshape(b, t, -1), w["wo_t"]), ACT)       # [b, t, d]
+    gu = _mm_decode("bsd,gfd->bsgf", block.mlp_norm(x), w["w_gate_up_t"])                    # [b, t, 2, f]
+    act = (jax.nn.silu(gu[:, :, 0].astype(F32)) * gu[:, :, 1].astype(F32)).astype(dt)        # [b, t, f]
+    x = x + _mm_decode("bsf,df->bsd", act, w["w_down_t"])                                    # [b, t, d]
     return constrain(x, ACT), cache
 
 

@@ -335,14 +335,7 @@ def peer_static_b1(ctx: int = 2048, n: int = 256) -> dict:
 
 # -- one engine, one request at a time (scripts/bench_decode.py's engine job) -----------------
 def weight_bytes(engine) -> int:
-    """Bytes of the weights a decode step reads: all of the engine's, less (layers="kernels") the
-    [k, n] matrices only its prompt path reads (decode reads their [n, k] copies)."""
-    import jax
-    total = sum(x.nbytes for x in jax.tree.leaves(engine.params))
-    if getattr(engine, "layers", None) == "kernels":
-        for rest, fused in engine.params["layers"]:
-            total -= sum(a.nbytes for a in (fused["wqkv"], fused["w_gate_up"], rest["attn"]["wo"], rest["mlp"]["w_down"]))
-    return total
+    return sum(x.nbytes for x in __import__("jax").tree.leaves(engine.params))
 
 
 def roofline(engine, bw: float, ctx: int, batch: int = 1) -> float:

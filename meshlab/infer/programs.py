@@ -8,10 +8,9 @@ every weight once and is limited by HBM bandwidth; XLA copies a slice of a stack
 temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan's static slice
 alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and w_gate|w_up per
 layer (two GEMM launches instead of five; XLA's own dot merger would concatenate them at run
-time); it assumes those weights are not tensor-sharded. layers="kernels" is "fused" whose decode
-tokens (batch <= 4, Pallas attention) run each layer as five Pallas launches (models/serving.py
-decode_step) over [n, k] copies of the layer's matrices (twice the layer weights' memory; the
-prompt path keeps reading the [k, n] ones). layers="scan" | "unroll"
+time); it assumes those weights are not tensor-sharded. layers="kernels" stores each layer's
+matrices [n, k] instead (models/serving.py nk_step reads them transposed); its decode tokens (batch
+<= 4, Pallas attention) run each layer as five Pallas launches (decode_step). layers="scan" | "unroll"
 keep the stacked params.
 
 Programs:
@@ -46,7 +45,7 @@ TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's 
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
-CONCATENATED = ("fused", "kernels")     # modes whose layers carry wq|wk|wv and w_gate|w_up concatenated
+CONCATENATED = ("fused", "kernels")     # modes whose layers are pairs (params, their projections rearranged: _fuse)
 FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
 
 
@@ -56,19 +55,22 @@ def placement(rules, mesh):
 
 
 def _fuse(layer: dict, decode: bool = False):
-    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer. decode: also
-    {"decode": ...}, the batch-1 kernels' copies ([n, k]: each output's weights contiguous;
-    pallas_kernels/decode_gemv.py): wqkv_t [(h + 2 kvh) hd, d], wo_t [d, h hd], w_gate_up_t
-    [2, f, d], w_down_t [d, f]."""
-    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
-    if decode:
-        d = layer["attn"]["wo"].shape[-1]
-        fused["decode"] = {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                              # [(h+2kvh) hd, d]
-                           "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                            # [d, h hd]
-                           "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),  # [2, f, d]
-                           "w_down_t": layer["mlp"]["w_down"].T}                                     # [d, f]
+    """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer. decode: instead
+    ({"decode": ...}, the layer's matrices stored [n, k], each output's weights contiguous, for
+    pallas_kernels/decode_gemv.py; the prompt path reads them transposed): wqkv_t [(h + 2 kvh) hd, d],
+    wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too."""
     rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
             for k, v in layer.items()}
+    if decode:
+        d = layer["attn"]["wo"].shape[-1]
+        wqkv = jnp.concatenate([layer["attn"][n] for n in FUSED["attn", "wqkv"]], axis=1)          # [d, H, hd]
+        rest = {k: ({n: w for n, w in v.items() if n not in ("wo", "w_down")} if isinstance(v, dict) else v)
+                for k, v in rest.items()}
+        return rest, {"decode": {"wqkv_t": wqkv.reshape(d, -1).T,                                 # [(h+2kvh) hd, d]
+                                 "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                       # [d, h hd]
+                                 "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),
+                                 "w_down_t": layer["mlp"]["w_down"].T}}                              # [d, f]
+    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
     return rest, fused
 
 

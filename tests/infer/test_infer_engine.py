@@ -65,7 +65,7 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, prefill="dense")
 
 
-@pytest.mark.parametrize("layers", ["split", "fused"])
+@pytest.mark.parametrize("layers", ["split", "fused", "kernels"])
 def test_batch_one_decode_equals_uncached(tiny, layers):
     """One sequence, one token per step: the q|k|v and wo GEMMs take models/serving._mm_decode's
     zero-second-row path (the shape the batch-1 GPU benchmark times)."""
@@ -161,10 +161,11 @@ def split_outputs(tiny):
     return layer_mode_outputs(md, params, "split")
 
 
-@pytest.mark.parametrize("layers", ["scan", "unroll", "fused"])
+@pytest.mark.parametrize("layers", ["scan", "unroll", "fused", "kernels"])
 def test_layer_modes_give_the_same_tokens(tiny, split_outputs, layers):
-    """The default per-layer split (no weight slicing) against the stacked scan, the unrolled scan and
-    the split with concatenated projections."""
+    """The default per-layer split (no weight slicing) against the stacked scan, the unrolled scan,
+    the split with concatenated projections and the one with [n, k] matrices (XLA's GEMMs here:
+    the Pallas decode kernels are tests/kernels/test_paged_attention.py's)."""
     md, params, _ = tiny
     assert layer_mode_outputs(md, params, layers) == split_outputs
 
