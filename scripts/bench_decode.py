@@ -266,21 +266,27 @@ def run_child(args):
         from meshlab.bench import first_token
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
-        layers_gate("fused")               # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
+        # the layers measured: fused, or engine_gemv's faster choice (_engine_choice) in one call with it
+        layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "fused"), os.environ.get("MESHLAB_BENCH_GEMV", "")
+        if tile:
+            from pallas_kernels import decode_gemv as dg
+            dg.default_block_sizes = _gemv_tiles()[tile]
+        bench.emit({"section": "config", "setting": "engine layers", "value": 0.0, "unit": "", "note": f"{layers} {tile}"})
+        layers_gate(layers)                # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
         try:
             eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="fused")
+                         steps_per_call=16, layers=layers)
             eng.warmup()
         except Exception as e:  # noqa: BLE001 - the paged prompt kernel failing to build must not lose the rest
             bench.fail_row("compile", "engine prefill=auto, falling back to prefill=flash", e)
             eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="fused", prefill="flash")
+                         steps_per_call=16, layers=layers, prefill="flash")
             eng.warmup()
         ctx, n = sz["ctx"], sz["tpot_n"]
 
         def sweep():
             big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="fused", prefill=eng.prefill)
+                         steps_per_call=16, layers=layers, prefill=eng.prefill)
             bs.engine_sweep(big, bw, [b for b in (1, 16, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
         # most wanted first: a job stopped at its time limit keeps the rows before
         for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
@@ -401,6 +407,22 @@ def first_token_job(md, params, sz, ab: bool):
 
 
 # -- parent side ------------------------------------------------------------------------------
+def _engine_choice(rows) -> dict:
+    """{MESHLAB_BENCH_LAYERS, MESHLAB_BENCH_GEMV}: the engine_gemv variant with the most batch-1 decode
+    tokens/s (mean of its two measures), fused or kernels under one of _gemv_tiles() (or the default)."""
+    import re
+    rates: dict = {}
+    for r in rows:
+        m = re.fullmatch(r"engine b=1 ctx=\d+ \[(fused|kernels)( [^\]]+)?\]( again)?", r.get("setting", ""))
+        if r.get("job") == "engine_gemv" and r["section"] == "decode" and m and r["value"] > 0:
+            rates.setdefault((m.group(1), (m.group(2) or "").strip()), []).append(r["value"])
+    if not rates:
+        return {}
+    (layers, tile), _ = max(rates.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+    print(f"[engine] measures layers={layers} {tile or 'default tiles'} (the fastest of engine_gemv)", flush=True)
+    return {"MESHLAB_BENCH_LAYERS": layers, "MESHLAB_BENCH_GEMV": tile}
+
+
 def run_job(name, args, deadline, out: Path, bw):
     """Run one job as a child until it ends or `deadline`; returns its rows (those printed so far)."""
     flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), JOBS[name][0]) if f)
@@ -526,6 +548,8 @@ def main():
             print(f"[{name}] skipped: no time left", flush=True)
             continue
         rows += run_job(name, args, deadline, out, bw)
+        if name == "engine_gemv":
+            os.environ.update(_engine_choice(rows))    # the engine job then measures the faster layers
         bw = max([bw] + [r["value"] * 1e9 for r in rows if r["section"] == "copy" and r["value"] == r["value"]])
     meta = next((r for r in rows if r["section"] == "meta"), {})
     table = markdown(rows, meta)
