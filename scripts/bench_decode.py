@@ -120,9 +120,7 @@ ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "en
 # decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
 def _gemv_tiles():
     from pallas_kernels.decode_gemv import BlockSizes as B
-    return {"n2": lambda n, k, sw: B(block_n=2), "n1": lambda n, k, sw: B(block_n=1),
-            "n4 swiglu n2": lambda n, k, sw: B(block_n=2 if sw else 4),
-            "n2 down k4096": lambda n, k, sw: B(block_n=2, block_k=4096 if k > 4096 else 2048)}
+    return {"n2": lambda n, k, sw: B(block_n=2), "n1": lambda n, k, sw: B(block_n=1)}
 
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -333,14 +331,6 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
         dg.default_block_sizes = tiles
         engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
     dg.default_block_sizes = default
-    # the fused attention kernel's tiles (the same kernel in both modes), through layers=fused
-    from pallas_kernels import paged_attention as pa
-    from pallas_kernels.paged_tiles import BlockSizes as AB
-    plain = pa.paged_decode_attention
-    for name, bs in (("v_first", AB(v_first=True)), ("p132", AB(min_programs=132))):
-        pa.paged_decode_attention = functools.partial(plain, block_sizes=bs)
-        engine_ab_job(md, params, sz, bw, f" [fused, attention {name}]")
-    pa.paged_decode_attention = plain
     try:
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
                      layers="kernels")
