@@ -102,7 +102,7 @@ JOBS = {
     "profile1": ("", 60, ""),
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
-    "engine": ("", 160, ""),
+    "engine": ("", 150, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 110, ""),
     "first_token_host": ("", 40, ""),
@@ -324,7 +324,7 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
     from pallas_kernels import decode_gemv as dg
     if layers_gate("kernels").get("paged-pallas") != "ok":
         return
-    for layers in ("fused", "kernels", "fused"):
+    for layers in ("fused", "kernels"):
         engine_ab_job(md, params, sz, bw, f" [{layers}]", layers=layers)
     default = dg.default_block_sizes
     for name, tiles in _gemv_tiles().items():
