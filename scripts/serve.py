@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: fused with Pallas decode matmuls (opt-in, slower today); "
+                         "kernels: [n, k] matrices, Pallas decode matmuls at batch <= 4 (opt-in, level with fused); "
                          "auto: fused on one device, else split")
     ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
                     "one device")
