@@ -57,6 +57,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels alternating, then kernels under the
                 _gemv_tiles() tiles, and a profile of the kernels engine's batch-1 token
+                (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and one tile, no profile)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
