@@ -59,19 +59,16 @@ def _fuse(layer: dict, decode: bool = False):
     ({"decode": ...}, the layer's matrices stored [n, k], each output's weights contiguous, for
     pallas_kernels/decode_gemv.py; the prompt path reads them transposed): wqkv_t [(h + 2 kvh) hd, d],
     wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too."""
-    rest = {k: ({n: w for n, w in v.items() if n not in sum(FUSED.values(), ())} if isinstance(v, dict) else v)
-            for k, v in layer.items()}
-    if decode:
-        d = layer["attn"]["wo"].shape[-1]
-        wqkv = jnp.concatenate([layer["attn"][n] for n in FUSED["attn", "wqkv"]], axis=1)          # [d, H, hd]
-        rest = {k: ({n: w for n, w in v.items() if n not in ("wo", "w_down")} if isinstance(v, dict) else v)
-                for k, v in rest.items()}
-        return rest, {"decode": {"wqkv_t": wqkv.reshape(d, -1).T,                                 # [(h+2kvh) hd, d]
-                                 "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                       # [d, h hd]
-                                 "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),
-                                 "w_down_t": layer["mlp"]["w_down"].T}}                              # [d, f]
+    drop = sum(FUSED.values(), ()) + (("wo", "w_down") if decode else ())
+    rest = {k: ({n: w for n, w in v.items() if n not in drop} if isinstance(v, dict) else v) for k, v in layer.items()}
     fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
-    return rest, fused
+    if not decode:
+        return rest, fused
+    d = layer["attn"]["wo"].shape[-1]
+    return rest, {"decode": {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                          # [(h+2kvh) hd, d]
+                             "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                       # [d, h hd]
+                             "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),  # [2, f, d]
+                             "w_down_t": layer["mlp"]["w_down"].T}}                              # [d, f]
 
 
 def _unfused_placeholders(md, rest: dict) -> dict:

@@ -30,7 +30,8 @@ def test_matches_reference(m, op):
 
 
 def test_bf16_one_chunk_and_rounding():
-    # bf16 at k = 128 in one chunk: the model's roundings (normed x, matmul output) are reproduced
+    # bf16 at k = 128 in one chunk, rounded where the model rounds (normed x, matmul output); the sum
+    # order differs from XLA's, so an output may land one bf16 ulp away
     x, w, scale, res = _case(3, 1, 128, 64, dtype=jnp.bfloat16)
     for kw in (dict(norm_scale=scale), dict(residual=res)):
         got = decode_gemv(x, w, block_sizes=BlockSizes(block_n=8, block_k=2048), interpret=True, **kw)
@@ -81,3 +82,36 @@ def test_gpu_compiled_matches_reference_at_llama3_1b_shapes():
             got = np.asarray(decode_gemv(x, w, **args), np.float32)
             want = np.asarray(decode_gemv_reference(x, w, **args), np.float32)
             np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_block_decode_step_matches_the_xla_block():
+    # The five-launch decode layer (kernels=True) and nk_step (the [n, k] weights through XLA) against
+    # the same block with concatenated weights (layers="fused"): the kernels replace only the matmuls
+    # and their neighbours; the jaxpr shows the four decode_gemv launches and the attention kernel.
+    import dataclasses
+    from flax import nnx
+    import models
+    from meshlab.infer import kv_cache
+    from meshlab.infer.programs import _fuse
+    from models.serving import block_step
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
+    block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
+    params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+    (_, fused), (_, nk) = _fuse(params), _fuse(params, decode=True)
+    one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], nnx.state(block)))
+    b, page_size, pages = 3, 4, 4
+    cache = kv_cache.init_paged(cfg, b * pages + 1, page_size)
+    cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(3), c.shape, c.dtype), cache)
+    table = jnp.arange(1, b * pages + 1, dtype=jnp.int32).reshape(b, pages)
+    positions = jnp.array([[0], [5], [13]], jnp.int32)
+    attend = kv_cache.paged_attend(positions, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
+    x = jax.random.normal(jax.random.PRNGKey(4), (b, 1, cfg.d_model), jnp.float32)
+    want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
+    step = lambda x, kernels: block_step(one, x, positions, attend, 0, cache, fused=nk, kernels=kernels)  # noqa: E731
+    for kernels in (True, False):
+        got, got_cache = step(x, kernels)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+        for name in ("k", "v"):   # the new k/v come from q|k|v sums in another order: fp32 rounding apart
+            np.testing.assert_allclose(np.asarray(got_cache[name]), np.asarray(want_cache[name]), rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda x: step(x, True)[0])(x))
+    assert jaxpr.count("name=decode_gemv") == 4 and jaxpr.count("name=paged_attention") >= 1
