@@ -37,10 +37,19 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_n: int = 4        # output columns per program: q|k|v 3072 / 4 = 768 programs; 8 and 16 ran slower
+    block_n: int = 4        # output columns per tile: q|k|v 3072 / 4 = 768 tiles; 8 and 16 ran slower
     block_k: int = 2048     # contraction per load: all of k = d_model in one, down's 8192 in four
     num_warps: int = 4
-    num_stages: int = 2     # weight tiles in flight per program when k > block_k
+    num_stages: int = 2     # weight tiles in flight per program when k > block_k (Triton's pipelining; prefetch=0)
+    # A program's tiles, in turn (column blocks pid, pid + programs, ...): the grid shrinks to
+    # n / block_n / tiles_per_program programs that stay resident, so no weight stream stops at a
+    # program's end while the next program starts (its loads a memory latency away), and the
+    # norm of x is computed once per program instead of once per tile.
+    tiles_per_program: int = 1
+    # Weight tiles (tile, k chunk) loaded ahead of the one being summed, in an unrolled sequence:
+    # the next loads are in flight while the vector units reduce the current tile. 0: one tile's
+    # loads at a time, k chunks in a loop pipelined by Triton.
+    prefetch: int = 0
 
     def validate(self, n: int, k: int) -> int:
         """Checks the tiles against [n, k]; returns the contraction chunk: the largest power of two
@@ -50,6 +59,11 @@ class BlockSizes:
                 raise ValueError(f"decode_gemv: BlockSizes.{name}={v} must be a power of two")
         if n % self.block_n:
             raise ValueError(f"decode_gemv: {n=} output columns must be a multiple of block_n={self.block_n}")
+        if self.tiles_per_program < 1 or (n // self.block_n) % self.tiles_per_program:
+            raise ValueError(f"decode_gemv: the {n // self.block_n} column blocks of {n=} / block_n={self.block_n} "
+                             f"must be a multiple of tiles_per_program={self.tiles_per_program}")
+        if self.prefetch < 0:
+            raise ValueError(f"decode_gemv: BlockSizes.prefetch={self.prefetch} must be >= 0")
         bk = self.block_k
         while k % bk:
             bk //= 2
@@ -82,25 +96,28 @@ def _row_sums(w_tiles, xs):
     return [[jnp.sum(w.astype(F32) * x, axis=1) for x in xs] for w in w_tiles]
 
 
-def _kernel(*refs, m, k, bn, bk, eps, norm, swiglu, residual):
-    """One program per `bn` output columns (per gate and up column block with swiglu); see the module doc."""
+def _kernel(*refs, m, k, bn, bk, tpp, ahead, eps, norm, swiglu, residual):
+    """A program per `tpp` column blocks of `bn` outputs (per gate and up column block with swiglu);
+    see the module doc and BlockSizes."""
     x_ref, w_ref, *refs = refs
     scale_ref = refs.pop(0) if norm else None
     res_ref = refs.pop(0) if residual else None
     (o_ref,) = refs
-    c0 = pl.program_id(0) * bn
+    pid, programs = pl.program_id(0), o_ref.shape[1] // (bn * tpp)
+    col = lambda t: (pid + t * programs) * bn   # noqa: E731 - tile t of this program: strided, so
+    #                                                          the programs running at once read neighbouring rows
     dt = o_ref.dtype
-    one_chunk = k == bk
+    chunks = k // bk
 
     def norms():
         """[m] 1/rms of x's rows, read in chunks (the rows' whole width, so the pass before the loop)."""
         out = []
         for r in range(m):
             ss = sum(jnp.sum(jnp.square(plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(c * bk, bk)]).astype(F32)))  # [1, bk]
-                     for c in range(k // bk))
+                     for c in range(chunks))
             out.append(lax.rsqrt(ss / k + eps))
         return out
-    rstd = norms() if norm and not one_chunk else None
+    rstd = norms() if norm and chunks > 1 else None
 
     def x_rows(k0):
         xs = []
@@ -108,35 +125,50 @@ def _kernel(*refs, m, k, bn, bk, eps, norm, swiglu, residual):
             xr = plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(k0, bk)])                           # [1, bk]
             if norm:
                 xf = xr.astype(F32)
-                inv = lax.rsqrt(jnp.sum(xf * xf) / k + eps) if one_chunk else rstd[r]        # one chunk: the whole row
+                inv = lax.rsqrt(jnp.sum(xf * xf) / k + eps) if chunks == 1 else rstd[r]     # one chunk: the whole row
                 scale = plgpu.load(scale_ref.at[pl.ds(k0, bk)]).astype(F32)[None, :]
                 xr = (xf * inv * scale).astype(x_ref.dtype)                                 # the model's rounding
             xs.append(xr.astype(F32))
         return xs
 
-    def tiles(k0):
+    def tiles(c0, k0):
         if swiglu:
             return [plgpu.load(w_ref.at[pl.ds(g, 1), pl.ds(c0, bn), pl.ds(k0, bk)]).reshape(bn, bk)
                     for g in range(2)]                                                       # [bn, bk] x2
         return [plgpu.load(w_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)])]                          # [bn, bk]
 
-    def body(i, accs):
-        w = tiles(i * bk)            # issued first: the weight loads do not wait for x or its norm
-        sums = _row_sums(w, x_rows(i * bk))
-        return tuple(a + s for a, s in zip(accs, [s for per_tile in sums for s in per_tile]))
+    def store(c0, accs):
+        for r in range(m):
+            y = accs[r].astype(dt).astype(F32)                                              # the GEMM's rounding
+            if swiglu:
+                up = accs[m + r].astype(dt).astype(F32)
+                y = y * jax.nn.sigmoid(y) * up
+            y = y[None, :]                                                                   # [1, bn]
+            if residual:
+                y = y + plgpu.load(res_ref.at[pl.ds(r, 1), pl.ds(c0, bn)]).astype(F32)
+            plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(c0, bn)], y.astype(dt))
 
-    n_tiles = 2 if swiglu else 1
-    accs = tuple(jnp.zeros((bn,), F32) for _ in range(n_tiles * m))
-    accs = body(0, accs) if k == bk else lax.fori_loop(0, k // bk, body, accs)
-    for r in range(m):
-        y = accs[r].astype(dt).astype(F32)                                                  # the GEMM's rounding
-        if swiglu:
-            up = accs[m + r].astype(dt).astype(F32)
-            y = y * jax.nn.sigmoid(y) * up
-        y = y[None, :]                                                                       # [1, bn]
-        if residual:
-            y = y + plgpu.load(res_ref.at[pl.ds(r, 1), pl.ds(c0, bn)]).astype(F32)
-        plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(c0, bn)], y.astype(dt))
+    flat = lambda sums: [s for per_tile in sums for s in per_tile]   # noqa: E731 - [gate rows..., up rows...]
+    if ahead == 0 and tpp == 1 and chunks > 1:     # k chunks in a loop, pipelined by Triton (num_stages)
+        def body(i, accs):
+            w = tiles(col(0), i * bk)  # issued first: the weight loads do not wait for x or its norm
+            return tuple(a + s for a, s in zip(accs, flat(_row_sums(w, x_rows(i * bk)))))
+        accs = tuple(jnp.zeros((bn,), F32) for _ in range((2 if swiglu else 1) * m))
+        store(col(0), lax.fori_loop(0, chunks, body, accs))
+        return
+    # Unrolled (tile, chunk) steps, each step's weight loads issued `ahead` steps before its sums:
+    # straight-line code, so no loop-carried register has to wait for a load at a back edge.
+    steps = [(t, c) for t in range(tpp) for c in range(chunks)]
+    loads, xs_once = {}, (x_rows(0) if chunks == 1 else None)   # one chunk: x (and its norm) for every tile
+    for i in range(len(steps)):
+        for j in range(i, min(i + ahead + 1, len(steps))):
+            if j not in loads:
+                loads[j] = tiles(col(steps[j][0]), steps[j][1] * bk)
+        t, c = steps[i]
+        sums = flat(_row_sums(loads.pop(i), xs_once if chunks == 1 else x_rows(c * bk)))
+        accs = sums if c == 0 else [a + s for a, s in zip(accs, sums)]
+        if c == chunks - 1:
+            store(col(t), accs)
 
 
 def decode_gemv(x, w, *, norm_scale=None, eps: float = 1e-5, residual=None, swiglu: bool = False,
@@ -162,11 +194,11 @@ def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interp
     bs = block_sizes
     bk = bs.validate(n, k)
     args = [x, w] + ([norm_scale] if norm_scale is not None else []) + ([residual] if residual is not None else [])
-    kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, eps=eps, norm=norm_scale is not None,
-                               swiglu=swiglu, residual=residual is not None)
+    kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch,
+                               eps=eps, norm=norm_scale is not None, swiglu=swiglu, residual=residual is not None)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
     return pl.pallas_call(
-        kernel, grid=(n // bs.block_n,), in_specs=[whole(a) for a in args],
+        kernel, grid=(n // bs.block_n // bs.tiles_per_program,), in_specs=[whole(a) for a in args],
         out_specs=pl.BlockSpec((m, n), lambda j: (0, 0)), out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         interpret=interpret, compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         # one name per variant, so that profiles tell the layer's four launches apart

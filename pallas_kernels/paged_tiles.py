@@ -58,6 +58,12 @@ CONFIGS = {
 }
 
 
+def decode_block_sizes() -> BlockSizes:
+    """The tiles the serving step's fused decode kernel gets (meshlab/infer/kv_cache.py); module-level
+    so that a benchmark can swap it before building an engine."""
+    return BlockSizes()
+
+
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

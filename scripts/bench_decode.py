@@ -27,6 +27,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   kernels       fp32 gate with layers=kernels (every decode matmul a Pallas kernel with its norm /
                 residual / SwiGLU), then kernels vs fused at batch 1 (both profiled), 4 and 16
   matmul        the four decode matmuls (decode_gemv) in a BlockSizes sweep against XLA, batch 1 and 4
+                (--quick: 1); a later engine_gemv job runs each op's fastest tile
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then
@@ -56,7 +57,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 addresses instead of updating the graph; as shipped first and last (the noise)
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels alternating, then kernels under the
-                _gemv_tiles() tiles, and a profile of the kernels engine's batch-1 token
+                _gemv_tiles() tiles (first "tuned": each op's fastest tile in the matmul job, when it
+                ran earlier in the call, then the same with the decode attention's V loaded beside K),
+                and a profile of the fastest kernels variant's batch-1 token
                 (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and one tile, no profile)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
@@ -120,21 +123,53 @@ JOBS = {
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 # decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
 def _gemv_tiles():
+    """"tuned" (when the matmul job ran first in the call): each op's fastest tile there."""
     from pallas_kernels.decode_gemv import BlockSizes as B
-    return {"n2": lambda n, k, sw: B(block_n=2), "n1": lambda n, k, sw: B(block_n=1)}
+    tiles = {"n4t4p1": lambda n, k, sw: B(tiles_per_program=4, prefetch=1),
+             "n1w1": lambda n, k, sw: B(block_n=1, num_warps=1)}
+    tuned = json.loads(os.environ.get("MESHLAB_BENCH_GEMV_TUNED", "{}"))   # {"n,k,swiglu": config label}
+    if tuned:
+        configs = _matmul_configs()
+        tiles = {"tuned": lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B()), **tiles}
+    return tiles
 
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _matmul_configs(quick=False):
-    """decode_gemv tiles for the matmul job (kernel alone against XLA)."""
-    from pallas_kernels.decode_gemv import BlockSizes
+    """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes. Labels:
+    n<block_n> w<warps, 4 if absent> t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent>."""
+    from pallas_kernels.decode_gemv import BlockSizes as B
     if quick:
-        return {"n4": BlockSizes(block_n=4)}
-    return {"n1": BlockSizes(block_n=1), "n2": BlockSizes(block_n=2), "n4": BlockSizes(block_n=4),
-            "n8": BlockSizes(block_n=8), "n2w2": BlockSizes(block_n=2, num_warps=2),
-            "n4k1024": BlockSizes(block_n=4, block_k=1024)}
+        return {"n4": B(block_n=4)}
+    return {"n4": B(), "n2w2": B(block_n=2, num_warps=2), "n1w1": B(block_n=1, num_warps=1), "n4p1": B(prefetch=1),
+            "n4t2p1": B(tiles_per_program=2, prefetch=1), "n4t4p1": B(tiles_per_program=4, prefetch=1),
+            "n4t8p1": B(tiles_per_program=8, prefetch=1),
+            "n2w2t4p1": B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1),
+            "n1w1t8p1": B(block_n=1, num_warps=1, tiles_per_program=8, prefetch=1),
+            "n2k8192p1": B(block_n=2, block_k=8192, prefetch=1),
+            "n1k8192t4p1": B(block_n=1, block_k=8192, tiles_per_program=4, prefetch=1)}
+
+
+def _gemv_tuned(rows) -> dict:
+    """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
+    per op at batch 1 (rows that passed its check), for _gemv_tiles()'s "tuned"."""
+    import re
+    best: dict = {}
+    for r in rows:
+        m = re.fullmatch(r"(\S+) ours\[(\S+)\] b=1", r.get("setting", ""))
+        if r.get("job") == "matmul" and m and r["value"] == r["value"] and r["value"] > 0:
+            if r["value"] < best.get(m.group(1), (float("inf"), ""))[0]:
+                best[m.group(1)] = (r["value"], m.group(2))
+    if not best:
+        return {}
+    import models
+    from meshlab.bench.matmul import kernel_keys
+    keys = kernel_keys(models.preset("llama3_1b"))
+    tuned = {",".join(str(int(v) if isinstance(v, bool) else v) for v in keys[op]): label for op, (_, label) in best.items()}
+    print(f"[matmul] fastest tiles per op: {tuned}", flush=True)
+    return {"MESHLAB_BENCH_GEMV_TUNED": json.dumps(tuned)}
 
 
 def _sweep_configs():
@@ -255,7 +290,7 @@ def run_child(args):
                 decode(batch, layers, impl="pallas", detail=i == 0, profile=batch == 1)
     elif args.job == "matmul":
         from meshlab.bench.matmul import matmul_peers
-        for batch in (1, 4):
+        for batch in (1,) if args.quick else (1, 4):
             matmul_peers(cfg, bw, batch, _matmul_configs(quick=args.cpu_smoke))
     elif args.job == "profile1":
         decode(1, "fused", impl="pallas", detail=True, profile=True)
@@ -268,8 +303,11 @@ def run_child(args):
         # the layers measured: fused, or engine_gemv's faster choice (_engine_choice) in one call with it
         layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "fused"), os.environ.get("MESHLAB_BENCH_GEMV", "")
         if tile:
-            from pallas_kernels import decode_gemv as dg
+            from pallas_kernels import decode_gemv as dg, paged_tiles as pt
+            tile, vfirst = tile.removesuffix(" vfirst"), tile.endswith(" vfirst")
             dg.default_block_sizes = _gemv_tiles()[tile]
+            if vfirst:
+                pt.decode_block_sizes = lambda: pt.BlockSizes(v_first=True)
         bench.emit({"section": "config", "setting": "engine layers", "value": 0.0, "unit": "", "note": f"{layers} {tile}"})
         layers_gate(layers)                # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
         try:
@@ -319,29 +357,38 @@ def run_child(args):
 
 
 def engine_gemv_job(md, params, sz, bw, layers_gate):
-    """engine_gemv (the job list says what): fused against kernels, then the kernels' tiles."""
+    """engine_gemv (the job list says what): fused against kernels, then the kernels' tiles (each
+    op's fastest in the matmul job first, when it ran), the decode attention with V loaded beside
+    K, and a profile of the fastest kernels variant."""
     from meshlab.bench import decode as bench
     from meshlab.infer.engine import Engine
-    from pallas_kernels import decode_gemv as dg
+    from pallas_kernels import decode_gemv as dg, paged_tiles as pt
     if layers_gate("kernels").get("paged-pallas") != "ok":
         return
+    rates = {}
     for layers in ("fused", "kernels"):
         engine_ab_job(md, params, sz, bw, f" [{layers}]", layers=layers)
-    default, short = dg.default_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"   # one call's tail
-    for name, tiles in list(_gemv_tiles().items())[:1 if short else None]:
-        dg.default_block_sizes = tiles
-        engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
-    dg.default_block_sizes = default
+    default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
+    variants = [(name, tiles, attn) for name, tiles in _gemv_tiles().items()][:1 if short else None]
+    if not short:     # the first tile (tuned, when the matmul job ran) with V loaded beside K in the attention
+        variants.insert(1, (variants[0][0] + " vfirst", variants[0][1], lambda: pt.BlockSizes(v_first=True)))
+    for name, tiles, attn_tiles in variants:
+        dg.default_block_sizes, pt.decode_block_sizes = tiles, attn_tiles
+        rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
     if short:
+        dg.default_block_sizes = default
         return
+    best = max(rates, key=lambda k: rates[k])
+    dg.default_block_sizes, pt.decode_block_sizes = next((t, a) for n, t, a in variants if n == best)
     try:
         eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
                      layers="kernels")
         row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
-                                  n=min(128, sz["tpot_n"]))
-        bench.emit(dict(row, setting=row["setting"] + " [kernels]"))
+                                   n=min(128, sz["tpot_n"]))
+        bench.emit(dict(row, setting=row["setting"] + f" [kernels {best}]"))
     except Exception as e:  # noqa: BLE001
         bench.fail_row("profile", "engine kernels", e)
+    dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
 def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
@@ -353,17 +400,20 @@ def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
     from meshlab.infer.sampler import SamplingParams
     eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
                  layers=layers)
-    n = min(2048, sz["lengths"][-1])
+    n, rates = min(2048, sz["lengths"][-1]), []
     for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
                         ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),
                         ("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag + " again"))):
         try:
-            fn()
+            row = fn()
+            if section == "decode":
+                rates.append(row["value"])
         except Exception as e:  # noqa: BLE001
             bench.fail_row(section, "engine" + tag, e)
     toks = eng.generate([list(range(7, 7 + n // 4))], SamplingParams(max_tokens=24))[0].output
     bench.emit({"section": "tokens", "setting": "greedy bf16" + tag, "value": float(sum(toks) % 100003), "unit": "sum",
                 "note": " ".join(map(str, toks))})
+    return sum(rates) / len(rates) if rates else 0.0
 
 
 def first_token_job(md, params, sz, ab: bool):
@@ -541,6 +591,8 @@ def main():
             print(f"[{name}] skipped: no time left", flush=True)
             continue
         rows += run_job(name, args, deadline, out, bw)
+        if name == "matmul":
+            os.environ.update(_gemv_tuned(rows))       # engine_gemv then also runs each op's fastest tile
         if name == "engine_gemv":
             os.environ.update(_engine_choice(rows))    # the engine job then measures the faster layers
         bw = max([bw] + [r["value"] * 1e9 for r in rows if r["section"] == "copy" and r["value"] == r["value"]])

@@ -57,6 +57,15 @@ def ops(cfg, batch: int) -> dict:
             "down+residual": ((batch, f), (f, d), {"residual": True})}
 
 
+def kernel_keys(cfg) -> dict:
+    """op name -> (n, k, swiglu) as decode_gemv sees it (its default_block_sizes' arguments)."""
+    keys = {}
+    for name, (_, (k, n), kind) in ops(cfg, 1).items():
+        swiglu = kind.get("swiglu", False)
+        keys[name] = (n // 2 if swiglu else n, k, swiglu)
+    return keys
+
+
 def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
     """us per call and % of copy bandwidth (weight bytes) for XLA ([k, n] weights) and decode_gemv
     ([n, k] copies) under each {label: BlockSizes} of `configs`."""

@@ -224,12 +224,14 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         """qkv [b, t, h + 2 kvh, d] before RoPE -> (o [b, t, h, d], cache). t == 1, or t == 2 at b == 1:
         the second row is the zero padding of the model's one-token GEMM, passed through the kernel
         (read as nothing, returned as zeros) so that neither a slice nor a pad runs around it."""
+        from pallas_kernels import paged_tiles
         from pallas_kernels.paged_attention import paged_decode_attention, rope_cos_sin
         b, t, heads, d = qkv.shape
         n_heads = heads - 2 * cache["k"].shape[3]
         o, k, v = paged_decode_attention(qkv.reshape(b * t, heads, d), rope_cos_sin(positions[:, 0], inv_freq),
                                          cache["k"], cache["v"], page_table, lengths(), layer,
-                                         None if cached is None else cached[:, 0], n_heads=n_heads, interpret=interpret)
+                                         None if cached is None else cached[:, 0], n_heads=n_heads,
+                                         block_sizes=paged_tiles.decode_block_sizes(), interpret=interpret)
         return o.reshape(b, t, n_heads, d), {"k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
 
     # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a

@@ -29,6 +29,21 @@ def test_matches_reference(m, op):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tiles", [BlockSizes(block_n=16, block_k=128, tiles_per_program=3, prefetch=1),
+                                   BlockSizes(block_n=8, block_k=32, tiles_per_program=2, prefetch=2),
+                                   BlockSizes(block_n=8, block_k=64, tiles_per_program=6, prefetch=0),
+                                   BlockSizes(block_n=16, block_k=32, prefetch=1)])
+@pytest.mark.parametrize("op", ["norm", "residual", "norm_swiglu"])
+def test_tiles_per_program_and_prefetch_match_reference(tiles, op):
+    # a program's several column blocks (strided over the grid) and weight loads issued ahead,
+    # with k = 96 in one chunk (block_k 128 -> 32: 3 chunks; 64 -> 32) or several
+    swiglu = "swiglu" in op
+    x, w, scale, res = _case(len(op) + tiles.block_n, 2, 96, 48, swiglu)
+    kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
+    got = decode_gemv(x, w, block_sizes=tiles, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
+
+
 def test_bf16_one_chunk_and_rounding():
     # bf16 at k = 128 in one chunk, rounded where the model rounds (normed x, matmul output); the sum
     # order differs from XLA's, so an output may land one bf16 ulp away
@@ -49,6 +64,8 @@ def test_errors_name_the_fix():
         decode_gemv(x, w[:24], block_sizes=BlockSizes(block_n=16), interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         decode_gemv(x, w, block_sizes=BlockSizes(block_n=12), interpret=True)
+    with pytest.raises(ValueError, match="multiple of tiles_per_program=3"):
+        decode_gemv(x, w, block_sizes=BlockSizes(block_n=8, tiles_per_program=3), interpret=True)
     with pytest.raises(ValueError, match="norm_scale"):
         decode_gemv(x, w, norm_scale=scale[:8], interpret=True)
     with pytest.raises(ValueError, match="residual"):
