@@ -70,9 +70,27 @@ class BlockSizes:
         return bk
 
 
+def shape_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
+    """Tiles by the matmul's shape class, from an H200 sweep at llama3_1b's four (bench_decode.py
+    --jobs matmul,engine_gemv; docs/benchmarks.md): the fastest per op through the engine, 1,119
+    decode tokens/s against 1,072 with block_n 4 everywhere. A tile that does not divide n falls
+    back to one column per program."""
+    if swiglu:      # gate|up: two rows a column; resident programs with the next tiles in flight
+        bs = BlockSizes(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1)
+    elif k > 2048:  # down: a column's whole row in one load
+        bs = BlockSizes(block_n=2, block_k=8192, prefetch=1)
+    elif n <= k:    # wo: one column per single-warp program (2,048 of them) beats wider tiles
+        bs = BlockSizes(block_n=1, num_warps=1)
+    else:           # q|k|v
+        bs = BlockSizes()
+    if n % bs.block_n or (n // bs.block_n) % bs.tiles_per_program:
+        bs = dataclasses.replace(bs, block_n=1, tiles_per_program=1)
+    return bs
+
+
 def default_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
     """The tiles a call gets when it names none (module-level, so a benchmark can swap it)."""
-    return BlockSizes()
+    return shape_block_sizes(n, k, swiglu)
 
 
 def decode_gemv_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, swiglu=False):

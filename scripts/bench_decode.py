@@ -123,13 +123,13 @@ JOBS = {
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 # decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
 def _gemv_tiles():
-    """"tuned" (when the matmul job ran first in the call): each op's fastest tile there."""
-    from pallas_kernels.decode_gemv import BlockSizes as B
-    tiles = {"n4t4p1": lambda n, k, sw: B(tiles_per_program=4, prefetch=1),
-             "n1w1": lambda n, k, sw: B(block_n=1, num_warps=1)}
+    """"tuned" (when the matmul job ran first in the call): each op's fastest tile there; "shape": the
+    shipped per-shape tiles; "n4": block_n 4 everywhere."""
+    from pallas_kernels.decode_gemv import BlockSizes as B, shape_block_sizes
+    tiles = {"shape": shape_block_sizes, "n4": lambda n, k, sw: B()}
     tuned = json.loads(os.environ.get("MESHLAB_BENCH_GEMV_TUNED", "{}"))   # {"n,k,swiglu": config label}
     if tuned:
-        configs = _matmul_configs()
+        configs = {label: c[0] if isinstance(c, tuple) else c for label, c in _matmul_configs().items()}
         tiles = {"tuned": lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B()), **tiles}
     return tiles
 
@@ -138,18 +138,43 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _matmul_configs(quick=False):
-    """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes. Labels:
-    n<block_n> w<warps, 4 if absent> t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent>."""
+    """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes, or
+    (BlockSizes, the op names it is timed on). Labels: n<block_n> w<warps, 4 if absent>
+    t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent>."""
     from pallas_kernels.decode_gemv import BlockSizes as B
     if quick:
         return {"n4": B(block_n=4)}
-    return {"n4": B(), "n2w2": B(block_n=2, num_warps=2), "n1w1": B(block_n=1, num_warps=1), "n4p1": B(prefetch=1),
-            "n4t2p1": B(tiles_per_program=2, prefetch=1), "n4t4p1": B(tiles_per_program=4, prefetch=1),
-            "n4t8p1": B(tiles_per_program=8, prefetch=1),
-            "n2w2t4p1": B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1),
-            "n1w1t8p1": B(block_n=1, num_warps=1, tiles_per_program=8, prefetch=1),
+    qkv, wo, gate_up, down = "qkv+norm", "wo+residual", "gate_up+norm+swiglu", "down+residual"
+    return {"n4": B(), "n1w1": B(block_n=1, num_warps=1), "n2w2t4p1": B(block_n=2, num_warps=2, tiles_per_program=4,
+                                                                       prefetch=1),
             "n2k8192p1": B(block_n=2, block_k=8192, prefetch=1),
-            "n1k8192t4p1": B(block_n=1, block_k=8192, tiles_per_program=4, prefetch=1)}
+            "n4w2": (B(num_warps=2), {qkv, wo}), "n4w8": (B(num_warps=8), {qkv}), "n8w8": (B(block_n=8, num_warps=8), {qkv}),
+            "n2": (B(block_n=2), {qkv, wo}), "n1w2": (B(block_n=1, num_warps=2), {wo, down}),
+            "n2w1": (B(block_n=2, num_warps=1), {wo}),
+            "n2w2t2p1": (B(block_n=2, num_warps=2, tiles_per_program=2, prefetch=1), {gate_up}),
+            "n2w2t8p1": (B(block_n=2, num_warps=2, tiles_per_program=8, prefetch=1), {gate_up}),
+            "n1w1t4p1": (B(block_n=1, num_warps=1, tiles_per_program=4, prefetch=1), {gate_up}),
+            "n2t4p1": (B(block_n=2, tiles_per_program=4, prefetch=1), {gate_up}),
+            "n2w2t4p2": (B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=2), {gate_up}),
+            "n2k8192w8p1": (B(block_n=2, block_k=8192, num_warps=8, prefetch=1), {down}),
+            "n1k8192w2": (B(block_n=1, block_k=8192, num_warps=2), {down}),
+            "n4k8192w8p1": (B(block_n=4, block_k=8192, num_warps=8, prefetch=1), {down}),
+            "n2k4096p1": (B(block_n=2, block_k=4096, prefetch=1), {down})}
+
+
+def _attn_tiles():
+    """The fused decode attention's tiles tried through the engine (paged_tiles.BlockSizes fields)."""
+    from pallas_kernels.paged_tiles import BlockSizes as A
+    return {"w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8), "ppb4": A(pages_per_block=4),
+            "p132": A(min_programs=132), "s1": A(num_stages=1)}
+
+
+def _variant(name: str):
+    """"<gemv tile>[ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes)."""
+    from pallas_kernels.paged_tiles import BlockSizes as A
+    tile, _, attn = name.partition(" a:")
+    attn_tiles = _attn_tiles()[attn] if attn else A()
+    return _gemv_tiles()[tile], lambda: attn_tiles
 
 
 def _gemv_tuned(rows) -> dict:
@@ -304,10 +329,7 @@ def run_child(args):
         layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "fused"), os.environ.get("MESHLAB_BENCH_GEMV", "")
         if tile:
             from pallas_kernels import decode_gemv as dg, paged_tiles as pt
-            tile, vfirst = tile.removesuffix(" vfirst"), tile.endswith(" vfirst")
-            dg.default_block_sizes = _gemv_tiles()[tile]
-            if vfirst:
-                pt.decode_block_sizes = lambda: pt.BlockSizes(v_first=True)
+            dg.default_block_sizes, pt.decode_block_sizes = _variant(tile)
         bench.emit({"section": "config", "setting": "engine layers", "value": 0.0, "unit": "", "note": f"{layers} {tile}"})
         layers_gate(layers)                # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
         try:
@@ -369,9 +391,10 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
     for layers in ("fused", "kernels"):
         engine_ab_job(md, params, sz, bw, f" [{layers}]", layers=layers)
     default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
-    variants = [(name, tiles, attn) for name, tiles in _gemv_tiles().items()][:1 if short else None]
-    if not short:     # the first tile (tuned, when the matmul job ran) with V loaded beside K in the attention
-        variants.insert(1, (variants[0][0] + " vfirst", variants[0][1], lambda: pt.BlockSizes(v_first=True)))
+    first = next(iter(_gemv_tiles()))     # tuned, when the matmul job ran
+    rest = [n for n in _gemv_tiles() if n not in (first, "shape")]    # "kernels" above ran the shipped tiles
+    names = [first] if short else [first] + [f"{first} a:{a}" for a in _attn_tiles()] + rest
+    variants = [(name, *_variant(name)) for name in names]
     for name, tiles, attn_tiles in variants:
         dg.default_block_sizes, pt.decode_block_sizes = tiles, attn_tiles
         rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")

@@ -68,7 +68,7 @@ def kernel_keys(cfg) -> dict:
 
 def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
     """us per call and % of copy bandwidth (weight bytes) for XLA ([k, n] weights) and decode_gemv
-    ([n, k] copies) under each {label: BlockSizes} of `configs`."""
+    ([n, k] copies) under each {label: BlockSizes, or (BlockSizes, op names it runs on)} of `configs`."""
     from pallas_kernels.decode_gemv import decode_gemv
     interpret = jax.default_backend() != "gpu"
     out = []
@@ -89,6 +89,9 @@ def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
         want = _xla(x, ws_[0], swiglu=swiglu, **kw).astype(F32)
         impls = {"xla": (lambda x, w, **k: _xla(x, w, swiglu=swiglu, **k), "kn")}
         for label, bs in configs.items():
+            bs, only = bs if isinstance(bs, tuple) else (bs, None)
+            if only is not None and name not in only:
+                continue
             impls[f"ours[{label}]"] = (lambda x, w, bs=bs, **k: decode_gemv(
                 x, w, swiglu=swiglu, block_sizes=bs, interpret=interpret, **k), "nk")
         ws_t = None
