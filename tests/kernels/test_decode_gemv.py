@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_gemv import BlockSizes, decode_gemv, decode_gemv_reference
+from pallas_kernels.decode_gemv import BlockSizes, decode_gemv, decode_gemv_reference, shape_block_sizes
 
 pytestmark = pytest.mark.cheap_codegen
 
@@ -42,6 +42,16 @@ def test_tiles_per_program_and_prefetch_match_reference(tiles, op):
     kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
     got = decode_gemv(x, w, block_sizes=tiles, interpret=True, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
+
+
+def test_shape_tiles_divide_every_shape():
+    # the per-shape defaults at llama3 widths, and a width they do not divide (falls back to one column)
+    for n, k, swiglu in ((3072, 2048, False), (2048, 2048, False), (8192, 2048, True), (2048, 8192, False),
+                         (14336, 4096, True), (4096, 14336, False), (6, 2048, True), (1000, 512, False)):
+        bs = shape_block_sizes(n, k, swiglu)
+        bk = bs.validate(n, k)
+        assert k % bk == 0 and n % bs.block_n == 0
+    assert shape_block_sizes(6, 2048, True).block_n == 1
 
 
 def test_bf16_one_chunk_and_rounding():
