@@ -50,6 +50,9 @@ class BlockSizes:
     # the next loads are in flight while the vector units reduce the current tile. 0: one tile's
     # loads at a time, k chunks in a loop pipelined by Triton.
     prefetch: int = 0
+    # With tiles_per_program > 1, k in one chunk and prefetch=1: the tiles in a loop (not unrolled),
+    # the next tile's weights carried as the loop's state, loaded before the current tile is summed.
+    rolled: bool = False
 
     def validate(self, n: int, k: int) -> int:
         """Checks the tiles against [n, k]; returns the contraction chunk: the largest power of two
@@ -67,6 +70,9 @@ class BlockSizes:
         bk = self.block_k
         while k % bk:
             bk //= 2
+        if self.rolled and (self.prefetch != 1 or bk != k):
+            raise ValueError(f"decode_gemv: rolled=True needs prefetch=1 and {k=} in one chunk: a power of two "
+                             f"<= block_k={self.block_k}")
         return bk
 
 
@@ -114,7 +120,7 @@ def _row_sums(w_tiles, xs):
     return [[jnp.sum(w.astype(F32) * x, axis=1) for x in xs] for w in w_tiles]
 
 
-def _kernel(*refs, m, k, bn, bk, tpp, ahead, eps, norm, swiglu, residual):
+def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual):
     """A program per `tpp` column blocks of `bn` outputs (per gate and up column block with swiglu);
     see the module doc and BlockSizes."""
     x_ref, w_ref, *refs = refs
@@ -174,6 +180,15 @@ def _kernel(*refs, m, k, bn, bk, tpp, ahead, eps, norm, swiglu, residual):
         accs = tuple(jnp.zeros((bn,), F32) for _ in range((2 if swiglu else 1) * m))
         store(col(0), lax.fori_loop(0, chunks, body, accs))
         return
+    if rolled:                                     # one chunk: tile t + 1's loads carried into iteration t + 1
+        xs = x_rows(0)
+
+        def tile_step(t, w):
+            ahead_w = tiles(col(jnp.minimum(t + 1, tpp - 1)), 0)   # issued before tile t's sums
+            store(col(t), flat(_row_sums(w, xs)))
+            return ahead_w
+        lax.fori_loop(0, tpp, tile_step, tiles(col(0), 0))
+        return
     # Unrolled (tile, chunk) steps, each step's weight loads issued `ahead` steps before its sums:
     # straight-line code, so no loop-carried register has to wait for a load at a back edge.
     steps = [(t, c) for t in range(tpp) for c in range(chunks)]
@@ -213,6 +228,7 @@ def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interp
     bk = bs.validate(n, k)
     args = [x, w] + ([norm_scale] if norm_scale is not None else []) + ([residual] if residual is not None else [])
     kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch,
+                               rolled=bs.rolled,
                                eps=eps, norm=norm_scale is not None, swiglu=swiglu, residual=residual is not None)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
     return pl.pallas_call(

@@ -159,7 +159,15 @@ def _matmul_configs(quick=False):
             "n2k8192w8p1": (B(block_n=2, block_k=8192, num_warps=8, prefetch=1), {down}),
             "n1k8192w2": (B(block_n=1, block_k=8192, num_warps=2), {down}),
             "n4k8192w8p1": (B(block_n=4, block_k=8192, num_warps=8, prefetch=1), {down}),
-            "n2k4096p1": (B(block_n=2, block_k=4096, prefetch=1), {down})}
+            "n2k4096p1": (B(block_n=2, block_k=4096, prefetch=1), {down}),
+            # rolled: the tiles in a loop carrying the next tile's weights
+            "n4t4r": (B(tiles_per_program=4, prefetch=1, rolled=True), {qkv}),
+            "n1w1t8r": (B(block_n=1, num_warps=1, tiles_per_program=8, prefetch=1, rolled=True), {wo, gate_up}),
+            "n2w2t4r": (B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1, rolled=True), {gate_up}),
+            "n2w2t16r": (B(block_n=2, num_warps=2, tiles_per_program=16, prefetch=1, rolled=True), {gate_up}),
+            "n2k8192t4r": (B(block_n=2, block_k=8192, tiles_per_program=4, prefetch=1, rolled=True), {down}),
+            "n1k8192w2t8r": (B(block_n=1, block_k=8192, num_warps=2, tiles_per_program=8, prefetch=1, rolled=True),
+                             {down})}
 
 
 def _attn_tiles():

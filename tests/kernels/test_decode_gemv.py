@@ -44,6 +44,19 @@ def test_tiles_per_program_and_prefetch_match_reference(tiles, op):
     np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("op", ["norm", "residual", "norm_swiglu"])
+def test_rolled_tiles_match_reference(op):
+    # the tiles in a loop with the next tile's weights carried (k = 128 in one chunk, 2 programs x 3 tiles)
+    swiglu = "swiglu" in op
+    x, w, scale, res = _case(len(op), 2, 128, 48, swiglu)
+    kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
+    tiles = BlockSizes(block_n=8, block_k=128, tiles_per_program=3, prefetch=1, rolled=True)
+    got = decode_gemv(x, w, block_sizes=tiles, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="one chunk"):
+        decode_gemv(x[:, :96], w[..., :96], swiglu=swiglu, block_sizes=tiles, interpret=True)
+
+
 def test_shape_tiles_divide_every_shape():
     # the per-shape defaults at llama3 widths, and a width they do not divide (falls back to one column)
     for n, k, swiglu in ((3072, 2048, False), (2048, 2048, False), (8192, 2048, True), (2048, 8192, False),
