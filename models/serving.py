@@ -38,9 +38,12 @@ class Attend:
     fused(layer, qkv [b, t, h + 2 kvh, hd] before RoPE, inv_freq, cache) -> (o, cache), or None: RoPE,
       the cache write and attention in one kernel, offered for decode tokens only; a layer uses it
       when its q|k|v weights are concatenated. It passes a zero padding row through as zeros.
+    scratch(cache) -> dict, or None: entries the fused kernel wants in the cache for one step (built
+      once before the layers, dropped after them: the cache keeps its structure).
     """
     attend: Callable
     fused: Optional[Callable] = None
+    scratch: Optional[Callable] = None
 
     def __call__(self, layer, q, k, v, cache):
         return self.attend(layer, q, k, v, cache)
@@ -190,10 +193,13 @@ def forward(model, tokens, positions, cache, attend: Attend, unroll: bool = Fals
     if two_rows:
         x = _zero_row(x)                                                                 # [1, 2, d]
     if layers is not None:
+        extra = attend.scratch(cache) if attend.scratch is not None and isinstance(layers[0], tuple) else {}
+        cache = {**cache, **extra}
         for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
             one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
             block = nnx.merge(block_def, one_layer)
             x, cache = block_step(block, x, positions, attend, i, cache, fused=fused, kernels=kernels)
+        cache = {k: v for k, v in cache.items() if k not in extra}
         return model.final_norm(x[:, :1] if two_rows else x), cache                     # [b, t, d]
 
     def layer(carry, xs):

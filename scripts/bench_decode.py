@@ -173,8 +173,8 @@ def _matmul_configs(quick=False):
 def _attn_tiles():
     """The fused decode attention's tiles tried through the engine (paged_tiles.BlockSizes fields)."""
     from pallas_kernels.paged_tiles import BlockSizes as A
-    return {"w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8), "ppb4": A(pages_per_block=4),
-            "p132": A(min_programs=132)}
+    return {"ticket": A(ticket_merge=True), "w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8),
+            "ppb4": A(pages_per_block=4), "p132": A(min_programs=132)}
 
 
 def _variant(name: str):
