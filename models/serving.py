@@ -130,14 +130,19 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
 def nk_step(block, x, positions, attend: Attend, layer, cache, w):
     """`block_step`'s math over w = the layer's matrices stored [n, k] (serving layers="kernels"):
     prompt chunks and decode batches past decode_step's rows, as XLA GEMMs on the transposed
-    operands (cuBLAS and Triton read either layout at the same rate)."""
+    operands (cuBLAS and Triton read either layout at the same rate); decode rows take the
+    one-kernel attention when the `Attend` offers it, as fused layers do."""
     cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
     b, t, _ = x.shape
     h = block.attn_norm(x)
     qkv = _mm_decode("bsd,nd->bsn", h, w["wqkv_t"]).reshape(b, t, -1, cfg.head_dim)        # [b, t, h + 2 kvh, hd]
-    q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
-    q, k = apply_rope(cfg, q, k, positions)
-    o, cache = attend(layer, q, k, v, cache)                                                 # [b, t, h, hd]
+    if attend.fused is not None:           # decode rows past decode_step's: RoPE + cache write + attention in one kernel
+        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+        o, cache = attend.fused(layer, qkv, inv_freq, cache)                                # [b, t, h, hd]
+    else:
+        q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
+        q, k = apply_rope(cfg, q, k, positions)
+        o, cache = attend(layer, q, k, v, cache)                                             # [b, t, h, hd]
     x = constrain(x + _mm_decode("bsn,dn->bsd", o.reshape(b, t, -1), w["wo_t"]), ACT)       # [b, t, d]
     gu = _mm_decode("bsd,gfd->bsgf", block.mlp_norm(x), w["w_gate_up_t"])                    # [b, t, 2, f]
     act = (jax.nn.silu(gu[:, :, 0].astype(F32)) * gu[:, :, 1].astype(F32)).astype(dt)        # [b, t, f]

@@ -173,8 +173,7 @@ def _matmul_configs(quick=False):
 def _attn_tiles():
     """The fused decode attention's tiles tried through the engine (paged_tiles.BlockSizes fields)."""
     from pallas_kernels.paged_tiles import BlockSizes as A
-    return {"ticket": A(ticket_merge=True), "w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8),
-            "ppb4": A(pages_per_block=4), "p132": A(min_programs=132)}
+    return {"ticket": A(ticket_merge=True), "w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8)}
 
 
 def _variant(name: str):
@@ -351,10 +350,10 @@ def run_child(args):
             eng.warmup()
         ctx, n = sz["ctx"], sz["tpot_n"]
 
-        def sweep():
+        def sweep(with_layers=layers, batches=(1, 16, 64), tag=""):
             big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers=layers, prefill=eng.prefill)
-            bs.engine_sweep(big, bw, [b for b in (1, 16, 64) if b <= sz["big"]], ctx=ctx, n=min(128, n))
+                         steps_per_call=16, layers=with_layers, prefill=eng.prefill)
+            bs.engine_sweep(big, bw, [b for b in batches if b <= sz["big"]], ctx=ctx, n=min(128, n), tag=tag)
         # most wanted first: a job stopped at its time limit keeps the rows before
         for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
                             ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
@@ -365,7 +364,9 @@ def run_child(args):
                             ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
                             ("sweep", sweep),
                             ("http", lambda: bs.server_rows(eng, bw, ttft_len=min(2048, sz["lengths"][-1]), n=n,
-                                                            ctx=ctx))):
+                                                            ctx=ctx)),
+                            # the shipped fused layers at the sweep's larger batches, when another was measured
+                            ("sweep", lambda: layers != "fused" and sweep("fused", (16, 64), " [fused]"))):
             try:
                 fn()
             except Exception as e:  # noqa: BLE001

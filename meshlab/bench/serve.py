@@ -421,7 +421,7 @@ def engine_tpot(engine, bw: float, ctx: int = 2048, n: int = 256, tag: str = "")
                          f"{1 / tpot / roof:.0%} of the roofline {roof:.0f} tok/s at {bw / 1e9:.0f} GB/s"})
 
 
-def engine_sweep(engine, bw: float, batches, ctx: int = 2048, n: int = 128) -> list[dict]:
+def engine_sweep(engine, bw: float, batches, ctx: int = 2048, n: int = 128, tag: str = "") -> list[dict]:
     """b requests of distinct ~ctx-token prompts decoding together: TPOT and tokens/s per batch.
     TPOT = (time of n tokens - time of 1 token) / (n - 1), both with the prompts already cached
     and every program they use compiled by three untimed runs (the third as the timed one: cached
@@ -436,7 +436,7 @@ def engine_sweep(engine, bw: float, batches, ctx: int = 2048, n: int = 128) -> l
         t1 = _time(engine, prompts, 1)
         tpot = (_time(engine, prompts, n) - t1) / (n - 1)
         roof = roofline(engine, bw, ctx, b) if bw else float("nan")
-        out.append(emit({"section": "sweep", "setting": f"engine b={b} ctx={ctx}", "value": b / tpot,
+        out.append(emit({"section": "sweep", "setting": f"engine b={b} ctx={ctx}{tag}", "value": b / tpot,
                          "unit": "tok/s", "batch": b, "tpot_ms": tpot * 1e3, "frac_roofline": b / tpot / roof,
                          "note": f"TPOT {tpot * 1e3:.2f} ms; {b / tpot / roof:.0%} of the roofline "
                                  f"{roof:.0f} tok/s"}))
