@@ -333,7 +333,9 @@ def run_child(args):
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
         # the layers measured: fused, or engine_gemv's faster choice (_engine_choice) in one call with it
-        layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "fused"), os.environ.get("MESHLAB_BENCH_GEMV", "")
+        from meshlab.infer.engine import default_impl, default_layers
+        layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "auto"), os.environ.get("MESHLAB_BENCH_GEMV", "")
+        layers = default_layers(md, default_impl()) if layers == "auto" else layers     # what Engine's auto picks
         if tile:
             from pallas_kernels import decode_gemv as dg, paged_tiles as pt
             dg.default_block_sizes, pt.decode_block_sizes = _variant(tile)

@@ -35,8 +35,8 @@ def main(argv=None):
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: [n, k] matrices, Pallas decode matmuls at batch <= 4 (opt-in, level with fused); "
-                         "auto: fused on one device, else split")
+                         "kernels: [n, k] matrices, Pallas decode matmuls at batch <= 4; "
+                         "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
     ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
                     "one device")
     ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")

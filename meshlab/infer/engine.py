@@ -55,6 +55,26 @@ class _Flight:
         self.decodes, self.n, self.out, self.logprobs = decodes, n, out, logprobs
 
 
+def default_impl(mesh=None, interpret: bool = False) -> str:
+    """Engine(impl="auto"): the Pallas paged kernel on one GPU (862 vs 720 tokens/s at batch 1 and
+    21.5k vs 12.2k at batch 64 on the H200, docs/benchmarks.md). A custom call does not shard, and
+    on CPU it would run interpreted: XLA's gather there."""
+    one_device = mesh is None or mesh.size == 1
+    return "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
+
+
+def default_layers(md, impl: str, mesh=None) -> str:
+    """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
+    batch <= 4 as five Pallas launches over [n, k] matrices (1,115-1,124 vs 1,010 tokens/s at batch
+    1, level at 16 and 64; H200, docs/benchmarks.md). Else fused: one q|k|v GEMM and, with the
+    Pallas kernel at batch <= 16, RoPE + cache write inside the attention kernel. Both concatenate
+    weights, so a tensor-sharded mesh keeps split, and so does a mixture of experts (its `moe`
+    layers have no w_gate|w_up to concatenate)."""
+    if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"]:
+        return "kernels" if impl == "pallas" else "fused"
+    return "split"
+
+
 class Engine:
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
@@ -108,20 +128,10 @@ class Engine:
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
-        if impl == "auto":
-            # The Pallas paged kernel on one GPU: 862 vs 720 tokens/s at batch 1 and 21.5k vs 12.2k at
-            # batch 64 on the H200 (docs/benchmarks.md, Decode). A custom call does not shard, and on
-            # CPU it would run interpreted: XLA's gather there.
-            one_device = mesh is None or mesh.size == 1
-            impl = "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
+        impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):
             raise ValueError(f"impl={impl!r} must be auto, xla or pallas")
-        if layers == "auto":
-            # fused: one q|k|v GEMM and, with the Pallas kernel at batch <= 16, RoPE + cache write
-            # inside the attention kernel (921 vs 873 tokens/s at batch 1, H200). It concatenates
-            # weights, so a tensor-sharded mesh keeps split.
-            # A mixture of experts has no w_gate|w_up to concatenate (its `moe` layers): split.
-            layers = "fused" if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"] else "split"
+        layers = default_layers(md, impl, mesh) if layers == "auto" else layers
         self.impl, self.layers = impl, layers
         if prefill not in ("auto", "paged", "flash", "xla"):
             raise ValueError(f"prefill={prefill!r} must be auto (the paged prompt kernel with impl=pallas), paged, "

@@ -296,3 +296,16 @@ def test_chained_decode_calls_equal_unchained(tiny):
     assert req.output == first[:first.index(stop) + 1] and req.finish_reason == "stop"
     assert eng.stats["chained_calls"] - before >= 2   # a third call was chained before the stop was read
     assert not eng.has_work() and eng.sched.pool.available == eng.sched.pool.total
+
+
+def test_auto_layers_pick_kernels_only_with_the_pallas_kernels_on_one_device(tiny):
+    # kernels with the Pallas attention on one device (the decode GEMVs need its fused kernel), fused
+    # on one device otherwise, split on a mesh or for a mixture of experts (nothing to concatenate)
+    from meshlab.infer.engine import default_impl, default_layers
+    md = tiny[0]
+    assert default_layers(md, "pallas") == "kernels" and default_layers(md, "xla") == "fused"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    assert default_layers(md, "pallas", mesh) == "split"
+    assert default_layers(model_def(models.preset("moe_tiny")), "pallas") == "split"
+    assert default_impl() == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert default_impl(interpret=True) == "xla"
