@@ -158,14 +158,8 @@ def _merge_last(partials, o_ref, tickets, *, layer, b, kh, g, splits, interpret)
 
     @pl.when(last)
     def _():
-        rows, s_pad = acc_ref.shape[3], pow2_at_least(splits)
-        live = (jnp.arange(s_pad) < splits)[:, None]
-        load = lambda ref, other: plgpu.load(ref.at[b, kh, pl.ds(0, s_pad)], mask=live if ref.ndim == 4 else live[..., None],  # noqa: E731
-                                             other=other, volatile=True)   # written by other SMs: not from L1
-        m, l, acc = load(m_ref, NEG), load(l_ref, 0.0), load(acc_ref, 0.0)        # [S, rows] x2, [S, rows, d]
-        w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                              # empty splits -> 0
-        den = jnp.sum(l * w, axis=0)                                              # [rows]
-        o = jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]   # [rows, d]
+        rows = acc_ref.shape[3]
+        o = _merged_rows(acc_ref, m_ref, l_ref, b, kh, splits, volatile=True)   # written by other SMs: not from L1
         head_rows = (jnp.arange(rows) < g)[:, None]
         plgpu.store(o_ref.at[b, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=head_rows)
         for extra in range(tickets.shape[1], o_ref.shape[0]):                     # the zero padding rows
@@ -187,19 +181,25 @@ def merge_splits(acc, m, l, dtype):
     return out.reshape(b, kvh * g, d).astype(dtype)
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad):
+def _merged_rows(acc_ref, m_ref, l_ref, row, kh, splits, volatile=False):
+    """[rows, d] fp32: row `row`, kv head kh's split partials (acc [b, kvh, S, rows, d], m/l [b, kvh, S,
+    rows]) rescaled by their log-sum-exp and summed (merge_splits' math); inactive rows -> 0."""
+    s_pad = pow2_at_least(splits)
+    live = (jnp.arange(s_pad) < splits)[:, None]                                  # [S, 1] the split padding
+    load = lambda ref, other: plgpu.load(ref.at[row, kh, pl.ds(0, s_pad)], other=other, volatile=volatile,  # noqa: E731
+                                         mask=live if ref.ndim == 4 else live[..., None])
+    m, l, acc = load(m_ref, NEG), load(l_ref, 0.0), load(acc_ref, 0.0)            # [S, rows] x2, [S, rows, d]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                                  # [S, rows]; empty splits -> 0
+    den = jnp.sum(l * w, axis=0)                                                  # [rows]
+    return jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits):
     """merge_splits for one (row, kv head): o[i, kh*g:(kh+1)*g] <- the splits' rescaled sum; rows >= b
     (the caller's padding) get zeros."""
     i, kh = pl.program_id(0), pl.program_id(1)
-    src, rows = jnp.minimum(i, b - 1), acc_ref.shape[3]
-    live = jnp.arange(s_pad) < splits                                             # [S] the split padding
-    m = plgpu.load(m_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=NEG)                  # [S, rows]
-    l = plgpu.load(l_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=0.0)                  # [S, rows]
-    acc = plgpu.load(acc_ref.at[src, kh, pl.ds(0, s_pad), :, :], mask=live[:, None, None], other=0.0)      # [S, rows, d]
-    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                                  # [S, rows]; empty splits -> 0
-    den = jnp.sum(l * w, axis=0)                                                  # [rows]
-    o = jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]   # [rows, d]; inactive -> 0
-    o = jnp.where(i < b, o, 0.0)
+    rows = acc_ref.shape[3]
+    o = jnp.where(i < b, _merged_rows(acc_ref, m_ref, l_ref, jnp.minimum(i, b - 1), kh, splits), 0.0)   # [rows, d]
     plgpu.store(o_ref.at[i, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=(jnp.arange(rows) < g)[:, None])
 
 
@@ -209,8 +209,7 @@ def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: b
     itself; docs/benchmarks.md#decode-and-serving), and the zero row is the one the model's
     one-token GEMM needs (models/serving.py _mm_decode), so no pad follows."""
     b, kvh, splits, rows, d = acc.shape
-    s_pad = pow2_at_least(splits)
-    kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad)
+    kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits)
     return pl.pallas_call(
         kernel, grid=(rows_out, kvh), in_specs=[whole(a.shape) for a in (acc, m, l)],
         out_specs=whole((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
