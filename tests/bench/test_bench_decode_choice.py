@@ -1,0 +1,45 @@
+"""bench_decode.py's parent side: the tiles and layers a later job measures come from earlier rows."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bd():
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(job, section, setting, value):
+    return {"job": job, "section": section, "setting": setting, "value": value, "unit": "us"}
+
+
+def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
+    rows = [_row("matmul", "matmul", "qkv+norm ours[n4] b=1", 7.0), _row("matmul", "matmul", "qkv+norm ours[n8w8] b=1", 6.5),
+            _row("matmul", "matmul", "qkv+norm xla b=1", 5.0),                       # XLA is not a tile
+            _row("matmul", "matmul", "wo+residual ours[n1w1] b=1", float("nan")),     # a failed check
+            _row("matmul", "matmul", "wo+residual ours[n4] b=1", 8.0),
+            _row("matmul", "matmul", "down+residual ours[n2k8192p1] b=4", 1.0)]       # batch 4 rows do not count
+    tuned = json.loads(bd._gemv_tuned(rows)["MESHLAB_BENCH_GEMV_TUNED"])
+    assert tuned == {"3072,2048,0": "n8w8", "2048,2048,0": "n4"}
+    monkeypatch.setenv("MESHLAB_BENCH_GEMV_TUNED", json.dumps(tuned))
+    gemv, attn = bd._variant("tuned a:ticket")
+    assert gemv(3072, 2048, False).block_n == 8 and gemv(3072, 2048, False).num_warps == 8
+    assert gemv(2048, 8192, False) == bd._gemv_tiles()["n4"](0, 0, False)     # an op without a row: the default tile
+    assert attn().ticket_merge
+
+
+def test_engine_choice_takes_the_fastest_mean(bd):
+    rows = [_row("engine_gemv", "decode", "engine b=1 ctx=2048 [fused]", 1010.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels]", 1119.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels] again", 1113.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels tuned a:w8]", 1130.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels tuned a:w8] again", 1090.0),
+            _row("engine_gemv", "ttft", "engine prompt=2048, all cached [kernels n4]", 1.0)]
+    assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": ""}
