@@ -65,7 +65,7 @@ def default_impl(mesh=None, interpret: bool = False) -> str:
 
 def default_layers(md, impl: str, mesh=None) -> str:
     """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
-    batch <= 4 as five Pallas launches over [n, k] matrices (1,115-1,124 vs 1,010 tokens/s at batch
+    batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
     1, level at 16 and 64; H200, docs/benchmarks.md). Else fused: one q|k|v GEMM and, with the
     Pallas kernel at batch <= 16, RoPE + cache write inside the attention kernel. Both concatenate
     weights, so a tensor-sharded mesh keeps split, and so does a mixture of experts (its `moe`
