@@ -12,13 +12,12 @@ output columns, their weights contiguous rows of the [n, k] layout (4 KB per row
 program loads its whole [block_n, block_k] weight tile and its rows of x in one go, with no
 loop-carried dependence between them, then multiplies and sums along k on the vector units (a
 tensor-core dot would pad the 1-4 rows to 16), so every byte of the launch is in flight after
-one memory latency. k > block_k loops (down: k = 8192), pipelined by Triton (`num_stages`), or
-with `prefetch` unrolled with the next chunks' loads issued ahead; a program may walk several
-tiles (`tiles_per_program`, `rolled`). The default tiles depend on the matrix's shape
-(`shape_block_sizes`). Limits: at most MAX_ROWS rows (decode batch), n % block_n == 0 (k is split
-into the largest power-of-two chunks <= block_k that divide it), the Triton backend (GPU) or
-interpret=True. Numerics follow the model's XLA path (models/llama.py): fp32
-products and sums, the normed x and the matmul output rounded to x's dtype before the epilogue.
+one memory latency. k > block_k loops (`num_stages`) or unrolls (`prefetch`); a program may walk
+several tiles (`tiles_per_program`, `rolled`); defaults by shape (`shape_block_sizes`).
+Limits: at most MAX_ROWS rows (decode batch), n % block_n == 0 (k is split into the largest
+power-of-two chunks <= block_k that divide it), the Triton backend (GPU) or interpret=True.
+Numerics follow the model's XLA path (models/llama.py): fp32 products and sums, the normed x and
+the matmul output rounded to x's dtype before the epilogue.
 """
 from __future__ import annotations
 
