@@ -38,12 +38,9 @@ class Attend:
     fused(layer, qkv [b, t, h + 2 kvh, hd] before RoPE, inv_freq, cache) -> (o, cache), or None: RoPE,
       the cache write and attention in one kernel, offered for decode tokens only; a layer uses it
       when its q|k|v weights are concatenated. It passes a zero padding row through as zeros.
-    scratch(cache) -> dict, or None: entries the fused kernel wants in the cache for one step (built
-      once before the layers, dropped after them: the cache keeps its structure).
     """
     attend: Callable
     fused: Optional[Callable] = None
-    scratch: Optional[Callable] = None
 
     def __call__(self, layer, q, k, v, cache):
         return self.attend(layer, q, k, v, cache)
@@ -67,21 +64,25 @@ def _zero_row(x):
 
 
 # -- one layer -----------------------------------------------------------------------------------
+def _fused_attend(attend: Attend, cfg, layer, qkv, cache):
+    """attend.fused over qkv [b, t, h + 2 kvh, hd] before RoPE, with the model's RoPE frequencies."""
+    inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
+    return attend.fused(layer, qkv, inv_freq, cache)
+
+
 def attention(attn, x, positions, attend: Attend, layer, cache, wqkv=None):
     """models.llama.Attention's weights over this step's tokens x [b, t, d] -> ([b, t, d], cache).
     wqkv [d, h + 2 kvh, hd]: wq|wk|wv concatenated at load (serving layers="fused"): one GEMM launch
     and one pass over x instead of three small ones; then attn.wq/wk/wv are not read."""
     cfg, dt = attn.cfg, jnp.dtype(attn.cfg.dtype)
-    fused = attend.fused if wqkv is not None else None
     b, t = x.shape[:2]
-    if fused is not None:                                      # RoPE + cache write + attention: one kernel
+    if wqkv is not None and attend.fused is not None:          # RoPE + cache write + attention: one kernel
         # One token: _mm_decode's zero second row is added here once and rides through the kernel
         # (which returns it as a zero row of o) into the wo GEMM: no slice before the kernel, no
         # pad after its split merge (two XLA launches per layer at batch 1).
         xin = _zero_row(x) if b * t == 1 else x                                              # [b, t', d]
         qkv = _mm("bsd,dhk->bshk", xin, wqkv)                                                # [b, t', h + 2 kvh, hd]
-        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-        o, cache = fused(layer, qkv, inv_freq, cache)                                        # [b, t', h, hd]
+        o, cache = _fused_attend(attend, cfg, layer, qkv, cache)                            # [b, t', h, hd]
         out = _mm("bshk,hkd->bsd", o, _w(attn.wo, dt))[:, :t]                               # [b, t, d]
     else:
         if wqkv is None:
@@ -137,8 +138,7 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
     h = block.attn_norm(x)
     qkv = _mm_decode("bsd,nd->bsn", h, w["wqkv_t"]).reshape(b, t, -1, cfg.head_dim)        # [b, t, h + 2 kvh, hd]
     if attend.fused is not None:           # decode rows past decode_step's: RoPE + cache write + attention in one kernel
-        inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-        o, cache = attend.fused(layer, qkv, inv_freq, cache)                                # [b, t, h, hd]
+        o, cache = _fused_attend(attend, cfg, layer, qkv, cache)                            # [b, t, h, hd]
     else:
         q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
@@ -162,8 +162,7 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     x = x.reshape(b, d)                                                                   # [b, d]
     stored = lambda scale: _w(scale, scale[...].dtype)   # noqa: E731 - the kernel reads it in fp32 (no convert launch)
     qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale))                    # [b, (h + 2 kvh) hd]
-    inv_freq = rope_kernels.rope_frequencies(cfg.head_dim, cfg.rope_theta, rope_scaling(cfg))
-    o, cache = attend.fused(layer, qkv.reshape(b, 1, -1, cfg.head_dim), inv_freq, cache)  # [b, 1, h, hd]
+    o, cache = _fused_attend(attend, cfg, layer, qkv.reshape(b, 1, -1, cfg.head_dim), cache)   # [b, 1, h, hd]
     x = mv(o.reshape(b, -1), w["wo_t"], residual=x)                                       # [b, h hd] . [d, h hd]^T -> [b, d]
     h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True)     # [b, f]
     x = mv(h, w["w_down_t"], residual=x)                                                  # [b, d]
@@ -198,13 +197,10 @@ def forward(model, tokens, positions, cache, attend: Attend, unroll: bool = Fals
     if two_rows:
         x = _zero_row(x)                                                                 # [1, 2, d]
     if layers is not None:
-        extra = attend.scratch(cache) if attend.scratch is not None and isinstance(layers[0], tuple) else {}
-        cache = {**cache, **extra}
         for i, one_layer in enumerate(layers):          # i static: cache writes at a constant layer index
             one_layer, fused = one_layer if isinstance(one_layer, tuple) else (one_layer, None)
             block = nnx.merge(block_def, one_layer)
             x, cache = block_step(block, x, positions, attend, i, cache, fused=fused, kernels=kernels)
-        cache = {k: v for k, v in cache.items() if k not in extra}
         return model.final_norm(x[:, :1] if two_rows else x), cache                     # [b, t, d]
 
     def layer(carry, xs):

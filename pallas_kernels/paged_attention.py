@@ -35,20 +35,15 @@ def _first_rows(x, rows: int):
     return jnp.sum(jnp.where(keep, y, jnp.zeros_like(y)), axis=0)
 
 
-def _write_partials(outs, m, l, acc, at=None):
-    """(acc, m, l) refs <- the first out_rows rows; or, with one output ref, the normalised result.
-    at: (b, kh, s) when the partial refs are the whole arrays (the ticketed merge reads them all)."""
+def _write_partials(outs, m, l, acc):
+    """(acc, m, l) refs <- the first out_rows rows; or, with one output ref, the normalised result."""
+    out_rows = outs[0].shape[0]                                                   # g, or rows when g does not divide it
     if len(outs) == 1:                                                            # one split: finish here
-        out_rows = outs[0].shape[0]                                               # g, or rows when g does not divide it
         o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # inactive rows -> 0
         outs[0][...] = _first_rows(o, out_rows).astype(outs[0].dtype)
         return
-    out_rows = outs[1].shape[-1]
     for ref, x in zip(outs, (acc, m, l)):
-        if at is None:
-            ref[...] = _first_rows(x, out_rows)
-        else:
-            ref[at] = _first_rows(x, out_rows)
+        ref[...] = _first_rows(x, out_rows)
 
 
 # Each program owns one KV head's group of query heads (GQA: the group shares every K/V load, which
@@ -84,22 +79,16 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_
     _write_partials(outs, m, l, acc)
 
 
-def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *refs, page_size,
-                  splits, pages_per_block, rows, sm_scale, use_dot, group, n_heads, v_first, ticket, interpret):
+def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref, k_ref, v_ref, *outs, page_size,
+                  splits, pages_per_block, rows, sm_scale, use_dot, group, n_heads, v_first):
     """_kernel for one decode step with RoPE and the cache write folded in (paged_decode_attention).
 
     The new token (position length - 1) is not read back from the cache: every program masks it,
     and the program whose split holds it adds it to the online softmax from registers and writes
     its rotated k and its v into the cache slot. No program reads that slot, so there is no race.
     A cached row (cached_ref[b] != 0: the token's K/V already lie in a shared prefix page) is read
-    from the cache like every earlier token, and neither added from registers nor written.
-    ticket: the split partials are merged here, by the last program of each (row, kv head) to finish
-    (`_merge_last`), instead of in a second launch."""
-    if ticket:
-        refs = refs[1:]                        # the tickets' input; its aliased output is the last ref
-        *outs, o_ref, k_out, v_out, tickets = refs
-    else:
-        (*outs, k_out, v_out), o_ref, tickets = refs, None, None
+    from the cache like every earlier token, and neither added from registers nor written."""
+    *outs, k_out, v_out = outs
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer, keep = lengths_ref[b], layer_ref[0], cached_ref[b] != 0
     new = length - 1                                                              # the new token's position
@@ -129,7 +118,7 @@ def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref
     p_new = jnp.where(mine, jnp.exp(s_new - m_new), 0.0)
     l = l * alpha + p_new
     acc = acc * alpha[:, None] + p_new[:, None] * f32(v_new)[None, :]
-    _write_partials(outs, m_new, l, acc, at=(b, kh, s) if ticket else None)
+    _write_partials(outs, m_new, l, acc)
 
     @pl.when(mine)
     def _():
@@ -138,36 +127,6 @@ def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref
         k_out[layer, page, slot, kh, lo] = k1
         k_out[layer, page, slot, kh, hi] = k2
         v_out[layer, page, slot, kh, :] = v_new.astype(v_out.dtype)
-
-    if ticket:
-        _merge_last(outs, o_ref, tickets, layer=layer, b=b, kh=kh, g=group, splits=splits, interpret=interpret)
-
-
-def _merge_last(partials, o_ref, tickets, *, layer, b, kh, g, splits, interpret):
-    """The last of (row b, kv head kh)'s `splits` programs to finish merges their partials into o_ref
-    (merge_splits' math) and resets the ticket to 0 for the next call. Every program's partial stores
-    precede its ticket (a CTA barrier, then the atomic add with release semantics); the last program's
-    atomic acquires them all. Rows of o past lengths.shape[0] (the one-token GEMM's zero row) are
-    written as zeros by row 0's merges."""
-    acc_ref, m_ref, l_ref = partials
-    if not interpret:                                      # interpret mode runs the programs one by one
-        plgpu.debug_barrier()
-    last = plgpu.atomic_add(tickets, (layer, b, kh), jnp.int32(1)) == splits - 1
-    if not interpret:
-        plgpu.debug_barrier()
-
-    @pl.when(last)
-    def _():
-        rows = acc_ref.shape[3]
-        o = _merged_rows(acc_ref, m_ref, l_ref, b, kh, splits, volatile=True)   # written by other SMs: not from L1
-        head_rows = (jnp.arange(rows) < g)[:, None]
-        plgpu.store(o_ref.at[b, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=head_rows)
-        for extra in range(tickets.shape[1], o_ref.shape[0]):                     # the zero padding rows
-            @pl.when(b == 0)
-            def _():
-                plgpu.store(o_ref.at[jnp.int32(extra), pl.ds(kh * g, rows), :], jnp.zeros_like(o).astype(o_ref.dtype),
-                            mask=head_rows)
-        tickets[layer, b, kh] = jnp.int32(0)
 
 
 def merge_splits(acc, m, l, dtype):
@@ -181,25 +140,19 @@ def merge_splits(acc, m, l, dtype):
     return out.reshape(b, kvh * g, d).astype(dtype)
 
 
-def _merged_rows(acc_ref, m_ref, l_ref, row, kh, splits, volatile=False):
-    """[rows, d] fp32: row `row`, kv head kh's split partials (acc [b, kvh, S, rows, d], m/l [b, kvh, S,
-    rows]) rescaled by their log-sum-exp and summed (merge_splits' math); inactive rows -> 0."""
-    s_pad = pow2_at_least(splits)
-    live = (jnp.arange(s_pad) < splits)[:, None]                                  # [S, 1] the split padding
-    load = lambda ref, other: plgpu.load(ref.at[row, kh, pl.ds(0, s_pad)], other=other, volatile=volatile,  # noqa: E731
-                                         mask=live if ref.ndim == 4 else live[..., None])
-    m, l, acc = load(m_ref, NEG), load(l_ref, 0.0), load(acc_ref, 0.0)            # [S, rows] x2, [S, rows, d]
-    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                                  # [S, rows]; empty splits -> 0
-    den = jnp.sum(l * w, axis=0)                                                  # [rows]
-    return jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]
-
-
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits):
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad):
     """merge_splits for one (row, kv head): o[i, kh*g:(kh+1)*g] <- the splits' rescaled sum; rows >= b
     (the caller's padding) get zeros."""
     i, kh = pl.program_id(0), pl.program_id(1)
-    rows = acc_ref.shape[3]
-    o = jnp.where(i < b, _merged_rows(acc_ref, m_ref, l_ref, jnp.minimum(i, b - 1), kh, splits), 0.0)   # [rows, d]
+    src, rows = jnp.minimum(i, b - 1), acc_ref.shape[3]
+    live = jnp.arange(s_pad) < splits                                             # [S] the split padding
+    m = plgpu.load(m_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=NEG)                  # [S, rows]
+    l = plgpu.load(l_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=0.0)                  # [S, rows]
+    acc = plgpu.load(acc_ref.at[src, kh, pl.ds(0, s_pad), :, :], mask=live[:, None, None], other=0.0)      # [S, rows, d]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])                                  # [S, rows]; empty splits -> 0
+    den = jnp.sum(l * w, axis=0)                                                  # [rows]
+    o = jnp.sum(acc * w[:, :, None], axis=0) / jnp.where(den > 0, den, 1.0)[:, None]   # [rows, d]; inactive -> 0
+    o = jnp.where(i < b, o, 0.0)
     plgpu.store(o_ref.at[i, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=(jnp.arange(rows) < g)[:, None])
 
 
@@ -209,7 +162,8 @@ def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: b
     itself; docs/benchmarks.md#decode-and-serving), and the zero row is the one the model's
     one-token GEMM needs (models/serving.py _mm_decode), so no pad follows."""
     b, kvh, splits, rows, d = acc.shape
-    kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits)
+    s_pad = pow2_at_least(splits)
+    kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad)
     return pl.pallas_call(
         kernel, grid=(rows_out, kvh), in_specs=[whole(a.shape) for a in (acc, m, l)],
         out_specs=whole((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
@@ -217,38 +171,27 @@ def merge_splits_kernel(acc, m, l, dtype, *, g: int, rows_out: int, interpret: b
     )(acc, m, l)
 
 
-def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpret, caches=None, merged=None):
+def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpret, caches=None):
     """pallas_call over (batch, kv_heads, splits). One split: the kernel normalises and writes
     o [b, kvh, out_rows, d] in `dtype` (no merge launch); else fp32 partials (acc, m, l) per split.
-    caches: (k, v) operands updated in place (aliased to two extra whole-array outputs). merged:
-    (o's shape, tickets): with several splits, the kernel also writes the merged o (ticketed merge)
-    and updates the tickets in place (the last input, aliased to the last output)."""
+    caches: (k, v) operands updated in place (aliased to two extra whole-array outputs)."""
     splits, out_rows = p["splits"], p["out_rows"]
     if splits == 1:
         out_specs = [pl.BlockSpec((None, None, out_rows, d), lambda i, j, s: (i, j, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, kvh, out_rows, d), dtype)]
     else:
-        if merged is None:
-            out_specs = [pl.BlockSpec((None, None, None, out_rows, d), lambda i, j, s: (i, j, s, 0, 0)),
-                         pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0)),
-                         pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0))]
-        else:   # whole arrays: the ticketed merge's last program reads every split's partials
-            out_specs = [whole((b, kvh, splits, out_rows, d)), whole((b, kvh, splits, out_rows)),
-                         whole((b, kvh, splits, out_rows))]
+        out_specs = [pl.BlockSpec((None, None, None, out_rows, d), lambda i, j, s: (i, j, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0)),
+                     pl.BlockSpec((None, None, None, out_rows), lambda i, j, s: (i, j, s, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, out_rows, d), jnp.float32),
                      jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32),
                      jax.ShapeDtypeStruct((b, kvh, splits, out_rows), jnp.float32)]
-    aliased = list(caches or ())
-    if merged is not None and splits > 1:
-        o_shape, tickets = merged
-        out_specs.append(whole(o_shape))
-        out_shape.append(jax.ShapeDtypeStruct(o_shape, dtype))
-        aliased.append(tickets)
-        args, in_specs = (*args, tickets), [*in_specs, whole(tickets.shape)]
-    first = len(args) - len(aliased)                                              # the aliased are the last inputs
-    aliases = {first + i: len(out_shape) + i for i in range(len(aliased))}
-    out_specs += [whole(c.shape) for c in aliased]
-    out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in aliased]
+    aliases = {}
+    if caches is not None:
+        first = len(args) - 2                                                     # the caches are the last two inputs
+        aliases = {first + i: len(out_shape) + i for i in range(2)}
+        out_specs += [whole(c.shape) for c in caches]
+        out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     return pl.pallas_call(
         kernel, grid=(b, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, interpret=interpret,
@@ -296,8 +239,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "block_sizes", "sm_scale", "interpret"))
-def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, layer=None, cached=None, tickets=None,
-                           *, n_heads: int, block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
+def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, layer=None, cached=None, *,
+                           n_heads: int, block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None,
                            interpret: bool = False):
     """One decode step of attention with RoPE and the KV-cache write in the same kernel.
 
@@ -332,12 +275,7 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     scale = sm_scale if sm_scale is not None else d ** -0.5
     kernel = functools.partial(_fused_kernel, page_size=page_size, splits=p["splits"],
                                pages_per_block=p["pages_per_block"], rows=p["rows"], sm_scale=scale,
-                               use_dot=p["use_dot"], group=g, n_heads=n_heads, v_first=block_sizes.v_first,
-                               ticket=tickets is not None and p["splits"] > 1, interpret=interpret)
-    if tickets is not None and (tickets.dtype != jnp.int32 or tickets.shape[1:] != (b, kvh)
-                                or tickets.shape[0] != k_pages.shape[0]):
-        raise ValueError(f"paged_decode_attention: tickets {tickets.shape} {tickets.dtype} must be int32 "
-                         f"[layers={k_pages.shape[0]}, b={b}, kv_heads={kvh}]")
+                               use_dot=p["use_dot"], group=g, n_heads=n_heads, v_first=block_sizes.v_first)
     if cached is None:
         cached = jnp.zeros((b,), jnp.int32)
     elif cached.shape != (b,):
@@ -346,18 +284,11 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
                 whole(k_pages.shape), whole(v_pages.shape)]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), cached.astype(jnp.int32),
             page_table.astype(jnp.int32), qkv, cos_sin.astype(jnp.float32), k_pages, v_pages)
-    ticketed = tickets is not None and p["splits"] > 1
-    outs = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=qkv.dtype, block_sizes=block_sizes,
-                   interpret=interpret, caches=(k_pages, v_pages),
-                   merged=((rows_out, n_heads, d), tickets) if ticketed else None)
-    if ticketed:
-        *_, o, k_pages, v_pages, tickets = outs
-    else:
-        *outs, k_pages, v_pages = outs
-        o = _finish(outs, p, g, b, qkv.dtype, rows_out, interpret)
+    *outs, k_pages, v_pages = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=qkv.dtype,
+                                      block_sizes=block_sizes, interpret=interpret, caches=(k_pages, v_pages))
     if one_layer:
         k_pages, v_pages = k_pages[0], v_pages[0]
-    return (o, k_pages, v_pages) if tickets is None else (o, k_pages, v_pages, tickets)
+    return _finish(outs, p, g, b, qkv.dtype, rows_out, interpret), k_pages, v_pages
 
 
 def rope_cos_sin(positions, inv_freq):

@@ -37,9 +37,6 @@ class BlockSizes:
     num_stages: int = 2
     # Load a block's V together with its K, before the scores (latency) rather than after (registers).
     v_first: bool = False
-    # The serving step's fused decode kernel merges its splits itself: the last program of each
-    # (row, kv head) to finish, found by an atomic ticket, instead of a second launch.
-    ticket_merge: bool = False
 
 
 # Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in

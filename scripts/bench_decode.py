@@ -56,11 +56,11 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
-                through engines with layers=fused and =kernels alternating, then kernels under the
-                _gemv_tiles() tiles (first "tuned": each op's fastest tile in the matmul job, when it
-                ran earlier in the call, then the same with the decode attention's V loaded beside K),
-                and a profile of the fastest kernels variant's batch-1 token
-                (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and one tile, no profile)
+                through engines with layers=fused and =kernels (the shipped tiles), then kernels with
+                each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the
+                call) and with the attention tiles of _attn_tiles(), and a profile of the fastest
+                kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and
+                "tuned", no profile)
   first_token_ab  the same TTFT rows through an Engine whose packed programs are compiled without
                 command buffers (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
@@ -122,16 +122,15 @@ JOBS = {
 }
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 # decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
-def _gemv_tiles():
-    """"tuned" (when the matmul job ran first in the call): each op's fastest tile there; "shape": the
-    shipped per-shape tiles; "n4": block_n 4 everywhere."""
-    from pallas_kernels.decode_gemv import BlockSizes as B, shape_block_sizes
-    tiles = {"shape": shape_block_sizes, "n4": lambda n, k, sw: B()}
+def _gemv_tuned_tiles():
+    """decode_gemv tiles (n, k, swiglu) -> BlockSizes: each op's fastest in the matmul job when it ran
+    earlier in the call (MESHLAB_BENCH_GEMV_TUNED), else None."""
+    from pallas_kernels.decode_gemv import BlockSizes as B
     tuned = json.loads(os.environ.get("MESHLAB_BENCH_GEMV_TUNED", "{}"))   # {"n,k,swiglu": config label}
-    if tuned:
-        configs = {label: c[0] if isinstance(c, tuple) else c for label, c in _matmul_configs().items()}
-        tiles = {"tuned": lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B()), **tiles}
-    return tiles
+    if not tuned:
+        return None
+    configs = {label: c[0] if isinstance(c, tuple) else c for label, c in _matmul_configs().items()}
+    return lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B())
 
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -173,33 +172,32 @@ def _matmul_configs(quick=False):
 def _attn_tiles():
     """The fused decode attention's tiles tried through the engine (paged_tiles.BlockSizes fields)."""
     from pallas_kernels.paged_tiles import BlockSizes as A
-    return {"ticket": A(ticket_merge=True), "w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8)}
+    return {"w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8)}
 
 
 def _variant(name: str):
-    """"<gemv tile>[ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes)."""
+    """"[tuned][ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes);
+    without "tuned" the shipped per-shape GEMV tiles, without "a:" the default attention tiles."""
+    from pallas_kernels.decode_gemv import shape_block_sizes
     from pallas_kernels.paged_tiles import BlockSizes as A
-    tile, _, attn = name.partition(" a:")
+    tile, _, attn = name.partition("a:")
     attn_tiles = _attn_tiles()[attn] if attn else A()
-    return _gemv_tiles()[tile], lambda: attn_tiles
+    return (_gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes), lambda: attn_tiles
 
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
-    per op at batch 1 (rows that passed its check), for _gemv_tiles()'s "tuned"."""
+    per op at batch 1 (rows that passed its check), for _gemv_tuned_tiles()."""
     import re
     best: dict = {}
     for r in rows:
-        m = re.fullmatch(r"(\S+) ours\[(\S+)\] b=1", r.get("setting", ""))
+        m = re.fullmatch(r"\S+ ours\[(\S+)\] b=1", r.get("setting", ""))
         if r.get("job") == "matmul" and m and r["value"] == r["value"] and r["value"] > 0:
-            if r["value"] < best.get(m.group(1), (float("inf"), ""))[0]:
-                best[m.group(1)] = (r["value"], m.group(2))
+            if r["value"] < best.get(r["gemv_key"], (float("inf"), ""))[0]:
+                best[r["gemv_key"]] = (r["value"], m.group(1))
     if not best:
         return {}
-    import models
-    from meshlab.bench.matmul import kernel_keys
-    keys = kernel_keys(models.preset("llama3_1b"))
-    tuned = {",".join(str(int(v) if isinstance(v, bool) else v) for v in keys[op]): label for op, (_, label) in best.items()}
+    tuned = {key: label for key, (_, label) in best.items()}
     print(f"[matmul] fastest tiles per op: {tuned}", flush=True)
     return {"MESHLAB_BENCH_GEMV_TUNED": json.dumps(tuned)}
 
@@ -390,38 +388,33 @@ def run_child(args):
 
 
 def engine_gemv_job(md, params, sz, bw, layers_gate):
-    """engine_gemv (the job list says what): fused against kernels, then the kernels' tiles (each
-    op's fastest in the matmul job first, when it ran), the decode attention with V loaded beside
-    K, and a profile of the fastest kernels variant."""
+    """engine_gemv (the job list says what): fused against kernels with the shipped tiles, then each
+    op's fastest tile in the matmul job (when it ran) and the attention tiles of _attn_tiles(), and a
+    profile of the fastest kernels variant."""
     from meshlab.bench import decode as bench
     from meshlab.infer.engine import Engine
     from pallas_kernels import decode_gemv as dg, paged_tiles as pt
     if layers_gate("kernels").get("paged-pallas") != "ok":
         return
-    rates = {}
-    for layers in ("fused", "kernels"):
-        engine_ab_job(md, params, sz, bw, f" [{layers}]", layers=layers)
+    engine_ab_job(md, params, sz, bw, " [fused]", layers="fused")
+    rates = {"": engine_ab_job(md, params, sz, bw, " [kernels]", layers="kernels")}
     default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
-    first = next(iter(_gemv_tiles()))     # tuned, when the matmul job ran
-    rest = [n for n in _gemv_tiles() if n not in (first, "shape", "n4")]    # "kernels" above ran the shipped tiles
-    names = [first] if short else [first] + [f"{first} a:{a}" for a in _attn_tiles()] + rest
-    variants = [(name, *_variant(name)) for name in names]
-    for name, tiles, attn_tiles in variants:
-        dg.default_block_sizes, pt.decode_block_sizes = tiles, attn_tiles
+    tile = "tuned" if _gemv_tuned_tiles() else ""
+    names = ([tile] if tile else []) + ([] if short else [f"{tile} a:{a}".strip() for a in _attn_tiles()])
+    for name in names:
+        dg.default_block_sizes, pt.decode_block_sizes = _variant(name)
         rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
-    if short:
-        dg.default_block_sizes = default
-        return
-    best = max(rates, key=lambda k: rates[k])
-    dg.default_block_sizes, pt.decode_block_sizes = next((t, a) for n, t, a in variants if n == best)
-    try:
-        eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
-                     layers="kernels")
-        row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
-                                   n=min(128, sz["tpot_n"]))
-        bench.emit(dict(row, setting=row["setting"] + f" [kernels {best}]"))
-    except Exception as e:  # noqa: BLE001
-        bench.fail_row("profile", "engine kernels", e)
+    if not short:
+        best = max(rates, key=lambda k: rates[k])
+        dg.default_block_sizes, pt.decode_block_sizes = _variant(best)
+        try:
+            eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
+                         steps_per_call=16, layers="kernels")
+            row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
+                                       n=min(128, sz["tpot_n"]))
+            bench.emit(dict(row, setting=row["setting"] + f" [kernels {best}]".replace(" ]", "]")))
+        except Exception as e:  # noqa: BLE001
+            bench.fail_row("profile", "engine kernels", e)
     dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
@@ -486,7 +479,7 @@ def first_token_job(md, params, sz, ab: bool):
 # -- parent side ------------------------------------------------------------------------------
 def _engine_choice(rows) -> dict:
     """{MESHLAB_BENCH_LAYERS, MESHLAB_BENCH_GEMV}: the engine_gemv variant with the most batch-1 decode
-    tokens/s (mean of its two measures), fused or kernels under one of _gemv_tiles() (or the default)."""
+    tokens/s (mean of its two measures): fused, or kernels under one of its variants (_variant)."""
     import re
     rates: dict = {}
     for r in rows:

@@ -57,18 +57,10 @@ def ops(cfg, batch: int) -> dict:
             "down+residual": ((batch, f), (f, d), {"residual": True})}
 
 
-def kernel_keys(cfg) -> dict:
-    """op name -> (n, k, swiglu) as decode_gemv sees it (its default_block_sizes' arguments)."""
-    keys = {}
-    for name, (_, (k, n), kind) in ops(cfg, 1).items():
-        swiglu = kind.get("swiglu", False)
-        keys[name] = (n // 2 if swiglu else n, k, swiglu)
-    return keys
-
-
 def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
     """us per call and % of copy bandwidth (weight bytes) for XLA ([k, n] weights) and decode_gemv
-    ([n, k] copies) under each {label: BlockSizes, or (BlockSizes, op names it runs on)} of `configs`."""
+    ([n, k] copies) under each {label: BlockSizes, or (BlockSizes, op names it runs on)} of `configs`;
+    a timed row's "gemv_key" is "n,k,swiglu" as decode_gemv's default_block_sizes sees the op."""
     from pallas_kernels.decode_gemv import decode_gemv
     interpret = jax.default_backend() != "gpu"
     out = []
@@ -86,6 +78,7 @@ def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
         if kind.get("residual"):
             kw["residual"] = jax.random.normal(key[3], (xs[0], ws[1]), jnp.bfloat16)
         swiglu = kind.get("swiglu", False)
+        gemv_key = f"{ws[1] // 2 if swiglu else ws[1]},{ws[0]},{int(swiglu)}"   # decode_gemv's (n, k, swiglu)
         want = _xla(x, ws_[0], swiglu=swiglu, **kw).astype(F32)
         impls = {"xla": (lambda x, w, **k: _xla(x, w, swiglu=swiglu, **k), "kn")}
         for label, bs in configs.items():
@@ -109,7 +102,7 @@ def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
                     continue
                 t = median_time(many, x, weights, kw, warmup=3, reps=10, inner=5) / copies
                 out.append(emit({"section": "matmul", "setting": setting, "value": t * 1e6, "unit": "us",
-                                 "note": f"{wbytes / t / 1e9:.0f} GB/s = {wbytes / t / bw:.0%} of copy bw, "
+                                 "gemv_key": gemv_key, "note": f"{wbytes / t / 1e9:.0f} GB/s = {wbytes / t / bw:.0%} of copy bw, "
                                          f"{copies} weight copies, max error {err:.1e}"}))
             except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
                 out.append(emit({"section": "matmul", "setting": setting, "value": float("nan"), "unit": "us",

@@ -210,9 +210,9 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         write = valid if cached is None else valid & ~cached
         page = jnp.where(write, page, num_pages)                                     # padding -> dropped
         offset = positions % page_size
-        new = {**cache, **{name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype),
-                                                                                  mode="drop"), PAGED_NAMES)
-                           for name, x in (("k", k), ("v", v))}}
+        new = {name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype), mode="drop"),
+                               PAGED_NAMES)
+               for name, x in (("k", k), ("v", v))}
         if impl in ("pallas", "pallas_unfused") and q.shape[1] == 1:
             from pallas_kernels.paged_attention import paged_attention
             o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths(), layer,   # layer read in place
@@ -228,26 +228,15 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         from pallas_kernels.paged_attention import paged_decode_attention, rope_cos_sin
         b, t, heads, d = qkv.shape
         n_heads = heads - 2 * cache["k"].shape[3]
-        outs = paged_decode_attention(qkv.reshape(b * t, heads, d), rope_cos_sin(positions[:, 0], inv_freq),
-                                      cache["k"], cache["v"], page_table, lengths(), layer,
-                                      None if cached is None else cached[:, 0], cache.get("tickets"), n_heads=n_heads,
-                                      block_sizes=paged_tiles.decode_block_sizes(), interpret=interpret)
-        o, k, v, *tickets = outs
-        new = {**cache, "k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
-        return o.reshape(b, t, n_heads, d), dict(new, tickets=tickets[0]) if tickets else new
-
-    def scratch(cache):
-        """A decode step's extra cache entries: the fused kernel's merge tickets (paged_tiles.BlockSizes
-        .ticket_merge), zeros shared by the step's layers, which every call leaves at zero."""
-        from pallas_kernels import paged_tiles
-        if not paged_tiles.decode_block_sizes().ticket_merge:
-            return {}
-        return {"tickets": jnp.zeros((cache["k"].shape[0], positions.shape[0], cache["k"].shape[3]), jnp.int32)}
+        o, k, v = paged_decode_attention(qkv.reshape(b * t, heads, d), rope_cos_sin(positions[:, 0], inv_freq),
+                                         cache["k"], cache["v"], page_table, lengths(), layer,
+                                         None if cached is None else cached[:, 0], n_heads=n_heads,
+                                         block_sizes=paged_tiles.decode_block_sizes(), interpret=interpret)
+        return o.reshape(b, t, n_heads, d), {"k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
 
     # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a
     # concatenate), fine while decode is latency-bound but slower once it is bandwidth-bound. H200,
     # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
-    offered = impl == "pallas" and positions.shape[1] == 1 and small
-    return Attend(attend, fused if offered else None, scratch if offered else None)
+    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None)

@@ -16,23 +16,28 @@ def bd():
     return mod
 
 
-def _row(job, section, setting, value):
-    return {"job": job, "section": section, "setting": setting, "value": value, "unit": "us"}
+def _row(job, section, setting, value, **extra):
+    return {"job": job, "section": section, "setting": setting, "value": value, "unit": "us", **extra}
 
 
 def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
-    rows = [_row("matmul", "matmul", "qkv+norm ours[n4] b=1", 7.0), _row("matmul", "matmul", "qkv+norm ours[n8w8] b=1", 6.5),
-            _row("matmul", "matmul", "qkv+norm xla b=1", 5.0),                       # XLA is not a tile
-            _row("matmul", "matmul", "wo+residual ours[n1w1] b=1", float("nan")),     # a failed check
-            _row("matmul", "matmul", "wo+residual ours[n4] b=1", 8.0),
-            _row("matmul", "matmul", "down+residual ours[n2k8192p1] b=4", 1.0)]       # batch 4 rows do not count
+    qkv, wo, down = {"gemv_key": "3072,2048,0"}, {"gemv_key": "2048,2048,0"}, {"gemv_key": "2048,8192,0"}
+    rows = [_row("matmul", "matmul", "qkv+norm ours[n4] b=1", 7.0, **qkv),
+            _row("matmul", "matmul", "qkv+norm ours[n8w8] b=1", 6.5, **qkv),
+            _row("matmul", "matmul", "qkv+norm xla b=1", 5.0, **qkv),                   # XLA is not a tile
+            _row("matmul", "matmul", "wo+residual ours[n1w1] b=1", float("nan")),      # a failed check: no key
+            _row("matmul", "matmul", "wo+residual ours[n4] b=1", 8.0, **wo),
+            _row("matmul", "matmul", "down+residual ours[n2k8192p1] b=4", 1.0, **down)]  # batch 4 rows do not count
     tuned = json.loads(bd._gemv_tuned(rows)["MESHLAB_BENCH_GEMV_TUNED"])
     assert tuned == {"3072,2048,0": "n8w8", "2048,2048,0": "n4"}
     monkeypatch.setenv("MESHLAB_BENCH_GEMV_TUNED", json.dumps(tuned))
-    gemv, attn = bd._variant("tuned a:ticket")
+    gemv, attn = bd._variant("tuned a:w8")
     assert gemv(3072, 2048, False).block_n == 8 and gemv(3072, 2048, False).num_warps == 8
-    assert gemv(2048, 8192, False) == bd._gemv_tiles()["n4"](0, 0, False)     # an op without a row: the default tile
-    assert attn().ticket_merge
+    assert gemv(2048, 8192, False) == bd._matmul_configs()["n4"]      # an op without a row: the default BlockSizes
+    assert attn().num_warps == 8
+    shipped, attn = bd._variant("a:ppb16w8")                         # no "tuned": the shipped per-shape tiles
+    from pallas_kernels.decode_gemv import shape_block_sizes
+    assert shipped is shape_block_sizes and attn().pages_per_block == 16
 
 
 def test_engine_choice_takes_the_fastest_mean(bd):
@@ -41,5 +46,8 @@ def test_engine_choice_takes_the_fastest_mean(bd):
             _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels] again", 1113.0),
             _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels tuned a:w8]", 1130.0),
             _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels tuned a:w8] again", 1090.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels a:w8]", 1100.0),
             _row("engine_gemv", "ttft", "engine prompt=2048, all cached [kernels n4]", 1.0)]
     assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": ""}
+    rows.append(_row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels a:w8] again", 1200.0))
+    assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": "a:w8"}

@@ -157,33 +157,6 @@ def test_fused_decode_matches_rope_write_attend(bs):
     assert int(jnp.sum(k_new != k_cache)) == 3 * kvh * d                          # 3 active rows written
 
 
-@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes()], ids=["split1page", "default"])
-def test_fused_decode_ticketed_merge_matches_the_merge_launch(bs):
-    # the split partials merged by each (row, kv head)'s last program (tickets) against the merge
-    # launch, with one zero padding row of qkv (the one-token GEMM's) that must come back as zeros,
-    # and the tickets left at zero for the next call
-    rng = np.random.default_rng(11)
-    b, h, kvh, d, page_size, max_pages, num_pages, layers = 3, 8, 2, 32, 4, 6, 30, 2
-    qkv = jnp.asarray(rng.normal(size=(b + 1, h + 2 * kvh, d)), jnp.float32).at[b].set(0.0)
-    k_cache, v_cache = (jnp.asarray(rng.normal(size=(layers, num_pages, page_size, kvh, d)), jnp.float32)
-                        for _ in range(2))
-    table = jnp.asarray(rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
-    lengths = jnp.asarray([5, 24, 0], jnp.int32)
-    cos_sin = rope_cos_sin(jnp.maximum(lengths - 1, 0), rope.rope_frequencies(d, 10000.0))
-    args = (qkv, cos_sin, k_cache, v_cache, table, lengths, jnp.int32(1))
-    want_o, want_k, want_v = paged_decode_attention(*args, n_heads=h, block_sizes=bs, interpret=True)
-    tickets = jnp.zeros((layers, b, kvh), jnp.int32)
-    o, k_new, v_new, tickets_after = paged_decode_attention(*args, tickets=tickets, n_heads=h, block_sizes=bs,
-                                                            interpret=True)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=1e-6, rtol=1e-6)
-    assert o.shape == (b + 1, h, d) and np.all(np.asarray(o)[b] == 0) and np.all(np.asarray(o)[2] == 0)
-    np.testing.assert_array_equal(np.asarray(k_new), np.asarray(want_k))
-    np.testing.assert_array_equal(np.asarray(v_new), np.asarray(want_v))
-    np.testing.assert_array_equal(np.asarray(tickets_after), 0)
-    with pytest.raises(ValueError, match="tickets"):
-        paged_decode_attention(*args, tickets=tickets[:, :2], n_heads=h, interpret=True)
-
-
 def test_fused_decode_cached_rows_read_the_cache_and_write_nothing():
     # A cached row's token already lies in its page: attended from there (the recomputed k/v in
     # qkv are ignored), its slot left as it was; the other rows are fed as usual.
@@ -238,11 +211,6 @@ def test_fused_decode_lowers_for_cuda():
             jax.ShapeDtypeStruct((), jnp.int32))
     lowered = jax.jit(lambda *a: paged_decode_attention(*a, n_heads=h)).trace(*args).lower(lowering_platforms=("cuda",))
     assert "paged_attention" in lowered.as_text() and "paged_attention_merge" in lowered.as_text()
-    # the ticketed merge: atomics, the last program's merge, no merge launch
-    tickets = jax.ShapeDtypeStruct((layers, b, kvh), jnp.int32)
-    text = jax.jit(lambda *a: paged_decode_attention(*a, n_heads=h)).trace(*args, None, tickets).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "paged_attention" in text and "paged_attention_merge" not in text
 
 
 def test_merge_kernel_matches_merge_splits_and_zero_pads():
@@ -306,44 +274,6 @@ def test_one_token_stream_carries_the_zero_row():
         jnp.ones((1, 1), jnp.int32)))
     assert text.count("concatenate") == 1
     assert re.findall(r"let paged_decode_attention\w* = \{ lambda ; \w+:f32\[(\d+),", text) == ["2"]
-
-
-@pytest.mark.parametrize("b", [1, 3])
-def test_forward_with_ticketed_merge_equals_the_merge_launch(b, monkeypatch):
-    # Fused layers through the serving forward with the splits merged by tickets (one zeros buffer
-    # for the step's layers, dropped from the cache after them) against the merge launch: the same
-    # hidden states and cache; batch 1 carries the zero row through the kernel
-    import jax
-    from flax import nnx
-    import models
-    from meshlab.infer import kv_cache
-    from meshlab.infer.engine import _unfused_placeholders, serving_params
-    from models import model_def, serving
-    from pallas_kernels import paged_tiles
-    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
-    md = model_def(cfg)
-    served = serving_params(md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param)), "fused")
-    model = md.bind(dict(served, layers=md.abstract["layers"]))
-    per_layer = [(_unfused_placeholders(md, rest), fused) for rest, fused in served["layers"]]
-    cache = kv_cache.init_paged(cfg, 4 * b + 1, 4)
-    cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(5), c.shape, c.dtype), cache)
-    table = jnp.arange(1, 4 * b + 1, dtype=jnp.int32).reshape(b, 4)
-    pos = jnp.asarray([[9], [2], [15]][:b], jnp.int32)
-    tokens = jnp.asarray([[3], [7], [11]][:b], jnp.int32)
-    tiles = lambda ticket: lambda: paged_tiles.BlockSizes(pages_per_block=1, ticket_merge=ticket)  # noqa: E731
-    monkeypatch.setattr(paged_tiles, "decode_block_sizes", tiles(False))                  # 4 splits a row
-    attend = kv_cache.paged_attend(pos, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
-    want_h, want_cache = serving.forward(model, tokens, pos, cache, attend, layers=per_layer)
-    monkeypatch.setattr(paged_tiles, "decode_block_sizes", tiles(True))
-    attend = kv_cache.paged_attend(pos, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
-    assert set(attend.scratch(cache)) == {"tickets"}
-    got_h, got_cache = serving.forward(model, tokens, pos, cache, attend, layers=per_layer)
-    assert set(got_cache) == {"k", "v"}
-    # the same merge math in another kernel: fp32 results may differ in the last bit (XLA's evaluation
-    # of the interpreted kernels), which a later layer's k/v carry
-    np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), atol=1e-6, rtol=1e-6)
-    for name in ("k", "v"):
-        np.testing.assert_allclose(np.asarray(got_cache[name]), np.asarray(want_cache[name]), atol=1e-6, rtol=1e-6)
 
 
 def test_windowed_flash_equals_gathered_dense():
