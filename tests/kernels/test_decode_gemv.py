@@ -29,16 +29,16 @@ def test_matches_reference(m, op):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tiles", [BlockSizes(block_n=16, block_k=128, tiles_per_program=3, prefetch=1),
-                                   BlockSizes(block_n=8, block_k=32, tiles_per_program=2, prefetch=2),
-                                   BlockSizes(block_n=8, block_k=64, tiles_per_program=6, prefetch=0),
-                                   BlockSizes(block_n=16, block_k=32, prefetch=1)])
+@pytest.mark.parametrize("tiles, k", [(BlockSizes(block_n=16, block_k=128, tiles_per_program=3, prefetch=1), 128),
+                                      (BlockSizes(block_n=8, block_k=32, tiles_per_program=2, prefetch=2), 96),
+                                      (BlockSizes(block_n=8, block_k=64, tiles_per_program=6, prefetch=0), 96),
+                                      (BlockSizes(block_n=16, block_k=32, prefetch=1), 96)])
 @pytest.mark.parametrize("op", ["norm", "residual", "norm_swiglu"])
-def test_tiles_per_program_and_prefetch_match_reference(tiles, op):
-    # a program's several column blocks (strided over the grid) and weight loads issued ahead,
-    # with k = 96 in one chunk (block_k 128 -> 32: 3 chunks; 64 -> 32) or several
+def test_tiles_per_program_and_prefetch_match_reference(tiles, k, op):
+    # a program's several column blocks (strided over the grid) and weight loads issued ahead, with
+    # k in one chunk (128: x and its norm computed once for the program's tiles) or in three of 32
     swiglu = "swiglu" in op
-    x, w, scale, res = _case(len(op) + tiles.block_n, 2, 96, 48, swiglu)
+    x, w, scale, res = _case(len(op) + tiles.block_n, 2, k, 48, swiglu)
     kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
     got = decode_gemv(x, w, block_sizes=tiles, interpret=True, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
@@ -61,10 +61,8 @@ def test_shape_tiles_divide_every_shape():
     # the per-shape defaults at llama3 widths, and a width they do not divide (falls back to one column)
     for n, k, swiglu in ((3072, 2048, False), (2048, 2048, False), (8192, 2048, True), (2048, 8192, False),
                          (14336, 4096, True), (4096, 14336, False), (6, 2048, True), (1000, 512, False)):
-        bs = shape_block_sizes(n, k, swiglu)
-        bk = bs.validate(n, k)
-        assert k % bk == 0 and n % bs.block_n == 0
-    assert shape_block_sizes(6, 2048, True).block_n == 1
+        shape_block_sizes(n, k, swiglu).validate(n, k)         # raises where a tile does not divide the shape
+    assert shape_block_sizes(6, 2048, True).block_n == 1 and shape_block_sizes(8192, 2048, True).tiles_per_program == 4
 
 
 def test_bf16_one_chunk_and_rounding():
@@ -95,15 +93,21 @@ def test_errors_name_the_fix():
         decode_gemv(x, w, residual=jnp.ones((2, 8)), interpret=True)
 
 
-def test_lowers_for_cuda_at_llama3_1b_shapes():
-    # the Triton path without a GPU, at the layer's four shapes (batch 1)
+@pytest.mark.parametrize("tiles", [None, BlockSizes(block_n=2, num_warps=2, tiles_per_program=8, prefetch=1,
+                                                    rolled=True)], ids=["shape_defaults", "rolled"])
+def test_lowers_for_cuda_at_llama3_1b_shapes(tiles):
+    # the Triton path without a GPU, at the layer's four shapes (batch 1): the shipped per-shape tiles
+    # (down's unrolled 8,192-wide rows, gate|up's resident programs) and the rolled loop (not down's:
+    # its k is four chunks at block_k 2048)
     d, f, qkv = 2048, 8192, 3072
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     scale = jax.ShapeDtypeStruct((d,), jnp.float32)
-    cases = [(lambda x, w, g: decode_gemv(x, w, norm_scale=g), (s(1, d), s(qkv, d), scale)),
-             (lambda x, w, r: decode_gemv(x, w, residual=r), (s(1, d), s(d, d), s(1, d))),
-             (lambda x, w, g: decode_gemv(x, w, norm_scale=g, swiglu=True), (s(1, d), s(2, f, d), scale)),
-             (lambda x, w, r: decode_gemv(x, w, residual=r), (s(1, f), s(d, f), s(1, d)))]
+    mv = lambda *a, **kw: decode_gemv(*a, block_sizes=tiles, **kw)  # noqa: E731
+    cases = [(lambda x, w, g: mv(x, w, norm_scale=g), (s(1, d), s(qkv, d), scale)),
+             (lambda x, w, r: mv(x, w, residual=r), (s(1, d), s(d, d), s(1, d))),
+             (lambda x, w, g: mv(x, w, norm_scale=g, swiglu=True), (s(1, d), s(2, f, d), scale))]
+    if tiles is None:
+        cases.append((lambda x, w, r: mv(x, w, residual=r), (s(1, f), s(d, f), s(1, d))))
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "decode_gemv" in text
