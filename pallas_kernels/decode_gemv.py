@@ -185,7 +185,8 @@ def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual
         xs = x_rows(0)
 
         def tile_step(t, w):
-            ahead_w = tiles(col(jnp.minimum(t + 1, tpp - 1)), 0)   # issued before tile t's sums
+            # issued before tile t's sums; the last iteration reloads its own tile (1 / tpp more bytes)
+            ahead_w = tiles(col(jnp.minimum(t + 1, tpp - 1)), 0)
             store(col(t), flat(_row_sums(w, xs)))
             return ahead_w
         lax.fori_loop(0, tpp, tile_step, tiles(col(0), 0))
