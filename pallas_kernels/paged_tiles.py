@@ -143,6 +143,13 @@ def split_range(length, s, *, splits, page_size, ppb):
     return s * per * ppb, jnp.clip(blocks - s * per, 0, per)
 
 
+def active_splits(length, *, splits, page_size, ppb):
+    """How many of the `splits` programs split_range gives page blocks to (the rest hold empty partials)."""
+    blocks = (length + ppb * page_size - 1) // (ppb * page_size)
+    per = jnp.maximum((blocks + splits - 1) // splits, 1)
+    return (blocks + per - 1) // per
+
+
 def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, page_size: int, group: int,
          head_dim: int) -> dict:
     """The static tiling a call uses: pages per block and per split, splits, padded group rows."""

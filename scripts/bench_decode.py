@@ -134,6 +134,8 @@ def _gemv_tuned_tiles():
 
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ENGINE_MAX_LEN = 8192 + 256          # the engines' context on the GPU (TTFT up to 8k)
+ENGINE_MAX_PAGES = ENGINE_MAX_LEN // 16
 
 
 def _matmul_configs(quick=False):
@@ -170,18 +172,25 @@ def _matmul_configs(quick=False):
 
 
 def _attn_tiles():
-    """The fused decode attention's tiles tried through the engine (paged_tiles.BlockSizes fields)."""
-    from pallas_kernels.paged_tiles import BlockSizes as A
-    return {"w8": A(num_warps=8), "ppb16w8": A(pages_per_block=16, num_warps=8)}
+    """The fused decode attention's tiles tried through the engine: the names in MESHLAB_BENCH_ATTN
+    (comma-separated, meshlab/bench/layer_chain.py attention_variants at the engine's table width),
+    by default the two that the layer chain found fastest before the shipped tiles changed."""
+    from meshlab.bench.layer_chain import attention_variants
+    variants = attention_variants(ENGINE_MAX_PAGES)
+    names = [n for n in os.environ.get("MESHLAB_BENCH_ATTN", "w8,vfirst").split(",") if n]
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        raise SystemExit(f"MESHLAB_BENCH_ATTN: unknown attention tiles {unknown}; known: {', '.join(variants)}")
+    return {n: variants[n] for n in names}
 
 
 def _variant(name: str):
     """"[tuned][ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes);
-    without "tuned" the shipped per-shape GEMV tiles, without "a:" the default attention tiles."""
+    without "tuned" the shipped per-shape GEMV tiles, without "a:" the shipped attention tiles."""
     from pallas_kernels.decode_gemv import shape_block_sizes
-    from pallas_kernels.paged_tiles import BlockSizes as A
+    from pallas_kernels.paged_tiles import decode_block_sizes
     tile, _, attn = name.partition("a:")
-    attn_tiles = _attn_tiles()[attn] if attn else A()
+    attn_tiles = _attn_tiles()[attn] if attn else decode_block_sizes()
     return (_gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes), lambda: attn_tiles
 
 
@@ -224,7 +233,7 @@ def setup(args):
     cfg = dataclasses.replace(models.preset(name), dtype=dtype)
     sizes = dict(ctx=64, big=2, n=8, lengths=[32, 64], max_len=256, chunk=32, tpot_n=32) if args.cpu_smoke else \
         dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
-             max_len=8192 + 256, chunk=512, tpot_n=256)
+             max_len=ENGINE_MAX_LEN, chunk=512, tpot_n=256)
     bw = args.bw
     # base always measures (its rows are the JAX copy peers); first_token needs no roofline
     if args.job == "base" or not bw and not args.job.startswith("first_token"):
@@ -390,23 +399,29 @@ def run_child(args):
 def engine_gemv_job(md, params, sz, bw, layers_gate):
     """engine_gemv (the job list says what): fused against kernels with the shipped tiles, then each
     op's fastest tile in the matmul job (when it ran) and the attention tiles of _attn_tiles(), and a
-    profile of the fastest kernels variant."""
+    profile of the fastest kernels variant. MESHLAB_BENCH_ATTN set: no fused engine (the A/B is
+    between attention tiles)."""
     from meshlab.bench import decode as bench
     from meshlab.infer.engine import Engine
     from pallas_kernels import decode_gemv as dg, paged_tiles as pt
     if layers_gate("kernels").get("paged-pallas") != "ok":
         return
-    engine_ab_job(md, params, sz, bw, " [fused]", layers="fused")
+    if "MESHLAB_BENCH_ATTN" not in os.environ:
+        engine_ab_job(md, params, sz, bw, " [fused]", layers="fused")
     rates = {"": engine_ab_job(md, params, sz, bw, " [kernels]", layers="kernels")}
     default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
     tile = "tuned" if _gemv_tuned_tiles() else ""
     names = ([tile] if tile else []) + ([] if short else [f"{tile} a:{a}".strip() for a in _attn_tiles()])
-    for name in names:
+
+    def use(name):          # from the shipped functions: a variant's "shipped" attention tiles are those
+        dg.default_block_sizes, pt.decode_block_sizes = default, attn
         dg.default_block_sizes, pt.decode_block_sizes = _variant(name)
+    for name in names:
+        use(name)
         rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
     if not short:
         best = max(rates, key=lambda k: rates[k])
-        dg.default_block_sizes, pt.decode_block_sizes = _variant(best)
+        use(best)
         try:
             eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
                          steps_per_call=16, layers="kernels")

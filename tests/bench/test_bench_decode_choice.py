@@ -35,9 +35,14 @@ def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
     assert gemv(3072, 2048, False).block_n == 8 and gemv(3072, 2048, False).num_warps == 8
     assert gemv(2048, 8192, False) == bd._matmul_configs()["n4"]      # an op without a row: the default BlockSizes
     assert attn().num_warps == 8
-    shipped, attn = bd._variant("a:ppb16w8")                         # no "tuned": the shipped per-shape tiles
+    monkeypatch.setenv("MESHLAB_BENCH_ATTN", "ppb4,st1_vfirst")
+    shipped, attn = bd._variant("a:ppb4")                            # no "tuned": the shipped per-shape tiles
     from pallas_kernels.decode_gemv import shape_block_sizes
-    assert shipped is shape_block_sizes and attn().pages_per_block == 16
+    assert shipped is shape_block_sizes and attn().pages_per_block == 4
+    assert bd._variant("a:st1_vfirst")[1]().v_first and set(bd._attn_tiles()) == {"ppb4", "st1_vfirst"}
+    monkeypatch.setenv("MESHLAB_BENCH_ATTN", "nonesuch")
+    with pytest.raises(SystemExit, match="nonesuch"):
+        bd._attn_tiles()
 
 
 def test_engine_choice_takes_the_fastest_mean(bd):

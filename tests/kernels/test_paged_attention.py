@@ -216,18 +216,33 @@ def test_fused_decode_lowers_for_cuda():
 def test_merge_kernel_matches_merge_splits_and_zero_pads():
     # 5 splits (not a power of two), GQA group 4 in 8 padded rows, one empty split (m = NEG, l = 0),
     # kv head 1 of row 1 inactive (every l = 0): the one-launch merge equals the jnp merge, and the
-    # rows past the batch come back as zeros (the model's one-token GEMM padding)
+    # rows past the batch come back as zeros (the model's one-token GEMM padding). Row 2 is 2 tokens
+    # long (a block of one page of one token per split): only its first 2 splits hold data, and the
+    # rest (NaN here) must not be read.
     from pallas_kernels.paged_attention import NEG, merge_splits, merge_splits_kernel
     rng = np.random.default_rng(3)
-    b, kvh, splits, rows, g, d = 2, 2, 5, 8, 4, 16
+    b, kvh, splits, rows, g, d = 3, 2, 5, 8, 4, 16
     acc = jnp.asarray(rng.normal(size=(b, kvh, splits, rows, d)), jnp.float32)
     m = jnp.asarray(rng.normal(size=(b, kvh, splits, rows)), jnp.float32).at[:, :, 3].set(NEG)
     l = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, kvh, splits, rows)), jnp.float32).at[:, :, 3].set(0.0)
     l, acc = l.at[1, 1].set(0.0), acc.at[1, 1].set(0.0)
     want = merge_splits(acc[..., :g, :], m[..., :g], l[..., :g], jnp.float32)                 # [b, kvh*g, d]
-    got = merge_splits_kernel(acc, m, l, jnp.float32, g=g, rows_out=3, interpret=True)       # [3, kvh*g, d]
-    np.testing.assert_allclose(np.asarray(got[:b]), np.asarray(want), rtol=1e-6, atol=1e-6)
+    want2 = merge_splits(acc[2:, :, :2, :g], m[2:, :, :2, :g], l[2:, :, :2, :g], jnp.float32)
+    acc, m, l = (x.at[2, :, 2:].set(jnp.nan) for x in (acc, m, l))
+    lengths = jnp.asarray([splits, splits, 2], jnp.int32)
+    got = merge_splits_kernel(acc, m, l, jnp.float32, lengths, g=g, rows_out=4, page_size=1, pages_per_block=1,
+                              interpret=True)                                                  # [4, kvh*g, d]
+    np.testing.assert_allclose(np.asarray(got[:2]), np.asarray(want[:2]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[2:3]), np.asarray(want2), rtol=1e-6, atol=1e-6)
     assert np.all(np.asarray(got[b:]) == 0) and np.all(np.asarray(got[1, g:]) == 0)
+
+
+def test_active_splits_counts_the_splits_split_range_fills():
+    from pallas_kernels.paged_tiles import active_splits, split_range
+    for splits, ps, ppb in ((33, 16, 8), (5, 1, 1), (4, 4, 2)):
+        for length in (0, 1, 7, 16, 100, 2048, 4000):
+            filled = sum(int(split_range(length, s, splits=splits, page_size=ps, ppb=ppb)[1] > 0) for s in range(splits))
+            assert int(active_splits(jnp.int32(length), splits=splits, page_size=ps, ppb=ppb)) == filled, (splits, length)
 
 
 def test_fused_decode_with_padding_row():
