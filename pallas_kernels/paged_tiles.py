@@ -59,9 +59,13 @@ CONFIGS = {
 
 
 def decode_block_sizes() -> BlockSizes:
-    """The tiles the serving step's fused decode kernel gets (meshlab/infer/kv_cache.py); module-level
-    so that a benchmark can swap it before building an engine."""
-    return BlockSizes()
+    """The tiles the serving step's fused decode kernel gets (meshlab/infer/kv_cache.py, batch <= 16);
+    module-level so that a benchmark can swap it before building an engine. At batch 1 a program runs
+    one or two page blocks, so Triton's software pipelining (num_stages 2: loads staged through shared
+    memory) only adds a wait, and V's load is one memory latency less beside K's: [64, d] tiles, no
+    pipelining, V first took the batch-1 decode layer from 52.2 to 49.0 us in the layer chain and the
+    engine from 1,113 to 1,149 tokens/s, level at batch 16 (H200, docs/benchmarks.md)."""
+    return BlockSizes(pages_per_block=4, num_stages=1, v_first=True)
 
 
 def pow2_at_least(n: int) -> int:

@@ -174,10 +174,10 @@ def _matmul_configs(quick=False):
 def _attn_tiles():
     """The fused decode attention's tiles tried through the engine: the names in MESHLAB_BENCH_ATTN
     (comma-separated, meshlab/bench/layer_chain.py attention_variants at the engine's table width),
-    by default the two that the layer chain found fastest before the shipped tiles changed."""
+    by default the kernel's default tiles and the runner-up of the H200 chain sweep."""
     from meshlab.bench.layer_chain import attention_variants
     variants = attention_variants(ENGINE_MAX_PAGES)
-    names = [n for n in os.environ.get("MESHLAB_BENCH_ATTN", "w8,vfirst").split(",") if n]
+    names = [n for n in os.environ.get("MESHLAB_BENCH_ATTN", "default,st1_ppb4").split(",") if n]
     unknown = [n for n in names if n not in variants]
     if unknown:
         raise SystemExit(f"MESHLAB_BENCH_ATTN: unknown attention tiles {unknown}; known: {', '.join(variants)}")

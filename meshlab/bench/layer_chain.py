@@ -99,12 +99,12 @@ def chain_time(cfg, state: ChainState, attn_tiles=None, skip=frozenset(), reps: 
 
 
 def attention_variants(max_pages: int) -> dict:
-    """Named attention tilings for the batch-1 chain: the shipped tiles, fewer splits (1 split: no merge
-    launch, 8 programs each reading a KV head's whole context), warps, stages, page blocks and V
-    loaded beside K, alone and combined."""
-    base = paged_tiles.decode_block_sizes()
-    rep = lambda **kw: dataclasses.replace(base, **kw)  # noqa: E731
-    out = {"shipped": base}
+    """Named attention tilings for the batch-1 chain: the shipped decode tiles, and changes to the
+    kernel's default BlockSizes: fewer splits (1 split: no merge launch, 8 programs each reading a KV
+    head's whole context), warps, stages, page blocks and V loaded beside K, alone and combined
+    (st1_ppb4_vfirst is what decode_block_sizes ships)."""
+    rep = lambda **kw: paged_tiles.BlockSizes(**kw)  # noqa: E731
+    out = {"shipped": paged_tiles.decode_block_sizes(), "default": rep()}
     for splits in (1, 8):
         out[f"s{splits}"] = rep(pages_per_split=-(-max_pages // splits))
     out.update({"w2": rep(num_warps=2), "w8": rep(num_warps=8), "ppb4": rep(pages_per_block=4),

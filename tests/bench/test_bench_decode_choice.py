@@ -31,6 +31,7 @@ def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
     tuned = json.loads(bd._gemv_tuned(rows)["MESHLAB_BENCH_GEMV_TUNED"])
     assert tuned == {"3072,2048,0": "n8w8", "2048,2048,0": "n4"}
     monkeypatch.setenv("MESHLAB_BENCH_GEMV_TUNED", json.dumps(tuned))
+    monkeypatch.setenv("MESHLAB_BENCH_ATTN", "w8")
     gemv, attn = bd._variant("tuned a:w8")
     assert gemv(3072, 2048, False).block_n == 8 and gemv(3072, 2048, False).num_warps == 8
     assert gemv(2048, 8192, False) == bd._matmul_configs()["n4"]      # an op without a row: the default BlockSizes

@@ -10,7 +10,7 @@ from meshlab.infer.kv_cache import dense_attention
 from pallas_kernels import rope
 from pallas_kernels.paged_attention import (BlockSizes, paged_attention, paged_attention_reference,
                                             paged_decode_attention, plan, rope_cos_sin)
-from pallas_kernels.paged_tiles import CONFIGS
+from pallas_kernels.paged_tiles import CONFIGS, decode_block_sizes
 
 # Compiling dominates (interpret-mode kernels and the engine's tiny programs): cheap_codegen.
 pytestmark = pytest.mark.cheap_codegen
@@ -134,8 +134,8 @@ def _fused_reference(qkv, k_cache, v_cache, table, lengths, layer, n_heads, thet
     return paged_attention_reference(q[:, 0], k_cache[layer], v_cache[layer], table, lengths), k_cache, v_cache
 
 
-@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(16), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2)],
-                         ids=["split1page", "onesplit", "default", "vpu"])
+@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(16), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2),
+                                decode_block_sizes()], ids=["split1page", "onesplit", "default", "vpu", "decode"])
 def test_fused_decode_matches_rope_write_attend(bs):
     # GQA 4 (8 query / 2 kv heads), d 32 (dots on 16-wide halves); lengths: the first token, a new
     # page's first slot (9 = 2 pages + 1), the last slot of a full table (24), an inactive row
@@ -170,7 +170,7 @@ def test_fused_decode_cached_rows_read_the_cache_and_write_nothing():
     fed, fed_k, fed_v = _fused_reference(qkv, k_cache, v_cache, table, lengths, 1, h, 10000.0)
     q = rope.apply_rope_reference(qkv[:, None, :h], qkv[:, None, h:h + kvh], (lengths - 1)[:, None], theta=10000.0)[0]
     from_cache = paged_attention_reference(q[:, 0], k_cache[1], v_cache[1], table, lengths)
-    for bs in (BlockSizes(1), BlockSizes()):
+    for bs in (BlockSizes(1), BlockSizes(), decode_block_sizes()):
         o, k_new, v_new = paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, jnp.int32(1), cached,
                                                  n_heads=h, block_sizes=bs, interpret=True)
         want = jnp.where(cached[:, None, None], from_cache, fed)
@@ -209,8 +209,10 @@ def test_fused_decode_lowers_for_cuda():
             jax.ShapeDtypeStruct((layers, pages, 16, kvh, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, 128), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32))
-    lowered = jax.jit(lambda *a: paged_decode_attention(*a, n_heads=h)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "paged_attention" in lowered.as_text() and "paged_attention_merge" in lowered.as_text()
+    for bs in (BlockSizes(), decode_block_sizes()):          # the serving step's tiles: no pipelining, V first
+        lowered = jax.jit(lambda *a, bs=bs: paged_decode_attention(*a, n_heads=h, block_sizes=bs)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+        assert "paged_attention" in lowered.as_text() and "paged_attention_merge" in lowered.as_text()
 
 
 def test_merge_kernel_matches_merge_splits_and_zero_pads():
