@@ -340,9 +340,8 @@ def run_child(args):
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
         # the layers measured: fused, or engine_gemv's faster choice (_engine_choice) in one call with it
-        from meshlab.infer.engine import default_impl, default_layers
         layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "auto"), os.environ.get("MESHLAB_BENCH_GEMV", "")
-        layers = default_layers(md, default_impl()) if layers == "auto" else layers     # what Engine's auto picks
+        layers = shipped_layers(md) if layers == "auto" else layers
         if tile:
             from pallas_kernels import decode_gemv as dg, paged_tiles as pt
             dg.default_block_sizes, pt.decode_block_sizes = _variant(tile)
@@ -381,8 +380,8 @@ def run_child(args):
             except Exception as e:  # noqa: BLE001
                 bench.fail_row(section, "engine", e)
     elif args.job in ENGINE_AB:
-        layers_gate("fused")               # fp32: a runtime flag must not change what is computed
-        engine_ab_job(md, params, sz, bw, tag)
+        layers_gate(shipped_layers(md))    # fp32: a runtime flag must not change what is computed
+        engine_ab_job(md, params, sz, bw, tag, layers=shipped_layers(md))
     elif args.job == "engine_gemv":
         engine_gemv_job(md, params, sz, bw, layers_gate)
     elif args.job in ("first_token", "first_token_ab"):
@@ -391,7 +390,7 @@ def run_child(args):
         from meshlab.bench import first_token
         from meshlab.infer.engine import Engine
         eng = Engine(md, params, max_len=max(sz["max_len"], 2048 + 256), max_seqs=1, page_size=16, chunk=sz["chunk"],
-                     steps_per_call=16, layers="fused")
+                     steps_per_call=16, layers=shipped_layers(md))
         for row in first_token.host_rows(eng, n=2048):
             bench.emit(row)
 
@@ -433,6 +432,12 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
     dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
+def shipped_layers(md) -> str:
+    """The layers Engine(layers="auto") picks on this machine (kernels on one GPU, with the Pallas kernels)."""
+    from meshlab.infer.engine import default_impl, default_layers
+    return default_layers(md, default_impl())
+
+
 def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
     """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
     the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
@@ -468,7 +473,7 @@ def first_token_job(md, params, sz, ab: bool):
     from meshlab.infer.engine import Engine
     n = min(2048, sz["lengths"][-1])
     make = functools.partial(Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                             steps_per_call=16, layers="fused")
+                             steps_per_call=16, layers=shipped_layers(md))
 
     def tagged_ttft(tag, **kw):
         bs.prefix_ttft(make(**kw), n=n, tag=tag)
