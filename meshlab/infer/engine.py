@@ -108,9 +108,10 @@ class Engine:
 
     first_token_decode: a step whose prompt rows each have one token left runs one decode step
     (False: a packed row, the benchmark's A/B). compiler_options: XLA options per program kind,
-    {"packed": {...}, "decode": {...}} (jax.jit's compiler_options), e.g. {"packed":
+    {"packed": {...}, "decode": {...}, "first": {...}} (jax.jit's compiler_options), e.g. {"packed":
     {"xla_gpu_enable_command_buffer": ""}}: a packed step's program without CUDA graphs (the
-    benchmark's first-token profile times both).
+    benchmark's first-token profile times both). "first": the one-step decode calls of first tokens
+    (_first_tokens) compiled apart from the decode calls, with these options.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -145,13 +146,15 @@ class Engine:
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
         opts = compiler_options or {}
-        if set(opts) - {"packed", "decode"}:
+        if set(opts) - {"packed", "decode", "first"}:
             raise ValueError(f"compiler_options={compiler_options!r}: give XLA options per program kind, "
-                             "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode)")
+                             "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode, first)")
         self._pinned = calls.pinned_shardings(self.cache["k"]) if pinned_inputs else None
         self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"),
                                                 self._pinned[1] if pinned_inputs else None)
         self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
+        self.first_call = (calls.decode_program(self.loop_fn, treedef, opts["first"]) if "first" in opts
+                           else self.decode_call)
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 (a decode step at small batch reads the weights once whatever its rows,
@@ -412,7 +415,7 @@ class Engine:
         slots = self._first_slots(b)                # the bucket's layout, kept
         real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
         greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.decode_call, None, slots.take(),
+        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.first_call, None, slots.take(),
                                layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["first_token_calls"] += 1
@@ -487,7 +490,7 @@ class Engine:
                     continue
                 key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
                 slots.fill()                                          # padding only: limit 0, nothing fed
-                _, t0, t1 = self._call(key, self.decode_call, None, slots.take(), layout=slots.layout, n=1,
+                _, t0, t1 = self._call(key, self.first_call, None, slots.take(), layout=slots.layout, n=1,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)

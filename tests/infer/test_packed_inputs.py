@@ -66,7 +66,8 @@ def test_compiler_options_and_pinned_inputs_keep_tokens_and_prefix_counts(tiny):
     prefix = rng.integers(0, 257, 24).tolist()
     prompts = [prefix + rng.integers(0, 257, 3).tolist(), prefix + rng.integers(0, 257, 5).tolist(), prefix]
     outs = []
-    for kw in ({}, {"compiler_options": {"packed": NO_CMDBUF, "decode": NO_CMDBUF}}, {"pinned_inputs": True}):
+    for kw in ({}, {"compiler_options": {"packed": NO_CMDBUF, "decode": NO_CMDBUF}}, {"pinned_inputs": True},
+               {"compiler_options": {"first": NO_CMDBUF}}):
         eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, **kw)
         run = []
         for p in prompts:
@@ -74,7 +75,12 @@ def test_compiler_options_and_pinned_inputs_keep_tokens_and_prefix_counts(tiny):
             r = eng.generate([p], SamplingParams(max_tokens=6))[0]
             run.append((r.output, eng.stats["prefill_tokens"] - before))
         outs.append(run)
-    assert outs[0] == outs[1] == outs[2]
+        # the prompt met before (all cached) took a first-token call: through its own program when asked
+        assert eng.stats["first_token_calls"] == 1
+        assert (eng.first_call is eng.decode_call) == ("first" not in kw.get("compiler_options", {}))
+        if eng.first_call is not eng.decode_call:
+            assert eng.first_call._cache_size() == 1
+    assert outs[0] == outs[1] == outs[2] == outs[3]
     assert [n for _, n in outs[0]] == [27, 5, 1]          # the prefix computed once, then only what is new
     with pytest.raises(ValueError, match="per program kind"):
         Engine(md, params, max_len=64, max_seqs=2, page_size=4, compiler_options=NO_CMDBUF)
