@@ -143,8 +143,8 @@ def merge_splits(acc, m, l, dtype):
 def _merge_kernel(lengths_ref, acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad, page_size, ppb):
     """merge_splits for one (row, kv head): o[i, kh*g:(kh+1)*g] <- the splits' rescaled sum; rows >= b
     (the caller's padding) get zeros. Only the splits that split_range gave pages are read: a table
-    sized for a longer context than the row's leaves the rest empty (at ctx 2k in an 8k table, 17
-    of 33 partials)."""
+    sized for a longer context than the row's leaves the rest empty (with 8-page blocks at ctx 2k in
+    an 8k table, 17 of 33 partials)."""
     i, kh = pl.program_id(0), pl.program_id(1)
     src, rows = jnp.minimum(i, b - 1), acc_ref.shape[3]
     live = jnp.arange(s_pad) < active_splits(lengths_ref[src], splits=splits, page_size=page_size, ppb=ppb)   # [S]
