@@ -185,13 +185,15 @@ def _attn_tiles():
     return {n: variants[n] for n in names}
 
 
-def _variant(name: str):
+def _variant(name: str, shipped_attn=None):
     """"[tuned][ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes);
-    without "tuned" the shipped per-shape GEMV tiles, without "a:" the shipped attention tiles."""
+    without "tuned" the shipped per-shape GEMV tiles, without "a:" the shipped attention tiles
+    (shipped_attn: paged_tiles.decode_block_sizes as the module defines it, for a caller that has
+    swapped it since)."""
     from pallas_kernels.decode_gemv import shape_block_sizes
-    from pallas_kernels.paged_tiles import decode_block_sizes
+    from pallas_kernels import paged_tiles
     tile, _, attn = name.partition("a:")
-    attn_tiles = _attn_tiles()[attn] if attn else decode_block_sizes()
+    attn_tiles = _attn_tiles()[attn] if attn else (shipped_attn or paged_tiles.decode_block_sizes)()
     return (_gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes), lambda: attn_tiles
 
 
@@ -413,9 +415,8 @@ def engine_gemv_job(md, params, sz, bw, layers_gate):
     tile = "tuned" if _gemv_tuned_tiles() else ""
     names = ([tile] if tile else []) + ([] if short else [f"{tile} a:{a}".strip() for a in _attn_tiles()])
 
-    def use(name):          # from the shipped functions: a variant's "shipped" attention tiles are those
-        dg.default_block_sizes, pt.decode_block_sizes = default, attn
-        dg.default_block_sizes, pt.decode_block_sizes = _variant(name)
+    def use(name):
+        dg.default_block_sizes, pt.decode_block_sizes = _variant(name, shipped_attn=attn)
     for name in names:
         use(name)
         rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")

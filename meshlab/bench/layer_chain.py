@@ -103,19 +103,19 @@ def attention_variants(max_pages: int) -> dict:
     kernel's default BlockSizes: fewer splits (1 split: no merge launch, 8 programs each reading a KV
     head's whole context), warps, stages, page blocks and V loaded beside K, alone and combined
     (st1_ppb4_vfirst is what decode_block_sizes ships)."""
-    rep = lambda **kw: paged_tiles.BlockSizes(**kw)  # noqa: E731
-    out = {"shipped": paged_tiles.decode_block_sizes(), "default": rep()}
+    tiles = paged_tiles.BlockSizes
+    out = {"shipped": paged_tiles.decode_block_sizes(), "default": tiles()}
     for splits in (1, 8):
-        out[f"s{splits}"] = rep(pages_per_split=-(-max_pages // splits))
-    out.update({"w2": rep(num_warps=2), "w8": rep(num_warps=8), "ppb4": rep(pages_per_block=4),
-                "vfirst": rep(v_first=True)})
+        out[f"s{splits}"] = tiles(pages_per_split=-(-max_pages // splits))
+    out.update({"w2": tiles(num_warps=2), "w8": tiles(num_warps=8), "ppb4": tiles(pages_per_block=4),
+                "vfirst": tiles(v_first=True)})
     for stages in (1, 3):
         st = dict(num_stages=stages)
-        out.update({f"st{stages}": rep(**st), f"st{stages}_vfirst": rep(v_first=True, **st),
-                    f"st{stages}_ppb4": rep(pages_per_block=4, **st),
-                    f"st{stages}_ppb4_vfirst": rep(pages_per_block=4, v_first=True, **st)})
-    out.update({"st1_ppb2": rep(pages_per_block=2, num_stages=1), "st1_w2": rep(num_warps=2, num_stages=1),
-                "st1_w2_vfirst": rep(num_warps=2, num_stages=1, v_first=True),
-                "st1_s8": rep(pages_per_split=-(-max_pages // 8), num_stages=1),
-                "st1_ppb4_p528": rep(pages_per_block=4, num_stages=1, min_programs=528)})
+        out.update({f"st{stages}": tiles(**st), f"st{stages}_vfirst": tiles(v_first=True, **st),
+                    f"st{stages}_ppb4": tiles(pages_per_block=4, **st),
+                    f"st{stages}_ppb4_vfirst": tiles(pages_per_block=4, v_first=True, **st)})
+    out.update({"st1_ppb2": tiles(pages_per_block=2, num_stages=1), "st1_w2": tiles(num_warps=2, num_stages=1),
+                "st1_w2_vfirst": tiles(num_warps=2, num_stages=1, v_first=True),
+                "st1_s8": tiles(pages_per_split=-(-max_pages // 8), num_stages=1),
+                "st1_ppb4_p528": tiles(pages_per_block=4, num_stages=1, min_programs=528)})
     return out

@@ -41,6 +41,11 @@ def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
     from pallas_kernels.decode_gemv import shape_block_sizes
     assert shipped is shape_block_sizes and attn().pages_per_block == 4
     assert bd._variant("a:st1_vfirst")[1]().v_first and set(bd._attn_tiles()) == {"ppb4", "st1_vfirst"}
+    # after a variant swapped the module's tiles, "no a:" still means the tiles the module ships
+    from pallas_kernels import paged_tiles
+    shipped_attn = paged_tiles.decode_block_sizes
+    monkeypatch.setattr(paged_tiles, "decode_block_sizes", attn)
+    assert bd._variant("", shipped_attn=shipped_attn)[1]() == shipped_attn() != attn()
     monkeypatch.setenv("MESHLAB_BENCH_ATTN", "nonesuch")
     with pytest.raises(SystemExit, match="nonesuch"):
         bd._attn_tiles()
