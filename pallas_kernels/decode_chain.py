@@ -54,6 +54,17 @@ class ChainTiles:
     down: BlockSizes = BlockSizes(block_n=2, block_k=8192, prefetch=1)
     qkv: BlockSizes = BlockSizes(block_n=4)
     num_warps: int = 2
+    # How a waiting program watches its counter: "load" (volatile loads, then one atomic that
+    # acquires), or "atomic" (every poll an atomic read: thousands of programs polling one address
+    # queue at its L2 slice, the producers' adds behind them).
+    poll: str = "load"
+    # How a phase reads the one before's outputs past L1: "volatile" loads or ".cg" (cache global).
+    handoff: str = "volatile"
+
+    def __post_init__(self):
+        if self.poll not in ("load", "atomic") or self.handoff not in ("volatile", ".cg"):
+            raise ValueError(f"ChainTiles: poll={self.poll!r} must be 'load' or 'atomic', handoff={self.handoff!r} "
+                             f"'volatile' or '.cg'")
 
 
 def sync_counters() -> jax.Array:
@@ -76,21 +87,24 @@ def _signal(sync, i: int, interpret: bool):
     plgpu.atomic_add(sync, (jnp.int32(i),), jnp.int32(1))
 
 
-def _wait(sync, i: int, producers: int, consumers: int, pid):
+def _wait(sync, i: int, producers: int, consumers: int, pid, poll: str, interpret: bool):
     """Spin until phase i's `producers` programs have counted; the last of the `consumers` programs
     to get past resets the counter for the next launch."""
     zero = pid * 0                   # traced, not literals: interpret mode's while-loop discharge
     at = (zero + i,)                 # rejects constants in the loop body
-    read = lambda _: plgpu.atomic_add(sync, at, zero)   # noqa: E731 - an acquiring read
+    if poll == "atomic":
+        read = lambda _: plgpu.atomic_add(sync, at, zero)   # noqa: E731 - an acquiring read
+    else:
+        read = lambda _: plgpu.load(sync.at[at], volatile=not interpret)   # noqa: E731
     lax.while_loop(lambda seen: seen < producers, read, read(None))
-    before = plgpu.atomic_add(sync, at, zero + 1)
+    before = plgpu.atomic_add(sync, at, zero + 1)          # acquires what the producers released
 
     @pl.when(before == producers + consumers - 1)
     def _():
         plgpu.atomic_add(sync, at, zero - (producers + consumers))     # back to 0
 
 
-def _kernel(*refs, phases, eps, interpret):
+def _kernel(*refs, phases, eps, poll, handoff, interpret):
     """phases: ((start, programs, tiles dict) per phase, in PHASES order)."""
     o_ref, x_ref, wo_ref, smlp_ref, wgu_ref, wdown_ref, *refs = refs
     qkv_in = len(phases) == 4
@@ -107,9 +121,10 @@ def _kernel(*refs, phases, eps, interpret):
     for i, ((start, programs, tiles), spec) in enumerate(zip(phases, specs)):
         @pl.when((pid >= start) & (pid < start + programs))
         def _(i=i, start=start, programs=programs, tiles=tiles, spec=spec):
-            ready = None if i == 0 else functools.partial(_wait, sync, i - 1, phases[i - 1][1], programs, pid)
-            gemv_program(pid - start, *spec[:5], swiglu=spec[5], volatile=spec[6] and not interpret, ready=ready,
-                         eps=eps, **tiles)
+            ready = None if i == 0 else functools.partial(_wait, sync, i - 1, phases[i - 1][1], programs, pid,
+                                                          poll, interpret)
+            past_l1 = None if interpret or not spec[6] else handoff
+            gemv_program(pid - start, *spec[:5], swiglu=spec[5], past_l1=past_l1, ready=ready, eps=eps, **tiles)
             if i < len(phases) - 1:
                 _signal(sync, i, interpret)
 
@@ -149,7 +164,8 @@ def _chain(o, x, wo, s_mlp, w_gate_up, w_down, sync, next_qkv, *, eps, tiles, in
     outs = [(m, d), (m, f), (m, d)] + ([(m, next_qkv[0].shape[0])] if next_qkv is not None else [])
     out_shape = [jax.ShapeDtypeStruct(s, x.dtype) for s in outs] + [jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
     whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731 - tiles picked in-kernel
-    kernel = functools.partial(_kernel, phases=tuple(phases), eps=eps, interpret=interpret)
+    kernel = functools.partial(_kernel, phases=tuple(phases), eps=eps, poll=tiles.poll, handoff=tiles.handoff,
+                               interpret=interpret)
     res = pl.pallas_call(
         kernel, grid=(start,), in_specs=[whole(a.shape) for a in args], out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape, input_output_aliases={len(args) - 1: len(out_shape) - 1}, interpret=interpret,

@@ -137,20 +137,21 @@ def _kernel(*refs, norm, residual, **tiles):
 
 
 def gemv_program(pid, x_ref, w_ref, scale_ref, res_ref, o_ref, *, m, k, bn, bk, tpp, ahead, rolled, eps, swiglu,
-                 ready=None, volatile=False):
+                 ready=None, past_l1=None):
     """Program `pid` of a decode_gemv launch (`_kernel`; pallas_kernels/decode_chain.py runs several
     launches' programs in one grid): x_ref [m, k], w_ref [n, k] or [2, f, k], scale_ref / res_ref
     or None, o_ref [m, n]. ready(): called once the program's first weight loads are issued and
     before it reads x or the residual (a chained phase waits there for the phase that writes them,
-    its weights already in flight). volatile: x and the residual are read past L1 (written by
-    other programs of the same launch)."""
+    its weights already in flight). past_l1: "volatile" or ".cg" reads x and the residual past
+    L1 (written by other programs of the same launch)."""
     norm, residual = scale_ref is not None, res_ref is not None
     programs = o_ref.shape[1] // (bn * tpp)
     col = lambda t: (pid + t * programs) * bn   # noqa: E731 - tile t of this program: strided, so
     #                                                          the programs running at once read neighbouring rows
     dt = o_ref.dtype
     chunks = k // bk
-    load_x = lambda ref: plgpu.load(ref, volatile=volatile)   # noqa: E731
+    load_x = lambda ref: plgpu.load(ref, volatile=past_l1 == "volatile",   # noqa: E731
+                                    cache_modifier=past_l1 if past_l1 == ".cg" else None)
 
     def norms():
         """[m] 1/rms of x's rows, read in chunks (the rows' whole width, so the pass before the loop)."""

@@ -135,7 +135,8 @@ def attention_variants(max_pages: int) -> dict:
 
 def chained_variants() -> dict:
     """Named (ChainTiles, with_qkv) for chain_fn's `chained`: wo, gate|up and down in one launch on
-    1, 2 or 4 warps (each phase's tiles sized for them), alone or with the next layer's q|k|v."""
+    1, 2 or 4 warps (each phase's tiles sized for them), alone or with the next layer's q|k|v;
+    _atomic: polled with atomics, _cg: the hand-off read with ".cg" loads (ChainTiles)."""
     bs = dg.BlockSizes
     by_warps = {1: ChainTiles(wo=bs(block_n=1), gate_up=bs(block_n=1, tiles_per_program=4, prefetch=1),
                               down=bs(block_n=1, block_k=8192, prefetch=1), qkv=bs(block_n=2), num_warps=1),
@@ -146,4 +147,6 @@ def chained_variants() -> dict:
     for warps, tiles in by_warps.items():
         out[f"chain_w{warps}"] = (tiles, False)
         out[f"chain_qkv_w{warps}"] = (tiles, True)
+        out[f"chain_w{warps}_atomic"] = (dataclasses.replace(tiles, poll="atomic"), False)
+        out[f"chain_w{warps}_cg"] = (dataclasses.replace(tiles, handoff=".cg"), False)
     return out
