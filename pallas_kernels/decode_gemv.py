@@ -116,57 +116,38 @@ def decode_gemv_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, swi
     return y
 
 
-def program_tiles(bs: BlockSizes, m: int, k: int, bk: int) -> dict:
-    """gemv_program's tile arguments for BlockSizes `bs` over x [m, k] in chunks of bk."""
-    return dict(m=m, k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch, rolled=bs.rolled)
-
-
 def _row_sums(w_tiles, xs):
     """[(bn,) fp32 per (tile, row)]: each weight tile [bn, bk] times each x row [1, bk], summed over k."""
     return [[jnp.sum(w.astype(F32) * x, axis=1) for x in xs] for w in w_tiles]
 
 
-def _kernel(*refs, norm, residual, **tiles):
+def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual):
     """A program per `tpp` column blocks of `bn` outputs (per gate and up column block with swiglu);
     see the module doc and BlockSizes."""
     x_ref, w_ref, *refs = refs
     scale_ref = refs.pop(0) if norm else None
     res_ref = refs.pop(0) if residual else None
     (o_ref,) = refs
-    gemv_program(pl.program_id(0), x_ref, w_ref, scale_ref, res_ref, o_ref, **tiles)
-
-
-def gemv_program(pid, x_ref, w_ref, scale_ref, res_ref, o_ref, *, m, k, bn, bk, tpp, ahead, rolled, eps, swiglu,
-                 ready=None, past_l1=None):
-    """Program `pid` of a decode_gemv launch (`_kernel`; pallas_kernels/decode_chain.py runs several
-    launches' programs in one grid): x_ref [m, k], w_ref [n, k] or [2, f, k], scale_ref / res_ref
-    or None, o_ref [m, n]. ready(): called once the program's first weight loads are issued and
-    before it reads x or the residual (a chained phase waits there for the phase that writes them,
-    its weights already in flight). past_l1: "volatile" or ".cg" reads x and the residual past
-    L1 (written by other programs of the same launch)."""
-    norm, residual = scale_ref is not None, res_ref is not None
-    programs = o_ref.shape[1] // (bn * tpp)
+    pid, programs = pl.program_id(0), o_ref.shape[1] // (bn * tpp)
     col = lambda t: (pid + t * programs) * bn   # noqa: E731 - tile t of this program: strided, so
     #                                                          the programs running at once read neighbouring rows
     dt = o_ref.dtype
     chunks = k // bk
-    load_x = lambda ref: plgpu.load(ref, volatile=past_l1 == "volatile",   # noqa: E731
-                                    cache_modifier=past_l1 if past_l1 == ".cg" else None)
 
     def norms():
         """[m] 1/rms of x's rows, read in chunks (the rows' whole width, so the pass before the loop)."""
         out = []
         for r in range(m):
-            ss = sum(jnp.sum(jnp.square(load_x(x_ref.at[pl.ds(r, 1), pl.ds(c * bk, bk)]).astype(F32)))   # [1, bk]
+            ss = sum(jnp.sum(jnp.square(plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(c * bk, bk)]).astype(F32)))  # [1, bk]
                      for c in range(chunks))
             out.append(lax.rsqrt(ss / k + eps))
         return out
-    rstd = []
+    rstd = norms() if norm and chunks > 1 else None
 
     def x_rows(k0):
         xs = []
         for r in range(m):
-            xr = load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, bk)])                               # [1, bk]
+            xr = plgpu.load(x_ref.at[pl.ds(r, 1), pl.ds(k0, bk)])                           # [1, bk]
             if norm:
                 xf = xr.astype(F32)
                 inv = lax.rsqrt(jnp.sum(xf * xf) / k + eps) if chunks == 1 else rstd[r]     # one chunk: the whole row
@@ -189,19 +170,11 @@ def gemv_program(pid, x_ref, w_ref, scale_ref, res_ref, o_ref, *, m, k, bn, bk, 
                 y = y * jax.nn.sigmoid(y) * up
             y = y[None, :]                                                                   # [1, bn]
             if residual:
-                y = y + load_x(res_ref.at[pl.ds(r, 1), pl.ds(c0, bn)]).astype(F32)
+                y = y + plgpu.load(res_ref.at[pl.ds(r, 1), pl.ds(c0, bn)]).astype(F32)
             plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(c0, bn)], y.astype(dt))
-
-    def x_ready():
-        if ready is not None:
-            ready()
-        if norm and chunks > 1:
-            rstd.extend(norms())
 
     flat = lambda sums: [s for per_tile in sums for s in per_tile]   # noqa: E731 - [gate rows..., up rows...]
     if ahead == 0 and tpp == 1 and chunks > 1:     # k chunks in a loop, pipelined by Triton (num_stages)
-        x_ready()
-
         def body(i, accs):
             w = tiles(col(0), i * bk)  # issued first: the weight loads do not wait for x or its norm
             return tuple(a + s for a, s in zip(accs, flat(_row_sums(w, x_rows(i * bk)))))
@@ -209,8 +182,6 @@ def gemv_program(pid, x_ref, w_ref, scale_ref, res_ref, o_ref, *, m, k, bn, bk, 
         store(col(0), lax.fori_loop(0, chunks, body, accs))
         return
     if rolled:                                     # one chunk: tile t + 1's loads carried into iteration t + 1
-        first = tiles(col(0), 0)
-        x_ready()
         xs = x_rows(0)
 
         def tile_step(t, w):
@@ -218,14 +189,12 @@ def gemv_program(pid, x_ref, w_ref, scale_ref, res_ref, o_ref, *, m, k, bn, bk, 
             ahead_w = tiles(col(jnp.minimum(t + 1, tpp - 1)), 0)
             store(col(t), flat(_row_sums(w, xs)))
             return ahead_w
-        lax.fori_loop(0, tpp, tile_step, first)
+        lax.fori_loop(0, tpp, tile_step, tiles(col(0), 0))
         return
     # Unrolled (tile, chunk) steps, each step's weight loads issued `ahead` steps before its sums:
     # straight-line code, so no loop-carried register has to wait for a load at a back edge.
     steps = [(t, c) for t in range(tpp) for c in range(chunks)]
-    loads = {j: tiles(col(steps[j][0]), steps[j][1] * bk) for j in range(min(ahead + 1, len(steps)))}
-    x_ready()
-    xs_once = x_rows(0) if chunks == 1 else None   # one chunk: x (and its norm) for every tile
+    loads, xs_once = {}, (x_rows(0) if chunks == 1 else None)   # one chunk: x (and its norm) for every tile
     for i in range(len(steps)):
         for j in range(i, min(i + ahead + 1, len(steps))):
             if j not in loads:
@@ -260,8 +229,9 @@ def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interp
     bs = block_sizes
     bk = bs.validate(n, k)
     args = [x, w] + ([norm_scale] if norm_scale is not None else []) + ([residual] if residual is not None else [])
-    kernel = functools.partial(_kernel, **program_tiles(bs, m, k, bk), eps=eps, swiglu=swiglu,
-                               norm=norm_scale is not None, residual=residual is not None)
+    kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch,
+                               rolled=bs.rolled,
+                               eps=eps, norm=norm_scale is not None, swiglu=swiglu, residual=residual is not None)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
     return pl.pallas_call(
         kernel, grid=(n // bs.block_n // bs.tiles_per_program,), in_specs=[whole(a) for a in args],

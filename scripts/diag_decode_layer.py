@@ -1,14 +1,13 @@
 """Where a batch-1 decode layer's time goes, without the engine: meshlab/bench/layer_chain.py.
 
     PYTHONPATH=$PWD python3 scripts/diag_decode_layer.py [--cpu-smoke] [--variants shipped,s1,...]
-    ncu --profile-from-start on --clock-control none -k regex:'paged|decode_gemv|decode_mlp' -o $OUT/layer \
+    ncu --profile-from-start on --clock-control none -k regex:'paged|decode_gemv' -o $OUT/layer \
         python3 scripts/diag_decode_layer.py --once      # each variant's chain run once, one layer
 
 Times the chain of a decode layer's six launches over 16 layers of llama3_1b shape (bf16, random
 weights, ctx 2048 in a cache sized for 8,448 tokens as bench_decode's engine is): per attention
-tiling (layer_chain.attention_variants), with one stage left out (no_attention, no_mlp, no_wo),
-and with wo, gate|up, down (and the next q|k|v) in one launch (layer_chain.chained_variants:
-chain_w1|2|4, chain_qkv_w1|2|4), us per layer, medians. Rows in $OUT/diag_decode_layer.json and a table on stdout.
+tiling (layer_chain.attention_variants) and with one stage left out (no_attention, no_mlp,
+no_wo), us per layer, medians. Rows in $OUT/diag_decode_layer.json and a table on stdout.
 --once: each variant's chain over one layer, run once (no timing): what a profiler should see.
 """
 import argparse
@@ -41,25 +40,24 @@ def main():
     ctx, max_len = (48, 128) if args.cpu_smoke else (args.ctx, args.max_len)
     cfg = dataclasses.replace(models.preset(name), dtype=dtype)
     state = lc.chain_state(cfg, 1 if args.once else layers, ctx, max_len)
-    attn, chains = lc.attention_variants(state.table.shape[1]), lc.chained_variants()
-    known = list(attn) + list(SKIPS) + list(chains)
-    wanted = [v for v in args.variants.split(",") if v] or known
+    attn = lc.attention_variants(state.table.shape[1])
+    wanted = [v for v in args.variants.split(",") if v] or list(attn) + list(SKIPS)
     rows, first_x = [], None
     for v in wanted:
-        tiles, skip, chained = (attn.get(v), frozenset(SKIPS.get(v, ())), chains.get(v))
-        if v not in known:
-            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(known)}")
+        tiles, skip = (attn.get(v), frozenset(SKIPS.get(v, ())))
+        if tiles is None and v not in SKIPS:
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(list(attn) + list(SKIPS))}")
         try:
             if args.once:
-                fn = lc.chain_fn(cfg, tiles, skip, interpret=args.cpu_smoke, chained=chained)
+                fn = lc.chain_fn(cfg, tiles, skip, interpret=args.cpu_smoke)
                 x, k, v_ = fn(state.x, state.weights, state.k, state.v, state.table, state.lengths, state.cos_sin)
                 jax.block_until_ready(x)
                 state = dataclasses.replace(state, k=k, v=v_)
                 row = {"variant": v, "ran": True}
             else:
                 us, x, state = lc.chain_time(cfg, state, tiles, skip, reps=3 if args.cpu_smoke else 20,
-                                              interpret=args.cpu_smoke, chained=chained)
-                row = {"variant": v, "us_per_layer": round(us, 2), "tiles": str(tiles or chained or "")}
+                                              interpret=args.cpu_smoke)
+                row = {"variant": v, "us_per_layer": round(us, 2), "tiles": str(tiles) if tiles else ""}
                 if not skip:        # every full chain computes the same x (bf16: the sum orders differ)
                     first_x = x if first_x is None else first_x
                     row["max_abs_diff_vs_first"] = float(jax.numpy.max(jax.numpy.abs(

@@ -19,7 +19,6 @@ import numpy as np
 from meshlab.bench.timing import median_time
 from pallas_kernels import decode_gemv as dg
 from pallas_kernels import paged_tiles
-from pallas_kernels.decode_chain import ChainTiles, decode_mlp_chain, sync_counters
 from pallas_kernels.paged_attention import paged_decode_attention, rope_cos_sin
 from pallas_kernels.rope import rope_frequencies
 
@@ -58,34 +57,23 @@ def chain_state(cfg, n_layers: int, ctx: int, max_len: int, page_size: int = 16,
 
 
 def chain_fn(cfg, attn_tiles: paged_tiles.BlockSizes | None = None, skip: frozenset = frozenset(),
-             interpret: bool = False, chained: tuple[ChainTiles, bool] | None = None):
+             interpret: bool = False):
     """jit((x, weights, k, v, table, lengths, cos_sin) -> (x, k, v)), k/v donated: every layer of
     `weights` as decode_step runs it. skip: "attention" (o = q, read from q|k|v: no attention or
-    merge launch), "wo", "mlp" (the launches left out, their input passed on). chained: (tiles,
-    with_qkv): wo, gate|up and down in one launch (pallas_kernels/decode_chain.py), with_qkv the
-    next layer's q|k|v too."""
+    merge launch), "wo", "mlp" (the launches left out, their input passed on)."""
     h, hd = cfg.n_heads, cfg.head_dim
     tiles = attn_tiles or paged_tiles.decode_block_sizes()
     mv = lambda *a, **kw: dg.decode_gemv(*a, eps=cfg.norm_eps, interpret=interpret, **kw)  # noqa: E731
 
     def run(x, weights, k, v, table, lengths, cos_sin):
-        sync, qkv = sync_counters(), None
         for layer, w in enumerate(weights):
-            if qkv is None:
-                qkv = mv(x, w["wqkv"], norm_scale=w["s_attn"])                                  # [1, (h+2kvh) hd]
+            qkv = mv(x, w["wqkv"], norm_scale=w["s_attn"])                                      # [1, (h+2kvh) hd]
             if "attention" in skip:
                 o = qkv[:, :h * hd]                                                             # [1, h hd]
             else:
                 o, k, v = paged_decode_attention(qkv.reshape(1, -1, hd), cos_sin, k, v, table, lengths, layer,
                                                  n_heads=h, block_sizes=tiles, interpret=interpret)   # [1, h, hd]
                 o = o.reshape(1, h * hd)
-            if chained is not None:
-                nxt = weights[layer + 1] if chained[1] and layer + 1 < len(weights) else None
-                x, qkv, sync = decode_mlp_chain(o, x, w["wo"], w["s_mlp"], w["wgu"], w["wdown"], sync,
-                                                next_qkv=None if nxt is None else (nxt["wqkv"], nxt["s_attn"]),
-                                                eps=cfg.norm_eps, tiles=chained[0], interpret=interpret)   # [1, d]
-                continue
-            qkv = None
             x = x + o[:, :x.shape[1]] if "wo" in skip else mv(o, w["wo"], residual=x)           # [1, d]
             if "mlp" not in skip:
                 act = mv(x, w["wgu"], norm_scale=w["s_mlp"], swiglu=True)                        # [1, f]
@@ -95,10 +83,10 @@ def chain_fn(cfg, attn_tiles: paged_tiles.BlockSizes | None = None, skip: frozen
 
 
 def chain_time(cfg, state: ChainState, attn_tiles=None, skip=frozenset(), reps: int = 20,
-               interpret: bool = False, chained=None) -> tuple[float, jax.Array, ChainState]:
+               interpret: bool = False) -> tuple[float, jax.Array, ChainState]:
     """(median us per layer of the chain over state's layers, its output x, the state with its cache
     carried on: each run writes the same new token's K/V, so every run computes the same x)."""
-    fn = chain_fn(cfg, attn_tiles, frozenset(skip), interpret, chained)
+    fn = chain_fn(cfg, attn_tiles, frozenset(skip), interpret)
     box = {"k": state.k, "v": state.v}
 
     def once():
@@ -130,23 +118,4 @@ def attention_variants(max_pages: int) -> dict:
                 "st1_w2_vfirst": tiles(num_warps=2, num_stages=1, v_first=True),
                 "st1_s8": tiles(pages_per_split=-(-max_pages // 8), num_stages=1),
                 "st1_ppb4_p528": tiles(pages_per_block=4, num_stages=1, min_programs=528)})
-    return out
-
-
-def chained_variants() -> dict:
-    """Named (ChainTiles, with_qkv) for chain_fn's `chained`: wo, gate|up and down in one launch on
-    1, 2 or 4 warps (each phase's tiles sized for them), alone or with the next layer's q|k|v;
-    _atomic: polled with atomics, _cg: the hand-off read with ".cg" loads (ChainTiles)."""
-    bs = dg.BlockSizes
-    by_warps = {1: ChainTiles(wo=bs(block_n=1), gate_up=bs(block_n=1, tiles_per_program=4, prefetch=1),
-                              down=bs(block_n=1, block_k=8192, prefetch=1), qkv=bs(block_n=2), num_warps=1),
-                2: ChainTiles(),
-                4: ChainTiles(wo=bs(block_n=4), gate_up=bs(block_n=2, tiles_per_program=4, prefetch=1),
-                              down=bs(block_n=2, block_k=8192, prefetch=1), qkv=bs(block_n=4), num_warps=4)}
-    out = {}
-    for warps, tiles in by_warps.items():
-        out[f"chain_w{warps}"] = (tiles, False)
-        out[f"chain_qkv_w{warps}"] = (tiles, True)
-        out[f"chain_w{warps}_atomic"] = (dataclasses.replace(tiles, poll="atomic"), False)
-        out[f"chain_w{warps}_cg"] = (dataclasses.replace(tiles, handoff=".cg"), False)
     return out
