@@ -61,7 +61,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 call) and with the attention tiles of _attn_tiles(), and a profile of the fastest
                 kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and
                 "tuned", no profile)
-  first_token_ab  the same TTFT rows through an Engine as shipped, then one whose first-token decode calls are compiled
+  first_token_ab  the same TTFT rows through an Engine as shipped, then one that feeds a prompt met before its
+                last token again instead of sampling from its kept hidden state (tagged [last token fed
+                again]), then one whose first-token decode calls are compiled
                 without command buffers (tagged [first-token decode call no cmdbuf]), then one whose packed
                 programs are (tagged [packed no cmdbuf]), then through one whose packed input
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
@@ -109,7 +111,7 @@ JOBS = {
     "matmul": ("", 120, ""),
     "engine": ("", 150, ""),
     "first_token": ("", 110, ""),
-    "first_token_ab": ("", 110, ""),
+    "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
     # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
     "engine_ab": ("", 75, " [ab: as shipped]"),
@@ -481,6 +483,7 @@ def first_token_job(md, params, sz, ab: bool):
         bs.prefix_ttft(make(**kw), n=n, tag=tag)
     if ab:
         sections = (("ttft", lambda: tagged_ttft(" [as shipped]")),
+                    ("ttft", lambda: tagged_ttft(" [last token fed again]", reuse_hidden=False)),
                     ("ttft", lambda: tagged_ttft(" [first-token decode call no cmdbuf]",
                                                  compiler_options={"first": first_token.NO_CMDBUF})),
                     ("ttft", lambda: tagged_ttft(" [packed no cmdbuf]", compiler_options={"packed": first_token.NO_CMDBUF})),

@@ -174,7 +174,8 @@ def _timeline(engine, prompts, leaves: list | None = None) -> tuple[list, list, 
     def timed_launch(key, *a, **kw):
         keys.append(key)
         if leaves is not None:
-            leaves.append(len(jax.tree.leaves((engine.weights, engine.cache, engine.seen, a[1:]))))
+            weights = kw.get("weights") or engine.weights          # a head call takes a few
+            leaves.append(len(jax.tree.leaves((weights, engine.cache, engine.seen, a[1:]))))
         marks.setdefault("l0", time.perf_counter())
         out = launch(key, *a, **kw)
         marks["l1"] = time.perf_counter()
@@ -204,7 +205,8 @@ def engine_tail_profile(engine, trace_dir, n: int = 2048, tail: int = 16, reps: 
     """The first token of prompts of n tokens whose first n - tail are cached (the module doc): the
     call's timeline (medians of reps), the packed program's dispatch variants, and the device time
     per kernel of a traced repeat (meshlab.bench.decode._kernel_table). tail=0: one prompt met
-    again, all cached (its last token fed in a one-step decode call: no dispatch variants)."""
+    again, all cached (the LM head over its kept hidden state, or with the engine's reuse_hidden off
+    its last token fed in a one-step decode call: no dispatch variants)."""
     from meshlab.bench.decode import _kernel_table
     rng = np.random.default_rng(5)
     shared = rng.integers(0, engine.md.cfg.vocab_size, n - tail).tolist()

@@ -380,7 +380,8 @@ def _first_token(engine, prompt) -> tuple[float, float]:
 def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5, tag: str = "") -> list[dict]:
     """TTFT (from the call to the first token, medians of `reps`, all warm) of n-token prompts whose
     first n - tail tokens are in the prefix cache, and of an n-token prompt met before (all cached:
-    its last token is fed for the logits), against n-token prompts uncached. tag: appended to each
+    the LM head over its last page's kept hidden state, or with the engine's reuse_hidden off its last
+    token fed again), against n-token prompts uncached. tag: appended to each
     row's setting (the engine variant measured)."""
     rng = np.random.default_rng(1)
     med = lambda xs, i: float(np.median([x[i] for x in xs]))   # noqa: E731

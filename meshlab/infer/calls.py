@@ -159,15 +159,39 @@ def fill_decode(v: dict, reqs, table: np.ndarray, slot_rows: dict) -> np.ndarray
     """Fill first_token_slots' views `v` (Slots.fill()) with `reqs` (each feeding one token at position
     r.cached: its last, prompt or output); returns their slots (for the step's flags)."""
     m = len(reqs)
-    slots = np.array([r.slot for r in reqs], np.int32)
+    slots = _fill_rows(v, reqs, slot_rows)
     v["tok"][:m] = [r.last_token() for r in reqs]
     v["pos"][:m] = [r.cached for r in reqs]
     v["limit"][:m] = [r.end for r in reqs]
     v["hit"][:m] = [r.prefix_hit_tokens for r in reqs]
-    v["counters"][:m] = [len(r.output) for r in reqs]
-    v["slots"][:m] = slots
     v["table"][:m] = table[slots]
-    pad = np.zeros(len(v["pos"]), np.intp)                # padding rows: slot 0's settings (ignored)
+    return slots
+
+
+def head_slots(b: int, rows: dict, max_seqs: int) -> Slots:
+    """The Slots of a head call (head_program) over b rows: the page whose kept hidden state each row
+    samples from, its slot, sampler settings and counters. Padding rows: page 0, seen slot max_seqs."""
+    entries = [("page", (b,), "i"), ("slots", (b,), "i")]
+    entries += [(f"rows.{name}", (b,), "f" if a.dtype == np.float32 else "i") for name, a in rows.items()]
+    return Slots(entries + [("counters", (b,), "i")], padding={"slots": max_seqs})
+
+
+def fill_head(v: dict, reqs, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
+    """Fill head_slots' views with `reqs`, each sampling after its token at position r.cached (the
+    last of a page whose hidden state is kept); returns their slots."""
+    slots = _fill_rows(v, reqs, slot_rows)
+    v["page"][:len(reqs)] = table[slots, np.array([r.cached for r in reqs]) // page_size]
+    return slots
+
+
+def _fill_rows(v: dict, reqs, slot_rows: dict) -> np.ndarray:
+    """The per-row entries a one-row-per-request call shares: slots, counters, sampler settings (padding
+    rows take slot 0's, ignored). Returns the requests' slots."""
+    m = len(reqs)
+    slots = np.array([r.slot for r in reqs], np.int32)
+    v["slots"][:m] = slots
+    v["counters"][:m] = [len(r.output) for r in reqs]
+    pad = np.zeros(len(v["slots"]), np.intp)
     pad[:m] = slots
     for name, values in slot_rows.items():
         values.take(pad, out=v[f"rows.{name}"])
@@ -228,6 +252,18 @@ def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
         return decode_loop(params, cache, seen, a["tok"] if tok is None else tok, a["pos"], a["limit"], a["table"],
                            a["slots"], a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs, keep=a.get("hit"))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
+                   compiler_options=compiler_options)
+
+
+def head_program(head_step, treedef, compiler_options: dict | None = None):
+    """head_step (programs.make_head_program) taking (weights, cache, seen, buf, layout): weights the
+    leaves of programs.head_params (of structure treedef), the buffer holds page, slots, rows.* and
+    counters (head_slots)."""
+    def call(weights, cache, seen, buf, layout, greedy, logprobs):
+        params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
+        return head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"], greedy=greedy,
+                         logprobs=logprobs)
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 
 

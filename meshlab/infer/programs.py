@@ -25,7 +25,8 @@ Programs:
     decode_loop  n decode steps over the compacted decode rows [b] (b a bucket, rows padded),
                  each row fed while its position is below its own limit (rows that end mid-call
                  stop writing; their extra samples are dropped on the host).
-  Both take static `greedy` (no row samples or penalises: argmax only, the seen-token mask
+    head_step    the LM head and sampler alone over hidden states kept in the cache (see HIDDEN).
+  All take static `greedy` (no row samples or penalises: argmax only, the seen-token mask
   untouched) and `logprobs`: None (off), 0 (the chosen token's log-softmax) or TOP_LOGPROBS
   (also the TOP_LOGPROBS best, one top-k pass over the vocabulary).
 """
@@ -42,6 +43,12 @@ from meshlab.rules import use_rules
 from models import serving
 
 TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's limit)
+# The cache entry [num_pages, d] holding, per page, the final-normed hidden state of its last token
+# when a packed step computed that token (Engine reuse_hidden): a prompt met before up to its last
+# page then samples its first token from it with the LM head alone (head_step) instead of feeding
+# its last token again through every layer. Decode steps leave it alone (their page ends are not
+# recorded: the engine's Scheduler.hidden_ok says which pages hold a valid one).
+HIDDEN = "h"
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -172,6 +179,39 @@ def _mark(seen, slots, tokens, valid):
     return seen.at[jnp.where(valid, slots, seen.shape[0]), tokens].set(True, mode="drop")
 
 
+def _split_hidden(cache: dict):
+    """(the K/V cache, the HIDDEN entry or None): the layers see only K and V."""
+    return {k: v for k, v in cache.items() if k != HIDDEN}, cache.get(HIDDEN)
+
+
+def _keep_page_ends(cache: dict, page_h, h, positions, write_page) -> dict:
+    """cache with page_h's rows set to h [T, d] at the tokens that end a page (write_page = num_pages,
+    padding, is dropped)."""
+    if page_h is None:
+        return cache
+    page_size = cache["k"].shape[2]
+    rows = jnp.where(positions % page_size == page_size - 1, write_page, page_h.shape[0])    # [T]
+    return dict(cache, **{HIDDEN: page_h.at[rows].set(h.astype(page_h.dtype), mode="drop")})
+
+
+def head_params(params: dict) -> dict:
+    """The serving params head_step takes: all but the layers (embedding, final norm, LM head)."""
+    return {k: v for k, v in params.items() if k != "layers"}
+
+
+def make_head_program(md):
+    """head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs), jitted, cache and
+    seen donated (returned as they came): the sampled outputs of the hidden states cache[HIDDEN][pages]
+    (rows [b]); params from head_params (a call passes a few leaves, not every layer's)."""
+    vocab = md.cfg.vocab_size
+
+    def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs):
+        model = md.bind(dict(params, layers=md.abstract["layers"]))
+        h = cache[HIDDEN][pages]                                                      # [b, d]
+        return _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs), cache, seen
+    return head_step
+
+
 def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers: str = "split",
                          prefill: str = "auto"):
     """(packed_step, decode_loop) of the continuous-batching engine, jitted, cache and seen donated.
@@ -188,17 +228,20 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       dispatched). keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
       last token): attended from there, not written (kv_cache.paged_attend's cached).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
-    when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend).
+    when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend). With a HIDDEN
+    entry in the cache, packed_step keeps the hidden state of every token that ends a page there.
     """
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
     def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
         model, per_layer = _bind(md, params, layers)
+        cache, page_h = _split_hidden(cache)
         attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
                                         p["dec_len"], p["pre_table"], impl, interpret, prefill)
         h, cache = serving.forward(model, p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
                                    layers=per_layer)                                  # [1, T, d]
+        cache = _keep_page_ends(cache, page_h, h[0], p["positions"], p["write_page"])
         if not greedy:
             seen = _mark(seen, p["slot"], p["tokens"], p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
@@ -207,6 +250,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
                     keep=None):
         model, per_layer = _bind(md, params, layers)
+        cache, page_h = _split_hidden(cache)
 
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
@@ -220,6 +264,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
             return (cache, seen, out["tokens"], pos + 1, counters + 1), out
         (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+        cache = cache if page_h is None else dict(cache, **{HIDDEN: page_h})
         return dict(outs, last=last), cache, seen                                     # outs: [n, b, ...]; last [b]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),

@@ -135,6 +135,9 @@ class Scheduler:
         self.max_pages = -(-max_len // page_size)
         self.pool = PagePool(num_pages, prefix_cache)
         self.table = np.zeros((max_seqs, self.max_pages), np.int32)
+        # pages whose last token's hidden state the engine kept (programs.HIDDEN): set by the engine
+        # when a packed step computes that token, cleared when the page is handed out again
+        self.hidden_ok = np.zeros(num_pages, bool)
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -168,6 +171,7 @@ class Scheduler:
         start = len(req.pages)
         req.pages += self.pool.take(n)
         self.table[req.slot, start:len(req.pages)] = req.pages[start:]
+        self.hidden_ok[req.pages[start:]] = False
 
     def _prefix_hit(self, req: Request) -> list:
         """Cached pages for req's prefix, its last full page included: when every token is cached,

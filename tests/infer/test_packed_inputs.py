@@ -68,7 +68,8 @@ def test_compiler_options_and_pinned_inputs_keep_tokens_and_prefix_counts(tiny):
     outs = []
     for kw in ({}, {"compiler_options": {"packed": NO_CMDBUF, "decode": NO_CMDBUF}}, {"pinned_inputs": True},
                {"compiler_options": {"first": NO_CMDBUF}}):
-        eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, **kw)
+        eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, reuse_hidden=False,
+                     **kw)
         run = []
         for p in prompts:
             before = eng.stats["prefill_tokens"]

@@ -118,8 +118,8 @@ def test_shared_prefix_recomputes_only_the_tail(tiny):
     first, n1 = computed(cached, prefix + tails[0])
     second, n2 = computed(cached, prefix + tails[1])
     again, n3 = computed(cached, prefix + tails[0])
-    aligned, n4 = computed(cached, prefix)                             # fully cached: only its last token is fed
-    assert (n1, n2, n3, n4) == (27, 3, 3, 1)
+    aligned, n4 = computed(cached, prefix)          # fully cached up to a kept page end: the head alone
+    assert (n1, n2, n3, n4) == (27, 3, 3, 0) and cached.stats["head_calls"] == 1
     assert (second.prefix_hit_tokens, again.prefix_hit_tokens, aligned.prefix_hit_tokens) == (24, 24, 24)
     assert cached.stats["prefix_hit_tokens"] == 72
     for req in (first, second, again, aligned):
@@ -206,19 +206,23 @@ def test_cached_tail_runs_in_the_narrowest_row_that_fits(tiny, monkeypatch):
     sp = SamplingParams(max_tokens=1, logprobs=5)                      # the packed call alone
     first = ("first", 1, 1, True)                 # one token to feed, no output yet: one decode step, b=1
     cases = ((shared + [4, 5, 6, 7], ("packed", 0, 1, 16), 4), (shared + list(range(10, 50)), ("packed", 0, 1, 64), 40),
-             (shared, first, 1), (shared + [9], first, 1))
+             (shared, ("head", 1, True), 0), (shared + [9], first, 1))   # all cached: the kept hidden state
     for prompt, program, fed in cases:
         keys.clear()
         req, n = computed(eng, prompt, max_tokens=3)
         assert req.prefix_hit_tokens == 96 and n == fed
-        assert keys[0][:4] == program and all(k[0] == "decode" for k in keys[1:])
+        assert keys[0][:len(program)] == program and all(k[0] == "decode" for k in keys[1:])
         assert req.output == argmax_of_uncached(md, params, req)
         mine = eng.generate([prompt], sp)[0].logprobs[0]
         ref = wide.generate([prompt], sp)[0].logprobs[0]
         assert sorted(mine[1]) == sorted(ref[1])
         np.testing.assert_allclose([mine[0], *(mine[1][t] for t in ref[1])], [ref[0], *ref[1].values()],
                                    rtol=1e-5, atol=1e-5)
-    eng.first_token_decode = False                                     # the A/B: the same in a packed row
+    eng.reuse_hidden = False                                           # the A/Bs: its last token fed again,
+    keys.clear()                                                       # in a decode step, then in a packed row
+    again, n = computed(eng, shared, max_tokens=3)
+    assert keys[0][:4] == first and n == 1 and again.output == computed(wide, shared, 3)[0].output
+    eng.first_token_decode = False
     keys.clear()
     again, n = computed(eng, shared, max_tokens=3)
     assert keys[0][:4] == ("packed", 0, 1, 16) and n == 1 and again.output == computed(wide, shared, 3)[0].output
@@ -232,11 +236,12 @@ def test_cached_request_computes_its_tail_in_the_small_bucket(tiny, monkeypatch)
     program whose attention is the paged prompt kernel (it reads the cached pages in place, no
     window of the table's width), then decodes; its tokens equal the uncached forward's argmax.
     So do those of the fully cached prefix, which feeds only its last token in a one-step decode call
-    (the fused RoPE + write + attention kernel), and its shared pages stay as they were."""
+    (the fused RoPE + write + attention kernel; its kept hidden state left unused), and its shared
+    pages stay as they were."""
     from pallas_kernels import paged_prefill as pa
     md, params = tiny
     eng = Engine(md, params, max_len=256, max_seqs=1, page_size=16, chunk=128, steps_per_call=2, impl="pallas",
-                 interpret=True, layers="fused")
+                 interpret=True, layers="fused", reuse_hidden=False)
     shared = np.random.default_rng(3).integers(0, 257, size=96).tolist()
     eng.generate([shared + [1, 2, 3]], SamplingParams(max_tokens=2))
     widths, keys = [], []
@@ -317,3 +322,35 @@ def test_lookup_bisects_and_falls_back_when_a_page_before_was_evicted(monkeypatc
     pool.give([held[40]])
     pool.take(10)                                   # 9 fresh pages, then the cached page 40 is evicted
     assert pool.longest(toks, ps, n, []) == held[:40] and pool.evictions == 1
+
+
+def test_a_prompt_met_before_samples_from_its_kept_hidden_state(tiny, monkeypatch):
+    """A prompt met before up to a page end whose hidden state a packed step kept takes the LM head
+    alone (no layer, nothing written): its tokens and log-probabilities equal those of feeding its
+    last token again. A page handed out again loses its kept state: here the pool evicts a kept page
+    and a decoding request refills it, and a prompt ending on that page feeds its last token."""
+    md, params = tiny
+    rng = np.random.default_rng(11)
+    eng, plain = make(tiny, True, num_pages=6), make(tiny, True, num_pages=6)    # 5 pages: evictions
+    plain.reuse_hidden = False
+    keys, launch = [], eng._launch
+    monkeypatch.setattr(eng, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
+    p = rng.integers(0, 257, size=8).tolist()                          # two pages, both ends kept
+    sp = SamplingParams(max_tokens=4, logprobs=3)
+    for e in (eng, plain):
+        e.generate([p], SamplingParams(max_tokens=1))
+    keys.clear()
+    mine, ref = eng.generate([p], sp)[0], plain.generate([p], sp)[0]
+    assert keys[0] == ("head", 1, True, 20) and mine.prefix_hit_tokens == 8
+    assert mine.output == ref.output == argmax_of_uncached(md, params, mine)
+    for (lp, top), (lp_ref, top_ref) in zip(mine.logprobs, ref.logprobs):
+        assert sorted(top) == sorted(top_ref)
+        np.testing.assert_allclose([lp, *(top[t] for t in top_ref)], [lp_ref, *top_ref.values()], rtol=1e-5, atol=1e-5)
+    kept = np.flatnonzero(eng.sched.hidden_ok)
+    a = eng.generate([rng.integers(0, 257, size=10).tolist()], SamplingParams(max_tokens=7))[0]   # 16 fed: 4 pages
+    a_pages = eng.sched.pool.lookup(page_keys(a.prompt + a.output[:6], 4, [], 4))
+    assert eng.sched.pool.evictions > 0 and len(a_pages) == 4 and a_pages[3] in kept   # p's page, refilled
+    keys.clear()
+    b = eng.generate([a.prompt + a.output[:6]], SamplingParams(max_tokens=3))[0]
+    assert b.prefix_hit_tokens == 16 and keys[0][0] == "first"
+    assert b.output == argmax_of_uncached(md, params, b)
