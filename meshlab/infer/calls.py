@@ -274,3 +274,15 @@ def fetch(out: dict, skip=("last",)) -> dict:
         for v in keep.values():
             v.copy_to_host_async()
     return {k: np.asarray(v) for k, v in keep.items()}
+
+
+def logprob_rows(out: dict, axis: int) -> list:
+    """Per row (`axis` of the outputs), its tokens' (logprob, top ids, top logprobs) as Python numbers:
+    one conversion per call. Per token, numpy scalars and slices cost ~6 ms of the engine thread's
+    host time per 128-row decode call with logprobs on the CPU here."""
+    lp = np.moveaxis(out["logprob"], axis, 0).reshape(out["logprob"].shape[axis], -1).tolist()   # [rows, n]
+    if not out["top_id"].shape[-1]:       # only the chosen tokens' logprobs were asked
+        return [[(x, (), ()) for x in row] for row in lp]
+    ids, vals = (np.moveaxis(out[k], axis, 0).reshape(len(lp), -1, out[k].shape[-1]).tolist()
+                 for k in ("top_id", "top_logprob"))
+    return [list(zip(*row)) for row in zip(lp, ids, vals)]

@@ -27,25 +27,14 @@ import numpy as np
 
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
+from meshlab.infer.calls import logprob_rows
 from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
-                                    TOP_LOGPROBS, head_params, make_engine_programs, make_head_program, make_programs,
-                                    placement, serving_params)
+                                    TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
+                                    make_head_program, make_programs, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
-
-
-def _logprob_rows(out: dict, axis: int) -> list:
-    """Per row (`axis` of the outputs), its tokens' (logprob, top ids, top logprobs) as Python numbers:
-    one conversion per call. Per token, numpy scalars and slices cost ~6 ms of the engine thread's
-    host time per 128-row decode call with logprobs on the CPU here."""
-    lp = np.moveaxis(out["logprob"], axis, 0).reshape(out["logprob"].shape[axis], -1).tolist()   # [rows, n]
-    if not out["top_id"].shape[-1]:       # only the chosen tokens' logprobs were asked
-        return [[(x, (), ()) for x in row] for row in lp]
-    ids, vals = (np.moveaxis(out[k], axis, 0).reshape(len(lp), -1, out[k].shape[-1]).tolist()
-                 for k in ("top_id", "top_logprob"))
-    return [list(zip(*row)) for row in zip(lp, ids, vals)]
 
 
 class _Flight:
@@ -54,26 +43,6 @@ class _Flight:
 
     def __init__(self, decodes: list, n: int, out: dict, logprobs):
         self.decodes, self.n, self.out, self.logprobs = decodes, n, out, logprobs
-
-
-def default_impl(mesh=None, interpret: bool = False) -> str:
-    """Engine(impl="auto"): the Pallas paged kernel on one GPU (862 vs 720 tokens/s at batch 1 and
-    21.5k vs 12.2k at batch 64 on the H200, docs/benchmarks.md). A custom call does not shard, and
-    on CPU it would run interpreted: XLA's gather there."""
-    one_device = mesh is None or mesh.size == 1
-    return "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
-
-
-def default_layers(md, impl: str, mesh=None) -> str:
-    """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
-    batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
-    1, level at 16 and 64; H200, docs/benchmarks.md). Else fused: one q|k|v GEMM and, with the
-    Pallas kernel at batch <= 16, RoPE + cache write inside the attention kernel. Both concatenate
-    weights, so a tensor-sharded mesh keeps split, and so does a mixture of experts (its `moe`
-    layers have no w_gate|w_up to concatenate)."""
-    if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"]:
-        return "kernels" if impl == "pallas" else "fused"
-    return "split"
 
 
 class Engine:
@@ -253,7 +222,7 @@ class Engine:
             out.append(t)
             new.append(t)
             if k is not None and logprobs is not None:
-                lp, ids, vals = logprobs[i]                 # Python numbers (_logprob_rows)
+                lp, ids, vals = logprobs[i]                 # Python numbers (calls.logprob_rows)
                 req.logprobs.append((lp, dict(zip(ids[:k], vals[:k])) if k else {}))
             if t in p.stop_token_ids:
                 req.finish_reason = "stop"
@@ -422,7 +391,7 @@ class Engine:
         a chained call ran on for them and its samples are dropped)."""
         out = self._fetch(f.out)
         toks = out["tokens"]                                                          # [n, b]
-        rows = _logprob_rows(out, 1) if f.logprobs is not None else None
+        rows = logprob_rows(out, 1) if f.logprobs is not None else None
         for i, r in enumerate(f.decodes):
             if r.finish_reason is not None:
                 continue
@@ -444,7 +413,7 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["first_token_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in rows)
-        lps = _logprob_rows(out, 1) if logprobs is not None else None
+        lps = logprob_rows(out, 1) if logprobs is not None else None
         for i, r in enumerate(rows):
             r.cached += 1
             if self._emit(r, out["tokens"][:, i], lps[i] if lps else None) or i < len(decodes):
@@ -472,7 +441,7 @@ class Engine:
         out, _, _ = self._call(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
                                greedy=greedy, logprobs=logprobs, weights=self.head_weights)
         self.stats["head_calls"] += 1
-        lps = _logprob_rows(out, 0) if logprobs is not None else None
+        lps = logprob_rows(out, 0) if logprobs is not None else None
         for i, r in enumerate(firsts):
             r.cached += 1
             if not self._emit(r, out["tokens"][i:i + 1], lps[i] if lps else None):
@@ -511,7 +480,7 @@ class Engine:
                                layout=slots.layout, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
-        rows = _logprob_rows(out, 0) if logprobs is not None else None
+        rows = logprob_rows(out, 0) if logprobs is not None else None
         lp = lambda i: rows[i] if rows else None
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         for i, r in enumerate(decodes):

@@ -56,6 +56,26 @@ CONCATENATED = ("fused", "kernels")     # modes whose layers are pairs (params, 
 FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1
 
 
+def default_impl(mesh=None, interpret: bool = False) -> str:
+    """Engine(impl="auto"): the Pallas paged kernel on one GPU (862 vs 720 tokens/s at batch 1 and
+    21.5k vs 12.2k at batch 64 on the H200, docs/benchmarks.md). A custom call does not shard, and
+    on CPU it would run interpreted: XLA's gather there."""
+    one_device = mesh is None or mesh.size == 1
+    return "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
+
+
+def default_layers(md, impl: str, mesh=None) -> str:
+    """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
+    batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
+    1, level at 16 and 64; H200, docs/benchmarks.md). Else fused: one q|k|v GEMM and, with the
+    Pallas kernel at batch <= 16, RoPE + cache write inside the attention kernel. Both concatenate
+    weights, so a tensor-sharded mesh keeps split, and so does a mixture of experts (its `moe`
+    layers have no w_gate|w_up to concatenate)."""
+    if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"]:
+        return "kernels" if impl == "pallas" else "fused"
+    return "split"
+
+
 def placement(rules, mesh):
     """The context programs run in: the rule file's constraints when given, else nothing."""
     return use_rules(rules, mesh) if rules is not None and mesh is not None else contextlib.nullcontext()

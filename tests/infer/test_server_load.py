@@ -15,7 +15,8 @@ from flax import nnx
 import models
 from meshlab.infer import api
 from meshlab.infer import server as server_mod
-from meshlab.infer.engine import Engine, _logprob_rows
+from meshlab.infer.calls import logprob_rows
+from meshlab.infer.engine import Engine
 from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
@@ -142,10 +143,10 @@ def test_logprob_rows_per_row_python_numbers():
     """The engine's logprob outputs of a call, per row: decode calls [n, b, ...] and packed steps [r, ...]."""
     lp = np.array([[-0.1, -0.2], [-0.3, -0.4]], np.float32)                           # [n=2, b=2]
     ids, vals = np.arange(8).reshape(2, 2, 2), -np.arange(8, dtype=np.float32).reshape(2, 2, 2)
-    rows = _logprob_rows({"logprob": lp, "top_id": ids, "top_logprob": vals}, 1)
+    rows = logprob_rows({"logprob": lp, "top_id": ids, "top_logprob": vals}, 1)
     assert rows[1] == [(float(lp[0, 1]), [2, 3], [-2.0, -3.0]), (float(lp[1, 1]), [6, 7], [-6.0, -7.0])]
     assert all(type(x) is float for row in rows for x, _, _ in row)
-    packed = _logprob_rows({"logprob": lp[0], "top_id": ids[0, :, :0], "top_logprob": vals[0, :, :0]}, 0)
+    packed = logprob_rows({"logprob": lp[0], "top_id": ids[0, :, :0], "top_logprob": vals[0, :, :0]}, 0)
     assert packed == [[(float(lp[0, 0]), (), ())], [(float(lp[0, 1]), (), ())]]
 
 
