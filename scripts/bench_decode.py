@@ -61,7 +61,10 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 call) and with the attention tiles of _attn_tiles(), and a profile of the fastest
                 kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and
                 "tuned", no profile)
-  first_token_ab  the same TTFT rows through an Engine as shipped, then one that feeds a prompt met before its
+  first_token_ab  (MESHLAB_BENCH_PACKED_XLA=triton_any,no_triton,cublaslt: as shipped, then engines whose packed
+                programs compile with those XLA options (first_token.PACKED_OPTIONS), each with its
+                TTFT rows and its short tail's profile; else:)
+                the same TTFT rows through an Engine as shipped, then one that feeds a prompt met before its
                 last token again instead of sampling from its kept hidden state (tagged [last token fed
                 again]), then one whose first-token decode calls are compiled
                 without command buffers (tagged [first-token decode call no cmdbuf]), then one whose packed
@@ -481,7 +484,17 @@ def first_token_job(md, params, sz, ab: bool):
 
     def tagged_ttft(tag, **kw):
         bs.prefix_ttft(make(**kw), n=n, tag=tag)
-    if ab:
+
+    def packed_options(name):            # TTFT and the short tail's profile with XLA options on packed programs
+        eng = make(compiler_options={"packed": first_token.PACKED_OPTIONS[name]})
+        bs.prefix_ttft(eng, n=n, tag=f" [packed {name}]")
+        row = first_token.engine_tail_profile(eng, Path("/tmp/bench_decode_traces") / name, n=n)
+        bench.emit(dict(row, setting=row["setting"] + f" [packed {name}]"))
+    named = [v for v in os.environ.get("MESHLAB_BENCH_PACKED_XLA", "").split(",") if v]
+    if ab and named:
+        sections = [("ttft", lambda: tagged_ttft(" [as shipped]"))]
+        sections += [("ttft", functools.partial(packed_options, name)) for name in named]
+    elif ab:
         sections = (("ttft", lambda: tagged_ttft(" [as shipped]")),
                     ("ttft", lambda: tagged_ttft(" [last token fed again]", reuse_hidden=False)),
                     ("ttft", lambda: tagged_ttft(" [first-token decode call no cmdbuf]",

@@ -37,6 +37,13 @@ import numpy as np
 from meshlab.infer.sampler import SamplingParams
 
 NO_CMDBUF = {"xla_gpu_enable_command_buffer": ""}
+# XLA options for the packed programs, by name (bench_decode.py's MESHLAB_BENCH_PACKED_XLA): whether
+# Triton GEMM fusions (which can take the elementwise ops around a GEMM in) or cuBLAS (Lt) GEMMs
+# run the short prompt rows' matmuls; a 16-token row's program is ~270 kernels, a third of its
+# device time in small fusions between the GEMMs.
+PACKED_OPTIONS = {"triton_any": {"xla_gpu_triton_gemm_any": True},
+                  "no_triton": {"xla_gpu_enable_triton_gemm": False},
+                  "cublaslt": {"xla_gpu_enable_cublaslt": True}}
 
 
 def _median_us(times) -> float:
