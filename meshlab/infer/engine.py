@@ -89,9 +89,10 @@ class Engine:
     the host launches the step's ~110 kernels one by one; docs/benchmarks.md).
 
     reuse_hidden (with the prefix cache): packed steps keep the final hidden state of each token that
-    ends a page ([num_pages, d] in the cache, 4 KB a page for llama3_1b), so a prompt met before up
-    to such a page (the same prompt again: n copies, retries, evaluations) samples its first token
-    from the head alone. Its tokens are those of the call that computed the page; a recomputation
+    ends a page ([num_pages, d] in the cache: 4 KB a page for llama3_1b, 0.8% of its K/V), so a
+    prompt met before up to such a page (the same prompt again: n copies, retries, evaluations)
+    samples its first token from the head alone (H200, 2k prompt: 0.9-1.2 ms against 1.8 feeding
+    its last token again). Its tokens are those of the call that computed the page; a recomputation
     through the decode kernels may round differently in bf16. False: such prompts feed their last
     token again (the benchmark's A/B).
     """
