@@ -55,8 +55,8 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 the tail of the one before), the exclusive-lock executable (less per-call resource
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
-  sweep_ab      batch 16 and 64 through engines with and without kept hidden states (Engine
-                reuse_hidden), alternated twice in one process
+  sweep_ab      batch 64 through engines with and without kept hidden states (Engine reuse_hidden),
+                alternated twice in one process
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the
@@ -115,7 +115,7 @@ JOBS = {
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
     "engine": ("", 150, ""),
-    "sweep_ab": ("", 200, ""),
+    "sweep_ab": ("", 150, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
@@ -397,7 +397,7 @@ def run_child(args):
         engine_gemv_job(md, params, sz, bw, layers_gate)
     elif args.job in ("first_token", "first_token_ab"):
         first_token_job(md, params, sz, ab=args.job == "first_token_ab")
-    elif args.job == "sweep_ab":         # batch 16 / 64 with and without kept hidden states, alternated
+    elif args.job == "sweep_ab":         # batch 64 with and without kept hidden states, alternated
         from meshlab.bench import serve as bs
         from meshlab.infer.engine import Engine
         engines = {tag: Engine(md, params, max_len=sz["ctx"] + 128, max_seqs=sz["big"], page_size=16,
@@ -405,7 +405,7 @@ def run_child(args):
                    for tag, on in ((" [reuse_hidden]", True), (" [no reuse_hidden]", False))}
         for _ in range(2):
             for tag, eng in engines.items():
-                bs.engine_sweep(eng, bw, [16, sz["big"]], ctx=sz["ctx"], n=min(128, sz["n"] * 4), tag=tag)
+                bs.engine_sweep(eng, bw, [sz["big"]], ctx=sz["ctx"], n=min(128, sz["n"] * 4), tag=tag)
     elif args.job == "first_token_host":
         from meshlab.bench import first_token
         from meshlab.infer.engine import Engine
