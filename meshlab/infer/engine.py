@@ -30,7 +30,7 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
-                                    make_head_program, make_programs, placement, serving_params)
+                                    make_head_program, make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 
@@ -422,21 +422,19 @@ class Engine:
             s.register(r)                 # after its first token, as a packed step's prefill does
 
     def _hidden_kept(self, reqs) -> bool:
-        """reuse_hidden and every req's next token to feed is the last of a shared page whose hidden
-        state is kept (a prompt met before up to that page)."""
+        """reuse_hidden and every req (one token left to feed) feeds a token of a shared page whose
+        hidden state is kept: a prompt met before up to its end. The prefix hit covers whole pages of
+        the prompt, so a last token inside it ends its page."""
         s = self.sched
         return self.reuse_hidden and all(
-            r.cached < r.prefix_hit_tokens and (r.cached + 1) % s.page_size == 0
-            and s.hidden_ok[s.table[r.slot, r.cached // s.page_size]] for r in reqs)
+            r.cached < r.prefix_hit_tokens and s.hidden_ok[s.table[r.slot, r.cached // s.page_size]] for r in reqs)
 
     def _head_tokens(self, firsts) -> None:
         """The first tokens of prompts met before (`_hidden_kept`), from the LM head over their pages'
         kept hidden states: no layer runs, nothing is written."""
         s = self.sched
         b = next(x for x in self.DECODE if x >= len(firsts))
-        if ("head", b) not in self._slots:
-            self._slots["head", b] = calls.head_slots(b, self.slot_rows, s.max_seqs)
-        slots = self._slots["head", b]
+        slots = self._head_slots(b)
         real = calls.fill_head(slots.fill(), firsts, s.table, s.page_size, self.slot_rows)
         greedy, logprobs = self._flags(real)
         out, _, _ = self._call(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
@@ -447,6 +445,11 @@ class Engine:
             r.cached += 1
             if not self._emit(r, out["tokens"][i:i + 1], lps[i] if lps else None):
                 s.register(r)
+
+    def _head_slots(self, b: int) -> calls.Slots:
+        if ("head", b) not in self._slots:
+            self._slots["head", b] = calls.head_slots(b, self.slot_rows, self.sched.max_seqs)
+        return self._slots["head", b]
 
     def _first_slots(self, b: int) -> calls.Slots:
         if ("first", b) not in self._slots:
@@ -473,9 +476,10 @@ class Engine:
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         slots = self._packed_slots(nd, k, c)
         real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
-        if self.reuse_hidden:            # the page ends whose hidden states this step keeps (_keep_page_ends)
-            pos, page = slots.views["p.positions"], slots.views["p.write_page"]
-            s.hidden_ok[page[(pos % s.page_size == s.page_size - 1) & (page < len(s.hidden_ok))]] = True
+        if self.reuse_hidden:            # the page ends whose hidden states this step keeps
+            ends = page_end_rows(slots.views["p.positions"], slots.views["p.write_page"], s.page_size,
+                                 len(s.hidden_ok), xp=np)
+            s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
         greedy, logprobs = self._flags(real)
         out, _, _ = self._call(("packed", nd, k, c, greedy, logprobs), self.packed_call, self._packed_input(slots),
                                layout=slots.layout, greedy=greedy, logprobs=logprobs)
@@ -518,7 +522,7 @@ class Engine:
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
                 if self.reuse_hidden:
-                    key, slots = ("head", b, greedy, logprobs), calls.head_slots(b, self.slot_rows, s.max_seqs)
+                    key, slots = ("head", b, greedy, logprobs), self._head_slots(b)
                     slots.fill()                                      # page 0's row: read, nothing written
                     _, t0, t1 = self._call(key, self.head_call, slots.take(), layout=slots.layout, greedy=greedy,
                                            logprobs=logprobs, weights=self.head_weights)

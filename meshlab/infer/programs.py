@@ -204,13 +204,18 @@ def _split_hidden(cache: dict):
     return {k: v for k, v in cache.items() if k != HIDDEN}, cache.get(HIDDEN)
 
 
+def page_end_rows(positions, write_page, page_size: int, num_pages: int, xp=jnp):
+    """Per token, the page whose kept hidden state it sets: its write page when it is the last token of
+    that page, else num_pages (none; padding's write page is num_pages already). One rule for the
+    packed step's write (jnp) and the engine's record of which pages hold one (numpy)."""
+    return xp.where(positions % page_size == page_size - 1, write_page, num_pages)
+
+
 def _keep_page_ends(cache: dict, page_h, h, positions, write_page) -> dict:
-    """cache with page_h's rows set to h [T, d] at the tokens that end a page (write_page = num_pages,
-    padding, is dropped)."""
+    """cache with page_h's rows set to h [T, d] at the tokens that end a page."""
     if page_h is None:
         return cache
-    page_size = cache["k"].shape[2]
-    rows = jnp.where(positions % page_size == page_size - 1, write_page, page_h.shape[0])    # [T]
+    rows = page_end_rows(positions, write_page, cache["k"].shape[2], page_h.shape[0])    # [T]
     return dict(cache, **{HIDDEN: page_h.at[rows].set(h.astype(page_h.dtype), mode="drop")})
 
 
