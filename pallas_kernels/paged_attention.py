@@ -140,14 +140,17 @@ def merge_splits(acc, m, l, dtype):
     return out.reshape(b, kvh * g, d).astype(dtype)
 
 
-def _merge_kernel(lengths_ref, acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad, page_size, ppb):
+def _merge_kernel(lengths_ref, acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_pad, page_size, ppb, all_live):
     """merge_splits for one (row, kv head): o[i, kh*g:(kh+1)*g] <- the splits' rescaled sum; rows >= b
     (the caller's padding) get zeros. Only the splits that split_range gave pages are read: a table
     sized for a longer context than the row's leaves the rest empty (with 8-page blocks at ctx 2k in
-    an 8k table, 17 of 33 partials)."""
+    an 8k table, 17 of 33 partials). all_live: every split is read (lengths_ref unused)."""
     i, kh = pl.program_id(0), pl.program_id(1)
     src, rows = jnp.minimum(i, b - 1), acc_ref.shape[3]
-    live = jnp.arange(s_pad) < active_splits(lengths_ref[src], splits=splits, page_size=page_size, ppb=ppb)   # [S]
+    if all_live:
+        live = jnp.arange(s_pad) < splits                                          # [S]
+    else:
+        live = jnp.arange(s_pad) < active_splits(lengths_ref[src], splits=splits, page_size=page_size, ppb=ppb)
     m = plgpu.load(m_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=NEG)                  # [S, rows]
     l = plgpu.load(l_ref.at[src, kh, pl.ds(0, s_pad), :], mask=live[:, None], other=0.0)                  # [S, rows]
     acc = plgpu.load(acc_ref.at[src, kh, pl.ds(0, s_pad), :, :], mask=live[:, None, None], other=0.0)      # [S, rows, d]
@@ -158,17 +161,20 @@ def _merge_kernel(lengths_ref, acc_ref, m_ref, l_ref, o_ref, *, b, g, splits, s_
     plgpu.store(o_ref.at[i, pl.ds(kh * g, rows), :], o.astype(o_ref.dtype), mask=(jnp.arange(rows) < g)[:, None])
 
 
-def merge_splits_kernel(acc, m, l, dtype, lengths, *, g: int, rows_out: int, page_size: int, pages_per_block: int,
-                        interpret: bool = False):
+def merge_splits_kernel(acc, m, l, dtype, lengths=None, *, g: int, rows_out: int, page_size: int = 1,
+                        pages_per_block: int = 1, interpret: bool = False):
     """merge_splits as one Pallas launch, writing o [rows_out, kvh*g, d] with rows >= b zero: XLA runs
     the merge as a reduce and a normalise-and-pad kernel (at batch 1 about as long as the attention
     itself; docs/benchmarks.md#decode-and-serving), and the zero row is the one the model's
     one-token GEMM needs (models/serving.py _mm_decode), so no pad follows. lengths [b]: the tokens
-    each row attended, with the attention's page_size and pages_per_block: which splits hold data."""
+    each row attended, with the attention's page_size and pages_per_block: which splits hold data;
+    None: every split's partial is read (empty ones hold m = NEG, l = 0 and weigh nothing)."""
     b, kvh, splits, rows, d = acc.shape
     s_pad = pow2_at_least(splits)
     kernel = functools.partial(_merge_kernel, b=b, g=g, splits=splits, s_pad=s_pad, page_size=page_size,
-                               ppb=pages_per_block)
+                               ppb=pages_per_block, all_live=lengths is None)
+    if lengths is None:
+        lengths = jnp.zeros((b,), jnp.int32)
     return pl.pallas_call(
         kernel, grid=(rows_out, kvh), in_specs=[whole(a.shape) for a in (lengths, acc, m, l)],
         out_specs=whole((rows_out, kvh * g, d)), out_shape=jax.ShapeDtypeStruct((rows_out, kvh * g, d), dtype),
@@ -207,16 +213,20 @@ def _launch(kernel, args, in_specs, *, b, kvh, p, d, dtype, block_sizes, interpr
     )(*args)
 
 
-def _finish(outs, p, g, b, dtype, lengths, page_size, rows_out=None, interpret=False):
+def _finish(outs, p, g, b, dtype, lengths, page_size, rows_out=None, interpret=False, merge="kernel"):
     """The kernel's outputs -> [rows_out (default b), kvh * g, d]: reshaped (one split) or merged
-    (several, in one Pallas launch); rows past b are zeros."""
+    (several: in one Pallas launch, or by XLA with merge="xla"); rows past b are zeros."""
     rows_out = rows_out or b
-    if p["splits"] == 1:
+    if p["splits"] > 1 and merge == "kernel":
+        return merge_splits_kernel(*outs[:3], dtype, lengths, g=g, rows_out=rows_out, page_size=page_size,
+                                   pages_per_block=p["pages_per_block"], interpret=interpret)
+    if p["splits"] > 1:
+        acc, m, l = (x[:, :, :, :g] for x in outs[:3])                            # the group's rows
+        o = merge_splits(acc, m, l, dtype)                                        # [b, kvh * g, d]
+    else:
         o = outs[0][:, :, :g] if p["out_rows"] > g else outs[0]                   # [b, kvh, g, d]
         o = o.reshape(b, -1, o.shape[-1])
-        return jnp.pad(o, ((0, rows_out - b), (0, 0), (0, 0))) if rows_out > b else o
-    return merge_splits_kernel(*outs[:3], dtype, lengths, g=g, rows_out=rows_out, page_size=page_size,
-                               pages_per_block=p["pages_per_block"], interpret=interpret)
+    return jnp.pad(o, ((0, rows_out - b), (0, 0), (0, 0))) if rows_out > b else o
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "sm_scale", "interpret"))
@@ -241,7 +251,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
             q.reshape(b, kvh, g, d), k_pages, v_pages)
     outs = _launch(kernel, args, in_specs, b=b, kvh=kvh, p=p, d=d, dtype=q.dtype, block_sizes=block_sizes,
                    interpret=interpret)
-    return _finish(outs, p, g, b, q.dtype, lengths, page_size, interpret=interpret)
+    return _finish(outs, p, g, b, q.dtype, lengths, page_size, interpret=interpret, merge=block_sizes.merge)
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "block_sizes", "sm_scale", "interpret"))
@@ -294,7 +304,8 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
                                       block_sizes=block_sizes, interpret=interpret, caches=(k_pages, v_pages))
     if one_layer:
         k_pages, v_pages = k_pages[0], v_pages[0]
-    return _finish(outs, p, g, b, qkv.dtype, lengths, page_size, rows_out, interpret), k_pages, v_pages
+    return (_finish(outs, p, g, b, qkv.dtype, lengths, page_size, rows_out, interpret, block_sizes.merge),
+            k_pages, v_pages)
 
 
 def rope_cos_sin(positions, inv_freq):

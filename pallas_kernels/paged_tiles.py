@@ -37,6 +37,9 @@ class BlockSizes:
     num_stages: int = 2
     # Load a block's V together with its K, before the scores (latency) rather than after (registers).
     v_first: bool = False
+    # How the splits' partials are combined: "kernel" (one Pallas launch, merge_splits_kernel) or
+    # "xla" (merge_splits: XLA's exp, reduce and normalise kernels; the benchmark's A/B).
+    merge: str = "kernel"
 
 
 # Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in
@@ -66,6 +69,12 @@ def decode_block_sizes() -> BlockSizes:
     pipelining, V first took the batch-1 decode layer from 52.2 to 49.0 us in the layer chain and the
     engine from 1,113 to 1,149 tokens/s, level at batch 16 (H200, docs/benchmarks.md)."""
     return BlockSizes(pages_per_block=4, num_stages=1, v_first=True)
+
+
+def prefill_block_sizes() -> BlockSizes:
+    """The tiles the serving step's prompt rows get (paged_prefill via meshlab/infer/kv_cache.py);
+    module-level, as decode_block_sizes, so that a benchmark can swap it before building an engine."""
+    return BlockSizes()
 
 
 def pow2_at_least(n: int) -> int:
@@ -160,6 +169,8 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
     bs = block_sizes
     if bs.score not in ("dot", "vpu"):
         raise ValueError(f"paged_attention: BlockSizes.score must be 'dot' or 'vpu', not {bs.score!r}")
+    if bs.merge not in ("kernel", "xla"):
+        raise ValueError(f"paged_attention: BlockSizes.merge must be 'kernel' or 'xla', not {bs.merge!r}")
     if bs.pages_per_block < 1 or bs.pages_per_block & (bs.pages_per_block - 1):
         raise ValueError(f"paged_attention: pages_per_block must be a power of two, not {bs.pages_per_block}")
     ppb = min(bs.pages_per_block, pow2_at_least(max_pages))                     # short contexts: smaller tile

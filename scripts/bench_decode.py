@@ -74,6 +74,9 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
                 prompt's one token left in a 16-wide packed row instead of a one-step decode call (tagged
                 [one token left: packed row]); ~1.5 min more
+  prefill_ab    the prefix-cache TTFT rows through engines whose prompt rows take other paged_prefill tiles
+                (MESHLAB_BENCH_PREFILL: names of layer_chain.attention_variants, default the shipped; xla_merge:
+                the splits merged by XLA), alternated twice (first_token.prefill_tiles_ab)
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or
@@ -119,6 +122,7 @@ JOBS = {
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
+    "prefill_ab": ("", 150, ""),
     # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
     "engine_ab": ("", 75, " [ab: as shipped]"),
     "engine_pdl": ("--xla_gpu_enable_pdl=true", 75, " [pdl]"),
@@ -406,6 +410,14 @@ def run_child(args):
         for _ in range(2):
             for tag, eng in engines.items():
                 bs.engine_sweep(eng, bw, [sz["big"]], ctx=sz["ctx"], n=min(128, sz["n"] * 4), tag=tag)
+    elif args.job == "prefill_ab":
+        from meshlab.bench import first_token
+        from meshlab.infer.engine import Engine
+        names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",")
+                 if v]
+        first_token.prefill_tiles_ab(functools.partial(
+            Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
+            layers=shipped_layers(md)), n=min(2048, sz["lengths"][-1]), names=names)
     elif args.job == "first_token_host":
         from meshlab.bench import first_token
         from meshlab.infer.engine import Engine

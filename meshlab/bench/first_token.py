@@ -276,3 +276,33 @@ def host_rows(engine, n: int = 2048, reps: int = 30) -> list[dict]:
                              f"us per call; {st['prefill_tokens'] // reps} tokens fed in {[list(k[:4]) for k in keys[:1]]}, "
                              f"{sorted(set(leaves))} argument leaves; median of {reps}"})
     return out
+
+
+
+def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
+    """prefix_ttft's rows (a 16-token tail after n - 16 cached tokens, all cached, and uncached n-token
+    prompts in chunks) through engines whose prompt rows take other paged_prefill tiles: names of
+    layer_chain.attention_variants ("default": the kernel's defaults, shipped), or "xla_merge" (the
+    shipped tiles, the splits merged by XLA instead of one launch). Engines are alternated over
+    `rounds`, each call under its own tiles (read when a program traces); rows tagged [prefill <name>]."""
+    import dataclasses
+    from meshlab.bench import serve as bs
+    from meshlab.bench.layer_chain import attention_variants
+    from pallas_kernels import paged_tiles as pt
+    shipped = pt.prefill_block_sizes
+    engines = {}
+    try:
+        for r in range(rounds):
+            for name in names:
+                if name not in engines:
+                    eng = make_engine()
+                    variants = dict(attention_variants(eng.sched.max_pages),
+                                    xla_merge=dataclasses.replace(shipped(), merge="xla"))
+                    if name not in variants:
+                        raise ValueError(f"prefill tiles {name!r} unknown; known: {', '.join(variants)}")
+                    engines[name] = (eng, variants[name])
+                eng, tiles = engines[name]
+                pt.prefill_block_sizes = lambda tiles=tiles: tiles          # noqa: E731
+                bs.prefix_ttft(eng, n=n, tag=f" [prefill {name}{', again' if r else ''}]")
+    finally:
+        pt.prefill_block_sizes = shipped

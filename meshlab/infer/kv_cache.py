@@ -157,9 +157,10 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             how = prefill_path(prefill, impl, k_rows, chunk, q.shape[2], new["k"].shape, pre_table.shape[1])
             if how == "paged":
                 from pallas_kernels.paged_prefill import paged_prefill_attention
+                from pallas_kernels.paged_tiles import prefill_block_sizes
                 real = jnp.sum((write_page[n_dec:] < new["k"].shape[1]).reshape(k_rows, chunk), axis=1)   # [k]
                 o = paged_prefill_attention(qp, new["k"], new["v"], pre_table, pos[:, 0], pos[:, 0] + real, layer,
-                                            interpret=interpret)
+                                            block_sizes=prefill_block_sizes(), interpret=interpret)
             elif how == "flash":
                 o = windowed_flash_attention(qp, new, layer, pre_table, pos[:, 0], interpret)
             else:
@@ -175,10 +176,11 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
         return prefill
     if impl not in ("pallas", "pallas_unfused"):
         return "xla"
-    from pallas_kernels.paged_prefill import BlockSizes, prefill_plan
+    from pallas_kernels.paged_prefill import prefill_plan
+    from pallas_kernels.paged_tiles import prefill_block_sizes
     _, _, page_size, kvh, d = cache_shape
     try:
-        prefill_plan(BlockSizes(), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)
+        prefill_plan(prefill_block_sizes(), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)
         return "paged"
     except ValueError:                        # the GPU tiles cannot take this group / chunk: the window
         return "flash"

@@ -25,11 +25,13 @@ def make_case(seed, b=3, h=4, kvh=2, d=16, page_size=4, max_pages=6, num_pages=2
     return q, k, v, table, jnp.asarray(lengths, jnp.int32)
 
 
-@pytest.mark.parametrize("pages_per_split", [1, 2, 16])
-def test_kernel_matches_reference(pages_per_split):
-    # lengths 1 (one token), 9 (third page holds 1 of 4), 24 (every page full), 0 (inactive row)
+@pytest.mark.parametrize("pages_per_split,merge", [(1, "kernel"), (2, "kernel"), (16, "kernel"), (1, "xla")])
+def test_kernel_matches_reference(pages_per_split, merge):
+    # lengths 1 (one token), 9 (third page holds 1 of 4), 24 (every page full), 0 (inactive row); the
+    # splits merged by the merge launch or by XLA
     q, k, v, table, lengths = make_case(0, b=4, lengths=(1, 9, 24, 0))
-    got = paged_attention(q, k, v, table, lengths, block_sizes=BlockSizes(pages_per_split), interpret=True)
+    got = paged_attention(q, k, v, table, lengths, block_sizes=BlockSizes(pages_per_split, merge=merge),
+                          interpret=True)
     want = paged_attention_reference(q, k, v, table, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert np.all(np.asarray(got)[3] == 0)
@@ -307,8 +309,8 @@ def test_windowed_flash_equals_gathered_dense():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2)],
-                         ids=["split1page", "default", "vpu"])
+@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2),
+                                BlockSizes(1, merge="xla")], ids=["split1page", "default", "vpu", "xla_merge"])
 def test_prefill_kernel_matches_reference(bs):
     # Prompt-chunk rows of 16 queries, GQA 4 (8 query / 2 kv heads): a chunk from position 0, a
     # cached prefix's tail starting mid-page (5 real queries then padding), a chunk ending at the
@@ -331,8 +333,8 @@ def test_prefill_kernel_matches_reference(bs):
 
 
 def test_prefill_kernel_lowers_for_cuda():
-    # llama3_1b's shape: a 64-wide row (the engine's narrow bucket, several splits and the jnp merge)
-    # and two 512-wide rows (one split): the Triton kernel builds (reshapes, per-row masks, gathers)
+    # llama3_1b's shape: a 64-wide row (the engine's narrow bucket, several splits and the merge
+    # launch) and two 512-wide rows: the Triton kernels build (reshapes, per-row masks, gathers)
     import jax
     from pallas_kernels.paged_prefill import paged_prefill_attention
     for rows, c in ((1, 64), (2, 512)):
@@ -343,6 +345,8 @@ def test_prefill_kernel_lowers_for_cuda():
                 jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
         lowered = jax.jit(paged_prefill_attention).trace(*args).lower(lowering_platforms=("cuda",))
         assert "paged_prefill_attention" in lowered.as_text()
+        if c == 64:
+            assert "paged_attention_merge" in lowered.as_text()
     # the decode kernel with V loaded alongside K (a sweep config) builds too
     dec = (jax.ShapeDtypeStruct((1, 32, 64), jnp.bfloat16), args[1], args[2], jax.ShapeDtypeStruct((1, 128), jnp.int32),
            jax.ShapeDtypeStruct((1,), jnp.int32), args[-1])
