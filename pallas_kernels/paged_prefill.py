@@ -1,8 +1,9 @@
 """Prompt-chunk attention over a paged KV cache: many causal queries per sequence, pages read in place.
 
-The serving engine's token-packed step feeds prompt chunks as rows of `chunk` tokens, one sequence
-per row (padding at the end). Each query attends to the cached keys at positions up to its own,
-the chunk's own keys included (the step writes them first). Gathering each row's window of the
+The serving engine's token-packed step feeds prompt chunks as rows of `chunk` tokens, each row one
+sequence's consecutive tokens (padding at the end; a long prompt's chunks may fill several rows).
+Each query attends to the cached keys at positions up to its own, its own row's and earlier rows'
+included (the step writes them all first). Gathering each row's window of the
 table's full width for a dense or flash kernel costs what the engine's max_len costs, not what the
 context does: a 16-token cached tail in an 8k engine attended over 8k positions. Here each program
 reads its row's pages through the table, only those below its last real query.

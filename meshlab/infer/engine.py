@@ -15,6 +15,7 @@ and is importable from here too.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import queue
@@ -150,7 +151,7 @@ class Engine:
         # and padding rows attend to nothing), chunk rows in powers of 2, and a mixed step carries
         # either no decode rows or all max_seqs (at most one step in a few pays for idle rows).
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
-        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, min(self.sched.max_prefill_rows, max_seqs))
+        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, self.sched.max_prefill_rows)
         self.MIXED_DECODE = [0, max_seqs] if max_seqs > 1 else [0]          # one row cannot do both
         # Chunk rows are `chunk` wide, or the narrowest of NARROW for a step with one prompt piece that
         # fits: a cached prefix's tail (at most a page of 16 when the prompt was met before up to its
@@ -484,7 +485,10 @@ class Engine:
         key, inputs = ("packed", nd, k, c, greedy, logprobs), self._packed_input(slots)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
-        if not decodes and all(r.cached + n < r.n_tokens for r, n in prefills):
+        fed = collections.Counter()                       # a request's rows feed its consecutive chunks
+        for r, n in prefills:
+            fed[id(r)] += n
+        if not decodes and all(r.cached + fed[id(r)] < r.n_tokens for r, _ in prefills):
             # No row samples a token it keeps: nothing to read back. The host plans and dispatches the
             # next step (a long prompt's next chunk) while the device runs this one, instead of
             # waiting for it: ~0.8 ms of host per chunk off the first token on the H200.

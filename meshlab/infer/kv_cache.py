@@ -118,8 +118,9 @@ def windowed_flash_attention(q, cache, layer, table, start, interpret: bool = Fa
 def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_table, impl: str = "xla",
                   interpret: bool = False, prefill: str = "auto"):
     """The Attend of a token-packed step: this step's T tokens as one stream [1, T], laid out as
-    n_dec decode tokens (one per sequence) then k prompt-chunk rows of `chunk` tokens (one
-    sequence per row, padding at its end): T = n_dec + k * chunk, shapes only (no flags).
+    n_dec decode tokens (one per sequence) then k prompt-chunk rows of `chunk` tokens (a row holds
+    one sequence's consecutive tokens, padding at its end; a sequence may fill several rows, each
+    attending to the earlier ones' keys, written first): T = n_dec + k * chunk, shapes only.
 
     positions [1, T]; write_page/write_off [T]: the cache slot of each token's k/v (write_page =
     num_pages for padding: dropped); dec_table [n_dec, max_pages] and dec_len [n_dec] (tokens

@@ -280,7 +280,9 @@ class Scheduler:
 
     def plan(self) -> tuple[list, list]:
         """(decoding requests, [(prefilling request, tokens to feed)]) for this step: every decode
-        first (one token each), then prompt chunks, oldest request first, within the step budget."""
+        first (one token each), then prompt chunks, oldest request first, within the step budget. A
+        request may take several chunk rows, its consecutive chunks in order (a 2k prompt alone: four
+        rows of 512 in one step, its GEMMs 2,048 rows tall, instead of four steps)."""
         decodes = [r for r in self._admit_order if self.decoding(r)]
         for req in decodes:
             if req.slot >= 0:
@@ -288,16 +290,19 @@ class Scheduler:
         decodes = [r for r in decodes if r.slot >= 0]
         budget, prefills = self.max_step_tokens - len(decodes), []
         for req in list(self._admit_order):
-            left = req.n_tokens - req.cached
-            if left < 1 or req.slot < 0 or self.decoding(req):
+            if req.slot < 0 or self.decoding(req):
                 continue
-            n = min(left, self.chunk, budget)
-            if n <= 0 or len(prefills) == self.max_prefill_rows:
+            fed = 0
+            while req.slot >= 0 and req.n_tokens - req.cached - fed > 0:
+                n = min(req.n_tokens - req.cached - fed, self.chunk, budget)
+                if n <= 0 or len(prefills) == self.max_prefill_rows:
+                    break
+                if not self.reserve(req, req.cached + fed + n):
+                    break                                  # req itself was preempted
+                prefills.append((req, n))
+                budget, fed = budget - n, fed + n
+            if budget <= 0 or len(prefills) == self.max_prefill_rows:
                 break
-            if not self.reserve(req, req.cached + n):
-                continue                                   # req itself was preempted
-            prefills.append((req, n))
-            budget -= n
         live = {id(r) for r in self._admit_order}
         return ([r for r in decodes if id(r) in live], [(r, n) for r, n in prefills if id(r) in live])
 

@@ -77,15 +77,16 @@ def test_batch_one_decode_equals_uncached(tiny, layers):
     assert_greedy_matches(fwd, params, prompt, out)
 
 
-def test_prompt_chunks_not_read_back_until_the_last(tiny):
-    """A prompt of three chunks alone: the first two packed steps sample nothing kept, so they are
-    dispatched without a read-back (the next chunk planned while the device runs); the tokens are
-    the uncached model's."""
+def test_long_prompt_takes_several_rows_and_is_read_back_once(tiny):
+    """A 38-token prompt alone, two chunk rows of 8 per step (max_step_tokens): its chunks fill both
+    rows of each step (3 packed steps, not 5), the first two steps keep no sampled token and are
+    dispatched without a read-back (the next planned while the device runs); the tokens are the
+    uncached model's."""
     md, params, fwd = tiny
-    prompt = list(range(40, 59))                                       # 8 + 8 + 3 tokens
-    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4)
+    prompt = list(range(40, 78))                                       # (8 + 8) + (8 + 8) + 6 tokens
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, max_step_tokens=17)
     out = eng.generate([prompt], SamplingParams(max_tokens=5))[0].output
-    assert eng.stats["unread_calls"] == 2 and eng.stats["packed_calls"] == 3
+    assert eng.stats["packed_calls"] == 3 and eng.stats["unread_calls"] == 2
     assert_greedy_matches(fwd, params, prompt, out)
 
 

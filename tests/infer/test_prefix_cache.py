@@ -98,10 +98,10 @@ def tiny():
     return md, nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
 
 
-def make(tiny, prefix_cache, num_pages=None):
+def make(tiny, prefix_cache, num_pages=None, **kw):
     md, params = tiny
     return Engine(md, params, max_len=96, max_seqs=2, page_size=4, num_pages=num_pages, chunk=8,
-                  steps_per_call=4, prefix_cache=prefix_cache)
+                  steps_per_call=4, prefix_cache=prefix_cache, **kw)
 
 
 def computed(engine, prompt, max_tokens=6):
@@ -272,7 +272,7 @@ def test_each_call_sends_one_host_buffer_and_each_page_is_offered_once(tiny, mon
     decode call's tokens come from the device), and a request's full pages are offered to the prefix
     cache once each over its life, not again after every chunk and at release."""
     import jax
-    eng = make(tiny, True)
+    eng = make(tiny, True, max_step_tokens=10)                        # one chunk row per step
     seen = {"packed": [], "decode": []}
     for name in seen:
         real = getattr(eng, f"{name}_call")
