@@ -278,7 +278,6 @@ def host_rows(engine, n: int = 2048, reps: int = 30) -> list[dict]:
     return out
 
 
-
 def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
     """prefix_ttft's rows (a 16-token tail after n - 16 cached tokens, all cached, and uncached n-token
     prompts in chunks) through engines whose prompt rows take other paged_prefill tiles: names of
