@@ -110,8 +110,8 @@ def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max
 
 def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
     """Fill a packed step's views `v` (Slots.fill() of its bucket: n_dec decode tokens, then chunk rows
-    of equal width) with `decodes` (requests feeding one token) and `prefills` ([(request, tokens)]; a
-    request's consecutive chunks may take several rows, in order); table: the scheduler's page table.
+    of equal width) with `decodes` (requests feeding one token) and `prefills` ([(request, first position, tokens)]:
+    a request's consecutive chunks may take several rows); table: the scheduler's page table.
     Returns the slots of the step's real output rows (decodes, then prefills), for its flags."""
     m, ps, out_slot, counters = len(decodes), page_size, v["out_slot"], v["counters"]
     nd, k = v["p.dec_len"].shape[0], v["p.pre_table"].shape[0]
@@ -126,10 +126,7 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
         v["p.dec_table"][:m] = table[dslots]
         out_slot[:m] = dslots
         counters[:m] = [len(r.output) for r in decodes]
-    starts = {}                                                   # request -> its next row's first position
-    for j, (r, n) in enumerate(prefills):
-        start = starts.get(id(r), r.cached)
-        starts[id(r)] = start + n
+    for j, (r, start, n) in enumerate(prefills):
         base, pos = nd + j * c, np.arange(start, start + n, dtype=np.int32)
         v["p.tokens"][base:base + n] = r.token_ids(start + n)[start:]              # int32 already: a copy
         v["p.positions"][base:base + n], v["p.slot"][base:base + n] = pos, r.slot

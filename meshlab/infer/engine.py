@@ -15,7 +15,6 @@ and is importable from here too.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import queue
@@ -294,8 +293,8 @@ class Engine:
             if self.sched.running():
                 decodes, prefills = self.sched.plan()
                 with placement(self.rules, self.mesh):
-                    if prefills and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, _ in prefills):
-                        firsts = [r for r, _ in prefills]
+                    if prefills and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills):
+                        firsts = [r for r, *_ in prefills]
                         if not decodes and self._hidden_kept(firsts):
                             self._head_tokens(firsts)
                         else:
@@ -472,7 +471,7 @@ class Engine:
 
     def _packed(self, decodes, prefills):
         s, m = self.sched, len(decodes)
-        c = next(w for w in self.WIDTHS if w >= prefills[0][1]) if len(prefills) == 1 else self.chunk
+        c = next(w for w in self.WIDTHS if w >= prefills[0][2]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         slots = self._packed_slots(nd, k, c)
@@ -485,18 +484,15 @@ class Engine:
         key, inputs = ("packed", nd, k, c, greedy, logprobs), self._packed_input(slots)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
-        fed = collections.Counter()                       # a request's rows feed its consecutive chunks
-        for r, n in prefills:
-            fed[id(r)] += n
-        if not decodes and all(r.cached + fed[id(r)] < r.n_tokens for r, _ in prefills):
+        if not decodes and all(start + n < r.n_tokens for r, start, n in prefills):
             # No row samples a token it keeps: nothing to read back. The host plans and dispatches the
             # next step (the next chunks of a prompt longer than one step's rows) while the device runs
             # this one, instead of waiting for it: ~0.9 ms of host per step off the first token on the
             # H200 (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms).
             self._launch(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy, logprobs=logprobs)
             self.stats["unread_calls"] += 1
-            for r, n in prefills:
-                r.cached += n
+            for r, start, n in prefills:
+                r.cached = start + n
                 self.stats["prefill_tokens"] += n
                 s.register(r)
             return
@@ -507,8 +503,8 @@ class Engine:
         for i, r in enumerate(decodes):
             r.cached += 1
             self._emit(r, out["tokens"][i:i + 1], lp(i))
-        for j, (r, n) in enumerate(prefills):
-            r.cached += n
+        for j, (r, start, n) in enumerate(prefills):
+            r.cached = start + n
             self.stats["prefill_tokens"] += n
             # the first token goes out before its pages are offered to the prefix cache (hashing them
             # is ~15-200 us per 2k-token prompt); a request that finishes here is registered as it leaves

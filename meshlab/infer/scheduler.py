@@ -279,10 +279,10 @@ class Scheduler:
         return req.n_tokens - req.cached == 1 and bool(req.output) and req.cached >= req.prefix_hit_tokens
 
     def plan(self) -> tuple[list, list]:
-        """(decoding requests, [(prefilling request, tokens to feed)]) for this step: every decode
-        first (one token each), then prompt chunks, oldest request first, within the step budget. A
-        request may take several chunk rows, its consecutive chunks in order (a 2k prompt alone: four
-        rows of 512 in one step, its GEMMs 2,048 rows tall, instead of four steps)."""
+        """(decoding requests, [(prefilling request, first position, tokens to feed)]) for this step:
+        every decode first (one token each), then prompt chunks, oldest request first, within the step
+        budget. A request may take several chunk rows, its consecutive chunks in order (a 2k prompt
+        alone: four rows of 512 in one step, its GEMMs 2,048 rows tall, instead of four steps)."""
         decodes = [r for r in self._admit_order if self.decoding(r)]
         for req in decodes:
             if req.slot >= 0:
@@ -299,12 +299,12 @@ class Scheduler:
                     break
                 if not self.reserve(req, req.cached + fed + n):
                     break                                  # req itself was preempted
-                prefills.append((req, n))
+                prefills.append((req, req.cached + fed, n))
                 budget, fed = budget - n, fed + n
             if budget <= 0 or len(prefills) == self.max_prefill_rows:
                 break
         live = {id(r) for r in self._admit_order}
-        return ([r for r in decodes if id(r) in live], [(r, n) for r, n in prefills if id(r) in live])
+        return [r for r in decodes if id(r) in live], [row for row in prefills if id(row[0]) in live]
 
     def page_table(self) -> np.ndarray:
         return self.table

@@ -77,14 +77,17 @@ def test_batch_one_decode_equals_uncached(tiny, layers):
     assert_greedy_matches(fwd, params, prompt, out)
 
 
-def test_long_prompt_takes_several_rows_and_is_read_back_once(tiny):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_long_prompt_takes_several_rows_and_is_read_back_once(tiny, impl):
     """A 38-token prompt alone, two chunk rows of 8 per step (max_step_tokens): its chunks fill both
     rows of each step (3 packed steps, not 5), the first two steps keep no sampled token and are
     dispatched without a read-back (the next planned while the device runs); the tokens are the
-    uncached model's."""
+    uncached model's. impl="pallas" (interpreted): the second row of a step reads the first row's keys
+    through the paged prompt kernel, the GPU's path."""
     md, params, fwd = tiny
     prompt = list(range(40, 78))                                       # (8 + 8) + (8 + 8) + 6 tokens
-    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, max_step_tokens=17)
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, max_step_tokens=17,
+                 impl=impl, interpret=impl == "pallas", layers="fused")
     out = eng.generate([prompt], SamplingParams(max_tokens=5))[0].output
     assert eng.stats["packed_calls"] == 3 and eng.stats["unread_calls"] == 2
     assert_greedy_matches(fwd, params, prompt, out)

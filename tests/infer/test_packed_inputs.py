@@ -31,7 +31,7 @@ def test_fill_packed_lays_out_decodes_then_chunk_rows():
     full = request(range(300, 308), slot=3, cached=7, hit=8, seed=1)               # all cached: its last token
     slots = calls.packed_slots(4, 2, 8, max_pages, rows, max_seqs, num_pages)      # n_dec=4, k=2 rows of 8
     v = slots.fill()
-    real = calls.fill_packed(v, [dec], [(part, 3), (full, 1)], table, ps, rows)
+    real = calls.fill_packed(v, [dec], [(part, 8, 3), (full, 7, 1)], table, ps, rows)
 
     assert real.tolist() == [2, 0, 3]
     tok, pos, slot = v["p.tokens"], v["p.positions"], v["p.slot"]
