@@ -485,19 +485,17 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
         if not decodes and all(start + n < r.n_tokens for r, start, n in prefills):
-            # No row samples a token it keeps: nothing to read back. The host plans and dispatches the
-            # next step (the next chunks of a prompt longer than one step's rows) while the device runs
-            # this one, instead of waiting for it: ~0.9 ms of host per step off the first token on the
-            # H200 (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms).
+            # No row samples a token it keeps: nothing to read back (no row below emits). The host plans
+            # and dispatches the next step (the next chunks of a prompt longer than one step's rows)
+            # while the device runs this one, instead of waiting for it: ~0.9 ms of host per step off
+            # the first token on the H200 (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms).
             self._launch(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy, logprobs=logprobs)
             self.stats["unread_calls"] += 1
-            for r, start, n in prefills:
-                r.cached = start + n
-                self.stats["prefill_tokens"] += n
-                s.register(r)
-            return
-        out, _, _ = self._call(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy, logprobs=logprobs)
-        rows = logprob_rows(out, 0) if logprobs is not None else None
+            out = rows = None
+        else:
+            out, _, _ = self._call(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy,
+                                   logprobs=logprobs)
+            rows = logprob_rows(out, 0) if logprobs is not None else None
         lp = lambda i: rows[i] if rows else None
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         for i, r in enumerate(decodes):
