@@ -78,10 +78,16 @@ def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = T
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, interpret) == "xla":
         return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
-    return _mosaic_gmm(x, w.astype(x.dtype), group_sizes, tiles, all_rows)
+    m, pad = x.shape[0], -x.shape[0] % ROW_ALIGN
+    if pad:   # zero rows past every group: unwritten by the kernels, sliced off (their gradient: zeros)
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+    return _mosaic_gmm(x, w.astype(x.dtype), group_sizes, tiles, all_rows)[:m]
 
 
 # -- the Mosaic GPU path --------------------------------------------------------------------------
+# The kernels' TMA copies take x's rows in (8, 64) tiles: jax 0.11's Mosaic GPU refuses a row count
+# that is not a multiple of 8 (e.g. 2,048 rows cut into 3 pieces), so grouped_matmul pads x to one.
+ROW_ALIGN = 8
 # jax.experimental.pallas.ops.gpu's Hopper kernels: `ragged_dot_mgpu` for the forward and dX (its
 # transposed-RHS form), `transposed_ragged_dot_mgpu` for dW (per group x_g^T dy_g).
 def _call(fn, *args, **kw):

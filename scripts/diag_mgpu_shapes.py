@@ -112,8 +112,11 @@ def run_one(spec: str, kernel: str, timeout: float) -> dict:
     row = {"shape": spec, "kernel": kernel}
     t = time.perf_counter()
     try:
+        # the parent (a pytest run, a notebook) may hold most of the GPU already: the child allocates
+        # what it uses instead of claiming XLA's default 75% of the card at start
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         p = subprocess.run([sys.executable, __file__, "--child", spec, kernel], capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, env=env)
         row["rc"] = p.returncode
         stdout, stderr = p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
