@@ -85,7 +85,7 @@ def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = T
 
 
 # -- the Mosaic GPU path --------------------------------------------------------------------------
-# The kernels' TMA copies take x's rows in (8, 64) tiles: jax 0.11's Mosaic GPU refuses a row count
+# The kernels' TMA copies take x's rows in (8, 64) tiles: Mosaic GPU refuses a row count
 # that is not a multiple of 8 (e.g. 2,048 rows cut into 3 pieces), so grouped_matmul pads x to one.
 ROW_ALIGN = 8
 # jax.experimental.pallas.ops.gpu's Hopper kernels: `ragged_dot_mgpu` for the forward and dX (its

@@ -46,7 +46,7 @@ def test_bad_shapes_and_backend_are_clear_errors():
 
 
 def test_mosaic_path_lowers_any_row_count(monkeypatch):
-    """The Mosaic kernels' TMA copies take rows in tiles of 8 (jax 0.11 refuses 683 rows: 2,048 cut in
+    """The Mosaic kernels' TMA copies take rows in tiles of 8 (Mosaic GPU refuses 683 rows: 2,048 cut in
     3 pieces); grouped_matmul pads x to whole tiles. The forward (dx's kernel too) lowered for CUDA
     here; the dW kernel asks the device for its SM count, so only the GPU test runs it."""
     monkeypatch.setattr(gm, "resolve_backend", lambda backend, interpret=False: "mosaic")
