@@ -85,8 +85,8 @@ def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = T
 
 
 # -- the Mosaic GPU path --------------------------------------------------------------------------
-# The kernels' TMA copies take x's rows in (8, 64) tiles: Mosaic GPU refuses a row count
-# that is not a multiple of 8 (e.g. 2,048 rows cut into 3 pieces), so grouped_matmul pads x to one.
+# The kernels' TMA copies take x's rows in (8, 64) tiles: Mosaic GPU refuses a row count that is
+# not a multiple of 8 (e.g. 683, a third of 2,048 rows), so grouped_matmul pads x for every caller.
 ROW_ALIGN = 8
 # jax.experimental.pallas.ops.gpu's Hopper kernels: `ragged_dot_mgpu` for the forward and dX (its
 # transposed-RHS form), `transposed_ragged_dot_mgpu` for dW (per group x_g^T dy_g).

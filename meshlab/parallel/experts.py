@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshlab import compat
 from meshlab import rules as rules_mod
-from pallas_kernels.grouped_matmul import ROW_ALIGN, grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 DISPATCH = ("dropless", "capacity")
 DEFAULT = {"dispatch": "dropless", "capacity_factor": 1.25, "chunks": 1}
@@ -261,9 +261,8 @@ def _dropless_one_device(xs, counts, wg, wu, wd, tp_axes, backend, n):
     ends = jnp.cumsum(counts)                                                # [E]
     starts = ends - counts
     out = []
-    cut = lambda c: min(A, -(-_bounds(c, A, n) // ROW_ALIGN) * ROW_ALIGN)   # noqa: E731 - static, whole row tiles
     for c in range(n):
-        lo, hi = cut(c), cut(c + 1)
+        lo, hi = _bounds(c, A, n), _bounds(c + 1, A, n)                      # static
         if hi == lo:                                                         # more pieces than rows
             continue
         sizes = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(jnp.int32)  # [E], sum hi - lo

@@ -127,20 +127,6 @@ def test_chunked_dispatch_equals_unchunked(inputs, dispatch, where, chunks):
     assert len(cut) - len(bign) == len(one) - len(big1) == (dispatch == "dropless")
 
 
-@pytest.mark.parametrize("rows,chunks", [(10, 3), (37, 3), (48, 5)])
-def test_one_device_pieces_cut_on_row_tiles(rows, chunks):
-    """The one-device dropless dispatch cuts its sorted rows on 8-row bounds (the Mosaic kernels' TMA
-    tiles), skipping pieces left empty when there are fewer tiles than pieces; the rows come back
-    whole and equal to one piece's."""
-    E, d, f = 4, 16, 8
-    ks = jax.random.split(jax.random.key(rows), 4)
-    xs = jax.random.normal(ks[0], (rows, d))
-    counts = jnp.asarray(np.random.default_rng(rows).multinomial(rows, np.full(E, 1 / E)), jnp.int32)
-    wg, wu, wd = (jax.random.normal(k, s) for k, s in zip(ks[1:], [(E, d, f), (E, d, f), (E, f, d)]))
-    run = lambda n: experts._dropless_one_device(xs, counts, wg, wu, wd, (), "xla", n)  # noqa: E731
-    np.testing.assert_allclose(run(chunks), run(1), rtol=1e-6, atol=1e-6)
-
-
 def _queue_by_hand(top_i, cap):
     """keep[b, s, k] by the capacity rule, written as a loop: first choices of the row in order, then
     second choices; an assignment is kept while its expert has had fewer than `cap` in this row."""
