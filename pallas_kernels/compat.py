@@ -7,3 +7,14 @@ from jax.experimental.pallas import triton as plgpu
 
 # The Triton backend's compiler-params class was renamed (TritonCompilerParams -> CompilerParams).
 TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+
+
+def mgpu_load(ref, *, layout):
+    """Mosaic GPU's `plgpu.load` of a whole (already indexed) ref into registers in `layout`. jax
+    0.11 deprecates passing an index beside the ref; 0.10 requires one (`()` for the whole ref)."""
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as mgpu
+    if inspect.signature(mgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return mgpu.load(ref, (), layout=layout)
+    return mgpu.load(ref, layout=layout)

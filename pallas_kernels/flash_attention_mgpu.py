@@ -84,7 +84,7 @@ def forward_call(q, k, v, cfg: MgpuConfig):
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(ref):
-                    plgpu.wgmma(ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(ref, qs, k_smem.at[slot].transpose((1, 0)))
                     if pingpong:
                         meet()
                     return ref[...]

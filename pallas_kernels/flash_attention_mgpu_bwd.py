@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.compat import mgpu_load
 from pallas_kernels.flash_attention_mgpu_common import (REGS_COMPUTE, REGS_FUSED, REGS_PRODUCER, MgpuConfig, bcast,
                                                         cdiv, div, index_grid, kv_producer, launch, mma, q_tile_index,
                                                         ring_producer, tile_transforms, zeros)
@@ -66,9 +67,9 @@ def dq_call(q, k, v, do, lse, out, cfg: MgpuConfig):
             plgpu.copy_gmem_to_smem(o_ref.at[rows_src], o_smem.at[wg], o_ready.at[wg])
             for bar in (q_ready, do_ready, lse_ready, o_ready):
                 plgpu.barrier_wait(bar.at[wg])
-            lse_r = plgpu.load(lse_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            do_r = plgpu.load(dos, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)       # [rows, d]
-            o_r = plgpu.load(o_smem.at[wg], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            lse_r = mgpu_load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            do_r = mgpu_load(dos, layout=plgpu.Layout.WGMMA).astype(jnp.float32)       # [rows, d]
+            o_r = mgpu_load(o_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             delta_r = jnp.sum(do_r * o_r, axis=1)                                            # [rows]
             delta_smem.at[wg][...] = delta_r
             plgpu.commit_smem()
@@ -80,8 +81,8 @@ def dq_call(q, k, v, do, lse, out, cfg: MgpuConfig):
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def sdp(s_ref, dp_ref):  # both matmuls in flight before the first wait
-                    plgpu.wgmma(s_ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dp_ref, dos, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
                     return s_ref[...], dp_ref[...]
                 s, dp = pl.run_scoped(sdp, plgpu.ACC((rows, bkv), jnp.float32), plgpu.ACC((rows, bkv), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -171,18 +172,18 @@ def _pt_dst(ks, vs, ring, ready, slot, *, qi, k0, bq, c, masked):
         plgpu.barrier_wait(bar.at[slot])
 
     def st_dpt(st_ref, dpt_ref):
-        plgpu.wgmma(st_ref, ks, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-        plgpu.wgmma(dpt_ref, vs, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+        plgpu.wgmma(st_ref, ks, q_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))
         return st_ref[...], dpt_ref[...]
     st, dpt = pl.run_scoped(st_dpt, plgpu.ACC((rows, bq), jnp.float32), plgpu.ACC((rows, bq), jnp.float32))
     plgpu.barrier_wait(lse_ready.at[slot])
-    lse_c = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    lse_c = mgpu_load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     pt = jnp.exp2(st * c - bcast(lse_c, st.shape, 1))
     if masked:
         kv_row, q_col = index_grid(st.shape, k0 - qi * bq)
         pt = jnp.where(q_col >= kv_row, pt, 0.0)
     plgpu.barrier_wait(delta_ready.at[slot])
-    delta_c = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+    delta_c = mgpu_load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     return pt, pt * (dpt - bcast(delta_c, dpt.shape, 1))
 
 
@@ -355,7 +356,7 @@ def dqkv_call(q, k, v, do, lse, delta, cfg: MgpuConfig):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[buf])
                 # dQ rows [wg * dq_m, +dq_m) of the q tile: columns of dS^T
-                dq_lhs = plgpu.transpose_ref(ds_smem.at[buf, :, pl.ds(wg * dq_m, dq_m)], (1, 0))
+                dq_lhs = ds_smem.at[buf, :, pl.ds(wg * dq_m, dq_m)].transpose((1, 0))
 
                 def dkv_dq(refs):  # dV, dK from registers while the other warpgroup's dS^T lands
                     dv_ref, dk_ref, dq_acc = refs
