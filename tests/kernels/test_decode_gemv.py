@@ -150,10 +150,11 @@ def test_block_decode_step_matches_the_xla_block():
     positions = jnp.array([[0], [5], [13]], jnp.int32)
     attend = kv_cache.paged_attend(positions, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
     x = jax.random.normal(jax.random.PRNGKey(4), (b, 1, cfg.d_model), jnp.float32)
-    want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
     step = lambda x, kernels: block_step(one, x, positions, attend, 0, cache, fused=nk, kernels=kernels)  # noqa: E731
-    for kernels in (True, False):
-        got, got_cache = step(x, kernels)
+    with jax.default_matmul_precision("highest"):     # fp32 dots on a GPU too (XLA's default there rounds to tf32)
+        want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
+        outs = [step(x, kernels) for kernels in (True, False)]
+    for got, got_cache in outs:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
         for name in ("k", "v"):   # the new k/v come from q|k|v sums in another order: fp32 rounding apart
             np.testing.assert_allclose(np.asarray(got_cache[name]), np.asarray(want_cache[name]), rtol=1e-5, atol=1e-5)
