@@ -21,12 +21,9 @@ CPU_COLLECTIVE_ORDER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 def set_cpu_devices(n: int) -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count={n}"
-    if "xla_backend_optimization_level" not in flags:
-        flags = f"{flags} {CPU_FAST_COMPILE}"
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        flags = f"{flags} {CPU_COLLECTIVE_ORDER}"
+    for flag in (f"--xla_force_host_platform_device_count={n}", CPU_FAST_COMPILE, CPU_COLLECTIVE_ORDER):
+        if flag.split("=")[0] not in flags:          # a flag the user set keeps the user's value
+            flags = f"{flags} {flag}"
     os.environ["XLA_FLAGS"] = flags.strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
