@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
+    from meshlab.infer.loading import add_checkpoint_args, open_checkpoint, stop_token_ids
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True)
+    add_checkpoint_args(ap)
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -21,21 +22,12 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
-    ap.add_argument("--rules", default=None, help="serving rule file to shard the weights (default: one device)")
-    ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
-    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (CPU only)")
     args = ap.parse_args(argv)
-    if args.cpu_devices:
-        from meshlab.compat import set_cpu_devices
-        set_cpu_devices(args.cpu_devices)
     from meshlab.infer.engine import ContiguousGenerator
-    from meshlab.infer.loading import load_checkpoint, serving_placement, stop_token_ids
     from meshlab.infer.sampler import SamplingParams
     try:
-        rules, mesh = serving_placement(args.rules, args.mesh)
-        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh)
+        rules, mesh, cfg, md, params, tok = open_checkpoint(args)
         ids = tok.encode(args.prompt)
         stop = stop_token_ids(tok)
         sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

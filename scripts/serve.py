@@ -18,12 +18,12 @@ import threading
 
 
 def main(argv=None):
+    from meshlab.infer.loading import add_checkpoint_args, open_checkpoint, stop_token_ids
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True)
+    add_checkpoint_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     ap.add_argument("--model-name", default="meshlab")
-    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
     ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
     ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")
     ap.add_argument("--page-size", type=int, default=16)
@@ -37,9 +37,6 @@ def main(argv=None):
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
                          "kernels: [n, k] matrices, Pallas decode matmuls at batch <= 4; "
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
-    ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
-                    "one device")
-    ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
@@ -47,18 +44,12 @@ def main(argv=None):
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
                          "bucket first met under load compiles then, stalling every request for seconds")
-    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (tests)")
     args = ap.parse_args(argv)
-    if args.cpu_devices:
-        from meshlab.compat import set_cpu_devices
-        set_cpu_devices(args.cpu_devices)
     import jax
     from meshlab.infer.engine import Engine
-    from meshlab.infer.loading import load_checkpoint, serving_placement, stop_token_ids
     from meshlab.infer.server import Server
     try:
-        rules, mesh = serving_placement(args.rules, args.mesh)
-        cfg, md, params, tok = load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh)
+        rules, mesh, cfg, md, params, tok = open_checkpoint(args)
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                         impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)

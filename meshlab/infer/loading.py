@@ -101,6 +101,27 @@ def serving_placement(rules: str | None, mesh: str | None):
     return r, make_mesh(mesh or r.mesh)
 
 
+def add_checkpoint_args(ap) -> None:
+    """The arguments the serving entry scripts share: what to load, in which dtype, and where it runs."""
+    ap.add_argument("--checkpoint", required=True,
+                    help="a Hugging Face directory, a meshlab run directory, or random:<preset>")
+    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
+    ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
+                    "one device")
+    ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (CPU only)")
+
+
+def open_checkpoint(args):
+    """(rules, mesh, cfg, md, params, tokenizer) from add_checkpoint_args' values. --cpu-devices is
+    applied first: it must precede the first use of a JAX backend."""
+    if args.cpu_devices:
+        from meshlab.compat import set_cpu_devices
+        set_cpu_devices(args.cpu_devices)
+    rules, mesh = serving_placement(args.rules, args.mesh)
+    return (rules, mesh, *load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh))
+
+
 def random_params(cfg, seed: int = 0, dtype=None):
     """Random params created on device in `dtype` (no fp32 copy of a big model on the host)."""
     md_dtype = jnp.dtype(dtype or cfg.dtype)

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from meshlab.infer.loading import load_checkpoint, run_tokenizer
+from meshlab.infer.loading import add_checkpoint_args, load_checkpoint, open_checkpoint, run_tokenizer
 from meshlab.checkpoint import write_run_tokenizer
 from meshlab.tokenizer import ByteTokenizer
 
@@ -101,6 +101,16 @@ def test_restore_reshards_onto_one_device(run, clean, monkeypatch):
     assert all(len(x.sharding.device_set) == 1 for x in leaves)
     assert [x.shape for x in leaves] == [a.shape for a in jax.tree.leaves(md.abstract)]
     assert list(clean.iterdir()) == []
+
+
+def test_mesh_without_rules_is_one_clear_error():
+    """The scripts' shared arguments: a serving mesh with no rule file to shard by is refused before loading."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    add_checkpoint_args(ap)
+    args = ap.parse_args(["--checkpoint", "random:tiny", "--mesh", "tensor=2"])
+    with pytest.raises(ValueError, match="--mesh tensor=2 needs --rules"):
+        open_checkpoint(args)
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path):
