@@ -3,8 +3,9 @@
     PYTHONPATH=$PWD python3 scripts/bench_decode.py [--budget-s 440] [--jobs base,pallas] [--quick] [--cpu-smoke]
 
 The parent never touches the GPU. It runs each job below as a child process of this script
-(`--job NAME`) because XLA reads XLA_FLAGS once per process; each child prints `ROW {json}` lines
-as it measures, so one killed at its time limit still hands back its rows. Jobs run most
+(`--job NAME`, meshlab/bench/decode_jobs.py) because XLA reads XLA_FLAGS once per process; each
+child prints `ROW {json}` lines as it measures, so one killed at its time limit still hands back
+its rows. Jobs run most
 important first; each is promised `reserve` seconds and gets the slack earlier jobs left, so
 the whole call ends inside --budget-s. Children share a compilation and autotune cache.
 
@@ -60,7 +61,7 @@ the whole call ends inside --budget-s. Children share a compilation and autotune
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the
-                call) and with the attention tiles of _attn_tiles(), and a profile of the fastest
+                call) and with the attention tiles of attention_tiles(), and a profile of the fastest
                 kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and
                 "tuned", no profile)
   first_token_ab  (MESHLAB_BENCH_PACKED_XLA=triton_any,no_triton,cublaslt: as shipped, then engines whose packed
@@ -86,9 +87,7 @@ to $OUT/benchmarks_append.md (the device machine's checkout does not come back).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import functools
 import json
 import os
 import signal
@@ -99,119 +98,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-# name: (XLA_FLAGS, reserve seconds, tag added to settings)
-JOBS = {
-    "copy_torch": ("", 30, ""),
-    "base": ("", 120, ""),
-    "sweep": ("", 90, ""),
-    "sweep_pallas": ("", 90, ""),
-    "sweep_fused": ("", 90, ""),
-    "scan": ("", 40, ""),
-    "cmdbuf_while": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", 45, " [cmdbuf+while]"),
-    "dsfusion": ("--xla_gpu_enable_dynamic_slice_fusion=true", 40, " [ds-fusion]"),
-    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 30, " [no cmdbuf]"),
-    "pallas": ("", 95, ""),
-    "fusedk": ("", 90, ""),
-    "cublas": ("--xla_gpu_enable_triton_gemm=false", 40, " [cublas]"),
-    "profile1": ("", 60, ""),
-    "kernels": ("", 120, ""),
-    "matmul": ("", 120, ""),
-    "engine": ("", 150, ""),
-    "sweep_ab": ("", 150, ""),
-    "first_token": ("", 110, ""),
-    "first_token_ab": ("", 130, ""),
-    "first_token_host": ("", 40, ""),
-    "prefill_ab": ("", 150, ""),
-    # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
-    "engine_ab": ("", 75, " [ab: as shipped]"),
-    "engine_pdl": ("--xla_gpu_enable_pdl=true", 75, " [pdl]"),
-    "engine_lock": ("--xla_gpu_require_exclusive_lock=true", 75, " [exclusive lock]"),
-    "engine_concurrent": ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", 75, " [cmdbuf concurrent]"),
-    "engine_va": ("--xla_gpu_enable_command_buffer_va_remapping=true", 75, " [va remapping]"),
-    "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
-    "engine_ab2": ("", 75, " [ab: as shipped, again]"),
-    "engine_gemv": ("", 300, ""),
-}
-ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
-# decode_gemv tiles tried through the engine (layers="kernels"): name -> (n, k, swiglu) -> BlockSizes
-def _gemv_tuned_tiles():
-    """decode_gemv tiles (n, k, swiglu) -> BlockSizes: each op's fastest in the matmul job when it ran
-    earlier in the call (MESHLAB_BENCH_GEMV_TUNED), else None."""
-    from pallas_kernels.decode_gemv import BlockSizes as B
-    tuned = json.loads(os.environ.get("MESHLAB_BENCH_GEMV_TUNED", "{}"))   # {"n,k,swiglu": config label}
-    if not tuned:
-        return None
-    configs = {label: c[0] if isinstance(c, tuple) else c for label, c in _matmul_configs().items()}
-    return lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B())
-
-
-SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-ENGINE_MAX_LEN = 8192 + 256          # the engines' context on the GPU (TTFT up to 8k)
-ENGINE_MAX_PAGES = ENGINE_MAX_LEN // 16
-
-
-def _matmul_configs(quick=False):
-    """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes, or
-    (BlockSizes, the op names it is timed on). Labels: n<block_n> w<warps, 4 if absent>
-    t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent>."""
-    from pallas_kernels.decode_gemv import BlockSizes as B
-    if quick:
-        return {"n4": B(block_n=4)}
-    qkv, wo, gate_up, down = "qkv+norm", "wo+residual", "gate_up+norm+swiglu", "down+residual"
-    return {"n4": B(), "n1w1": B(block_n=1, num_warps=1), "n2w2t4p1": B(block_n=2, num_warps=2, tiles_per_program=4,
-                                                                       prefetch=1),
-            "n2k8192p1": B(block_n=2, block_k=8192, prefetch=1),
-            "n4w2": (B(num_warps=2), {qkv, wo}), "n4w8": (B(num_warps=8), {qkv}), "n8w8": (B(block_n=8, num_warps=8), {qkv}),
-            "n2": (B(block_n=2), {qkv, wo}), "n1w2": (B(block_n=1, num_warps=2), {wo, down}),
-            "n2w1": (B(block_n=2, num_warps=1), {wo}),
-            "n2w2t2p1": (B(block_n=2, num_warps=2, tiles_per_program=2, prefetch=1), {gate_up}),
-            "n2w2t8p1": (B(block_n=2, num_warps=2, tiles_per_program=8, prefetch=1), {gate_up}),
-            "n1w1t4p1": (B(block_n=1, num_warps=1, tiles_per_program=4, prefetch=1), {gate_up}),
-            "n2t4p1": (B(block_n=2, tiles_per_program=4, prefetch=1), {gate_up}),
-            "n2w2t4p2": (B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=2), {gate_up}),
-            "n2k8192w8p1": (B(block_n=2, block_k=8192, num_warps=8, prefetch=1), {down}),
-            "n1k8192w2": (B(block_n=1, block_k=8192, num_warps=2), {down}),
-            "n4k8192w8p1": (B(block_n=4, block_k=8192, num_warps=8, prefetch=1), {down}),
-            "n2k4096p1": (B(block_n=2, block_k=4096, prefetch=1), {down}),
-            # rolled: the tiles in a loop carrying the next tile's weights
-            "n4t4r": (B(tiles_per_program=4, prefetch=1, rolled=True), {qkv}),
-            "n1w1t8r": (B(block_n=1, num_warps=1, tiles_per_program=8, prefetch=1, rolled=True), {wo, gate_up}),
-            "n2w2t4r": (B(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1, rolled=True), {gate_up}),
-            "n2w2t16r": (B(block_n=2, num_warps=2, tiles_per_program=16, prefetch=1, rolled=True), {gate_up}),
-            "n2k8192t4r": (B(block_n=2, block_k=8192, tiles_per_program=4, prefetch=1, rolled=True), {down}),
-            "n1k8192w2t8r": (B(block_n=1, block_k=8192, num_warps=2, tiles_per_program=8, prefetch=1, rolled=True),
-                             {down})}
-
-
-def _attn_tiles():
-    """The fused decode attention's tiles tried through the engine: the names in MESHLAB_BENCH_ATTN
-    (comma-separated, meshlab/bench/layer_chain.py attention_variants at the engine's table width),
-    by default the kernel's default tiles and the runner-up of the H200 chain sweep."""
-    from meshlab.bench.layer_chain import attention_variants
-    variants = attention_variants(ENGINE_MAX_PAGES)
-    names = [n for n in os.environ.get("MESHLAB_BENCH_ATTN", "default,st1_ppb4").split(",") if n]
-    unknown = [n for n in names if n not in variants]
-    if unknown:
-        raise SystemExit(f"MESHLAB_BENCH_ATTN: unknown attention tiles {unknown}; known: {', '.join(variants)}")
-    return {n: variants[n] for n in names}
-
-
-def _variant(name: str, shipped_attn=None):
-    """"[tuned][ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes);
-    without "tuned" the shipped per-shape GEMV tiles, without "a:" the shipped attention tiles
-    (shipped_attn: paged_tiles.decode_block_sizes as the module defines it, for a caller that has
-    swapped it since)."""
-    from pallas_kernels.decode_gemv import shape_block_sizes
-    from pallas_kernels import paged_tiles
-    tile, _, attn = name.partition("a:")
-    attn_tiles = _attn_tiles()[attn] if attn else (shipped_attn or paged_tiles.decode_block_sizes)()
-    return (_gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes), lambda: attn_tiles
-
+from meshlab.bench.decode_jobs import JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
-    per op at batch 1 (rows that passed its check), for _gemv_tuned_tiles()."""
+    per op at batch 1 (rows that passed its check), for decode_jobs.gemv_tuned_tiles()."""
     import re
     best: dict = {}
     for r in rows:
@@ -226,325 +117,9 @@ def _gemv_tuned(rows) -> dict:
     return {"MESHLAB_BENCH_GEMV_TUNED": json.dumps(tuned)}
 
 
-def _sweep_configs():
-    """The paged kernel's named configs plus grid-size and warp variants of the default (GPU only)."""
-    from pallas_kernels.paged_tiles import CONFIGS
-    variant = functools.partial(dataclasses.replace, CONFIGS["dot8"])
-    return {**CONFIGS, "dot8_p132": variant(min_programs=132), "dot8_p528": variant(min_programs=528),
-            "dot8_w2": variant(num_warps=2), "dot8_s1": variant(num_stages=1)}
-
-
-# -- child side -------------------------------------------------------------------------------
-def setup(args):
-    import jax
-    import models
-    from meshlab.bench import decode as bench
-    from meshlab.infer.loading import random_params
-    from models import model_def
-    bench.emit({"section": "meta", "setting": args.job, "value": 0.0, "unit": "", "backend": jax.default_backend(),
-                "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""), "note": ""})
-    name, dtype = ("tiny", "float32") if args.cpu_smoke else ("llama3_1b", "bfloat16")
-    cfg = dataclasses.replace(models.preset(name), dtype=dtype)
-    sizes = dict(ctx=64, big=2, n=8, lengths=[32, 64], max_len=256, chunk=32, tpot_n=32) if args.cpu_smoke else \
-        dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
-             max_len=ENGINE_MAX_LEN, chunk=512, tpot_n=256)
-    bw = args.bw
-    # base always measures (its rows are the JAX copy peers); first_token needs no roofline
-    if args.job == "base" or not bw and not args.job.startswith("first_token"):
-        gib = 1 << 24 if args.cpu_smoke else 1 << 30
-        for setting, nbytes, donate in (("1 GiB", gib, False), ("4 GiB", 4 * gib, False), ("1 GiB donated", gib, True)):
-            rate = bench.copy_bandwidth(nbytes, donate=donate)
-            bw = max(bw, rate)
-            if args.job == "base":
-                bench.emit({"section": "copy", "setting": f"jax elementwise {setting}, read + write",
-                            "value": rate / 1e9, "unit": "GB/s", "note": ""})
-    return cfg, model_def(cfg), random_params(cfg), bw, sizes
-
-
-def run_torch_copy(args):
-    from meshlab.bench import decode as bench      # imports jax, but torch alone touches the GPU here
-    if args.cpu_smoke:
-        return
-    for name, rate in bench.torch_copy_bandwidth().items():
-        bench.emit({"section": "copy", "setting": f"torch {name} 1 GiB bf16, read + write", "value": rate / 1e9,
-                    "unit": "GB/s", "note": "CUDA events"})
-
-
-def run_child(args):
-    if args.job == "copy_torch":
-        return run_torch_copy(args)
-    from meshlab.bench import decode as bench
-    cfg, md, params, bw, sz = setup(args)
-    out, tag = Path(args.out_dir), JOBS[args.job][2]
-
-    def decode(batch, layers, impl="xla", detail=False, profile=False, layout="paged", variant=""):
-        label = f"{layers}{variant}{tag}"
-        try:
-            slug = f"{args.job}_{layers}{variant}_{layout}_{impl}_b{batch}"
-            bench.emit(bench.measure_decode(
-                md, params, bw, batch, sz["ctx"], impl=impl, layers=layers, n=sz["n"], label=label,
-                hlo_file=out / "hlo" / f"{slug}.hlo.txt.gz" if detail else None,
-                profile_dir=Path("/tmp/bench_decode_traces") / slug if profile else None, layout=layout))
-        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-            bench.fail_row("decode", f"{label} {layout} {impl} b={batch}", e)
-
-    def layers_gate(layers):
-        """The fp32 greedy gate of the Pallas paged path with these serving layers; emits and returns it."""
-        gate = bench.correctness_gate(impls=("pallas",), layers=layers, preset="tiny" if args.cpu_smoke else "llama3_1b")
-        for path, result in gate.items():
-            bench.emit({"section": "gate", "setting": f"{path} (layers={layers})", "value": float(result == "ok"),
-                        "unit": "ok", "note": result})
-        return gate
-
-    if args.job == "base":
-        for layers in ("fused", "split"):
-            decode(1, layers, detail=layers == "fused", profile=True)
-        decode(1, "fused", layout="contiguous", profile=True)
-        decode(sz["big"], "fused", detail=True)
-    elif args.job in ("sweep", "sweep_pallas", "sweep_fused"):
-        impl = {"sweep": "xla", "sweep_pallas": "pallas_unfused", "sweep_fused": "pallas"}[args.job]
-        for batch in (SWEEP[:3] if args.cpu_smoke else SWEEP):
-            decode(batch, "fused", impl=impl)
-    elif args.job == "scan":
-        for layers in ("scan", "unroll"):
-            decode(1, layers)
-    elif args.job == "cmdbuf_while":
-        decode(1, "fused", detail=True)
-        decode(1, "scan")
-    elif args.job == "dsfusion":
-        decode(1, "scan", detail=True)
-        decode(1, "unroll")
-    elif args.job == "no_cmdbuf":
-        decode(1, "fused")
-    elif args.job == "pallas":
-        gate = bench.correctness_gate(preset="tiny" if args.cpu_smoke else "llama3_1b")
-        for path, result in gate.items():
-            bench.emit({"section": "gate", "setting": path, "value": float(result == "ok"), "unit": "ok",
-                        "note": result})
-        for batch in (1, sz["big"]):
-            if gate.get("paged-pallas") == "ok":
-                decode(batch, "fused", impl="pallas", detail=batch == 1, profile=batch == 1)
-            try:
-                bench.kernel_peers(cfg, bw, batch, sz["ctx"], configs=None if args.cpu_smoke else _sweep_configs())
-            except Exception as e:  # noqa: BLE001
-                bench.fail_row("kernel", f"peers b={batch}", e)
-    elif args.job == "fusedk":
-        layers_gate("fused")
-        decode(1, "fused", impl="pallas", detail=True, profile=True)
-        decode(1, "fused", impl="pallas_unfused")
-        decode(sz["big"], "fused", impl="pallas")
-        decode(sz["big"], "fused", impl="pallas_unfused")
-        decode(1, "fused", impl="pallas")
-        decode(1, "fused", impl="pallas_unfused")
-    elif args.job == "kernels":
-        if layers_gate("kernels").get("paged-pallas") == "ok":
-            for i, (batch, layers) in enumerate(((1, "kernels"), (1, "fused"), (16, "kernels"), (16, "fused"),
-                                                 (4, "kernels"), (1, "kernels"), (1, "fused"))):
-                decode(batch, layers, impl="pallas", detail=i == 0, profile=batch == 1)
-    elif args.job == "matmul":
-        from meshlab.bench.matmul import matmul_peers
-        for batch in (1,) if args.quick else (1, 4):
-            matmul_peers(cfg, bw, batch, _matmul_configs(quick=args.cpu_smoke))
-    elif args.job == "profile1":
-        decode(1, "fused", impl="pallas", detail=True, profile=True)
-    elif args.job == "cublas":
-        decode(1, "fused", impl="pallas", profile=True)
-    elif args.job == "engine":
-        from meshlab.bench import first_token
-        from meshlab.bench import serve as bs
-        from meshlab.infer.engine import Engine
-        # the layers measured: fused, or engine_gemv's faster choice (_engine_choice) in one call with it
-        layers, tile = os.environ.get("MESHLAB_BENCH_LAYERS", "auto"), os.environ.get("MESHLAB_BENCH_GEMV", "")
-        layers = shipped_layers(md) if layers == "auto" else layers
-        if tile:
-            from pallas_kernels import decode_gemv as dg, paged_tiles as pt
-            dg.default_block_sizes, pt.decode_block_sizes = _variant(tile)
-        bench.emit({"section": "config", "setting": "engine layers", "value": 0.0, "unit": "", "note": f"{layers} {tile}"})
-        layers_gate(layers)                # fp32: packed steps (paged prompt kernel on GPU) and decode vs uncached
-        try:
-            eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers=layers)
-            eng.warmup()
-        except Exception as e:  # noqa: BLE001 - the paged prompt kernel failing to build must not lose the rest
-            bench.fail_row("compile", "engine prefill=auto, falling back to prefill=flash", e)
-            eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers=layers, prefill="flash")
-            eng.warmup()
-        ctx, n = sz["ctx"], sz["tpot_n"]
-
-        def sweep(with_layers=layers, batches=(1, 16, 64), tag=""):
-            big = Engine(md, params, max_len=ctx + 128, max_seqs=sz["big"], page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers=with_layers, prefill=eng.prefill)
-            bs.engine_sweep(big, bw, [b for b in batches if b <= sz["big"]], ctx=ctx, n=min(128, n), tag=tag)
-        # most wanted first: a job stopped at its time limit keeps the rows before
-        for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=ctx, n=n)),
-                            ("ttft", lambda: bs.prefix_ttft(eng, n=min(2048, sz["lengths"][-1]))),
-                            ("profile", lambda: bench.emit(bench.engine_profile(
-                                eng, Path("/tmp/bench_decode_traces") / "engine_b1", ctx=ctx, n=min(128, n)))),
-                            ("profile", lambda: bench.emit(first_token.engine_tail_profile(
-                                eng, Path("/tmp/bench_decode_traces") / "engine_tail", n=min(2048, sz["lengths"][-1])))),
-                            ("ttft", lambda: bs.ttft(eng, sz["lengths"])),
-                            ("sweep", sweep),
-                            ("http", lambda: bs.server_rows(eng, bw, ttft_len=min(2048, sz["lengths"][-1]), n=n,
-                                                            ctx=ctx)),
-                            # the shipped fused layers at the sweep's larger batches, when another was measured
-                            ("sweep", lambda: layers != "fused" and sweep("fused", (16, 64), " [fused]"))):
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001
-                bench.fail_row(section, "engine", e)
-    elif args.job in ENGINE_AB:
-        layers_gate(shipped_layers(md))    # fp32: a runtime flag must not change what is computed
-        engine_ab_job(md, params, sz, bw, tag, layers=shipped_layers(md))
-    elif args.job == "engine_gemv":
-        engine_gemv_job(md, params, sz, bw, layers_gate)
-    elif args.job in ("first_token", "first_token_ab"):
-        first_token_job(md, params, sz, ab=args.job == "first_token_ab")
-    elif args.job == "sweep_ab":         # batch 64 with and without kept hidden states, alternated
-        from meshlab.bench import serve as bs
-        from meshlab.infer.engine import Engine
-        engines = {tag: Engine(md, params, max_len=sz["ctx"] + 128, max_seqs=sz["big"], page_size=16,
-                               chunk=sz["chunk"], steps_per_call=16, layers=shipped_layers(md), reuse_hidden=on)
-                   for tag, on in ((" [reuse_hidden]", True), (" [no reuse_hidden]", False))}
-        for _ in range(2):
-            for tag, eng in engines.items():
-                bs.engine_sweep(eng, bw, [sz["big"]], ctx=sz["ctx"], n=min(128, sz["n"] * 4), tag=tag)
-    elif args.job == "prefill_ab":
-        from meshlab.bench import first_token
-        from meshlab.infer.engine import Engine
-        names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",")
-                 if v]
-        first_token.prefill_tiles_ab(functools.partial(
-            Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
-            layers=shipped_layers(md)), n=min(2048, sz["lengths"][-1]), names=names)
-    elif args.job == "first_token_host":
-        from meshlab.bench import first_token
-        from meshlab.infer.engine import Engine
-        eng = Engine(md, params, max_len=max(sz["max_len"], 2048 + 256), max_seqs=1, page_size=16, chunk=sz["chunk"],
-                     steps_per_call=16, layers=shipped_layers(md))
-        for row in first_token.host_rows(eng, n=2048):
-            bench.emit(row)
-
-
-def engine_gemv_job(md, params, sz, bw, layers_gate):
-    """engine_gemv (the job list says what): fused against kernels with the shipped tiles, then each
-    op's fastest tile in the matmul job (when it ran) and the attention tiles of _attn_tiles(), and a
-    profile of the fastest kernels variant. MESHLAB_BENCH_ATTN set: no fused engine (the A/B is
-    between attention tiles)."""
-    from meshlab.bench import decode as bench
-    from meshlab.infer.engine import Engine
-    from pallas_kernels import decode_gemv as dg, paged_tiles as pt
-    if layers_gate("kernels").get("paged-pallas") != "ok":
-        return
-    if "MESHLAB_BENCH_ATTN" not in os.environ:
-        engine_ab_job(md, params, sz, bw, " [fused]", layers="fused")
-    rates = {"": engine_ab_job(md, params, sz, bw, " [kernels]", layers="kernels")}
-    default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
-    tile = "tuned" if _gemv_tuned_tiles() else ""
-    names = ([tile] if tile else []) + ([] if short else [f"{tile} a:{a}".strip() for a in _attn_tiles()])
-
-    def use(name):
-        dg.default_block_sizes, pt.decode_block_sizes = _variant(name, shipped_attn=attn)
-    for name in names:
-        use(name)
-        rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
-    if not short:
-        best = max(rates, key=lambda k: rates[k])
-        use(best)
-        try:
-            eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="kernels")
-            row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
-                                       n=min(128, sz["tpot_n"]))
-            bench.emit(dict(row, setting=row["setting"] + f" [kernels {best}]".replace(" ]", "]")))
-        except Exception as e:  # noqa: BLE001
-            bench.fail_row("profile", "engine kernels", e)
-    dg.default_block_sizes, pt.decode_block_sizes = default, attn
-
-
-def shipped_layers(md) -> str:
-    """The layers Engine(layers="auto") picks on this machine (kernels on one GPU, with the Pallas kernels)."""
-    from meshlab.infer.engine import default_impl, default_layers
-    return default_layers(md, default_impl())
-
-
-def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
-    """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
-    the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
-    from meshlab.bench import decode as bench
-    from meshlab.bench import serve as bs
-    from meshlab.infer.engine import Engine
-    from meshlab.infer.sampler import SamplingParams
-    eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
-                 layers=layers)
-    n, rates = min(2048, sz["lengths"][-1]), []
-    for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
-                        ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),
-                        ("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag + " again"))):
-        try:
-            row = fn()
-            if section == "decode":
-                rates.append(row["value"])
-        except Exception as e:  # noqa: BLE001
-            bench.fail_row(section, "engine" + tag, e)
-    toks = eng.generate([list(range(7, 7 + n // 4))], SamplingParams(max_tokens=24))[0].output
-    bench.emit({"section": "tokens", "setting": "greedy bf16" + tag, "value": float(sum(toks) % 100003), "unit": "sum",
-                "note": " ".join(map(str, toks))})
-    return sum(rates) / len(rates) if rates else 0.0
-
-
-def first_token_job(md, params, sz, ab: bool):
-    """The prefix-cache TTFT and its profile on one max_seqs=1 engine (the engine job's), no warmup:
-    each program compiles at its first (untimed) use. ab: the TTFT through engines built otherwise
-    instead (packed programs without command buffers; packed input in pinned host memory)."""
-    from meshlab.bench import decode as bench
-    from meshlab.bench import first_token
-    from meshlab.bench import serve as bs
-    from meshlab.infer.engine import Engine
-    n = min(2048, sz["lengths"][-1])
-    make = functools.partial(Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                             steps_per_call=16, layers=shipped_layers(md))
-
-    def tagged_ttft(tag, **kw):
-        bs.prefix_ttft(make(**kw), n=n, tag=tag)
-
-    def packed_options(name):            # TTFT and the short tail's profile with XLA options on packed programs
-        eng = make(compiler_options={"packed": first_token.PACKED_OPTIONS[name]})
-        bs.prefix_ttft(eng, n=n, tag=f" [packed {name}]")
-        row = first_token.engine_tail_profile(eng, Path("/tmp/bench_decode_traces") / name, n=n)
-        bench.emit(dict(row, setting=row["setting"] + f" [packed {name}]"))
-    named = [v for v in os.environ.get("MESHLAB_BENCH_PACKED_XLA", "").split(",") if v]
-    if ab and named:
-        sections = [("ttft", lambda: tagged_ttft(" [as shipped]"))]
-        sections += [("ttft", functools.partial(packed_options, name)) for name in named]
-    elif ab:
-        sections = (("ttft", lambda: tagged_ttft(" [as shipped]")),
-                    ("ttft", lambda: tagged_ttft(" [last token fed again]", reuse_hidden=False)),
-                    ("ttft", lambda: tagged_ttft(" [first-token decode call no cmdbuf]",
-                                                 compiler_options={"first": first_token.NO_CMDBUF})),
-                    ("ttft", lambda: tagged_ttft(" [packed no cmdbuf]", compiler_options={"packed": first_token.NO_CMDBUF})),
-                    ("ttft", lambda: tagged_ttft(" [pinned input]", pinned_inputs=True)),
-                    ("ttft", lambda: tagged_ttft(" [one token left: packed row]", first_token_decode=False)))
-    else:
-        eng = make()
-        trace = Path("/tmp/bench_decode_traces")
-        sections = (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
-                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token", n=n))),
-                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token_all", n=n,
-                                                                                   tail=0))),
-                    ("host", lambda: [bench.emit(r) for r in first_token.host_rows(eng, n=n)]))
-    for section, fn in sections:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            bench.fail_row(section, "first_token", e)
-
-
-# -- parent side ------------------------------------------------------------------------------
 def _engine_choice(rows) -> dict:
     """{MESHLAB_BENCH_LAYERS, MESHLAB_BENCH_GEMV}: the engine_gemv variant with the most batch-1 decode
-    tokens/s (mean of its two measures): fused, or kernels under one of its variants (_variant)."""
+    tokens/s (mean of its two measures): fused, or kernels under one of its variants (decode_jobs.tile_variant)."""
     import re
     rates: dict = {}
     for r in rows:

@@ -1,9 +1,12 @@
-"""bench_decode.py's parent side: the tiles and layers a later job measures come from earlier rows."""
+"""bench_decode.py's parent side: the tiles and layers a later job measures come from earlier rows
+(and the child side's reading of them, meshlab/bench/decode_jobs.py)."""
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from meshlab.bench import decode_jobs as dj
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,23 +35,23 @@ def test_matmul_rows_give_each_op_its_fastest_tile(bd, monkeypatch):
     assert tuned == {"3072,2048,0": "n8w8", "2048,2048,0": "n4"}
     monkeypatch.setenv("MESHLAB_BENCH_GEMV_TUNED", json.dumps(tuned))
     monkeypatch.setenv("MESHLAB_BENCH_ATTN", "w8")
-    gemv, attn = bd._variant("tuned a:w8")
+    gemv, attn = dj.tile_variant("tuned a:w8")
     assert gemv(3072, 2048, False).block_n == 8 and gemv(3072, 2048, False).num_warps == 8
-    assert gemv(2048, 8192, False) == bd._matmul_configs()["n4"]      # an op without a row: the default BlockSizes
+    assert gemv(2048, 8192, False) == dj.matmul_configs()["n4"]      # an op without a row: the default BlockSizes
     assert attn().num_warps == 8
     monkeypatch.setenv("MESHLAB_BENCH_ATTN", "ppb4,st1_vfirst")
-    shipped, attn = bd._variant("a:ppb4")                            # no "tuned": the shipped per-shape tiles
+    shipped, attn = dj.tile_variant("a:ppb4")                            # no "tuned": the shipped per-shape tiles
     from pallas_kernels.decode_gemv import shape_block_sizes
     assert shipped is shape_block_sizes and attn().pages_per_block == 4
-    assert bd._variant("a:st1_vfirst")[1]().v_first and set(bd._attn_tiles()) == {"ppb4", "st1_vfirst"}
+    assert dj.tile_variant("a:st1_vfirst")[1]().v_first and set(dj.attention_tiles()) == {"ppb4", "st1_vfirst"}
     # after a variant swapped the module's tiles, "no a:" still means the tiles the module ships
     from pallas_kernels import paged_tiles
     shipped_attn = paged_tiles.decode_block_sizes
     monkeypatch.setattr(paged_tiles, "decode_block_sizes", attn)
-    assert bd._variant("", shipped_attn=shipped_attn)[1]() == shipped_attn() != attn()
+    assert dj.tile_variant("", shipped_attn=shipped_attn)[1]() == shipped_attn() != attn()
     monkeypatch.setenv("MESHLAB_BENCH_ATTN", "nonesuch")
     with pytest.raises(SystemExit, match="nonesuch"):
-        bd._attn_tiles()
+        dj.attention_tiles()
 
 
 def test_engine_choice_takes_the_fastest_mean(bd):
