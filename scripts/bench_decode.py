@@ -5,9 +5,8 @@
 The parent never touches the GPU. It runs each job below as a child process of this script
 (`--job NAME`, meshlab/bench/decode_jobs.py) because XLA reads XLA_FLAGS once per process; each
 child prints `ROW {json}` lines as it measures, so one killed at its time limit still hands back
-its rows. Jobs run most
-important first; each is promised `reserve` seconds and gets the slack earlier jobs left, so
-the whole call ends inside --budget-s. Children share a compilation and autotune cache.
+its rows. Jobs run most important first; each is promised `reserve` seconds and gets the slack
+earlier jobs left, so the whole call ends inside --budget-s. Children share a compilation and autotune cache.
 
   copy_torch    the copy bandwidth measured by torch (CUDA events; no JAX in that process)
   base          the copy bandwidth in JAX (1 GiB, 4 GiB, donated); batch-1 decode at ctx 2048

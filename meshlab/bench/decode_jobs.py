@@ -176,7 +176,8 @@ class Child:
         return self.gate(impls=("pallas",), layers=layers)
 
     def engine(self, **kw):
-        """A batch-1 engine as the engine jobs build it (kw: Engine's other arguments)."""
+        """An engine as every job builds one: pages of 16, 16 decode steps a call, the job's chunk; by
+        default one row of max_len tokens on the shipped layers (kw: overrides and Engine's other arguments)."""
         from meshlab.infer.engine import Engine
         kw = {"layers": shipped_layers(self.md), **kw}
         return Engine(self.md, self.params, max_len=kw.pop("max_len", self.sz["max_len"]), max_seqs=kw.pop("max_seqs", 1),
@@ -220,7 +221,6 @@ def run_torch_copy(args):
                     "unit": "GB/s", "note": "CUDA events"})
 
 
-
 def shipped_layers(md) -> str:
     """The layers Engine(layers="auto") picks on this machine (kernels on one GPU, with the Pallas kernels)."""
     from meshlab.infer.engine import default_impl, default_layers
@@ -228,19 +228,17 @@ def shipped_layers(md) -> str:
 
 
 def job_engine_gemv(c: Child):
-    """engine_gemv (the job list in scripts/bench_decode.py says what): fused against kernels with the shipped tiles, then each
-    op's fastest tile in the matmul job (when it ran) and the attention tiles of attention_tiles(), and a
-    profile of the fastest kernels variant. MESHLAB_BENCH_ATTN set: no fused engine (the A/B is
-    between attention tiles)."""
+    """engine_gemv (the script's job list says what): fused against kernels with the shipped tiles,
+    then each op's fastest tile in the matmul job (when it ran) and the attention tiles of
+    attention_tiles(), and a profile of the fastest kernels variant. MESHLAB_BENCH_ATTN set: no fused
+    engine (the A/B is between attention tiles)."""
     from meshlab.bench import decode as bench
-    from meshlab.infer.engine import Engine
     from pallas_kernels import decode_gemv as dg, paged_tiles as pt
-    md, params, sz, bw = c.md, c.params, c.sz, c.bw
     if c.layers_gate("kernels").get("paged-pallas") != "ok":
         return
     if "MESHLAB_BENCH_ATTN" not in os.environ:
-        engine_ab_job(md, params, sz, bw, " [fused]", layers="fused")
-    rates = {"": engine_ab_job(md, params, sz, bw, " [kernels]", layers="kernels")}
+        engine_ab_job(c, " [fused]", layers="fused")
+    rates = {"": engine_ab_job(c, " [kernels]", layers="kernels")}
     default, attn, short = dg.default_block_sizes, pt.decode_block_sizes, os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1"
     tile = "tuned" if gemv_tuned_tiles() else ""
     names = ([tile] if tile else []) + ([] if short else [f"{tile} a:{a}".strip() for a in attention_tiles()])
@@ -249,30 +247,26 @@ def job_engine_gemv(c: Child):
         dg.default_block_sizes, pt.decode_block_sizes = tile_variant(name, shipped_attn=attn)
     for name in names:
         use(name)
-        rates[name] = engine_ab_job(md, params, sz, bw, f" [kernels {name}]", layers="kernels")
+        rates[name] = engine_ab_job(c, f" [kernels {name}]", layers="kernels")
     if not short:
         best = max(rates, key=lambda k: rates[k])
         use(best)
         try:
-            eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                         steps_per_call=16, layers="kernels")
-            row = bench.engine_profile(eng, Path("/tmp/bench_decode_traces") / "engine_kernels", ctx=sz["ctx"],
-                                       n=min(128, sz["tpot_n"]))
+            row = bench.engine_profile(c.engine(layers="kernels"), TRACES / "engine_kernels", ctx=c.sz["ctx"],
+                                       n=min(128, c.sz["tpot_n"]))
             bench.emit(dict(row, setting=row["setting"] + f" [kernels {best}]".replace(" ]", "]")))
         except Exception as e:  # noqa: BLE001
             bench.fail_row("profile", "engine kernels", e)
     dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
-def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
+def engine_ab_job(c: Child, tag: str, layers: str = "fused"):
     """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
     the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import serve as bs
-    from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
-    eng = Engine(md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"], steps_per_call=16,
-                 layers=layers)
+    eng, sz, bw = c.engine(layers=layers), c.sz, c.bw
     n, rates = min(2048, sz["lengths"][-1]), []
     for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
                         ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),
@@ -289,17 +283,14 @@ def engine_ab_job(md, params, sz, bw, tag: str, layers: str = "fused"):
     return sum(rates) / len(rates) if rates else 0.0
 
 
-def first_token_job(md, params, sz, ab: bool):
+def first_token_job(c: Child, ab: bool):
     """The prefix-cache TTFT and its profile on one max_seqs=1 engine (the engine job's), no warmup:
     each program compiles at its first (untimed) use. ab: the TTFT through engines built otherwise
     instead (packed programs without command buffers; packed input in pinned host memory)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import first_token
     from meshlab.bench import serve as bs
-    from meshlab.infer.engine import Engine
-    n = min(2048, sz["lengths"][-1])
-    make = functools.partial(Engine, md, params, max_len=sz["max_len"], max_seqs=1, page_size=16, chunk=sz["chunk"],
-                             steps_per_call=16, layers=shipped_layers(md))
+    n, make = min(2048, c.sz["lengths"][-1]), c.engine
 
     def tagged_ttft(tag, **kw):
         bs.prefix_ttft(make(**kw), n=n, tag=tag)
@@ -307,7 +298,7 @@ def first_token_job(md, params, sz, ab: bool):
     def packed_options(name):            # TTFT and the short tail's profile with XLA options on packed programs
         eng = make(compiler_options={"packed": first_token.PACKED_OPTIONS[name]})
         bs.prefix_ttft(eng, n=n, tag=f" [packed {name}]")
-        row = first_token.engine_tail_profile(eng, Path("/tmp/bench_decode_traces") / name, n=n)
+        row = first_token.engine_tail_profile(eng, TRACES / name, n=n)
         bench.emit(dict(row, setting=row["setting"] + f" [packed {name}]"))
     named = [v for v in os.environ.get("MESHLAB_BENCH_PACKED_XLA", "").split(",") if v]
     if ab and named:
@@ -323,10 +314,9 @@ def first_token_job(md, params, sz, ab: bool):
                     ("ttft", lambda: tagged_ttft(" [one token left: packed row]", first_token_decode=False)))
     else:
         eng = make()
-        trace = Path("/tmp/bench_decode_traces")
         sections = (("ttft", lambda: bs.prefix_ttft(eng, n=n)),
-                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token", n=n))),
-                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, trace / "first_token_all", n=n,
+                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, TRACES / "first_token", n=n))),
+                    ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, TRACES / "first_token_all", n=n,
                                                                                    tail=0))),
                     ("host", lambda: [bench.emit(r) for r in first_token.host_rows(eng, n=n)]))
     for section, fn in sections:
@@ -334,8 +324,6 @@ def first_token_job(md, params, sz, ab: bool):
             fn()
         except Exception as e:  # noqa: BLE001
             bench.fail_row(section, "first_token", e)
-
-
 
 
 def job_base(c: Child):
@@ -386,8 +374,9 @@ def job_matmul(c: Child):
 
 
 def job_engine(c: Child):
-    """The engine job (the script's job list): the layers measured are fused, or engine_gemv's faster
-    choice when it ran earlier in the call (MESHLAB_BENCH_LAYERS / MESHLAB_BENCH_GEMV)."""
+    """The engine job (the script's job list): the layers measured are the shipped ones (Engine's
+    layers="auto"), or engine_gemv's faster choice when it ran earlier in the call
+    (MESHLAB_BENCH_LAYERS / MESHLAB_BENCH_GEMV)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import first_token
     from meshlab.bench import serve as bs
@@ -430,7 +419,7 @@ def job_engine(c: Child):
 
 def job_engine_ab(c: Child):
     c.layers_gate(shipped_layers(c.md))    # fp32: a runtime flag must not change what is computed
-    engine_ab_job(c.md, c.params, c.sz, c.bw, c.tag, layers=shipped_layers(c.md))
+    engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
 
 
 def job_sweep_ab(c: Child):
@@ -466,8 +455,8 @@ CHILD_JOBS = {
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
     "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "prefill_ab": job_prefill_ab,
-    "first_token": lambda c: first_token_job(c.md, c.params, c.sz, ab=False),
-    "first_token_ab": lambda c: first_token_job(c.md, c.params, c.sz, ab=True),
+    "first_token": lambda c: first_token_job(c, ab=False),
+    "first_token_ab": lambda c: first_token_job(c, ab=True),
     "first_token_host": job_first_token_host,
     **{name: job_engine_ab for name in ENGINE_AB},
 }
