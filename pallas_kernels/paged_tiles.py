@@ -61,14 +61,24 @@ CONFIGS = {
 }
 
 
-def decode_block_sizes() -> BlockSizes:
-    """The tiles the serving step's fused decode kernel gets (meshlab/infer/kv_cache.py, batch <= 16);
-    module-level so that a benchmark can swap it before building an engine. At batch 1 a program runs
-    one or two page blocks, so Triton's software pipelining (num_stages 2: loads staged through shared
-    memory) only adds a wait, and V's load is one memory latency less beside K's: [64, d] tiles, no
-    pipelining, V first took the batch-1 decode layer from 52.2 to 49.0 us in the layer chain and the
-    engine from 1,113 to 1,149 tokens/s, level at batch 16 (H200, docs/benchmarks.md)."""
-    return BlockSizes(pages_per_block=4, num_stages=1, v_first=True)
+def decode_block_sizes(batch: int = 1, fused: bool = True) -> BlockSizes:
+    """The tiles of the serving step's decode attention at `batch` rows: the fused RoPE + write +
+    attention kernel (meshlab/infer/kv_cache.py, batch <= 16), or with fused=False the plain kernel
+    (larger batches, and a packed step's decode rows). Module-level so that a benchmark can swap it
+    before building an engine. No software pipelining at any batch: with gathered page loads,
+    Triton's staging through shared memory (num_stages 2) only adds a wait.
+    - batch 1: a program runs one or two page blocks, and V's load is one memory latency less beside
+      K's: [64, d] tiles, no pipelining, V first took the batch-1 decode layer from 52.2 to 49.0 us in
+      the layer chain and the engine from 1,113 to 1,149 tokens/s (H200, docs/benchmarks.md).
+    - fused, batch > 1: [128, d] tiles over 528 programs wanted: at batch 4 / 16, 16 layers at ctx 2k
+      took 22.5 / 47.5 us a layer against 35.6 / 58.2 with the batch-1 tiles (H200).
+    - unfused: [128, d] tiles with the automatic split: at batch 32 / 64 / 128, 65.6 / 105.0 / 179.5 us
+      a layer against 82.3 / 131.9 / 246.8 with the kernel's defaults (H200)."""
+    if fused and batch == 1:
+        return BlockSizes(pages_per_block=4, num_stages=1, v_first=True)
+    if fused:
+        return BlockSizes(num_stages=1, min_programs=528)
+    return BlockSizes(num_stages=1)
 
 
 def prefill_block_sizes() -> BlockSizes:

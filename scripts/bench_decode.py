@@ -55,8 +55,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 the tail of the one before), the exclusive-lock executable (less per-call resource
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
-  sweep_ab      batch 64 through engines with and without kept hidden states (Engine reuse_hidden),
-                alternated twice in one process
+  sweep_ab      batch 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
+                (by batch) or those before (decode_jobs.before_batch_tiles), alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the

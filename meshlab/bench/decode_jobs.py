@@ -31,7 +31,7 @@ JOBS = {
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
     "engine": ("", 150, ""),
-    "sweep_ab": ("", 150, ""),
+    "sweep_ab": ("", 240, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
@@ -115,12 +115,17 @@ def tile_variant(name: str, shipped_attn=None):
     """"[tuned][ a:<attention tile>]" -> (decode_gemv default_block_sizes, paged_tiles decode_block_sizes);
     without "tuned" the shipped per-shape GEMV tiles, without "a:" the shipped attention tiles
     (shipped_attn: paged_tiles.decode_block_sizes as the module defines it, for a caller that has
-    swapped it since)."""
+    swapped it since). An "a:" tile replaces the fused kernel's at batch 1 only (the batch-1 chain
+    these variants are about); other batches keep the shipped tiles."""
     from pallas_kernels.decode_gemv import shape_block_sizes
     from pallas_kernels import paged_tiles
     tile, _, attn = name.partition("a:")
-    attn_tiles = attention_tiles()[attn] if attn else (shipped_attn or paged_tiles.decode_block_sizes)()
-    return (gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes), lambda: attn_tiles
+    shipped = shipped_attn or paged_tiles.decode_block_sizes
+    gemv = gemv_tuned_tiles() if tile.strip() == "tuned" else shape_block_sizes
+    if not attn:
+        return gemv, shipped
+    one = attention_tiles()[attn]
+    return gemv, lambda batch=1, fused=True: one if fused and batch == 1 else shipped(batch, fused)
 
 
 def sweep_configs():
@@ -422,14 +427,30 @@ def job_engine_ab(c: Child):
     engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
 
 
+def before_batch_tiles(batch: int = 1, fused: bool = True):
+    """The decode attention's tiles before they depended on the batch: the batch-1 tiles for the fused
+    kernel at every batch, the kernel's defaults (pipelined, num_stages 2) for the plain one."""
+    from pallas_kernels import paged_tiles as pt
+    return pt.BlockSizes(pages_per_block=4, num_stages=1, v_first=True) if fused else pt.BlockSizes()
+
+
 def job_sweep_ab(c: Child):
-    """Batch 64 with and without kept hidden states, alternated."""
+    """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
+    (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice. The tiles
+    are read when a program traces: each engine runs under its own, compiles included."""
     from meshlab.bench import serve as bs
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=c.sz["big"], reuse_hidden=on)
-               for tag, on in ((" [reuse_hidden]", True), (" [no reuse_hidden]", False))}
-    for _ in range(2):
-        for tag, eng in engines.items():
-            bs.engine_sweep(eng, c.bw, [c.sz["big"]], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4), tag=tag)
+    from pallas_kernels import paged_tiles as pt
+    shipped = pt.decode_block_sizes
+    variants = {" [attention tiles by batch]": shipped, " [attention tiles before]": before_batch_tiles}
+    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=c.sz["big"]) for tag in variants}
+    try:
+        for _ in range(2):
+            for tag, eng in engines.items():
+                pt.decode_block_sizes = variants[tag]
+                bs.engine_sweep(eng, c.bw, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), ctx=c.sz["ctx"],
+                                n=min(128, c.sz["n"] * 4), tag=tag)
+    finally:
+        pt.decode_block_sizes = shipped
 
 
 def job_prefill_ab(c: Child):

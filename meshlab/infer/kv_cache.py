@@ -148,7 +148,9 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
             qd = q[0, :n_dec]                                                             # [n_dec, h, d]
             if impl in ("pallas", "pallas_unfused"):
                 from pallas_kernels.paged_attention import paged_attention
-                outs.append(paged_attention(qd, new["k"], new["v"], dec_table, dec_len, layer, interpret=interpret))
+                from pallas_kernels.paged_tiles import decode_block_sizes
+                outs.append(paged_attention(qd, new["k"], new["v"], dec_table, dec_len, layer, interpret=interpret,
+                                            block_sizes=decode_block_sizes(n_dec, fused=False)))
             else:
                 outs.append(gathered_attention(qd[:, None], new, layer, dec_table, (dec_len - 1)[:, None])[:, 0])
         if k_rows:
@@ -218,8 +220,9 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
                for name, x in (("k", k), ("v", v))}
         if impl in ("pallas", "pallas_unfused") and q.shape[1] == 1:
             from pallas_kernels.paged_attention import paged_attention
+            from pallas_kernels.paged_tiles import decode_block_sizes
             o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths(), layer,   # layer read in place
-                                interpret=interpret)
+                                block_sizes=decode_block_sizes(q.shape[0], fused=False), interpret=interpret)
             return o[:, None], new
         return gathered_attention(q, new, layer, page_table, positions), new
 
@@ -234,7 +237,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         o, k, v = paged_decode_attention(qkv.reshape(b * t, heads, d), rope_cos_sin(positions[:, 0], inv_freq),
                                          cache["k"], cache["v"], page_table, lengths(), layer,
                                          None if cached is None else cached[:, 0], n_heads=n_heads,
-                                         block_sizes=paged_tiles.decode_block_sizes(), interpret=interpret)
+                                         block_sizes=paged_tiles.decode_block_sizes(b), interpret=interpret)
         return o.reshape(b, t, n_heads, d), {"k": constrain(k, PAGED_NAMES), "v": constrain(v, PAGED_NAMES)}
 
     # Batch <= 16 only: the fused kernel loads K in two d/2-wide column halves (rotate-half without a

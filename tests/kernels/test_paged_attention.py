@@ -53,6 +53,18 @@ def test_sweep_configs_match_reference(name):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
 
 
+def test_serving_tiles_by_batch_match_reference():
+    # decode_block_sizes for the plain kernel (larger batches, a packed step's decode rows) and the
+    # fused one past batch 1: other splits and page blocks than the batch-1 tiles, the same result
+    q, k, v, table, lengths = make_case(6, b=4, max_pages=10, num_pages=48, lengths=(3, 37, 40, 0))
+    want = paged_attention_reference(q, k, v, table, lengths)
+    for bs in (decode_block_sizes(4, fused=False), decode_block_sizes(64, fused=False)):
+        got = paged_attention(q, k, v, table, lengths, block_sizes=bs, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+        assert np.all(np.asarray(got)[3] == 0)
+    assert decode_block_sizes(1) != decode_block_sizes(16) != decode_block_sizes(16, fused=False)
+
+
 @pytest.mark.parametrize("score", ["dot", "vpu"])
 def test_group_not_a_power_of_two(score):
     # 6 query heads on 2 kv heads: a group of 3, padded to 16 (dot) or 4 (vpu) rows in the kernel
@@ -137,7 +149,8 @@ def _fused_reference(qkv, k_cache, v_cache, table, lengths, layer, n_heads, thet
 
 
 @pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(16), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2),
-                                decode_block_sizes()], ids=["split1page", "onesplit", "default", "vpu", "decode"])
+                                decode_block_sizes(), decode_block_sizes(4)],
+                         ids=["split1page", "onesplit", "default", "vpu", "decode", "decode_batched"])
 def test_fused_decode_matches_rope_write_attend(bs):
     # GQA 4 (8 query / 2 kv heads), d 32 (dots on 16-wide halves); lengths: the first token, a new
     # page's first slot (9 = 2 pages + 1), the last slot of a full table (24), an inactive row
@@ -211,7 +224,7 @@ def test_fused_decode_lowers_for_cuda():
             jax.ShapeDtypeStruct((layers, pages, 16, kvh, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, 128), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32))
-    for bs in (BlockSizes(), decode_block_sizes()):          # the serving step's tiles: no pipelining, V first
+    for bs in (BlockSizes(), decode_block_sizes(), decode_block_sizes(16)):   # the serving step's tiles, by batch
         lowered = jax.jit(lambda *a, bs=bs: paged_decode_attention(*a, n_heads=h, block_sizes=bs)).trace(*args).lower(
             lowering_platforms=("cuda",))
         assert "paged_attention" in lowered.as_text() and "paged_attention_merge" in lowered.as_text()
