@@ -27,6 +27,12 @@ from models.llama import F32, _interpret, _mm, _w, apply_rope, rope_scaling
 from pallas_kernels import decode_gemv as decode_kernels, rope as rope_kernels
 
 ACT = ("act_batch", "act_seq", "act_embed")
+# The most decode rows a step runs through decode_step's kernels (at most decode_kernels.MAX_ROWS);
+# more go through nk_step's XLA GEMMs. One: at 2-4 rows the kernels' vector-unit sums cost more
+# than XLA's GEMMs read (H200, llama3_1b, ctx 2k, through Engine: batch 2 / 4 at 1,169 / 2,288
+# tokens/s through the kernels against 1,962 / 3,728 through XLA; batch 1 level). Module-level,
+# read when a step traces: a benchmark swaps it (bench_decode.py --jobs rows_ab).
+KERNEL_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +120,11 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
     """One decoder block (Llama's or a mixture of experts') over x [b, t, d] -> ([b, t, d], cache).
     fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only), or
     {"decode": the layer's matrices stored [n, k]} (serving layers="kernels"): then a decode token
-    (t == 1, at most decode_kernels.MAX_ROWS rows, kernels=True, the one-kernel attention offered)
+    (t == 1, at most KERNEL_ROWS rows, kernels=True, the one-kernel attention offered)
     goes through `decode_step`, anything else through `nk_step`."""
     b, t, _ = x.shape
     if fused is not None and "decode" in fused:
-        if kernels and t == 1 and b <= decode_kernels.MAX_ROWS and attend.fused is not None:
+        if kernels and t == 1 and b <= KERNEL_ROWS and attend.fused is not None:
             return decode_step(block, x, attend, layer, cache, fused)
         return nk_step(block, x, positions, attend, layer, cache, fused["decode"])
     h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,

@@ -57,6 +57,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 addresses instead of updating the graph; as shipped first and last (the noise)
   sweep_ab      batch 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
                 (by batch) or those before (decode_jobs.before_batch_tiles), alternated twice
+  rows_ab       batch 1 / 2 / 4 through engines whose decode steps take the kernels up to the shipped
+                rows or 1 (models.serving.KERNEL_ROWS; more rows: XLA GEMMs), alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the

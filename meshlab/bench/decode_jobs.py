@@ -32,6 +32,7 @@ JOBS = {
     "matmul": ("", 120, ""),
     "engine": ("", 150, ""),
     "sweep_ab": ("", 240, ""),
+    "rows_ab": ("", 200, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
@@ -453,6 +454,26 @@ def job_sweep_ab(c: Child):
         pt.decode_block_sizes = shipped
 
 
+def job_rows_ab(c: Child):
+    """Batch 1 / 2 / 4 through engines whose decode steps take decode_step's kernels up to the shipped
+    rows or 1 row (models.serving.KERNEL_ROWS; past it nk_step's XLA GEMMs; the engine pads 2 rows
+    to its bucket of 4), alternated twice. The limit is
+    read when a program traces: each engine runs under its own, compiles included."""
+    from meshlab.bench import serve as bs
+    from models import serving
+    shipped = serving.KERNEL_ROWS
+    limits = sorted({1, shipped}, reverse=True)
+    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in limits}
+    try:
+        for _ in range(2):
+            for rows, eng in engines.items():
+                serving.KERNEL_ROWS = rows
+                bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
+                                tag=f" [kernel rows {rows}]")
+    finally:
+        serving.KERNEL_ROWS = shipped
+
+
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
     names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
@@ -475,7 +496,8 @@ CHILD_JOBS = {
     "pallas": job_pallas, "fusedk": job_fusedk, "kernels": job_kernels, "matmul": job_matmul,
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
-    "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "prefill_ab": job_prefill_ab,
+    "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "rows_ab": job_rows_ab,
+    "prefill_ab": job_prefill_ab,
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
     "first_token_host": job_first_token_host,

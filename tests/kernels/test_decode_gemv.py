@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_gemv import BlockSizes, decode_gemv, decode_gemv_reference, shape_block_sizes
+from pallas_kernels.decode_gemv import MAX_ROWS, BlockSizes, decode_gemv, decode_gemv_reference, shape_block_sizes
 
 pytestmark = pytest.mark.cheap_codegen
 
@@ -128,15 +128,18 @@ def test_gpu_compiled_matches_reference_at_llama3_1b_shapes():
             np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
-def test_block_decode_step_matches_the_xla_block():
+def test_block_decode_step_matches_the_xla_block(monkeypatch):
     # The five-launch decode layer (kernels=True) and nk_step (the [n, k] weights through XLA) against
     # the same block with concatenated weights (layers="fused"): the kernels replace only the matmuls
     # and their neighbours; the jaxpr shows the four decode_gemv launches and the attention kernel.
+    # Three rows: the kernels' multi-row form, with the row limit raised to the kernel's (the shipped
+    # limit, one row, sends them through nk_step).
     import dataclasses
     from flax import nnx
     import models
     from meshlab.infer import kv_cache
     from meshlab.infer.programs import _fuse
+    from models import serving
     from models.serving import block_step
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
     block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
@@ -151,6 +154,8 @@ def test_block_decode_step_matches_the_xla_block():
     attend = kv_cache.paged_attend(positions, jnp.ones((b, 1), bool), table, "pallas", interpret=True)
     x = jax.random.normal(jax.random.PRNGKey(4), (b, 1, cfg.d_model), jnp.float32)
     step = lambda x, kernels: block_step(one, x, positions, attend, 0, cache, fused=nk, kernels=kernels)  # noqa: E731
+    assert "name=decode_gemv" not in str(jax.make_jaxpr(lambda x: step(x, True)[0])(x))   # 3 rows > KERNEL_ROWS
+    monkeypatch.setattr(serving, "KERNEL_ROWS", MAX_ROWS)
     with jax.default_matmul_precision("highest"):     # fp32 dots on a GPU too (XLA's default there rounds to tf32)
         want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
         outs = [step(x, kernels) for kernels in (True, False)]
