@@ -32,6 +32,7 @@ JOBS = {
     "matmul": ("", 120, ""),
     "engine": ("", 150, ""),
     "sweep_ab": ("", 240, ""),
+    "sweep_engine": ("", 240, ""),
     "rows_ab": ("", 200, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
@@ -454,6 +455,15 @@ def job_sweep_ab(c: Child):
         pt.decode_block_sizes = shipped
 
 
+def job_sweep_engine(c: Child):
+    """The batch sweep 1..256 through one Engine of 256 rows (every decode bucket, the shipped layers
+    and tiles): TPOT and tokens/s per batch at ctx ~2k."""
+    from meshlab.bench import serve as bs
+    big = SWEEP[-1] if not c.smoke else c.sz["big"]
+    eng = c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big)
+    bs.engine_sweep(eng, c.bw, [b for b in SWEEP if b <= big], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4))
+
+
 def job_rows_ab(c: Child):
     """Batch 1 / 2 / 4 through engines whose decode steps take decode_step's kernels up to the shipped
     rows or 1 row (models.serving.KERNEL_ROWS; past it nk_step's XLA GEMMs; the engine pads 2 rows
@@ -497,6 +507,7 @@ CHILD_JOBS = {
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
     "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "rows_ab": job_rows_ab,
+    "sweep_engine": job_sweep_engine,
     "prefill_ab": job_prefill_ab,
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
