@@ -58,6 +58,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
   sweep_ab      batch 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
                 (by batch) or those before (decode_jobs.before_batch_tiles), alternated twice
   sweep_engine  the batch sweep 1..256 (TPOT, tokens/s, % of the roofline) through one Engine of 256 rows
+  buckets_ab    batch 8 / 32 / 128 through an Engine of 256 rows with decode buckets in powers of 4 and
+                with the shipped ones (powers of 2 past 16), alternated twice
   rows_ab       batch 1 / 2 / 4 through engines whose decode steps take the kernels up to the shipped
                 rows or 1 (models.serving.KERNEL_ROWS; more rows: XLA GEMMs), alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows

@@ -33,6 +33,7 @@ JOBS = {
     "engine": ("", 150, ""),
     "sweep_ab": ("", 240, ""),
     "sweep_engine": ("", 240, ""),
+    "buckets_ab": ("", 300, ""),
     "rows_ab": ("", 200, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
@@ -484,6 +485,21 @@ def job_rows_ab(c: Child):
         serving.KERNEL_ROWS = shipped
 
 
+def job_buckets_ab(c: Child):
+    """Batch 8 / 32 / 128 through an Engine of 256 rows with its decode buckets in powers of 4 (8 runs
+    the 16-row program, 32 the 64-row one, 128 the 256-row one, padding rows attending to nothing)
+    and one with the shipped buckets (Engine.DECODE), alternated twice."""
+    from meshlab.bench import serve as bs
+    big = SWEEP[-1] if not c.smoke else c.sz["big"]
+    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big) for tag in ("powers of 4", "shipped")}
+    engines["powers of 4"].DECODE = sorted({min(4 ** i, big) for i in range(big.bit_length() + 1)})
+    batches = sorted({min(b, big) for b in (8, 32, 128)})
+    for _ in range(2):
+        for tag, eng in engines.items():
+            bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
+                            tag=f" [decode buckets: {tag} {eng.DECODE}]")
+
+
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
     names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
@@ -507,7 +523,7 @@ CHILD_JOBS = {
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
     "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "rows_ab": job_rows_ab,
-    "sweep_engine": job_sweep_engine,
+    "sweep_engine": job_sweep_engine, "buckets_ab": job_buckets_ab,
     "prefill_ab": job_prefill_ab,
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),

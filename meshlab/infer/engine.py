@@ -53,8 +53,8 @@ class Engine:
     `on_event(req, new_tokens, finished)`.
 
     Device calls and their compiled shapes (nothing compiles per request):
-      every row decodes  decode_loop over the decode rows, b in DECODE buckets (1, 4, 16, 64, ...
-                         capped at max_seqs), n = steps_per_call steps per call (1 when pages
+      every row decodes  decode_loop over the decode rows, b in DECODE buckets (1, 4, 16, 32, 64,
+                         ... capped at max_seqs), n = steps_per_call steps per call (1 when pages
                          for n are short);
       some row prefills  packed_step with n_dec in MIXED_DECODE buckets {0, max_seqs} decode
                          tokens and k in PREFILL_ROWS buckets (1, 2, 4, ... capped at
@@ -146,11 +146,15 @@ class Engine:
         self.head_call = calls.head_program(make_head_program(md), head_treedef, opts.get("head"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
-        # in powers of 4 (a decode step at small batch reads the weights once whatever its rows,
-        # and padding rows attend to nothing), chunk rows in powers of 2, and a mixed step carries
+        # in powers of 4 up to 16 (a decode step at small batch reads the weights once whatever its
+        # rows, and padding rows attend to nothing), then of 2: past 16 the attention's grid follows
+        # the bucket, and a half-full one ran its rows slower (H200, ctx 2k: 32 rows in the 64-row
+        # program 13,883-14,042 tokens/s against 17,163-17,753 in their own; 128 in 256: 29,368-30,519
+        # against 31,669-32,402; 8 in 16 level). Chunk rows in powers of 2, and a mixed step carries
         # either no decode rows or all max_seqs (at most one step in a few pays for idle rows).
         powers = lambda base, top: sorted({min(base ** i, top) for i in range(top.bit_length() + 1)})
-        self.DECODE, self.PREFILL_ROWS = powers(4, max_seqs), powers(2, self.sched.max_prefill_rows)
+        self.DECODE = sorted({b for b in powers(4, max_seqs) if b <= 16} | {b for b in powers(2, max_seqs) if b >= 16})
+        self.PREFILL_ROWS = powers(2, self.sched.max_prefill_rows)
         self.MIXED_DECODE = [0, max_seqs] if max_seqs > 1 else [0]          # one row cannot do both
         # Chunk rows are `chunk` wide, or the narrowest of NARROW for a step with one prompt piece that
         # fits: a cached prefix's tail (at most a page of 16 when the prompt was met before up to its
