@@ -273,6 +273,9 @@ def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
     md, params, fwd = tiny
     eng = Engine(md, params, max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=2, max_step_tokens=20)
     assert (eng.DECODE, eng.MIXED_DECODE, eng.PREFILL_ROWS, eng.WIDTHS) == ([1, 4], [0, 4], [1, 2], [8])
+    # decode buckets: powers of 4 up to 16, then of 2 (nothing compiles at construction)
+    wide = Engine(md, params, max_len=32, max_seqs=256, page_size=4, chunk=8, steps_per_call=2)
+    assert wide.DECODE == [1, 4, 16, 32, 64, 128, 256]
     cache = jax.tree.map(np.asarray, eng.cache)
     assert eng.warmup() == 2 * 3 + 2 * 2           # per decode bucket: n steps, one first-token step, the head
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, eng.cache), cache)
