@@ -217,29 +217,11 @@ class Engine:
         self.stats["preemptions"] += req.preemptions
 
     def _emit(self, req, tokens, logprobs=None) -> bool:
-        """Append sampled tokens until a stop; True when the request finished. logprobs: one
-        (logprob, top ids, top logprobs) per token when the step computed them."""
-        new, p, out = [], req.params, req.output
-        k, req.detokenize = p.logprobs, self.detokenize
-        if not out:
+        """Append sampled tokens until a stop (Request.append); True when the request finished."""
+        req.detokenize = self.detokenize
+        if not req.output:
             req.t_first = time.perf_counter()
-        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else map(int, tokens)):
-            out.append(t)
-            new.append(t)
-            if k is not None and logprobs is not None:
-                lp, ids, vals = logprobs[i]                 # Python numbers (calls.logprob_rows)
-                req.logprobs.append((lp, dict(zip(ids[:k], vals[:k])) if k else {}))
-            if t in p.stop_token_ids:
-                req.finish_reason = "stop"
-            elif self.detokenize and p.stop:
-                text = self.detokenize(out)
-                hits = [text.index(s) for s in p.stop if s in text]
-                if hits:
-                    req.text_stop, req.finish_reason = text[:min(hits)], "stop"
-            if not req.finish_reason and len(out) >= p.max_tokens:
-                req.finish_reason = "length"
-            if req.finish_reason:
-                break
+        new = req.append(tokens, logprobs)
         self.stats["generated_tokens"] += len(new)
         if req.finish_reason:
             self._finish(req)
@@ -450,23 +432,23 @@ class Engine:
             if not self._emit(r, out["tokens"][i:i + 1], lps[i] if lps else None):
                 s.register(r)
 
+    def _layout(self, key, make) -> calls.Slots:
+        """The host-input layout of a call's shape (calls.Slots), made once per shape and kept."""
+        if key not in self._slots:
+            self._slots[key] = make()
+        return self._slots[key]
+
     def _head_slots(self, b: int) -> calls.Slots:
-        if ("head", b) not in self._slots:
-            self._slots["head", b] = calls.head_slots(b, self.slot_rows, self.sched.max_seqs)
-        return self._slots["head", b]
+        return self._layout(("head", b), lambda: calls.head_slots(b, self.slot_rows, self.sched.max_seqs))
 
     def _first_slots(self, b: int) -> calls.Slots:
-        if ("first", b) not in self._slots:
-            self._slots["first", b] = calls.first_token_slots(b, self.sched.max_pages, self.slot_rows, self.sched.max_seqs)
-        return self._slots["first", b]
+        s = self.sched
+        return self._layout(("first", b), lambda: calls.first_token_slots(b, s.max_pages, self.slot_rows, s.max_seqs))
 
     def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
-        """The host-input layout of a packed step's shape (one per bucket, kept)."""
-        key = (nd, k, c)
-        if key not in self._slots:
-            self._slots[key] = calls.packed_slots(nd, k, c, self.sched.max_pages, self.slot_rows, self.sched.max_seqs,
-                                                  self.cache["k"].shape[1])
-        return self._slots[key]
+        s = self.sched
+        return self._layout((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
+                                                                   self.cache["k"].shape[1]))
 
     def _packed_input(self, slots: calls.Slots):
         """A packed step's input buffer: numpy (the runtime copies it to the device inside the call), or

@@ -104,6 +104,30 @@ class Request:
             return self.ids[:upto]
         return np.concatenate([self.ids, np.asarray(self.output[:upto - len(self.ids)], np.int32)])
 
+    def append(self, tokens, logprobs=None) -> list:
+        """Append sampled tokens until a stop: a stop token, a stop string in the detokenized output (cut
+        there in text_stop), or max_tokens; sets finish_reason and returns the tokens taken. logprobs:
+        one (logprob, top ids, top logprobs) per token when the step computed them."""
+        new, p, out, k = [], self.params, self.output, self.params.logprobs
+        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else map(int, tokens)):
+            out.append(t)
+            new.append(t)
+            if k is not None and logprobs is not None:
+                lp, ids, vals = logprobs[i]                 # Python numbers (calls.logprob_rows)
+                self.logprobs.append((lp, dict(zip(ids[:k], vals[:k])) if k else {}))
+            if t in p.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.detokenize and p.stop:
+                text = self.detokenize(out)
+                hits = [text.index(s) for s in p.stop if s in text]
+                if hits:
+                    self.text_stop, self.finish_reason = text[:min(hits)], "stop"
+            if not self.finish_reason and len(out) >= p.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return new
+
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
 
