@@ -468,8 +468,8 @@ def job_sweep_engine(c: Child):
 def job_rows_ab(c: Child):
     """Batch 1 / 2 / 4 through engines whose decode steps take decode_step's kernels up to the shipped
     rows or 1 row (models.serving.KERNEL_ROWS; past it nk_step's XLA GEMMs; the engine pads 2 rows
-    to its bucket of 4), alternated twice. The limit is
-    read when a program traces: each engine runs under its own, compiles included."""
+    to its bucket of 4), alternated twice. The limit is read when a program traces: each engine runs
+    under its own, compiles included."""
     from meshlab.bench import serve as bs
     from models import serving
     shipped = serving.KERNEL_ROWS

@@ -432,22 +432,22 @@ class Engine:
             if not self._emit(r, out["tokens"][i:i + 1], lps[i] if lps else None):
                 s.register(r)
 
-    def _layout(self, key, make) -> calls.Slots:
+    def _slots_for(self, key, make) -> calls.Slots:
         """The host-input layout of a call's shape (calls.Slots), made once per shape and kept."""
         if key not in self._slots:
             self._slots[key] = make()
         return self._slots[key]
 
     def _head_slots(self, b: int) -> calls.Slots:
-        return self._layout(("head", b), lambda: calls.head_slots(b, self.slot_rows, self.sched.max_seqs))
+        return self._slots_for(("head", b), lambda: calls.head_slots(b, self.slot_rows, self.sched.max_seqs))
 
     def _first_slots(self, b: int) -> calls.Slots:
         s = self.sched
-        return self._layout(("first", b), lambda: calls.first_token_slots(b, s.max_pages, self.slot_rows, s.max_seqs))
+        return self._slots_for(("first", b), lambda: calls.first_token_slots(b, s.max_pages, self.slot_rows, s.max_seqs))
 
     def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
         s = self.sched
-        return self._layout((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
+        return self._slots_for((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
                                                                    self.cache["k"].shape[1]))
 
     def _packed_input(self, slots: calls.Slots):
