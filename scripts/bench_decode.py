@@ -55,13 +55,15 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 the tail of the one before), the exclusive-lock executable (less per-call resource
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
+  attn_tiles    the paged decode attention alone, 16 layers in one jit, under named tilings
+                (batched_decode.TILES): the plain kernel at batch 16-128, the fused one at 1-16
   sweep_ab      batch 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
                 (by batch) or those before (decode_jobs.before_batch_tiles), alternated twice
   sweep_engine  the batch sweep 1..256 (TPOT, tokens/s, % of the roofline) through one Engine of 256 rows
   buckets_ab    batch 8 / 32 / 128 through an Engine of 256 rows with decode buckets in powers of 4 and
                 with the shipped ones (powers of 2 past 16), alternated twice
   rows_ab       batch 1 / 2 / 4 through engines whose decode steps take the kernels up to the shipped
-                rows or 1 (models.serving.KERNEL_ROWS; more rows: XLA GEMMs), alternated twice
+                rows (models.serving.KERNEL_ROWS) or up to 4 (more rows: XLA GEMMs), alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the

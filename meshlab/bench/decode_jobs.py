@@ -35,6 +35,7 @@ JOBS = {
     "sweep_engine": ("", 240, ""),
     "buckets_ab": ("", 300, ""),
     "rows_ab": ("", 200, ""),
+    "attn_tiles": ("", 300, ""),
     "first_token": ("", 110, ""),
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
@@ -51,7 +52,6 @@ JOBS = {
 }
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 
-SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ENGINE_MAX_LEN = 8192 + 256          # the engines' context on the GPU (TTFT up to 8k)
 ENGINE_MAX_PAGES = ENGINE_MAX_LEN // 16
 TRACES = Path("/tmp/bench_decode_traces")
@@ -341,7 +341,16 @@ def job_base(c: Child):
     c.decode(c.sz["big"], "fused", detail=True)
 
 
+def _batched(name: str):
+    """A job of meshlab/bench/batched_decode.py, imported when it runs (the parent imports no JAX)."""
+    def job(c: Child):
+        from meshlab.bench import batched_decode
+        return getattr(batched_decode, name)(c)
+    return job
+
+
 def job_sweep(c: Child):
+    from meshlab.bench.batched_decode import SWEEP
     impl = {"sweep": "xla", "sweep_pallas": "pallas_unfused", "sweep_fused": "pallas"}[c.args.job]
     for batch in (SWEEP[:3] if c.smoke else SWEEP):
         c.decode(batch, "fused", impl=impl)
@@ -430,76 +439,6 @@ def job_engine_ab(c: Child):
     engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
 
 
-def before_batch_tiles(batch: int = 1, fused: bool = True):
-    """The decode attention's tiles before they depended on the batch: the batch-1 tiles for the fused
-    kernel at every batch, the kernel's defaults (pipelined, num_stages 2) for the plain one."""
-    from pallas_kernels import paged_tiles as pt
-    return pt.BlockSizes(pages_per_block=4, num_stages=1, v_first=True) if fused else pt.BlockSizes()
-
-
-def job_sweep_ab(c: Child):
-    """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
-    (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice. The tiles
-    are read when a program traces: each engine runs under its own, compiles included."""
-    from meshlab.bench import serve as bs
-    from pallas_kernels import paged_tiles as pt
-    shipped = pt.decode_block_sizes
-    variants = {" [attention tiles by batch]": shipped, " [attention tiles before]": before_batch_tiles}
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=c.sz["big"]) for tag in variants}
-    try:
-        for _ in range(2):
-            for tag, eng in engines.items():
-                pt.decode_block_sizes = variants[tag]
-                bs.engine_sweep(eng, c.bw, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), ctx=c.sz["ctx"],
-                                n=min(128, c.sz["n"] * 4), tag=tag)
-    finally:
-        pt.decode_block_sizes = shipped
-
-
-def job_sweep_engine(c: Child):
-    """The batch sweep 1..256 through one Engine of 256 rows (every decode bucket, the shipped layers
-    and tiles): TPOT and tokens/s per batch at ctx ~2k."""
-    from meshlab.bench import serve as bs
-    big = SWEEP[-1] if not c.smoke else c.sz["big"]
-    eng = c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big)
-    bs.engine_sweep(eng, c.bw, [b for b in SWEEP if b <= big], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4))
-
-
-def job_rows_ab(c: Child):
-    """Batch 1 / 2 / 4 through engines whose decode steps take decode_step's kernels up to the shipped
-    rows or 1 row (models.serving.KERNEL_ROWS; past it nk_step's XLA GEMMs; the engine pads 2 rows
-    to its bucket of 4), alternated twice. The limit is read when a program traces: each engine runs
-    under its own, compiles included."""
-    from meshlab.bench import serve as bs
-    from models import serving
-    shipped = serving.KERNEL_ROWS
-    limits = sorted({1, shipped}, reverse=True)
-    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in limits}
-    try:
-        for _ in range(2):
-            for rows, eng in engines.items():
-                serving.KERNEL_ROWS = rows
-                bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
-                                tag=f" [kernel rows {rows}]")
-    finally:
-        serving.KERNEL_ROWS = shipped
-
-
-def job_buckets_ab(c: Child):
-    """Batch 8 / 32 / 128 through an Engine of 256 rows with its decode buckets in powers of 4 (8 runs
-    the 16-row program, 32 the 64-row one, 128 the 256-row one, padding rows attending to nothing)
-    and one with the shipped buckets (Engine.DECODE), alternated twice."""
-    from meshlab.bench import serve as bs
-    big = SWEEP[-1] if not c.smoke else c.sz["big"]
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big) for tag in ("powers of 4", "shipped")}
-    engines["powers of 4"].DECODE = sorted({min(4 ** i, big) for i in range(big.bit_length() + 1)})
-    batches = sorted({min(b, big) for b in (8, 32, 128)})
-    for _ in range(2):
-        for tag, eng in engines.items():
-            bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
-                            tag=f" [decode buckets: {tag} {eng.DECODE}]")
-
-
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
     names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
@@ -522,9 +461,8 @@ CHILD_JOBS = {
     "pallas": job_pallas, "fusedk": job_fusedk, "kernels": job_kernels, "matmul": job_matmul,
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
-    "engine": job_engine, "engine_gemv": job_engine_gemv, "sweep_ab": job_sweep_ab, "rows_ab": job_rows_ab,
-    "sweep_engine": job_sweep_engine, "buckets_ab": job_buckets_ab,
-    "prefill_ab": job_prefill_ab,
+    "engine": job_engine, "engine_gemv": job_engine_gemv, "prefill_ab": job_prefill_ab,
+    **{name: _batched(f"job_{name}") for name in ("sweep_ab", "rows_ab", "sweep_engine", "buckets_ab", "attn_tiles")},
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
     "first_token_host": job_first_token_host,
