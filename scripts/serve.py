@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: [n, k] matrices, Pallas decode matmuls at batch <= 4; "
+                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1; "
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")

@@ -50,7 +50,7 @@ def main(argv=None):
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except distributed.DistributedError as e:
         sys.exit(f"error: {e}")
-    from meshlab.train import compile_cache
+    from meshlab import compile_cache
     from meshlab.train.loop import train
     import jax
     overrides = list(args.overrides)

@@ -110,15 +110,23 @@ def add_checkpoint_args(ap) -> None:
                     "one device")
     ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (CPU only)")
+    ap.add_argument("--compile-cache", default="auto",
+                    help="jax's persistent compile cache directory: a restart loads the compiled programs "
+                         "(auto: $XDG_CACHE_HOME/meshlab/jax; empty: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
 
 
 def open_checkpoint(args):
     """(rules, mesh, cfg, md, params, tokenizer) from add_checkpoint_args' values. --cpu-devices is
-    applied first: it must precede the first use of a JAX backend."""
+    applied first: it must precede the first use of a JAX backend; the compile cache (its line on stderr)
+    before the first compile."""
+    import sys
+    from meshlab import compile_cache
     if args.cpu_devices:
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
     rules, mesh = serving_placement(args.rules, args.mesh)
+    where = compile_cache.default_dir() if args.compile_cache == "auto" else args.compile_cache
+    print(compile_cache.enable(where, setting="--compile-cache ")[1], file=sys.stderr, flush=True)
     return (rules, mesh, *load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh))
 
 

@@ -76,7 +76,7 @@ class TrainConfig:
     val: ValConfig = dataclasses.field(default_factory=ValConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     heartbeat_timeout: int = 300  # multi-process: stop when a process makes no progress this long (s)
-    # jax's persistent compile cache (meshlab/train/compile_cache.py): auto = $XDG_CACHE_HOME/meshlab/jax
+    # jax's persistent compile cache (meshlab/compile_cache.py): auto = $XDG_CACHE_HOME/meshlab/jax
     # (~/.cache/meshlab/jax); a directory; empty: off. JAX_COMPILATION_CACHE_DIR, when set, wins.
     compile_cache: Optional[str] = "auto"
     # Device memory the fit check and remat=auto budget against, GiB per device. 0: the device's own

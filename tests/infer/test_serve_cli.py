@@ -59,11 +59,17 @@ def clean(tmp_path):
     return d
 
 
+def user_env(clean) -> dict:
+    """fresh_env with the user's cache directory beside the working directory (the serving scripts keep
+    jax's compile cache there, as a user's go to ~/.cache)."""
+    return dict(fresh_env(), XDG_CACHE_HOME=str(clean.parent / "xdg"))
+
+
 def test_generate_readme_command(run, clean):
     before = tree(run.parent.parent)
     out = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--checkpoint", str(run),
                           "--prompt", "def ", "--max-new-tokens", "12"],
-                         cwd=clean, env=fresh_env(), capture_output=True, text=True, timeout=300)
+                         cwd=clean, env=user_env(clean), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("def ") and len(out.stdout) > len("def \n")
     assert list(clean.iterdir()) == [] and tree(run.parent.parent) == before
@@ -73,7 +79,7 @@ def test_serve_readme_command(run, clean):
     before = tree(run.parent.parent)
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), "--checkpoint", str(run), "--port", "0",
                              "--max-len", "64", "--chunk", "16", "--cpu-devices", "8"],
-                            cwd=clean, env=fresh_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=clean, env=user_env(clean), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
@@ -111,6 +117,25 @@ def test_mesh_without_rules_is_one_clear_error():
     args = ap.parse_args(["--checkpoint", "random:tiny", "--mesh", "tensor=2"])
     with pytest.raises(ValueError, match="--mesh tensor=2 needs --rules"):
         open_checkpoint(args)
+
+
+def test_a_second_start_loads_its_programs_from_the_compile_cache(clean):
+    """--compile-cache (default: under $XDG_CACHE_HOME): generate.py run again loads what it compiled
+    (jax logs each hit; every compile cached here, whatever its time, as a GPU's take seconds)."""
+    env = dict(user_env(clean), JAX_LOG_COMPILES="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    cache = clean.parent / "xdg" / "meshlab" / "jax"
+    outs = [subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--checkpoint", "random:tiny",
+                            "--prompt", "ab", "--max-new-tokens", "3"], cwd=clean, env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert all(o.returncode == 0 for o in outs), outs[-1].stderr[-3000:]
+    assert f"compile cache: {cache}" in outs[0].stderr and any(cache.iterdir())
+    hit = "Persistent compilation cache hit"
+    assert hit not in outs[0].stderr and hit in outs[1].stderr and outs[0].stdout == outs[1].stdout
+    off = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--checkpoint", "random:tiny",
+                          "--prompt", "ab", "--max-new-tokens", "3", "--compile-cache", ""], cwd=clean, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert "compile cache: off (--compile-cache is empty)" in off.stderr and hit not in off.stderr
+    assert list(clean.iterdir()) == []
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from meshlab.train import compile_cache
+from meshlab import compile_cache
 from tests.helpers import SMALL
 from tests.train.test_checkpoint import ROOT, subprocess_env
 

@@ -1,11 +1,13 @@
-"""The persistent XLA compile cache of training runs (`compile_cache` in the run config).
+"""jax's persistent XLA compile cache for the entry scripts: training runs (`compile_cache` in the run
+config) and the serving scripts (`--compile-cache`).
 
 A step compiles once per process: llama3_1b's unrolled layers take about a minute on an H200 host,
-llama3_3b's several. Every later run of the same program (a resume, a restart after preemption, the
-next experiment that changes only the data, the seed or the run directory) loads it from here instead:
-jax's persistent cache, keyed on the program's HLO, the compile options, the devices and the jax
-version, so a change to the model, the rules or the code is a new entry, never a stale one. Autotuning
-results live in the cached executable. Set `compile_cache=` (empty) to compile afresh every time.
+llama3_3b's several; a server compiles each of its batch buckets before it listens. Every later run of
+the same program (a resume, a restart after preemption, the next experiment that changes only the data,
+the seed or the run directory, a server started again) loads it from here instead: jax's persistent
+cache, keyed on the program's HLO, the compile options, the devices and the jax version, so a change to
+the model, the rules or the code is a new entry, never a stale one. Autotuning results live in the
+cached executable. An empty setting compiles afresh every time.
 """
 from __future__ import annotations
 
@@ -32,25 +34,26 @@ def enable_for_run(cfg) -> str | None:
     return where
 
 
-def enable(path: str) -> tuple[str | None, str]:
+def enable(path: str, setting: str = "compile_cache=") -> tuple[str | None, str]:
     """Point jax's persistent compile cache at `path` (`~` expanded), unless one is set already
     (JAX_COMPILATION_CACHE_DIR, or jax.config by the caller): that one is kept. Returns (directory in
-    use or None, the startup line saying so). A directory that cannot be created turns the cache off
-    with a line naming why; the run goes on."""
+    use or None, the startup line saying so, naming `setting`: how the caller's user sets it). A
+    directory that cannot be created turns the cache off with a line naming why; the run goes on."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current, f"compile cache: {current} (set before this run)"
     if not path:
-        return None, "compile cache: off (compile_cache is empty)"
+        return None, f"compile cache: off ({setting.rstrip('= ')} is empty)"
     target = Path(path).expanduser()
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set compile_cache=DIR)"
+        return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set {setting}DIR)"
     jax.config.update("jax_compilation_cache_dir", str(target))
     if jax.config.jax_compilation_cache_max_size < 0 and _has_filelock():   # jax's default: unbounded
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-    return str(target), f"compile cache: {target} (compile_cache=DIR moves it; compile_cache= turns it off)"
+    off = setting if setting.endswith("=") else f"{setting}''"                # compile_cache= / --compile-cache ''
+    return str(target), f"compile cache: {target} ({setting}DIR moves it; {off} turns it off)"
 
 
 def _has_filelock() -> bool:
