@@ -5,7 +5,8 @@ xprof needed, so it runs on a bare GPU image and in notebooks).
 processes hold one track per CUDA stream with every kernel as a complete ('X') event. We sum the
 kernel time per name and per class (GEMM, attention, collectives, Pallas/Triton, other fusions),
 per traced step, which is what decides the next optimisation: e.g. GEMMs at 60% of the step and
-their TFLOP/s, or elementwise fusions taking more time than they should.
+their TFLOP/s, or elementwise fusions taking more time than they should. `ProfileWindow` traces a
+window of a training run's steps and writes that table beside the trace.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import gzip
 import json
 import re
 from pathlib import Path
+
+import jax
 
 # Ordered: the first pattern that matches a kernel's (lower-cased) name decides its class.
 CLASSES = (
@@ -138,3 +141,50 @@ def format_summary(summary: dict, label: str = "", step_ms: float | None = None,
         lines += [f"| `{n}` | {t:.2f} | {k:.0f} | {s:.1%} | {kernels_hlo.get(n.replace('.', '_'), '')} |"
                   for n, t, k, s in summary["kernels"]]
     return "\n".join(lines) + "\n"
+
+
+class ProfileWindow:
+    """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile, with a
+    Perfetto copy, and on a GPU the window's device time per step by kernel (kernels.md beside it;
+    meshlab.profile_summary): where the step goes, without TensorBoard."""
+
+    def __init__(self, pcfg, run_dir: Path, hlo_text=None):
+        self.start, self.stop_at = pcfg.start_step, pcfg.start_step + pcfg.num_steps
+        self.dir = Path(pcfg.dir or run_dir / "profile")
+        self.active, self.traced, self.hlo_text = False, 0, hlo_text
+
+    def before(self, i: int, state=None) -> None:
+        if self.start >= 0 and i == self.start:
+            # The steps before the window finish first: else the trace would catch the tail of the
+            # one still running and count it as the window's (one sync, once a run).
+            jax.block_until_ready(state)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, i: int, state) -> None:
+        if self.active:
+            self.traced += 1
+            if i + 1 >= self.stop_at:
+                jax.block_until_ready(state)   # the trace must hold the device work of the window
+                self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            if jax.process_index() == 0:
+                print(f"meshlab: profile written to {self.dir}", flush=True)
+                self.write_kernel_table()
+
+    def write_kernel_table(self) -> None:
+        try:
+            summary = summarize(self.dir, steps=max(self.traced, 1))
+        except (FileNotFoundError, ValueError) as e:   # a CPU run has no device kernels to count
+            print(f"meshlab: no kernel table ({str(e)[:160]})", flush=True)
+            return
+        text = self.hlo_text() if self.hlo_text else None
+        names = hlo_kernels(text) if text else None
+        (self.dir / "kernels.md").write_text(format_summary(summary, f"{self.traced} traced steps",
+                                                            kernels_hlo=names))
+        print(f"meshlab: device time per step by kernel: {self.dir / 'kernels.md'}", flush=True)

@@ -29,6 +29,7 @@ from meshlab.parallel.pipeline.layout import reorder
 from meshlab.mesh import make_mesh, format_sizes
 from meshlab.tokenizer import ByteTokenizer
 from meshlab.peak import measured_gemm_flops, mfu, peak_flops
+from meshlab.profile_summary import ProfileWindow
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
 from meshlab.train import fit
@@ -485,54 +486,6 @@ def _program_text(tr: Trainer) -> str | None:
     """The optimized HLO of the compiled step the loop runs (None when it runs the jitted function)."""
     compiled = getattr(tr.step_fn, "fn", None)
     return compiled.as_text() if hasattr(compiled, "as_text") else None
-
-
-class ProfileWindow:
-    """A jax.profiler trace of steps [start_step, start_step + num_steps) into RUN_DIR/profile, with a
-    Perfetto copy, and on a GPU the window's device time per step by kernel (kernels.md beside it;
-    meshlab.profile_summary): where the step goes, without TensorBoard."""
-
-    def __init__(self, pcfg, run_dir: Path, hlo_text=None):
-        self.start, self.stop_at = pcfg.start_step, pcfg.start_step + pcfg.num_steps
-        self.dir = Path(pcfg.dir or run_dir / "profile")
-        self.active, self.traced, self.hlo_text = False, 0, hlo_text
-
-    def before(self, i: int, state=None) -> None:
-        if self.start >= 0 and i == self.start:
-            # The steps before the window finish first: else the trace would catch the tail of the
-            # one still running and count it as the window's (one sync, once a run).
-            jax.block_until_ready(state)
-            self.dir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
-            self.active = True
-
-    def after(self, i: int, state) -> None:
-        if self.active:
-            self.traced += 1
-            if i + 1 >= self.stop_at:
-                jax.block_until_ready(state)   # the trace must hold the device work of the window
-                self.close()
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-            if jax.process_index() == 0:
-                print(f"meshlab: profile written to {self.dir}", flush=True)
-                self.write_kernel_table()
-
-    def write_kernel_table(self) -> None:
-        from meshlab.profile_summary import format_summary, hlo_kernels, summarize
-        try:
-            summary = summarize(self.dir, steps=max(self.traced, 1))
-        except (FileNotFoundError, ValueError) as e:   # a CPU run has no device kernels to count
-            print(f"meshlab: no kernel table ({str(e)[:160]})", flush=True)
-            return
-        text = self.hlo_text() if self.hlo_text else None
-        names = hlo_kernels(text) if text else None
-        (self.dir / "kernels.md").write_text(format_summary(summary, f"{self.traced} traced steps",
-                                                            kernels_hlo=names))
-        print(f"meshlab: device time per step by kernel: {self.dir / 'kernels.md'}", flush=True)
 
 
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:

@@ -99,7 +99,7 @@ def test_train_profile_window_writes_the_kernel_table(tmp_path, capsys):
     """train.py's profile window (profile.start_step=...) ends with kernels.md beside its trace on a
     GPU, each kernel named by its HLO fusion; a trace without device kernels gets a note, no file."""
     from types import SimpleNamespace
-    from meshlab.train.loop import ProfileWindow
+    from meshlab.profile_summary import ProfileWindow
     hlo = ("%fused_mul (p: f32[8]) -> f32[8] {\n  ROOT %m = f32[8]{0} multiply(%p, %p)\n}\n\n"
            "ENTRY %main {\n  %loop_multiply_fusion = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_mul\n}\n")
     window = ProfileWindow(SimpleNamespace(start_step=3, num_steps=2, dir=""), tmp_path, hlo_text=lambda: hlo)
