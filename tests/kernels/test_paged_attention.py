@@ -386,7 +386,7 @@ def test_gpu_prompt_and_decode_kernels_match_references():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
     q = jnp.asarray(rng.normal(size=(2, h, d)), jnp.bfloat16)
     lengths = jnp.asarray([2048, 17], jnp.int32)
-    for bs in (BlockSizes(), CONFIGS["dot8_vfirst"]):
+    for bs in (BlockSizes(), CONFIGS["dot8_vfirst"], decode_block_sizes(2, fused=False)):   # the serving tiles too
         got = paged_attention(q, k, v, tables, lengths, jnp.int32(1), block_sizes=bs)
         want = paged_attention_reference(q, k[1], v[1], tables, lengths)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
