@@ -26,34 +26,34 @@ def default_dir() -> str:
 
 
 def enable_for_run(cfg) -> str | None:
-    """`enable` with the run config's `compile_cache` (auto: `default_dir()`); its startup line joins the
-    run's others (cfg.auto_notes). The entry scripts call it; library calls of `train` leave jax's
-    cache as the caller set it."""
-    where, line = enable(default_dir() if cfg.compile_cache == "auto" else cfg.compile_cache or "")
+    """`enable` with the run config's `compile_cache`; its startup line joins the run's others
+    (cfg.auto_notes). The entry scripts call it; library calls of `train` leave jax's cache as the
+    caller set it."""
+    where, line = enable(cfg.compile_cache or "")
     cfg.auto_notes = [*getattr(cfg, "auto_notes", []), line]
     return where
 
 
-def enable(path: str, setting: str = "compile_cache=") -> tuple[str | None, str]:
-    """Point jax's persistent compile cache at `path` (`~` expanded), unless one is set already
-    (JAX_COMPILATION_CACHE_DIR, or jax.config by the caller): that one is kept. Returns (directory in
-    use or None, the startup line saying so, naming `setting`: how the caller's user sets it). A
-    directory that cannot be created turns the cache off with a line naming why; the run goes on."""
+def enable(path: str, setting: str = "compile_cache") -> tuple[str | None, str]:
+    """Point jax's persistent compile cache at `path` (`~` expanded; "auto": `default_dir()`), unless one
+    is set already (JAX_COMPILATION_CACHE_DIR, or jax.config by the caller): that one is kept. Returns
+    (directory in use or None, the startup line saying so, naming `setting`: the config key or flag the
+    caller's user sets it with). A directory that cannot be created turns the cache off with a line
+    naming why; the run goes on."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current, f"compile cache: {current} (set before this run)"
     if not path:
-        return None, f"compile cache: off ({setting.rstrip('= ')} is empty)"
-    target = Path(path).expanduser()
+        return None, f"compile cache: off ({setting} is empty)"
+    target = Path(default_dir() if path == "auto" else path).expanduser()
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set {setting}DIR)"
+        return None, f"compile cache: off ({target} cannot be created: {e.strerror}; set {setting}=DIR)"
     jax.config.update("jax_compilation_cache_dir", str(target))
     if jax.config.jax_compilation_cache_max_size < 0 and _has_filelock():   # jax's default: unbounded
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-    off = setting if setting.endswith("=") else f"{setting}''"                # compile_cache= / --compile-cache ''
-    return str(target), f"compile cache: {target} ({setting}DIR moves it; {off} turns it off)"
+    return str(target), f"compile cache: {target} ({setting}=DIR moves it; {setting}= turns it off)"
 
 
 def _has_filelock() -> bool:

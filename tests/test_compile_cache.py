@@ -64,9 +64,12 @@ def test_config_key_turns_it_off_or_moves_it(tmp_path, no_cache_set):
     assert moved.auto_notes[-1].startswith(f"compile cache: {tmp_path / 'mine'}")
 
 
-def test_default_dir_follows_xdg_cache_home(monkeypatch, tmp_path):
+def test_default_dir_follows_xdg_cache_home(monkeypatch, tmp_path, no_cache_set):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compile_cache.default_dir() == str(tmp_path / "meshlab" / "jax")
+    where, line = compile_cache.enable("auto", setting="--compile-cache")       # "auto" is that directory
+    assert where == compile_cache.default_dir() and line.endswith("(--compile-cache=DIR moves it; "
+                                                                  "--compile-cache= turns it off)")
 
 
 def _train(cwd, run, env):

@@ -20,12 +20,14 @@ from models import serving
 from pallas_kernels import paged_tiles as pt
 from pallas_kernels.paged_attention import (paged_attention, paged_attention_reference, paged_decode_attention,
                                             rope_cos_sin)
+from pallas_kernels.rope import rope_frequencies
 
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _B = pt.BlockSizes
+BATCH1 = pt.decode_block_sizes(1)   # the shipped batch-1 tiles (read once: the A/Bs swap the function)
 # Named tilings of the sweep: the kernel's defaults, the batch-1 tiles, and unpipelined variants
 # (st1): V beside K, warps, pages a block, programs wanted.
-TILES = {"default": _B(), "batch1": pt.decode_block_sizes(1), "st1": _B(num_stages=1),
+TILES = {"default": _B(), "batch1": BATCH1, "st1": _B(num_stages=1),
          "st1_vfirst": _B(num_stages=1, v_first=True), "st1_w8": _B(num_stages=1, num_warps=8),
          "st1_w2": _B(num_stages=1, num_warps=2), "st1_ppb4": _B(num_stages=1, pages_per_block=4),
          "st1_ppb16": _B(num_stages=1, pages_per_block=16), "st1_p132": _B(num_stages=1, min_programs=132),
@@ -60,7 +62,7 @@ def _fused(tiles, batch, ctx, cfg, layers):
     k, v, table, lengths = _stacked_cache(layers, batch, ctx, cfg.n_kv_heads, cfg.head_dim)
     h, d = cfg.n_heads, cfg.head_dim
     qkv = jax.random.normal(jax.random.key(3), (batch, h + 2 * cfg.n_kv_heads, d), jnp.bfloat16)
-    cs = rope_cos_sin(lengths - 1, 1.0 / (10000.0 ** (jnp.arange(d // 2) * 2 / d)))
+    cs = rope_cos_sin(lengths - 1, rope_frequencies(d, 10000.0))
     interpret = jax.default_backend() != "gpu"
 
     def run(qkv, cs, k, v, t, n):
@@ -116,7 +118,7 @@ def job_attn_tiles(c):
 def before_batch_tiles(batch: int = 1, fused: bool = True):
     """The decode attention's tiles before they depended on the batch: the batch-1 tiles for the fused
     kernel at every batch, the kernel's defaults (pipelined, num_stages 2) for the plain one."""
-    return pt.BlockSizes(pages_per_block=4, num_stages=1, v_first=True) if fused else pt.BlockSizes()
+    return BATCH1 if fused else _B()
 
 
 def job_sweep_ab(c):

@@ -125,8 +125,7 @@ def open_checkpoint(args):
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
     rules, mesh = serving_placement(args.rules, args.mesh)
-    where = compile_cache.default_dir() if args.compile_cache == "auto" else args.compile_cache
-    print(compile_cache.enable(where, setting="--compile-cache ")[1], file=sys.stderr, flush=True)
+    print(compile_cache.enable(args.compile_cache, setting="--compile-cache")[1], file=sys.stderr, flush=True)
     return (rules, mesh, *load_checkpoint(args.checkpoint, dtype=args.dtype, rules=rules, mesh=mesh))
 
 
