@@ -1,6 +1,7 @@
 """Decode benchmark (llama3_1b shape, bf16, random weights), sized for one GPU call.
 
     PYTHONPATH=$PWD python3 scripts/bench_decode.py [--budget-s 440] [--jobs base,pallas] [--quick] [--cpu-smoke]
+    PYTHONPATH=$PWD python3 scripts/bench_decode.py --preset llama3_8b --quick --jobs copy_torch,engine
 
 The parent never touches the GPU. It runs each job below as a child process of this script
 (`--job NAME`, meshlab/bench/decode_jobs.py) because XLA reads XLA_FLAGS once per process; each
@@ -104,7 +105,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from meshlab.bench.decode_jobs import JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
+from meshlab.bench.decode_jobs import DEFAULT_PRESET, JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
@@ -147,7 +148,7 @@ def run_job(name, args, deadline, out: Path, bw):
     env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     cmd = [sys.executable, __file__, "--job", name, "--out-dir", str(out)] + (["--bw", str(bw)] if bw else []) \
-        + (["--quick"] if args.quick else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
+        + (["--quick"] if args.quick else []) + (["--cpu-smoke"] if args.cpu_smoke else []) + ["--preset", args.preset]
     rows_path, log_path = out / "logs" / f"{name}.rows", out / "logs" / f"{name}.log"
     with open(rows_path, "w") as rows_fh, open(log_path, "w") as log_fh:
         proc = subprocess.Popen(cmd, env=env, stdout=rows_fh, stderr=log_fh, start_new_session=True)
@@ -161,6 +162,8 @@ def run_job(name, args, deadline, out: Path, bw):
                 done += 1
                 if line.startswith("ROW "):
                     row = dict(json.loads(line[4:]), job=name)
+                    if args.preset != DEFAULT_PRESET and row["section"] != "meta":
+                        row["setting"] += f" [{args.preset}]"        # rows of another shape say so
                     rows.append(row)
                     if row["section"] != "meta":
                         print(f"[{name}] {row['section']:7} {row['setting']:36} {row['value']:10.1f} "
@@ -242,6 +245,9 @@ def main():
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, in order; of {','.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="fewer prompt lengths")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the mechanics only")
+    ap.add_argument("--preset", default=DEFAULT_PRESET,
+                    help="the model shape measured (random weights, bf16); rows of another than "
+                         f"{DEFAULT_PRESET} carry its name")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -249,6 +255,11 @@ def main():
     args = ap.parse_args()
     if args.job:
         return run_child(args)
+    import models                                  # jax imported, no backend started: the GPU stays free
+    try:
+        models.preset(args.preset)
+    except KeyError as e:
+        ap.error(f"--preset: {e.args[0]}")
     t0 = time.perf_counter()
     out = Path(os.environ.get("OUT") or "/tmp/bench_decode")
     for sub in ("logs", "hlo"):

@@ -11,11 +11,14 @@ never share one), printing `ROW {json}` lines:
            on all n at once, after Engine.warmup (compiles every bucket); then --match requests
            again one at a time: the share whose greedy tokens equal the concurrent run's
   peer_cb  transformers' continuous batching (default configuration) on the first --peer-n requests
-  peer_b1  HF generate, static cache, torch.compile, batch 1 at ctx 2048
+  peer_b1  HF generate, static cache, torch.compile, batch 1 at ctx 2048 (and the same generate eager)
+  peer_loop  (not by default) the strongest torch recipe at batch 1: the HF model's one-token forward and
+           argmax compiled with CUDA graphs over a StaticCache, in a loop without read-backs (gpt-fast's)
   http     scripts/serve.py with the offline engine settings (every bucket compiled before it
            listens); the workload with Poisson arrivals at each --rates (requests/s; 0 = all at
            once), streamed, tokens timed by the usage in each chunk (`continuous_usage_stats`);
            --http-logprobs asks for logprobs too
+  restart  (not by default) serve.py started twice over one fresh compile cache: seconds to listening
   sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device
            (meshlab/bench/serve.py SimulatedDevice): offline and all at once through the server in
            one process, the ratio of the two (the server's host cost, with the engine's host work real)
@@ -55,6 +58,8 @@ def child(args):
         return bs.peer_continuous_batching(work[:args.peer_n])
     if args.job == "peer_b1":
         return bs.peer_static_b1()
+    if args.job == "peer_loop":
+        return bs.peer_compiled_loop_b1()
     if args.job == "offline":
         import dataclasses
         import models
@@ -84,6 +89,8 @@ def child(args):
         return row
     if args.job == "http":
         return http(args, preset, dtype, wl, ek, bs, work)
+    if args.job == "restart":
+        return restart(preset, dtype, bs)
     if args.job == "sim":
         return bs.simulated(args.n, args.http_logprobs)
 
@@ -107,6 +114,35 @@ def http(args, preset, dtype, wl, ek, bs, work):
     finally:
         srv.terminate()
         srv.wait(30)
+
+
+def restart(preset, dtype, bs) -> list:
+    """serve.py started as a user starts it (its default engine), twice over one fresh compile cache:
+    seconds from the command to its listening line, when every bucket is compiled, then loaded."""
+    import tempfile
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", f"random:{preset}", "--dtype", dtype,
+               "--port", "0", "--warmup", "on", f"--compile-cache={tmp}/jax"]
+        for label in ("compile cache empty", "again, the cache filled by the first"):
+            with open(Path(tmp) / "stderr", "w+") as err:
+                t = time.perf_counter()
+                srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ))
+                try:
+                    line = srv.stdout.readline()
+                    took = time.perf_counter() - t
+                finally:
+                    srv.terminate()
+                    srv.wait(30)
+                err.seek(0)
+                log = err.read()
+            if "http://" not in line:
+                raise RuntimeError(f"serve.py did not start: {log[-500:]}")
+            compiled = re.search(r"compiled \d+ programs in \d+ s", log)
+            rows.append(bs.emit({"section": "start", "setting": f"serve.py to listening, {label}", "value": took,
+                                 "unit": "s", "note": f"{compiled.group(0) if compiled else 'no compile line'}; "
+                                                      f"--checkpoint random:{preset} --dtype {dtype}, defaults"}))
+    return rows
 
 
 def run_job(name, args, out: Path, timeout: float) -> list:

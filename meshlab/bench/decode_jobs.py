@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+DEFAULT_PRESET = "llama3_1b"   # the model shape every row measures unless --preset names another
+
 # name: (XLA_FLAGS, reserve seconds, tag added to settings)
 JOBS = {
     "copy_torch": ("", 30, ""),
@@ -173,7 +175,7 @@ class Child:
         """The fp32 greedy gate (paths -> "ok" or why not), emitted; impls/layers None: the gate's defaults."""
         from meshlab.bench import decode as bench
         kw = {k: v for k, v in (("impls", impls), ("layers", layers)) if v is not None}
-        result = bench.correctness_gate(preset="tiny" if self.smoke else "llama3_1b", **kw)
+        result = bench.correctness_gate(preset="tiny" if self.smoke else self.cfg.name, **kw)
         for path, ok in result.items():
             bench.emit({"section": "gate", "setting": path + (f" (layers={layers})" if layers else ""),
                         "value": float(ok == "ok"), "unit": "ok", "note": ok})
@@ -202,7 +204,7 @@ def setup(args) -> "Child":
     bench.emit({"section": "meta", "setting": args.job, "value": 0.0, "unit": "", "backend": jax.default_backend(),
                 "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""), "note": ""})
-    name, dtype = ("tiny", "float32") if args.cpu_smoke else ("llama3_1b", "bfloat16")
+    name, dtype = ("tiny", "float32") if args.cpu_smoke else (args.preset, "bfloat16")
     cfg = dataclasses.replace(models.preset(name), dtype=dtype)
     sizes = dict(ctx=64, big=2, n=8, lengths=[32, 64], max_len=256, chunk=32, tpot_n=32) if args.cpu_smoke else \
         dict(ctx=2048, big=64, n=32, lengths=[512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192],
