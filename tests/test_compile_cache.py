@@ -19,14 +19,16 @@ pytestmark = pytest.mark.cheap_codegen
 @pytest.fixture
 def no_cache_set():
     """jax's cache directory unset for the test (the suite's own cache put back after it)."""
-    before = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
+    names = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs")
+    before = [getattr(jax.config, n) for n in names]
     jax.config.update("jax_compilation_cache_dir", None)
     jax.config.update("jax_compilation_cache_max_size", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)       # jax's default
     try:
         yield
     finally:
-        jax.config.update("jax_compilation_cache_dir", before[0])
-        jax.config.update("jax_compilation_cache_max_size", before[1])
+        for n, v in zip(names, before):
+            jax.config.update(n, v)
 
 
 def test_enable_keeps_a_cache_set_before(tmp_path):
@@ -47,6 +49,13 @@ def test_enable_sets_off_and_refuses_an_unusable_directory(tmp_path, no_cache_se
     assert where == str(tmp_path / "c") and jax.config.jax_compilation_cache_dir == where
     bounded = compile_cache.MAX_BYTES if compile_cache._has_filelock() else -1     # jax bounds it only with filelock
     assert jax.config.jax_compilation_cache_max_size == bounded
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0    # every program kept, not only slow ones
+
+
+def test_a_users_minimum_compile_time_is_kept(tmp_path, no_cache_set, monkeypatch):
+    monkeypatch.setenv(compile_cache.MIN_COMPILE_ENV, "1.0")
+    compile_cache.enable(str(tmp_path / "c"))
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
 
 
 def test_without_filelock_the_cache_stays_unbounded(tmp_path, no_cache_set, monkeypatch):
