@@ -173,6 +173,16 @@ def active_splits(length, *, splits, page_size, ppb):
     return (blocks + per - 1) // per
 
 
+def split_blocks(n_blocks: int, want: int) -> int:
+    """Page blocks per split, so that the table's n_blocks fill at least `want` splits (the grid
+    BlockSizes.min_programs asks for). Rounded down: rounding up halves the splits where n_blocks is
+    just over `want` (36 blocks, 33 wanted: 18 splits of two). On the H200 the two roundings decoded
+    level through the engine (batch 1 in 2,304- and 4,096-token tables, batch 16 / 32: `bench_decode.py
+    --jobs splits_ab`); down keeps the grid the dataclass promises. Module-level, so that a benchmark
+    can swap it."""
+    return max(1, n_blocks // want)
+
+
 def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, page_size: int, group: int,
          head_dim: int) -> dict:
     """The static tiling a call uses: pages per block and per split, splits, padded group rows."""
@@ -190,7 +200,7 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
     else:
         n_blocks = -(-max_pages // ppb)
         want = min(max(1, -(-bs.min_programs // (batch * kv_heads))), n_blocks)
-        blocks_per_split = -(-n_blocks // want)
+        blocks_per_split = split_blocks(n_blocks, want)
     pps = blocks_per_split * ppb
     splits = -(-max_pages // pps)
     use_dot = bs.score == "dot" and ppb * page_size >= MIN_DOT and head_dim >= MIN_DOT

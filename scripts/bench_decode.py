@@ -63,6 +63,9 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
   sweep_engine  the batch sweep 1..256 (TPOT, tokens/s, % of the roofline) through one Engine of 256 rows
   buckets_ab    batch 8 / 32 / 128 through an Engine of 256 rows with decode buckets in powers of 4 and
                 with the shipped ones (powers of 2 past 16), alternated twice
+  splits_ab     batch 1 (2,304- and 4,096-token engines, ctx 2k and ~4k) and 16 / 32 (2,176 tokens) through
+                engines whose decode attention's page blocks per split round down (shipped: at least the
+                splits wanted) or up, alternated twice
   rows_ab       batch 1 / 2 / 4 through engines whose decode steps take the kernels up to the shipped
                 rows (models.serving.KERNEL_ROWS) or up to 4 (more rows: XLA GEMMs), alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows

@@ -1,6 +1,6 @@
 """Batched decode: the paged attention kernel's tiles by batch, and the Engine A/Bs behind the
-batch-dependent choices (bench_decode.py's jobs attn_tiles, sweep_ab, rows_ab, buckets_ab and the
-sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
+batch-dependent choices (bench_decode.py's jobs attn_tiles, sweep_ab, rows_ab, buckets_ab, splits_ab and
+the sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
 
 `attention_tile_sweep` times the decode attention alone: `layers` layers of one stacked paged cache
 in one jit (each layer's K/V read in place, 67 MB a layer at llama3_1b's batch 16 and ctx 2k, past
@@ -176,3 +176,33 @@ def job_buckets_ab(c):
         for tag, eng in engines.items():
             bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
                             tag=f" [decode buckets: {tag} {eng.DECODE}]")
+
+
+def _blocks_rounded_up(n_blocks: int, want: int) -> int:
+    """paged_tiles.split_blocks before: page blocks per split rounded up (at most `want` splits)."""
+    return -(-n_blocks // want)
+
+
+def job_splits_ab(c):
+    """Decode through engines whose attention splits take page blocks per split rounded down (shipped,
+    paged_tiles.split_blocks: at least the splits wanted) or up (before), alternated twice, where the
+    two differ: batch 1 in a 2,304-token engine at ctx 2k (144 pages: 36 one-block splits against 18 of
+    two) and in a 4,096-token one at ctx 2k and ~4k, batch 16 / 32 in a 2,176-token one of 32 rows. The
+    split count is read when a program traces: each engine runs under its own, compiles included."""
+    ctx, n = c.sz["ctx"], min(128, c.sz["n"] * 4)
+    cases = [(ctx + 256, 1, [(1, ctx)]), (2 * ctx, 1, [(1, ctx), (1, 2 * ctx - n)]),
+             (ctx + 128, min(32, c.sz["big"]), [(16, ctx), (32, ctx)])]
+    variants = {"rounded down": pt.split_blocks, "rounded up": _blocks_rounded_up}
+    shipped = pt.split_blocks
+    engines = {(max_len, tag): c.engine(max_len=max_len, max_seqs=rows)
+               for max_len, rows, _ in cases for tag in variants}
+    try:
+        for _ in range(2):
+            for max_len, rows, runs in cases:
+                for tag, fn in variants.items():
+                    pt.split_blocks = fn
+                    for b, at in runs:
+                        bs.engine_sweep(engines[max_len, tag], c.bw, [min(b, rows)], ctx=at, n=n,
+                                        tag=f" max_len={max_len} [splits {tag}]")
+    finally:
+        pt.split_blocks = shipped

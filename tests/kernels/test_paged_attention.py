@@ -80,6 +80,13 @@ def test_plan_fills_the_gpu_at_batch_one():
     one = plan(BlockSizes(pages_per_block=4), 1, 8, 128, 16, 4, 64)
     assert one["splits"] == 32 and one["use_dot"] and one["rows"] == 16 and one["out_rows"] == 4
     assert plan(BlockSizes(), 64, 8, 128, 16, 4, 64)["splits"] == 1               # 512 programs already
+    # a table a little wider than the splits wanted (36 blocks of 4 pages, 33 wanted) still gets >= 33,
+    # one block each, and any width keeps batch * kv heads * splits >= min_programs while blocks allow
+    assert plan(BlockSizes(pages_per_block=4), 1, 8, 144, 16, 4, 64)["splits"] == 36
+    for pages in range(4, 600, 4):
+        for batch in (1, 4, 16, 32):
+            p = plan(BlockSizes(pages_per_block=4), batch, 8, pages, 16, 4, 64)
+            assert batch * 8 * p["splits"] >= min(264, batch * 8 * (pages // 4)), (pages, batch, p)
     old = plan(CONFIGS["old"], 1, 8, 128, 16, 4, 64)
     assert (old["pages_per_block"], old["pages_per_split"], old["use_dot"]) == (1, 16, False)
     with pytest.raises(ValueError, match="power of two"):
