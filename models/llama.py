@@ -10,7 +10,6 @@ tokens over a KV cache, prompt chunks and decode) is models/serving.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -21,6 +20,7 @@ from meshlab.parallel import attention as attention_op
 from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
 from meshlab.rules import constrain, is_local, materialize
 from models import fp8
+from models.vjp_ops import mm_f32_out, swiglu_pair, take_rows
 from models.remat import REMAT_POLICIES, remat as _remat
 from pallas_kernels import cross_entropy_onepass as fused_ce_onepass
 from pallas_kernels.attention import available as kernel_available
@@ -226,27 +226,6 @@ def _layer_mm(cfg: LlamaConfig):
     return fp8.fp8_einsum if cfg.matmul_dtype == "float8" else _mm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def mm_f32_out(spec, x, w):
-    """einsum with an fp32 output (logits feeding a softmax) whose backward GEMMs still run in the
-    operands' dtype: the fp32 cotangent is rounded once, as torch autocast does, instead of JAX's
-    default transpose upcasting both [T, V]-sized GEMMs to fp32."""
-    return jnp.einsum(spec, x, w, preferred_element_type=F32)
-
-
-def _mm_f32_fwd(spec, x, w):
-    return mm_f32_out(spec, x, w), (x, w)
-
-
-def _mm_f32_bwd(spec, res, g):
-    x, w = res
-    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
-    return vjp(g.astype(x.dtype))
-
-
-mm_f32_out.defvjp(_mm_f32_fwd, _mm_f32_bwd)
-
-
 def _w(var, dtype):
     """The compute-ready value of a parameter (cast, gathered if stored sharded)."""
     return materialize(var[...], var.get_metadata()["logical"], dtype)
@@ -258,25 +237,7 @@ def embed_lookup(embed, tokens, dtype):
     of a bf16 lookup adds them in bf16, each add rounded (Zipf-skewed byte ids, 8-16k tokens, XLA:CPU:
     5-7% error in the most frequent id's row). Here they add in fp32 and the sum is rounded once. The
     forward is unchanged: the weight cast, then gathered if stored sharded (half the bytes)."""
-    return _take_rows(_w(embed, dtype), tokens)
-
-
-@jax.custom_vjp
-def _take_rows(w, tokens):
-    return jnp.take(w, tokens, axis=0)                                    # [b, s, d]
-
-
-def _take_rows_fwd(w, tokens):
-    return _take_rows(w, tokens), (tokens, jnp.zeros((w.shape[0], 0), w.dtype))   # V and dtype, no bytes
-
-
-def _take_rows_bwd(res, dx):
-    tokens, like = res
-    dw = jnp.zeros((like.shape[0], dx.shape[-1]), F32).at[tokens].add(dx.astype(F32))   # [V, d] fp32 sums
-    return dw.astype(like.dtype), None
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+    return take_rows(_w(embed, dtype), tokens)
 
 
 class RMSNorm(nnx.Module):
@@ -319,31 +280,6 @@ class Attention(nnx.Module):
         o = constrain(o, ("act_batch", "act_attn_seq", "act_heads", None))
         out = scattered_matmul(mm, "bshk,hkd->bsd", o, _w(self.wo, dt))  # [b, s, d]
         return constrain(out, ("act_batch", "act_seq", "act_embed"))
-
-@jax.custom_vjp
-def swiglu_pair(gate_up):
-    """silu(gate) * up of gate_up [..., f, 2] (gate, up interleaved), fp32 math, in gate_up's dtype. Its
-    residual is gate_up alone and its backward writes d(gate|up) [..., f, 2] in one pass: autodiff of
-    the two slices would save them besides gate_up and run one elementwise pass per slice."""
-    return _swiglu_pair_fwd(gate_up)[0]
-
-
-def _swiglu_pair_fwd(gate_up):
-    gate, up = gate_up[..., 0].astype(F32), gate_up[..., 1].astype(F32)      # [..., f] x2
-    return (jax.nn.silu(gate) * up).astype(gate_up.dtype), gate_up
-
-
-def _swiglu_pair_bwd(gate_up, dh):
-    gate, up = gate_up[..., 0].astype(F32), gate_up[..., 1].astype(F32)      # [..., f] x2
-    dh = dh.astype(F32)
-    sig = jax.nn.sigmoid(gate)
-    d_gate = dh * up * sig * (1 + gate * (1 - sig))                           # silu'(g) = s (1 + g (1 - s))
-    d_up = dh * gate * sig
-    return (jnp.stack([d_gate, d_up], axis=-1).astype(gate_up.dtype),)        # [..., f, 2]
-
-
-swiglu_pair.defvjp(_swiglu_pair_fwd, _swiglu_pair_bwd)
-
 
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):

@@ -88,7 +88,7 @@ def case(rows, op, shape, name, fn, args, ref_out, reps, tol, flops=None):
 
 
 def _model_dense_ce(h, w, y):
-    from models.llama import mm_f32_out
+    from models.vjp_ops import mm_f32_out
     logits = mm_f32_out("td,dv->tv", h, w)                                        # [T, V] fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     label = jnp.take_along_axis(logits, jnp.clip(y, 0, w.shape[1] - 1)[:, None], axis=-1)[:, 0]
@@ -105,7 +105,7 @@ def bench_ce(rows, a):
     flops = 6 * t * d * v  # fwd 2TdV + bwd 4TdV (the useful work, not our recomputation)
     f_ref = train_fn(lambda h, w, y: ce.cross_entropy_reference(h, w, y))
     ref = case(rows, "ce", shape, "xla_reference", f_ref, (h, w, y), f_ref(h, w, y), a.reps, 1e-6, flops)
-    # The model's dense loss: fp32 logits out, but a bf16 backward (models.llama.mm_f32_out); the
+    # The model's dense loss: fp32 logits out, but a bf16 backward (models.vjp_ops.mm_f32_out); the
     # reference above transposes with fp32 cotangents, i.e. fp32 GEMMs, so it flatters the kernel.
     case(rows, "ce", shape, "xla_model_dense(bf16 bwd)", train_fn(_model_dense_ce), (h, w, y), ref, a.reps, 2e-2, flops)
     for cs in ((4096, 2048) if not a.small else (64,)):

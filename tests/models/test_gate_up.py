@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cheap_codegen
 
 def test_swiglu_pair_matches_autodiff():
     """The hand-written backward equals autodiff of silu(gate) * up (fp32, awkward f)."""
-    from models.llama import swiglu_pair
+    from models.vjp_ops import swiglu_pair
     gu = jax.random.normal(jax.random.key(0), (3, 5, 37, 2), jnp.float32) * 3
     dh = jax.random.normal(jax.random.key(1), (3, 5, 37), jnp.float32)
     ref = lambda g: jax.nn.silu(g[..., 0]) * g[..., 1]      # noqa: E731
