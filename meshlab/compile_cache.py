@@ -56,7 +56,7 @@ def enable(path: str, setting: str = "compile_cache") -> tuple[str | None, str]:
     if MIN_COMPILE_ENV not in os.environ:
         # jax keeps only programs that took >= 1 s to compile. A server's buckets on a CPU take less each
         # (the tiny model's 19: 15 s together), and a read costs milliseconds: with every program kept,
-        # serve.py started again is listening in 6.0 s instead of 17.7 (the tiny model on this CPU).
+        # serve.py started again is listening in 6.0 s instead of 17.7 (the tiny model, 2 CPU cores).
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if jax.config.jax_compilation_cache_max_size < 0 and _has_filelock():   # jax's default: unbounded
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)

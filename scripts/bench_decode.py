@@ -165,7 +165,7 @@ def run_job(name, args, deadline, out: Path, bw):
                 done += 1
                 if line.startswith("ROW "):
                     row = dict(json.loads(line[4:]), job=name)
-                    if args.preset != DEFAULT_PRESET and row["section"] != "meta":
+                    if args.preset != DEFAULT_PRESET and not args.cpu_smoke and row["section"] != "meta":
                         row["setting"] += f" [{args.preset}]"        # rows of another shape say so
                     rows.append(row)
                     if row["section"] != "meta":
