@@ -1,7 +1,8 @@
-"""Serving under load (llama3_1b shape, bf16, random weights): offline, over HTTP, and the peers.
+"""Serving under load (llama3_1b unless --preset names another; bf16, random weights): offline, HTTP, peers.
 
     PYTHONPATH=$PWD python3 scripts/bench_serve.py [--jobs offline,peer_cb,peer_b1,http] [--n 512]
     PYTHONPATH=$PWD python3 scripts/bench_serve.py --quick          # tiny model on CPU: the mechanics
+    PYTHONPATH=$PWD python3 scripts/bench_serve.py --preset llama3_8b --jobs offline,peer_cb
 
 Workload (meshlab/bench/serve.py): n requests, prompts uniform in [128, 1024] tokens,
 outputs uniform in [64, 256], greedy, no stop tokens. Jobs, each a child process (torch and JAX
@@ -39,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+DEFAULT_PRESET = "llama3_1b"
 
 
 def shape(args):
@@ -46,7 +48,8 @@ def shape(args):
     if args.quick:
         return "tiny", "float32", dict(prompt=(8, 40), output=(4, 16), vocab=257), \
             dict(max_len=64, max_seqs=4, page_size=4, chunk=16, steps_per_call=4)
-    return "llama3_1b", "bfloat16", dict(vocab=128256), \
+    import models
+    return args.preset, "bfloat16", dict(vocab=models.preset(args.preset).vocab_size), \
         dict(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8)
 
 
@@ -55,11 +58,11 @@ def child(args):
     preset, dtype, wl, ek = shape(args)
     work = bs.workload(args.n, seed=0, **wl)
     if args.job == "peer_cb":
-        return bs.peer_continuous_batching(work[:args.peer_n])
+        return bs.peer_continuous_batching(work[:args.peer_n], preset=preset)
     if args.job == "peer_b1":
-        return bs.peer_static_b1()
+        return bs.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
-        return bs.peer_compiled_loop_b1()
+        return bs.peer_compiled_loop_b1(preset=preset)
     if args.job == "offline":
         import dataclasses
         import models
@@ -148,7 +151,8 @@ def restart(preset, dtype, bs) -> list:
 def run_job(name, args, out: Path, timeout: float) -> list:
     cmd = [sys.executable, __file__, "--job", name, "--n", str(args.n), "--peer-n", str(args.peer_n),
            "--match", str(args.match), "--rates", ",".join(map(str, args.rates)), "--prefill", args.prefill] \
-        + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else [])
+        + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else []) \
+        + ["--preset", args.preset]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -158,6 +162,9 @@ def run_job(name, args, out: Path, timeout: float) -> list:
         except subprocess.TimeoutExpired as e:
             text, note = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "TIMEOUT"
     rows = [dict(json.loads(x[4:]), job=name) for x in text.splitlines() if x.startswith("ROW ")]
+    if args.preset != DEFAULT_PRESET and not args.quick:
+        for r in rows:
+            r["setting"] += f" [{args.preset}]"                   # rows of another shape say so
     if note:
         tail = " | ".join(log.read_text().splitlines()[-6:])[-300:]
         rows.append({"section": name, "setting": note, "value": float("nan"), "unit": "", "job": name, "note": tail})
@@ -190,6 +197,9 @@ def main():
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[8, 16, 32, 64, 0])
     ap.add_argument("--timeout-s", type=float, default=600, help="per job")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
+    ap.add_argument("--preset", default=DEFAULT_PRESET,
+                    help=f"the model shape served and given to the peers (random weights, bf16); rows of another "
+                         f"than {DEFAULT_PRESET} carry its name")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",
@@ -199,6 +209,11 @@ def main():
     args = ap.parse_args()
     if args.job:
         return child(args)
+    import models                                  # jax imported, no backend started: the GPU stays free
+    try:
+        models.preset(args.preset)
+    except KeyError as e:
+        ap.error(f"--preset: {e.args[0]}")
     if args.quick:
         args.n, args.peer_n, args.match, args.rates = min(args.n, 16), min(args.peer_n, 16), min(args.match, 4), [50, 0]
     out = Path(os.environ.get("OUT") or "/tmp/bench_serve")

@@ -284,11 +284,11 @@ def hf_llama(preset: str = "llama3_1b", device: str = "cuda"):
     return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def peer_continuous_batching(work, label="transformers continuous batching") -> dict:
+def peer_continuous_batching(work, label="transformers continuous batching", preset: str = "llama3_1b") -> dict:
     """transformers' own continuous batching in its default configuration, per-request max_new_tokens."""
     import torch
     from transformers import GenerationConfig
-    model = hf_llama()
+    model = hf_llama(preset)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in work), eos_token_id=-1)
     done, first = {}, {}
     with torch.no_grad(), model.continuous_batching_context_manager(generation_config=gen) as manager:
@@ -311,13 +311,13 @@ def peer_continuous_batching(work, label="transformers continuous batching") -> 
                          f"{torch.__version__}, default ContinuousBatchingConfig"})
 
 
-def peer_static_b1(ctx: int = 2048, n: int = 256) -> dict:
+def peer_static_b1(ctx: int = 2048, n: int = 256, preset: str = "llama3_1b") -> dict:
     """HF generate at batch 1 with a static cache and torch.compile'd forward: decode tokens/s.
     transformers >= 4.48 compiles the decode forward itself when the cache is static (its
     CompileConfig, here CUDA graphs and one graph); older ones take torch.compile on forward."""
     import torch
     import transformers
-    model = hf_llama()
+    model = hf_llama(preset)
     model.generation_config.cache_implementation = "static"
     if hasattr(transformers, "CompileConfig"):
         model.generation_config.compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
@@ -347,7 +347,7 @@ def peer_static_b1(ctx: int = 2048, n: int = 256) -> dict:
                          f"eager generate {eager * 1e3:.2f} ms); {recipe}; torch {torch.__version__}"})
 
 
-def peer_compiled_loop_b1(ctx: int = 2048, n: int = 256) -> dict:
+def peer_compiled_loop_b1(ctx: int = 2048, n: int = 256, preset: str = "llama3_1b") -> dict:
     """The strongest torch recipe for batch-1 latency (gpt-fast's): the HF Llama's one-token forward
     and the greedy argmax under torch.compile with CUDA graphs, over a StaticCache, in a loop that
     never reads a token back to the host (generate's per-step stopping checks do)."""
@@ -357,7 +357,7 @@ def peer_compiled_loop_b1(ctx: int = 2048, n: int = 256) -> dict:
     inductor.coordinate_descent_tuning = True       # gpt-fast's settings: tuned decode kernels
     inductor.triton.unique_kernel_names = True
     inductor.fx_graph_cache = True
-    model = hf_llama()
+    model = hf_llama(preset)
     prompt = torch.randint(0, model.config.vocab_size, (1, ctx - n), device="cuda")
 
     def one_token(tok, pos, cache):            # [1, 1] token at position pos [1] -> the next one

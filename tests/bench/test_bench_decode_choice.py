@@ -65,14 +65,3 @@ def test_engine_choice_takes_the_fastest_mean(bd):
     assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": ""}
     rows.append(_row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels a:w8] again", 1200.0))
     assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": "a:w8"}
-
-
-def test_an_unknown_preset_stops_the_call_before_any_job(tmp_path):
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--preset", "llama9",
-                          "--jobs", "engine"], capture_output=True, text=True, env={"OUT": str(tmp_path), "PATH": ""},
-                         cwd=tmp_path)
-    assert out.returncode == 2
-    assert "--preset: unknown model 'llama9'; known: tiny, llama3_1b" in out.stderr
-    assert not (tmp_path / "logs").exists()          # no job ran, no directory written
