@@ -65,6 +65,21 @@ def test_serving_tiles_by_batch_match_reference():
     assert decode_block_sizes(1) != decode_block_sizes(16) != decode_block_sizes(16, fused=False)
 
 
+def test_a_table_just_wider_than_the_splits_wanted():
+    # 5 one-page blocks, 3 splits wanted (2 kv heads, min_programs 6): 5 splits of one block (rounded
+    # up it was 2 of three); lengths that fill one, three and all five pages, and a part of one
+    q, k, v, table, lengths = make_case(7, b=4, h=4, kvh=2, max_pages=5, num_pages=24, lengths=(3, 12, 20, 17))
+    bs = BlockSizes(pages_per_block=1, min_programs=6)
+    assert plan(bs, 1, 2, 5, 4, 2, 16)["splits"] == 5
+    for row in range(4):                                  # batch 1: each length over the 5 splits
+        one = (q[row:row + 1], k, v, table[row:row + 1], lengths[row:row + 1])
+        got = paged_attention(*one, block_sizes=bs, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_reference(*one)), atol=2e-5, rtol=2e-5)
+    got = paged_attention(q, k, v, table, lengths, block_sizes=bs, interpret=True)   # batch 4: 1 split wanted
+    np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_reference(q, k, v, table, lengths)),
+                               atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("score", ["dot", "vpu"])
 def test_group_not_a_power_of_two(score):
     # 6 query heads on 2 kv heads: a group of 3, padded to 16 (dot) or 4 (vpu) rows in the kernel
