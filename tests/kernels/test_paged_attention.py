@@ -171,8 +171,9 @@ def _fused_reference(qkv, k_cache, v_cache, table, lengths, layer, n_heads, thet
 
 
 @pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(16), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2),
-                                decode_block_sizes(), decode_block_sizes(4)],
-                         ids=["split1page", "onesplit", "default", "vpu", "decode", "decode_batched"])
+                                decode_block_sizes(), decode_block_sizes(4),
+                                BlockSizes(pages_per_block=1, min_programs=32)],   # 6 blocks, 4 wanted: 6 splits
+                         ids=["split1page", "onesplit", "default", "vpu", "decode", "decode_batched", "rounded_down"])
 def test_fused_decode_matches_rope_write_attend(bs):
     # GQA 4 (8 query / 2 kv heads), d 32 (dots on 16-wide halves); lengths: the first token, a new
     # page's first slot (9 = 2 pages + 1), the last slot of a full table (24), an inactive row
