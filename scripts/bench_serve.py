@@ -55,14 +55,15 @@ def shape(args):
 
 def child(args):
     from meshlab.bench import serve as bs
+    from meshlab.bench import serve_peers as peers
     preset, dtype, wl, ek = shape(args)
     work = bs.workload(args.n, seed=0, **wl)
     if args.job == "peer_cb":
-        return bs.peer_continuous_batching(work[:args.peer_n], preset=preset)
+        return peers.peer_continuous_batching(work[:args.peer_n], preset=preset)
     if args.job == "peer_b1":
-        return bs.peer_static_b1(preset=preset)
+        return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
-        return bs.peer_compiled_loop_b1(preset=preset)
+        return peers.peer_compiled_loop_b1(preset=preset)
     if args.job == "offline":
         import dataclasses
         import models
