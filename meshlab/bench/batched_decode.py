@@ -9,6 +9,8 @@ RoPE + write + attention kernel at the small ones, under named tilings (`TILES`)
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,17 +127,13 @@ def job_sweep_ab(c):
     """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
     (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice. The tiles
     are read when a program traces: each engine runs under its own, compiles included."""
-    shipped = pt.decode_block_sizes
-    variants = {" [attention tiles by batch]": shipped, " [attention tiles before]": before_batch_tiles}
+    variants = {" [attention tiles by batch]": pt.decode_block_sizes, " [attention tiles before]": before_batch_tiles}
     engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=c.sz["big"]) for tag in variants}
-    try:
-        for _ in range(2):
-            for tag, eng in engines.items():
-                pt.decode_block_sizes = variants[tag]
+    for _ in range(2):
+        for tag, eng in engines.items():
+            with mock.patch.object(pt, "decode_block_sizes", variants[tag]):
                 bs.engine_sweep(eng, c.bw, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), ctx=c.sz["ctx"],
                                 n=min(128, c.sz["n"] * 4), tag=tag)
-    finally:
-        pt.decode_block_sizes = shipped
 
 
 def job_sweep_engine(c):
@@ -152,16 +150,12 @@ def job_rows_ab(c):
     nk_step's XLA GEMMs; the engine pads 2 rows to its bucket of 4. Alternated twice. The limit is
     read when a program traces: each engine runs under its own, compiles included."""
     from pallas_kernels.decode_gemv import MAX_ROWS
-    shipped = serving.KERNEL_ROWS
-    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in sorted({shipped, MAX_ROWS})}
-    try:
-        for _ in range(2):
-            for rows, eng in engines.items():
-                serving.KERNEL_ROWS = rows
+    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in sorted({serving.KERNEL_ROWS, MAX_ROWS})}
+    for _ in range(2):
+        for rows, eng in engines.items():
+            with mock.patch.object(serving, "KERNEL_ROWS", rows):
                 bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
                                 tag=f" [kernel rows {rows}]")
-    finally:
-        serving.KERNEL_ROWS = shipped
 
 
 def job_buckets_ab(c):
@@ -193,16 +187,12 @@ def job_splits_ab(c):
     cases = [(ctx + 256, 1, [(1, ctx)]), (2 * ctx, 1, [(1, ctx), (1, 2 * ctx - n)]),
              (ctx + 128, min(32, c.sz["big"]), [(16, ctx), (32, ctx)])]
     variants = {"rounded down": pt.split_blocks, "rounded up": _blocks_rounded_up}
-    shipped = pt.split_blocks
     engines = {(max_len, tag): c.engine(max_len=max_len, max_seqs=rows)
                for max_len, rows, _ in cases for tag in variants}
-    try:
-        for _ in range(2):
-            for max_len, rows, runs in cases:
-                for tag, fn in variants.items():
-                    pt.split_blocks = fn
+    for _ in range(2):
+        for max_len, rows, runs in cases:
+            for tag, fn in variants.items():
+                with mock.patch.object(pt, "split_blocks", fn):
                     for b, at in runs:
                         bs.engine_sweep(engines[max_len, tag], c.bw, [min(b, rows)], ctx=at, n=n,
                                         tag=f" max_len={max_len} [splits {tag}]")
-    finally:
-        pt.split_blocks = shipped
