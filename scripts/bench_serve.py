@@ -5,7 +5,8 @@
     PYTHONPATH=$PWD python3 scripts/bench_serve.py --preset llama3_8b --jobs offline,peer_cb
 
 Workload (meshlab/bench/serve.py): n requests, prompts uniform in [128, 1024] tokens,
-outputs uniform in [64, 256], greedy, no stop tokens. Jobs, each a child process (torch and JAX
+outputs uniform in [64, 256] (`--prompts 128,2048 --outputs 64,512`: other ranges; the engines'
+max_len grows to hold the longest request, and the rows carry the ranges), greedy, no stop tokens. Jobs, each a child process (torch and JAX
 never share one), printing `ROW {json}` lines:
 
   offline  Engine(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8).generate
@@ -43,14 +44,43 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_PRESET = "llama3_1b"
 
 
+DEFAULT_PROMPTS, DEFAULT_OUTPUTS = (128, 1024), (64, 256)
+
+
 def shape(args):
-    """(preset, dtype, workload kwargs, engine kwargs) of the run."""
+    """(preset, dtype, workload kwargs, engine kwargs) of the run: --prompts / --outputs override the
+    workload's ranges, and max_len grows (in whole pages) to hold the longest request they allow."""
     if args.quick:
-        return "tiny", "float32", dict(prompt=(8, 40), output=(4, 16), vocab=257), \
-            dict(max_len=64, max_seqs=4, page_size=4, chunk=16, steps_per_call=4)
-    import models
-    return args.preset, "bfloat16", dict(vocab=models.preset(args.preset).vocab_size), \
-        dict(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8)
+        preset, dtype, wl = "tiny", "float32", dict(prompt=(8, 40), output=(4, 16), vocab=257)
+        ek = dict(max_len=64, max_seqs=4, page_size=4, chunk=16, steps_per_call=4)
+    else:
+        import models
+        preset, dtype = args.preset, "bfloat16"
+        wl = dict(prompt=DEFAULT_PROMPTS, output=DEFAULT_OUTPUTS, vocab=models.preset(args.preset).vocab_size)
+        ek = dict(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8)
+    wl.update({k: v for k, v in (("prompt", args.prompts), ("output", args.outputs)) if v})
+    longest = wl["prompt"][1] + wl["output"][1]
+    ek["max_len"] = max(ek["max_len"], -(-longest // ek["page_size"]) * ek["page_size"])
+    return preset, dtype, wl, ek
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """'LO,HI' -> (LO, HI), token counts with 1 <= LO <= HI (an argparse type)."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be two token counts LO,HI, e.g. 128,2048") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
+def workload_tag(args) -> str:
+    """' [prompts LO-HI, outputs LO-HI]' when the run's ranges are not the default workload's, else ''."""
+    if args.quick or (args.prompts or DEFAULT_PROMPTS) == DEFAULT_PROMPTS and (args.outputs or DEFAULT_OUTPUTS) == DEFAULT_OUTPUTS:
+        return ""
+    (p0, p1), (o0, o1) = args.prompts or DEFAULT_PROMPTS, args.outputs or DEFAULT_OUTPUTS
+    return f" [prompts {p0}-{p1}, outputs {o0}-{o1}]"
 
 
 def child(args):
@@ -153,7 +183,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
     cmd = [sys.executable, __file__, "--job", name, "--n", str(args.n), "--peer-n", str(args.peer_n),
            "--match", str(args.match), "--rates", ",".join(map(str, args.rates)), "--prefill", args.prefill] \
         + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else []) \
-        + ["--preset", args.preset]
+        + ["--preset", args.preset] \
+        + [f"--{k}={v[0]},{v[1]}" for k, v in (("prompts", args.prompts), ("outputs", args.outputs)) if v]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -166,6 +197,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
     if args.preset != DEFAULT_PRESET and not args.quick:
         for r in rows:
             r["setting"] += f" [{args.preset}]"                   # rows of another shape say so
+    for r in rows:
+        r["setting"] += workload_tag(args)                        # and of another workload
     if note:
         tail = " | ".join(log.read_text().splitlines()[-6:])[-300:]
         rows.append({"section": name, "setting": note, "value": float("nan"), "unit": "", "job": name, "note": tail})
@@ -201,6 +234,10 @@ def main():
     ap.add_argument("--preset", default=DEFAULT_PRESET,
                     help=f"the model shape served and given to the peers (random weights, bf16); rows of another "
                          f"than {DEFAULT_PRESET} carry its name")
+    ap.add_argument("--prompts", type=length_range, default=None,
+                    help=f"prompt lengths LO,HI (uniform; default {DEFAULT_PROMPTS[0]},{DEFAULT_PROMPTS[1]})")
+    ap.add_argument("--outputs", type=length_range, default=None,
+                    help=f"output lengths LO,HI (uniform; default {DEFAULT_OUTPUTS[0]},{DEFAULT_OUTPUTS[1]})")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",
@@ -233,7 +270,8 @@ def main():
     (out / "bench_serve.md").write_text(table)
     print("\n" + table)
     if not args.quick and any(r["job"] != "sim" for r in rows):     # the simulated device's rows stay out
-        block = f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n})\n\n"
+        block = (f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n}"
+                 f"{workload_tag(args).replace(' [', '; ').rstrip(']')})\n\n")
         block += "".join(line for line in table.splitlines(keepends=True) if "| sim |" not in line)
         (out / "benchmarks_append.md").write_text(block)
         with open(args.docs, "a") as fh:

@@ -16,3 +16,34 @@ def test_an_unknown_preset_stops_the_call_before_any_job(tmp_path, script, job):
     assert out.returncode == 2
     assert "--preset: unknown model 'llama9'; known: tiny, llama3_1b" in out.stderr
     assert list(tmp_path.iterdir()) == []              # no job ran, nothing written
+
+
+def _bench_serve():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_serve_script", ROOT / "scripts" / "bench_serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_serve_workload_ranges_grow_max_len_and_tag_the_rows():
+    import argparse
+    mod = _bench_serve()
+    args = argparse.Namespace(quick=False, preset="llama3_1b", prompts=(128, 2048), outputs=(64, 512))
+    _, _, wl, ek = mod.shape(args)
+    assert (wl["prompt"], wl["output"]) == ((128, 2048), (64, 512))
+    assert ek["max_len"] == 2560 and ek["max_len"] % ek["page_size"] == 0       # the longest request fits
+    assert mod.workload_tag(args) == " [prompts 128-2048, outputs 64-512]"
+    default = argparse.Namespace(quick=False, preset="llama3_1b", prompts=None, outputs=None)
+    assert mod.shape(default)[3]["max_len"] == 1536 and mod.workload_tag(default) == ""
+    odd = argparse.Namespace(quick=False, preset="llama3_1b", prompts=None, outputs=(64, 1500))
+    assert mod.shape(odd)[3]["max_len"] == 2528                                   # 1024 + 1500 in pages of 16
+
+
+@pytest.mark.parametrize("value", ["9,3", "0,5", "128", "a,b"])
+def test_a_bad_workload_range_stops_the_call_before_any_job(tmp_path, value):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve.py"), f"--prompts={value}",
+                          "--jobs", "offline"], capture_output=True, text=True,
+                         env={"OUT": str(tmp_path), "PATH": ""}, cwd=tmp_path)
+    assert out.returncode == 2 and "argument --prompts:" in out.stderr
+    assert list(tmp_path.iterdir()) == []
