@@ -109,6 +109,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from meshlab.bench.decode_jobs import DEFAULT_PRESET, JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
+from meshlab.bench import preset_arg  # noqa: E402
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
@@ -248,7 +249,7 @@ def main():
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, in order; of {','.join(JOBS)}")
     ap.add_argument("--quick", action="store_true", help="fewer prompt lengths")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the mechanics only")
-    ap.add_argument("--preset", default=DEFAULT_PRESET,
+    ap.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg,
                     help="the model shape measured (random weights, bf16); rows of another than "
                          f"{DEFAULT_PRESET} carry its name")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
@@ -258,11 +259,6 @@ def main():
     args = ap.parse_args()
     if args.job:
         return run_child(args)
-    import models                                  # jax imported, no backend started: the GPU stays free
-    try:
-        models.preset(args.preset)
-    except KeyError as e:
-        ap.error(f"--preset: {e.args[0]}")
     t0 = time.perf_counter()
     out = Path(os.environ.get("OUT") or "/tmp/bench_decode")
     for sub in ("logs", "hlo"):

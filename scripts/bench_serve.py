@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from meshlab.bench import preset_arg  # noqa: E402
 DEFAULT_PRESET = "llama3_1b"
 
 
@@ -231,7 +232,7 @@ def main():
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[8, 16, 32, 64, 0])
     ap.add_argument("--timeout-s", type=float, default=600, help="per job")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, a few requests")
-    ap.add_argument("--preset", default=DEFAULT_PRESET,
+    ap.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg,
                     help=f"the model shape served and given to the peers (random weights, bf16); rows of another "
                          f"than {DEFAULT_PRESET} carry its name")
     ap.add_argument("--prompts", type=length_range, default=None,
@@ -247,11 +248,6 @@ def main():
     args = ap.parse_args()
     if args.job:
         return child(args)
-    import models                                  # jax imported, no backend started: the GPU stays free
-    try:
-        models.preset(args.preset)
-    except KeyError as e:
-        ap.error(f"--preset: {e.args[0]}")
     if args.quick:
         args.n, args.peer_n, args.match, args.rates = min(args.n, 16), min(args.peer_n, 16), min(args.match, 4), [50, 0]
     out = Path(os.environ.get("OUT") or "/tmp/bench_serve")
