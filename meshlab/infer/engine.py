@@ -8,7 +8,9 @@ turns each scheduled step into one device call: a token-packed step when some ro
 decode steps in one call over the decode rows only, the next such call dispatched before the
 host reads back the last (Engine says when). Host work per step is numpy over the rows of that
 step; the page table is kept by the scheduler and changed only where pages change; the only
-device-to-host transfer is the sampled tokens (and logprobs when asked).
+device-to-host transfer is the sampled tokens (and logprobs when asked). `Engine` inherits its
+one-step first-token paths from `meshlab.infer.first_tokens` and `warmup` (every bucket's program
+compiled before the first request) from `meshlab.infer.warmup`.
 
 `ContiguousGenerator` (a fixed batch over a contiguous cache) lives in `meshlab.infer.contiguous`
 and is importable from here too.
@@ -16,7 +18,6 @@ and is importable from here too.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import queue
 import time
 from typing import Callable, Sequence
@@ -28,11 +29,13 @@ import numpy as np
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
 from meshlab.infer.calls import logprob_rows
+from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
                                     make_head_program, make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
+from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
@@ -45,7 +48,7 @@ class _Flight:
         self.decodes, self.n, self.out, self.logprobs = decodes, n, out, logprobs
 
 
-class Engine:
+class Engine(FirstTokens, Warmup):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -384,66 +387,11 @@ class Engine:
                 continue
             self._emit(r, toks[:, i], rows[i] if rows else None)
 
-    def _first_tokens(self, decodes, firsts) -> None:
-        """One decode step over the rows decoding and `firsts` (each feeding its one token left), read back
-        at once: a prompt met before up to its last token (its slot in a shared page, kept as it was) or
-        with one uncached token. The batch-b decode program with n=1, whose device time is a decode
-        step's, instead of a 16-wide packed row's (a prompt kernel per layer); host tokens in its one
-        input buffer."""
-        s, rows = self.sched, decodes + firsts
-        b = next(x for x in self.DECODE if x >= len(rows))
-        slots = self._first_slots(b)                # the bucket's layout, kept
-        real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
-        greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.first_call, None, slots.take(),
-                               layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs)
-        self.stats["steps"] += 1
-        self.stats["first_token_calls"] += 1
-        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in rows)
-        lps = logprob_rows(out, 1) if logprobs is not None else None
-        for i, r in enumerate(rows):
-            r.cached += 1
-            if self._emit(r, out["tokens"][:, i], lps[i] if lps else None) or i < len(decodes):
-                continue
-            s.register(r)                 # after its first token, as a packed step's prefill does
-
-    def _hidden_kept(self, reqs) -> bool:
-        """reuse_hidden and every req (one token left to feed) feeds a token of a shared page whose
-        hidden state is kept: a prompt met before up to its end. The prefix hit covers whole pages of
-        the prompt, so a last token inside it ends its page."""
-        s = self.sched
-        return self.reuse_hidden and all(
-            r.cached < r.prefix_hit_tokens and s.hidden_ok[s.table[r.slot, r.cached // s.page_size]] for r in reqs)
-
-    def _head_tokens(self, firsts) -> None:
-        """The first tokens of prompts met before (`_hidden_kept`), from the LM head over their pages'
-        kept hidden states: no layer runs, nothing is written."""
-        s = self.sched
-        b = next(x for x in self.DECODE if x >= len(firsts))
-        slots = self._head_slots(b)
-        real = calls.fill_head(slots.fill(), firsts, s.table, s.page_size, self.slot_rows)
-        greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
-                               greedy=greedy, logprobs=logprobs, weights=self.head_weights)
-        self.stats["head_calls"] += 1
-        lps = logprob_rows(out, 0) if logprobs is not None else None
-        for i, r in enumerate(firsts):
-            r.cached += 1
-            if not self._emit(r, out["tokens"][i:i + 1], lps[i] if lps else None):
-                s.register(r)
-
     def _slots_for(self, key, make) -> calls.Slots:
         """The host-input layout of a call's shape (calls.Slots), made once per shape and kept."""
         if key not in self._slots:
             self._slots[key] = make()
         return self._slots[key]
-
-    def _head_slots(self, b: int) -> calls.Slots:
-        return self._slots_for(("head", b), lambda: calls.head_slots(b, self.slot_rows, self.sched.max_seqs))
-
-    def _first_slots(self, b: int) -> calls.Slots:
-        s = self.sched
-        return self._slots_for(("first", b), lambda: calls.first_token_slots(b, s.max_pages, self.slot_rows, s.max_seqs))
 
     def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
         s = self.sched
@@ -495,44 +443,6 @@ class Engine:
             if r.cached == r.n_tokens and self._emit(r, out["tokens"][nd + j:nd + j + 1], lp(nd + j)):
                 continue
             s.register(r)
-
-    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None) -> int:
-        """Compile every bucket's program now (decode calls of steps_per_call steps, every packed
-        shape) by calling each on padding only: nothing is written, no request is touched. A
-        server does this before its first request. report(key, seconds) after each program.
-        Returns the number of programs compiled."""
-        s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
-        with placement(self.rules, self.mesh):
-            for b in self.DECODE:
-                z = np.zeros(b, np.int32)
-                key = ("decode", b, self.steps_per_call, greedy, logprobs)
-                buf, layout = calls.decode_inputs(z, z, s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z)
-                _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
-                                       greedy=greedy, logprobs=logprobs)
-                report and report(key, t1 - t0)
-                if not self.first_token_decode:   # its one-step program is never called: not compiled
-                    continue
-                key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
-                slots.fill()                                          # padding only: limit 0, nothing fed
-                _, t0, t1 = self._call(key, self.first_call, None, slots.take(), layout=slots.layout, n=1,
-                                       greedy=greedy, logprobs=logprobs)
-                report and report(key, t1 - t0)
-                if self.reuse_hidden:
-                    key, slots = ("head", b, greedy, logprobs), self._head_slots(b)
-                    slots.fill()                                      # page 0's row: read, nothing written
-                    _, t0, t1 = self._call(key, self.head_call, slots.take(), layout=slots.layout, greedy=greedy,
-                                           logprobs=logprobs, weights=self.head_weights)
-                    report and report(key, t1 - t0)
-            shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
-                      if w == self.chunk or k == 1]
-            for nd, k, w in shapes:
-                key = ("packed", nd, k, w, greedy, logprobs)
-                slots = self._packed_slots(nd, k, w)
-                slots.fill()                                          # padding only
-                _, t0, t1 = self._call(key, self.packed_call, self._packed_input(slots), layout=slots.layout, greedy=greedy,
-                                       logprobs=logprobs)
-                report and report(key, t1 - t0)
-        return self.stats["compiles"] - before
 
     # -- convenience ----------------------------------------------------------------------
     def run(self) -> None:

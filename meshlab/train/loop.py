@@ -6,7 +6,6 @@ a NaN/Inf stops the run (or skips the step) and is never checkpointed, validatio
 val.bin, an optional profiler window, metrics.jsonl appended across resumes."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
@@ -35,7 +34,7 @@ from meshlab.train import distributed
 from meshlab.train import fit
 from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
-from meshlab.train.optimizer import make_optimizer, schedule
+from meshlab.train.optimizer import host_schedule, make_optimizer
 from meshlab.train.state import abstract_state, init_state, state_specs
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
 from models import model_def
@@ -336,21 +335,6 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     if is_main and cfg.sample_tokens and "interrupted" not in result:
         result["sample"] = write_sample(tr, result["state"], run_dir)
     return result
-
-
-def host_schedule(ocfg, steps: int):
-    """step -> learning rate as a Python float, every step's value computed once on the host CPU.
-    optax's schedule is jnp: called per step on the default device (the GPU), its ops queued behind
-    the step in flight and `float()` waited for that step, so the next step was dispatched only after
-    it ended (a device-idle gap every step, which the metrics-one-step-late loop exists to avoid)."""
-    sched = schedule(ocfg, steps)
-    try:
-        cpu = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:       # no CPU backend in this process (JAX_PLATFORMS without cpu): once, here
-        cpu = None
-    with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
-        table = np.asarray(jax.vmap(sched)(np.arange(max(steps, 1))), np.float64)
-    return lambda step: float(table[min(max(step, 0), len(table) - 1)])
 
 
 def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path, is_main: bool,

@@ -1,9 +1,12 @@
-"""AdamW with warmup-cosine schedule, global-norm clipping, no decay on norms (1-D leaves)."""
+"""AdamW with warmup-cosine schedule, global-norm clipping, no decay on norms (1-D leaves); the
+schedule as a table on the host for the training loop (`host_schedule`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
+import numpy as np
 import optax
 
 
@@ -23,6 +26,21 @@ class OptimConfig:
 def schedule(cfg: OptimConfig, total_steps: int):
     decay = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay, cfg.lr * cfg.min_lr_ratio)
+
+
+def host_schedule(ocfg, steps: int):
+    """step -> learning rate as a Python float, every step's value computed once on the host CPU.
+    optax's schedule is jnp: called per step on the default device (the GPU), its ops queued behind
+    the step in flight and `float()` waited for that step, so the next step was dispatched only after
+    it ended (a device-idle gap every step, which the metrics-one-step-late loop exists to avoid)."""
+    sched = schedule(ocfg, steps)
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:       # no CPU backend in this process (JAX_PLATFORMS without cpu): once, here
+        cpu = None
+    with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
+        table = np.asarray(jax.vmap(sched)(np.arange(max(steps, 1))), np.float64)
+    return lambda step: float(table[min(max(step, 0), len(table) - 1)])
 
 
 def decay_mask(names_tree):

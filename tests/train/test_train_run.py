@@ -33,8 +33,7 @@ def test_logged_learning_rate_is_the_schedule_computed_on_the_host():
     jnp schedule on the accelerator would wait for the step in flight (a device-idle gap every step)."""
     import numpy as np
 
-    from meshlab.train.loop import host_schedule
-    from meshlab.train.optimizer import OptimConfig, schedule
+    from meshlab.train.optimizer import OptimConfig, host_schedule, schedule
     cfg = OptimConfig(lr=3e-4, warmup_steps=10, min_lr_ratio=0.1)
     on_host, optax_fn = host_schedule(cfg, 50), schedule(cfg, 50)
     assert all(isinstance(on_host(i), float) for i in (0, 49))
