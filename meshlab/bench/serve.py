@@ -37,7 +37,8 @@ def latency_summary(ttft, tpot) -> dict:
 
 def offline(engine, work, label: str):
     """Every request submitted at once through Engine.generate; (row, requests): throughput, latency
-    and the engine's own counters (host time per device call, decode steps per dispatch, compiles)."""
+    and the engine's own counters (host time per device call and its dispatching share, device wait per call,
+    decode steps per dispatch, compiles)."""
     from meshlab.infer.sampler import SamplingParams
     before = dict(engine.stats)
     t = time.perf_counter()
@@ -54,12 +55,14 @@ def offline(engine, work, label: str):
            **latency_summary([x["ttft_s"] for x in m], [x["tpot_s"] for x in m if x["tpot_s"] is not None]),
            "preemptions": st["preemptions"], "device_calls": st["device_calls"], "packed_calls": st["packed_calls"],
            "decode_calls": st["decode_calls"], "decode_steps_per_dispatch": decode_steps / max(st["decode_calls"], 1),
-           "host_ms_per_call": st["host_s"] / calls * 1e3, "device_wait_ms_per_call": st["device_wait_s"] / calls * 1e3,
+           "host_ms_per_call": st["host_s"] / calls * 1e3, "dispatch_ms_per_call": st["dispatch_s"] / calls * 1e3,
+           "device_wait_ms_per_call": st["device_wait_s"] / calls * 1e3,
            "compiles": st["compiles"], "compile_s": st["compile_s"], "prefill_tokens": st["prefill_tokens"],
            "prefix_hit_tokens": st["prefix_hit_tokens"]}
     row["note"] = (f"{out_tok} tokens in {wall:.1f} s; TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 "
                    f"{row['ttft_p99_ms']:.0f}; TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f}; "
-                   f"{row['host_ms_per_call']:.2f} ms host per call, {row['decode_steps_per_dispatch']:.1f} decode "
+                   f"{row['host_ms_per_call']:.2f} ms host per call ({row['dispatch_ms_per_call']:.2f} of it dispatching), "
+                   f"{row['device_wait_ms_per_call']:.2f} waiting on the device; {row['decode_steps_per_dispatch']:.1f} decode "
                    f"steps per dispatch, {st['compiles']} compiles, {st['preemptions']} preemptions")
     return emit(row), reqs
 
