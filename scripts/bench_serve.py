@@ -6,7 +6,8 @@
 
 Workload (meshlab/bench/serve.py): n requests, prompts uniform in [128, 1024] tokens,
 outputs uniform in [64, 256] (`--prompts 128,2048 --outputs 64,512`: other ranges; the engines'
-max_len grows to hold the longest request, and the rows carry the ranges), greedy, no stop tokens. Jobs, each a child process (torch and JAX
+max_len grows to hold the longest request, and the rows carry the ranges; `--max-step-tokens N`: the
+engines' step budget, also in the rows), greedy, no stop tokens. Jobs, each a child process (torch and JAX
 never share one), printing `ROW {json}` lines:
 
   offline  Engine(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8).generate
@@ -60,6 +61,8 @@ def shape(args):
         wl = dict(prompt=DEFAULT_PROMPTS, output=DEFAULT_OUTPUTS, vocab=models.preset(args.preset).vocab_size)
         ek = dict(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8)
     wl.update({k: v for k, v in (("prompt", args.prompts), ("output", args.outputs)) if v})
+    if args.max_step_tokens:
+        ek["max_step_tokens"] = args.max_step_tokens
     longest = wl["prompt"][1] + wl["output"][1]
     ek["max_len"] = max(ek["max_len"], -(-longest // ek["page_size"]) * ek["page_size"])
     return preset, dtype, wl, ek
@@ -77,11 +80,17 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def workload_tag(args) -> str:
-    """' [prompts LO-HI, outputs LO-HI]' when the run's ranges are not the default workload's, else ''."""
-    if args.quick or (args.prompts or DEFAULT_PROMPTS) == DEFAULT_PROMPTS and (args.outputs or DEFAULT_OUTPUTS) == DEFAULT_OUTPUTS:
+    """' [prompts LO-HI, outputs LO-HI, max_step_tokens N]': what of the run is not the default load
+    test's (its ranges, the engines' step budget), else ''."""
+    if args.quick:
         return ""
-    (p0, p1), (o0, o1) = args.prompts or DEFAULT_PROMPTS, args.outputs or DEFAULT_OUTPUTS
-    return f" [prompts {p0}-{p1}, outputs {o0}-{o1}]"
+    parts = []
+    if (args.prompts or DEFAULT_PROMPTS) != DEFAULT_PROMPTS or (args.outputs or DEFAULT_OUTPUTS) != DEFAULT_OUTPUTS:
+        (p0, p1), (o0, o1) = args.prompts or DEFAULT_PROMPTS, args.outputs or DEFAULT_OUTPUTS
+        parts.append(f"prompts {p0}-{p1}, outputs {o0}-{o1}")
+    if args.max_step_tokens:
+        parts.append(f"max_step_tokens {args.max_step_tokens}")
+    return f" [{', '.join(parts)}]" if parts else ""
 
 
 def child(args):
@@ -134,7 +143,8 @@ def http(args, preset, dtype, wl, ek, bs, work):
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", f"random:{preset}", "--port", "0",
            "--dtype", dtype, "--max-len", str(ek["max_len"]), "--max-seqs", str(ek["max_seqs"]), "--page-size",
            str(ek["page_size"]), "--chunk", str(ek["chunk"]), "--steps-per-call", str(ek["steps_per_call"]),
-           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on"]
+           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on"] \
+        + ([f"--max-step-tokens={ek['max_step_tokens']}"] if "max_step_tokens" in ek else [])
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
     try:
         line = srv.stdout.readline()
@@ -185,7 +195,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
            "--match", str(args.match), "--rates", ",".join(map(str, args.rates)), "--prefill", args.prefill] \
         + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else []) \
         + ["--preset", args.preset] \
-        + [f"--{k}={v[0]},{v[1]}" for k, v in (("prompts", args.prompts), ("outputs", args.outputs)) if v]
+        + [f"--{k}={v[0]},{v[1]}" for k, v in (("prompts", args.prompts), ("outputs", args.outputs)) if v] \
+        + ([f"--max-step-tokens={args.max_step_tokens}"] if args.max_step_tokens else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -239,6 +250,8 @@ def main():
                     help=f"prompt lengths LO,HI (uniform; default {DEFAULT_PROMPTS[0]},{DEFAULT_PROMPTS[1]})")
     ap.add_argument("--outputs", type=length_range, default=None,
                     help=f"output lengths LO,HI (uniform; default {DEFAULT_OUTPUTS[0]},{DEFAULT_OUTPUTS[1]})")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="the engines' tokens per step (Engine max_step_tokens; default max_seqs + 4 chunks)")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",

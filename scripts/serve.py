@@ -30,6 +30,8 @@ def main(argv=None):
     ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="tokens one step may feed, decodes and prompt chunks together (default: max-seqs + 4 chunks)")
     ap.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                     help="paged decode attention (auto: the Pallas kernel on one GPU, else XLA)")
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
@@ -52,6 +54,7 @@ def main(argv=None):
         rules, mesh, cfg, md, params, tok = open_checkpoint(args)
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
+                        max_step_tokens=args.max_step_tokens,
                         impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
         if args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu"):
             t = time.perf_counter()
