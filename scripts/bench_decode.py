@@ -59,7 +59,7 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
   attn_tiles    the paged decode attention alone, 16 layers in one jit, under named tilings
                 (batched_decode.TILES): the plain kernel at batch 16-128, the fused one at 1-16
   sweep_ab      batch 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
-                (by batch) or those before (decode_jobs.before_batch_tiles), alternated twice
+                (by batch) or those before (batched_decode.before_batch_tiles), alternated twice
   sweep_engine  the batch sweep 1..256 (TPOT, tokens/s, % of the roofline) through one Engine of 256 rows
   buckets_ab    batch 8 / 32 / 128 through an Engine of 256 rows with decode buckets in powers of 4 and
                 with the shipped ones (powers of 2 past 16), alternated twice
@@ -108,8 +108,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from meshlab.bench.decode_jobs import DEFAULT_PRESET, JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
-from meshlab.bench import preset_arg  # noqa: E402
+from meshlab.bench import DEFAULT_PRESET, preset_arg  # noqa: E402
+from meshlab.bench.decode_jobs import JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile

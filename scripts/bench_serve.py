@@ -42,9 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from meshlab.bench import preset_arg  # noqa: E402
-DEFAULT_PRESET = "llama3_1b"
-
+from meshlab.bench import DEFAULT_PRESET, preset_arg  # noqa: E402
 
 DEFAULT_PROMPTS, DEFAULT_OUTPUTS = (128, 1024), (64, 256)
 
@@ -79,17 +77,23 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def workload_tag(args) -> str:
-    """' [prompts LO-HI, outputs LO-HI, max_step_tokens N]': what of the run is not the default load
-    test's (its ranges, the engines' step budget), else ''."""
+def run_parts(args) -> list[str]:
+    """What of the run is not the default load test's: the model shape, the length ranges, the engines'
+    step budget (none on --quick); each row's setting and the diary's heading name them."""
     if args.quick:
-        return ""
-    parts = []
+        return []
+    parts = [args.preset] if args.preset != DEFAULT_PRESET else []
     if (args.prompts or DEFAULT_PROMPTS) != DEFAULT_PROMPTS or (args.outputs or DEFAULT_OUTPUTS) != DEFAULT_OUTPUTS:
         (p0, p1), (o0, o1) = args.prompts or DEFAULT_PROMPTS, args.outputs or DEFAULT_OUTPUTS
         parts.append(f"prompts {p0}-{p1}, outputs {o0}-{o1}")
     if args.max_step_tokens:
         parts.append(f"max_step_tokens {args.max_step_tokens}")
+    return parts
+
+
+def run_tag(args) -> str:
+    """' [part, ...]' of run_parts, appended to each row's setting, or ''."""
+    parts = run_parts(args)
     return f" [{', '.join(parts)}]" if parts else ""
 
 
@@ -206,11 +210,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
         except subprocess.TimeoutExpired as e:
             text, note = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "TIMEOUT"
     rows = [dict(json.loads(x[4:]), job=name) for x in text.splitlines() if x.startswith("ROW ")]
-    if args.preset != DEFAULT_PRESET and not args.quick:
-        for r in rows:
-            r["setting"] += f" [{args.preset}]"                   # rows of another shape say so
     for r in rows:
-        r["setting"] += workload_tag(args)                        # and of another workload
+        r["setting"] += run_tag(args)                             # rows of another shape or load say so
     if note:
         tail = " | ".join(log.read_text().splitlines()[-6:])[-300:]
         rows.append({"section": name, "setting": note, "value": float("nan"), "unit": "", "job": name, "note": tail})
@@ -234,7 +235,7 @@ def ratio_row(rows, n) -> list:
     return [row]
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", default="offline,peer_cb,peer_b1,http")
     ap.add_argument("--n", type=int, default=512, help="requests in the workload")
@@ -258,6 +259,11 @@ def main():
                     help="HTTP clients also ask for the chosen tokens' logprobs (the offline run does not)")
     ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
     ap.add_argument("--job", help=argparse.SUPPRESS)
+    return ap
+
+
+def main():
+    ap = parser()
     args = ap.parse_args()
     if args.job:
         return child(args)
@@ -280,7 +286,7 @@ def main():
     print("\n" + table)
     if not args.quick and any(r["job"] != "sim" for r in rows):     # the simulated device's rows stay out
         block = (f"\n### bench_serve.py, one call ({time.perf_counter() - t0:.0f} s; jobs {args.jobs}, n={args.n}"
-                 f"{workload_tag(args).replace(' [', '; ').rstrip(']')})\n\n")
+                 f"{''.join('; ' + part for part in run_parts(args))})\n\n")
         block += "".join(line for line in table.splitlines(keepends=True) if "| sim |" not in line)
         (out / "benchmarks_append.md").write_text(block)
         with open(args.docs, "a") as fh:

@@ -5,6 +5,8 @@ imports it (tests/test_floors.py checks). A new benchmark's logic goes here, its
 scripts/bench_<area>.py, its measured rows in docs/archive/ and its verdict in docs/benchmarks.md.
 """
 
+DEFAULT_PRESET = "llama3_1b"   # the model shape every benchmark row measures unless --preset names another
+
 
 def preset_arg(name: str) -> str:
     """An argparse type: `name` if it is a model preset, else the error naming the known ones (before

@@ -13,8 +13,6 @@ import json
 import os
 from pathlib import Path
 
-DEFAULT_PRESET = "llama3_1b"   # the model shape every row measures unless --preset names another
-
 # name: (XLA_FLAGS, reserve seconds, tag added to settings)
 JOBS = {
     "copy_torch": ("", 30, ""),

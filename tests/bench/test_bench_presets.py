@@ -27,21 +27,20 @@ def _bench_serve():
 
 
 def test_bench_serve_workload_ranges_grow_max_len_and_tag_the_rows():
-    import argparse
     mod = _bench_serve()
-    args = argparse.Namespace(quick=False, preset="llama3_1b", prompts=(128, 2048), outputs=(64, 512),
-                              max_step_tokens=None)
+    parse = lambda *argv: mod.parser().parse_args(list(argv))  # noqa: E731
+    args = parse("--prompts", "128,2048", "--outputs", "64,512")
     _, _, wl, ek = mod.shape(args)
     assert (wl["prompt"], wl["output"]) == ((128, 2048), (64, 512))
     assert ek["max_len"] == 2560 and ek["max_len"] % ek["page_size"] == 0       # the longest request fits
-    assert mod.workload_tag(args) == " [prompts 128-2048, outputs 64-512]"
-    default = argparse.Namespace(quick=False, preset="llama3_1b", prompts=None, outputs=None, max_step_tokens=None)
-    assert mod.shape(default)[3]["max_len"] == 1536 and mod.workload_tag(default) == ""
-    odd = argparse.Namespace(quick=False, preset="llama3_1b", prompts=None, outputs=(64, 1500), max_step_tokens=None)
-    assert mod.shape(odd)[3]["max_len"] == 2528                                   # 1024 + 1500 in pages of 16
-    budget = argparse.Namespace(quick=False, preset="llama3_1b", prompts=None, outputs=None, max_step_tokens=4224)
+    assert mod.run_tag(args) == " [prompts 128-2048, outputs 64-512]"
+    default = parse()
+    assert mod.shape(default)[3]["max_len"] == 1536 and mod.run_tag(default) == ""
+    assert mod.shape(parse("--outputs", "64,1500"))[3]["max_len"] == 2528          # 1024 + 1500 in pages of 16
+    budget = parse("--max-step-tokens", "4224", "--preset", "llama3_8b")
     assert mod.shape(budget)[3]["max_step_tokens"] == 4224 and "max_step_tokens" not in mod.shape(default)[3]
-    assert mod.workload_tag(budget) == " [max_step_tokens 4224]"
+    assert mod.run_tag(budget) == " [llama3_8b, max_step_tokens 4224]"
+    assert mod.run_tag(parse("--quick", "--preset", "llama3_8b")) == ""             # the CPU mechanics run
 
 
 @pytest.mark.parametrize("value", ["9,3", "0,5", "128", "a,b"])
