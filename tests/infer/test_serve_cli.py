@@ -171,6 +171,6 @@ def test_run_keeps_its_tokenizer_json(tmp_path):
 def test_a_step_budget_below_the_rows_is_one_clear_error(clean):
     out = subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), "--checkpoint", "random:tiny", "--port", "0",
                           "--max-seqs", "8", "--max-step-tokens", "8", "--warmup", "off"],
-                         capture_output=True, text=True, cwd=clean, timeout=300)
+                         capture_output=True, text=True, cwd=clean, env=user_env(clean), timeout=300)
     assert out.returncode == 1 and "serve: max_step_tokens=8 must exceed max_seqs=8" in out.stderr, out.stderr[-2000:]
     assert list(clean.iterdir()) == []
