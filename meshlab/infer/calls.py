@@ -97,35 +97,42 @@ class Slots:
 def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max_seqs: int, num_pages: int) -> Slots:
     """The Slots of a packed step (packed_program) with n_dec decode tokens and k chunk rows `chunk`
     wide; rows: the sampler's per-row settings (their names and dtypes). Padding tokens have slot
-    max_seqs (no seen row) and write page num_pages (no cache write); decode row i samples token i."""
+    max_seqs (no seen row) and write page num_pages (no cache write); decode row i samples token i;
+    no row reads or records a device-side last token (from_last, last_slot: max_seqs)."""
     t, r = n_dec + k * chunk, n_dec + k
     stream = [(f"p.{name}", (t,), "i") for name in ("tokens", "positions", "slot", "write_page", "write_off")]
     tables = [("p.dec_table", (n_dec, max_pages), "i"), ("p.dec_len", (n_dec,), "i"),
-              ("p.pre_table", (k, max_pages), "i"), ("p.out_idx", (r,), "i")]
+              ("p.pre_table", (k, max_pages), "i"), ("p.out_idx", (r,), "i"), ("p.from_last", (n_dec,), "i"),
+              ("p.last_slot", (r,), "i")]
     settings = [(f"rows.{name}", (r,), "f" if a.dtype == np.float32 else "i") for name, a in rows.items()]
     return Slots(stream + tables + settings + [("counters", (r,), "i"), ("out_slot", (r,), "i")],
-                 padding={"p.slot": max_seqs, "p.write_page": num_pages,
+                 padding={"p.slot": max_seqs, "p.write_page": num_pages, "p.from_last": max_seqs,
+                          "p.last_slot": max_seqs,
                           "p.out_idx": np.where(np.arange(r) < n_dec, np.arange(r), 0)})   # decode row i: token i
 
 
 def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
     """Fill a packed step's views `v` (Slots.fill() of its bucket: n_dec decode tokens, then chunk rows
     of equal width) with `decodes` (requests feeding one token) and `prefills` ([(request, first position, tokens)]:
-    a request's consecutive chunks may take several rows); table: the scheduler's page table.
-    Returns the slots of the step's real output rows (decodes, then prefills), for its flags."""
+    a request's consecutive chunks may take several rows); table: the scheduler's page table. A
+    decode row whose token is still on the device (Request.pending) is fed from the LAST entry of
+    its slot; every row that samples a token it keeps (decodes, and prompts fed to their end) records
+    it there. Returns the slots of the step's real output rows (decodes, then prefills), for its flags."""
     m, ps, out_slot, counters = len(decodes), page_size, v["out_slot"], v["counters"]
     nd, k = v["p.dec_len"].shape[0], v["p.pre_table"].shape[0]
     c = (v["p.tokens"].shape[0] - nd) // k                       # the chunk rows' width
     if m:
         dslots = np.array([r.slot for r in decodes], np.int32)
         dpos = np.array([r.cached for r in decodes], np.int32)
-        v["p.tokens"][:m] = [r.last_token() for r in decodes]
+        pending = np.array([r.pending > 0 for r in decodes])
+        v["p.tokens"][:m] = [0 if r.pending else r.last_token() for r in decodes]
+        v["p.from_last"][:m] = np.where(pending, dslots, v["p.from_last"][:m])
         v["p.positions"][:m], v["p.slot"][:m], v["p.write_off"][:m] = dpos, dslots, dpos % ps
         v["p.write_page"][:m] = table[dslots, dpos // ps]
         v["p.dec_len"][:m] = dpos + 1
         v["p.dec_table"][:m] = table[dslots]
-        out_slot[:m] = dslots
-        counters[:m] = [len(r.output) for r in decodes]
+        out_slot[:m] = v["p.last_slot"][:m] = dslots
+        counters[:m] = [len(r.output) + r.pending for r in decodes]
     for j, (r, start, n) in enumerate(prefills):
         base, pos = nd + j * c, np.arange(start, start + n, dtype=np.int32)
         v["p.tokens"][base:base + n] = r.token_ids(start + n)[start:]              # int32 already: a copy
@@ -140,6 +147,8 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
             off[pos < r.prefix_hit_tokens] = ps
         v["p.pre_table"][j] = table[r.slot]
         v["p.out_idx"][nd + j], out_slot[nd + j], counters[nd + j] = base + n - 1, r.slot, len(r.output)
+        if start + n == r.n_tokens:                        # its prompt (or a preempted row's tokens) fed to the end
+            v["p.last_slot"][nd + j] = r.slot
     for name, values in slot_rows.items():                # sampler settings of the output rows
         values.take(out_slot, out=v[f"rows.{name}"])
     return np.concatenate([out_slot[:m], out_slot[nd:nd + len(prefills)]]) if m else out_slot[nd:nd + len(prefills)]

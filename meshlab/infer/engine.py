@@ -9,6 +9,7 @@ decode steps in one call over the decode rows only, the next such call dispatche
 host reads back the last (Engine says when). Host work per step is numpy over the rows of that
 step; the page table is kept by the scheduler and changed only where pages change; the only
 device-to-host transfer is the sampled tokens (and logprobs when asked). `Engine` inherits its
+packed steps (each dispatched before the one before is read back) from `meshlab.infer.packed`, its
 one-step first-token paths from `meshlab.infer.first_tokens` and `warmup` (every bucket's program
 compiled before the first request) from `meshlab.infer.warmup`.
 
@@ -30,7 +31,8 @@ from meshlab.infer import calls, kv_cache
 from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
-from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
+from meshlab.infer.packed import PackedSteps
+from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
                                     make_head_program, make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, row_arrays
@@ -48,7 +50,7 @@ class _Flight:
         self.decodes, self.n, self.out, self.logprobs = decodes, n, out, logprobs
 
 
-class Engine(FirstTokens, Warmup):
+class Engine(PackedSteps, FirstTokens, Warmup):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -77,6 +79,8 @@ class Engine(FirstTokens, Warmup):
     the same (no arrival, abort, free row wanted, or row at max_tokens). A row that meets a stop
     token inside a call loses the chained call's samples (dropped, as a call's samples past a stop
     always are). chain_decode=False reads every call back before the next (the A/B for the benchmark).
+    async_packed: a packed step is dispatched before the one before it is read back, its rows that
+    sampled there fed from the device (meshlab.infer.packed); False: each read back at once (the A/B).
 
     pinned_inputs: a packed step's input buffer is put into pinned host memory and copied to the
     device by the program itself, instead of by the runtime before it (one device only; the
@@ -106,12 +110,12 @@ class Engine(FirstTokens, Warmup):
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
-                 reuse_hidden: bool = True):
+                 reuse_hidden: bool = True, async_packed: bool = True):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
-        self.md, self.rules, self.mesh, self.chain_decode = md, rules, mesh, chain_decode
+        self.md, self.rules, self.mesh, self.chain_decode, self.async_packed = md, rules, mesh, chain_decode, async_packed
         self.first_token_decode, self.reuse_hidden = first_token_decode, reuse_hidden and prefix_cache
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
@@ -131,6 +135,7 @@ class Engine(FirstTokens, Warmup):
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             if self.reuse_hidden:
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
+            self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -172,6 +177,7 @@ class Engine(FirstTokens, Warmup):
         self._programs: set = set()
         self._slots: dict = {}                   # (n_dec, k, width) -> calls.Slots of a packed step
         self._flight: _Flight | None = None      # a decode call not read back yet (step says why)
+        self._pflight = None                     # a packed step not read back yet (meshlab.infer.packed)
         self._waited = 0.0                       # this step's seconds waiting for the device
         # entered around each wait for the device: a server lets its other threads run only then
         self.device_wait: Callable = contextlib.nullcontext
@@ -179,7 +185,8 @@ class Engine(FirstTokens, Warmup):
                       "device_calls": 0, "preemptions": 0, "busy_s": 0.0, "prefill_tokens": 0,
                       "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
                       "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
-                      "dispatch_s": 0.0, "first_token_calls": 0, "head_calls": 0, "unread_calls": 0}
+                      "dispatch_s": 0.0, "first_token_calls": 0, "head_calls": 0, "unread_calls": 0,
+                      "overlapped_calls": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -211,7 +218,7 @@ class Engine(FirstTokens, Warmup):
 
     def has_work(self) -> bool:
         return (self.sched.has_work() or not self.inbox.empty() or not self.aborts.empty()
-                or self._flight is not None)
+                or self._flight is not None or self._pflight is not None)
 
     def _finish(self, req) -> None:
         req.t_done = time.perf_counter()
@@ -270,7 +277,9 @@ class Engine(FirstTokens, Warmup):
         A decode call is left running when launched. The next step either chains the next decode
         call behind it (the same rows and nothing else to schedule: it starts from the device's own
         last tokens, so the host reads back and emits one call while the device runs the next, and
-        the device never waits for the host) or reads it back before admitting and planning."""
+        the device never waits for the host) or reads it back before admitting and planning. A packed
+        step left running (async_packed) is read back after the next step is planned and, when that
+        one is packed too, dispatched; before any other call, whose tokens come from the host."""
         t0, self._waited = time.perf_counter(), 0.0
         if self._flight is not None:
             flight, self._flight = self._flight, None
@@ -278,26 +287,50 @@ class Engine(FirstTokens, Warmup):
                 self._flight = self._chain(flight)
             self._land(flight)
         if self._flight is None:
-            self._admit()
-            if self.sched.running():
-                decodes, prefills = self.sched.plan()
-                with placement(self.rules, self.mesh):
-                    if prefills and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills):
-                        firsts = [r for r, *_ in prefills]
-                        if not decodes and self._hidden_kept(firsts):
-                            self._head_tokens(firsts)
-                        else:
-                            self._first_tokens(decodes, firsts)
-                    elif prefills:
-                        self._packed(decodes, prefills)
-                    elif decodes:
-                        n = self.steps_per_call
-                        if n > 1 and not self.sched.reserve_ahead(decodes, n):
-                            n = 1
-                        self._flight = self._launch_decode(decodes, n)
+            packed, self._pflight = self._pflight, None
+            while self._plan_and_dispatch(packed):     # read back first: plan again with its tokens
+                packed = None
         busy = time.perf_counter() - t0
         self.stats["busy_s"] += busy
         self.stats["host_s"] += busy - self._waited
+
+    def _plan_and_dispatch(self, packed) -> bool:
+        """Admit, plan and dispatch the step's calls, reading back `packed` (a packed step in flight, or
+        None) after the next packed step is dispatched. True when it read `packed` back instead, the
+        plan being no packed step (its calls feed host tokens): the caller plans again, as rows may
+        have ended and freed slots."""
+        self._admit()
+        if self.sched.running():
+            decodes, prefills = self.sched.plan()
+            with placement(self.rules, self.mesh):
+                if prefills and not (self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills)):
+                    flight = self._packed(decodes, prefills)
+                    if packed is not None:         # read back while this one runs
+                        self._land_packed(packed)
+                        self.stats["overlapped_calls"] += 1
+                    if flight.rows and self.async_packed and self.sched.prompts_left():
+                        self._pflight = flight
+                    else:
+                        self._land_packed(flight)
+                    return False
+                if packed is not None:
+                    self._land_packed(packed)
+                    return True
+                if prefills:
+                    firsts = [r for r, *_ in prefills]
+                    if not decodes and self._hidden_kept(firsts):
+                        self._head_tokens(firsts)
+                    else:
+                        self._first_tokens(decodes, firsts)
+                elif decodes:
+                    n = self.steps_per_call
+                    if n > 1 and not self.sched.reserve_ahead(decodes, n):
+                        n = 1
+                    self._flight = self._launch_decode(decodes, n)
+        elif packed is not None:
+            self._land_packed(packed)
+        return False
+
 
     def _launch(self, key, fn, *args, weights=None, **kw):
         """Dispatch one device call (its outputs stay on the device); compiles counted. weights: the
@@ -392,57 +425,6 @@ class Engine(FirstTokens, Warmup):
         if key not in self._slots:
             self._slots[key] = make()
         return self._slots[key]
-
-    def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
-        s = self.sched
-        return self._slots_for((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
-                                                                   self.cache["k"].shape[1]))
-
-    def _packed_input(self, slots: calls.Slots):
-        """A packed step's input buffer: numpy (the runtime copies it to the device inside the call), or
-        with pinned_inputs put into pinned host memory first (the program copies it in)."""
-        return slots.take() if self._pinned is None else jax.device_put(slots.take(), self._pinned[0])
-
-    def _packed(self, decodes, prefills):
-        s, m = self.sched, len(decodes)
-        c = next(w for w in self.WIDTHS if w >= prefills[0][2]) if len(prefills) == 1 else self.chunk
-        nd = next(x for x in self.MIXED_DECODE if x >= m)
-        k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
-        slots = self._packed_slots(nd, k, c)
-        real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
-        if self.reuse_hidden:            # the page ends whose hidden states this step keeps
-            ends = page_end_rows(slots.views["p.positions"], slots.views["p.write_page"], s.page_size,
-                                 len(s.hidden_ok), xp=np)
-            s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
-        greedy, logprobs = self._flags(real)
-        key, inputs = ("packed", nd, k, c, greedy, logprobs), self._packed_input(slots)
-        self.stats["steps"] += 1
-        self.stats["packed_calls"] += 1
-        if not decodes and all(start + n < r.n_tokens for r, start, n in prefills):
-            # No row samples a token it keeps: nothing to read back (no row below emits). The host plans
-            # and dispatches the next step (the next chunks of a prompt longer than one step's rows)
-            # while the device runs this one, instead of waiting for it: ~0.9 ms of host per step off
-            # the first token on the H200 (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms).
-            self._launch(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy, logprobs=logprobs)
-            self.stats["unread_calls"] += 1
-            out = rows = None
-        else:
-            out, _, _ = self._call(key, self.packed_call, inputs, layout=slots.layout, greedy=greedy,
-                                   logprobs=logprobs)
-            rows = logprob_rows(out, 0) if logprobs is not None else None
-        lp = lambda i: rows[i] if rows else None
-        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
-        for i, r in enumerate(decodes):
-            r.cached += 1
-            self._emit(r, out["tokens"][i:i + 1], lp(i))
-        for j, (r, start, n) in enumerate(prefills):
-            r.cached = start + n
-            self.stats["prefill_tokens"] += n
-            # the first token goes out before its pages are offered to the prefix cache (hashing them
-            # is ~15-200 us per 2k-token prompt); a request that finishes here is registered as it leaves
-            if r.cached == r.n_tokens and self._emit(r, out["tokens"][nd + j:nd + j + 1], lp(nd + j)):
-                continue
-            s.register(r)
 
     # -- convenience ----------------------------------------------------------------------
     def run(self) -> None:

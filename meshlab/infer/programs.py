@@ -49,6 +49,11 @@ TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's 
 # its last token again through every layer. Decode steps leave it alone (their page ends are not
 # recorded: the engine's Scheduler.hidden_ok says which pages hold a valid one).
 HIDDEN = "h"
+# The cache entry [max_seqs] int32 holding each slot's token sampled by the last packed step that
+# sampled for it. The engine plans and dispatches the next packed step before reading the last one
+# back (Engine async_packed): a row whose token is still on the device is fed from here (p.from_last)
+# instead of from the host.
+LAST = "last"
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -200,8 +205,9 @@ def _mark(seen, slots, tokens, valid):
 
 
 def _split_hidden(cache: dict):
-    """(the K/V cache, the HIDDEN entry or None): the layers see only K and V."""
-    return {k: v for k, v in cache.items() if k != HIDDEN}, cache.get(HIDDEN)
+    """(the K/V cache, the engine's own entries: HIDDEN and LAST, those present): the layers see only K and V."""
+    return ({k: v for k, v in cache.items() if k not in (HIDDEN, LAST)},
+            {k: cache[k] for k in (HIDDEN, LAST) if k in cache})
 
 
 def page_end_rows(positions, write_page, page_size: int, num_pages: int, xp=jnp):
@@ -217,6 +223,16 @@ def _keep_page_ends(cache: dict, page_h, h, positions, write_page) -> dict:
         return cache
     rows = page_end_rows(positions, write_page, cache["k"].shape[2], page_h.shape[0])    # [T]
     return dict(cache, **{HIDDEN: page_h.at[rows].set(h.astype(page_h.dtype), mode="drop")})
+
+
+def _tokens_from_last(p: dict, last):
+    """The packed stream's tokens [T], its decode rows' taken from `last` where p.from_last names a
+    slot (< max_seqs): tokens the step before sampled and the host has not read back yet."""
+    if last is None:
+        return p["tokens"]
+    nd, src = p["from_last"].shape[0], p["from_last"]                                 # [n_dec]
+    dev = last[jnp.minimum(src, last.shape[0] - 1)]
+    return p["tokens"].at[:nd].set(jnp.where(src < last.shape[0], dev, p["tokens"][:nd]))
 
 
 def head_params(params: dict) -> dict:
@@ -245,7 +261,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       packed stream (tokens, positions, slot [T]; write_page, write_off [T]: write_page = num_pages
       marks padding, write_off = page_size a real token whose K/V are already cached (not written);
       dec_table, dec_len, pre_table; out_idx [R]: the token whose hidden state each output row
-      samples from);
+      samples from; from_last [n_dec]: a slot whose LAST entry replaces the decode row's token, or
+      max_seqs; last_slot [R]: the slot whose LAST entry takes the row's sampled token, or max_seqs);
       rows/counters/out_slot describe the R = n_dec + k output rows.
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
@@ -254,28 +271,33 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       last token): attended from there, not written (kv_cache.paged_attend's cached).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend). With a HIDDEN
-    entry in the cache, packed_step keeps the hidden state of every token that ends a page there.
+    entry in the cache, packed_step keeps the hidden state of every token that ends a page there;
+    with a LAST entry, it reads and records the tokens of the rows named by from_last and last_slot.
     """
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
     def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
         model, per_layer = _bind(md, params, layers)
-        cache, page_h = _split_hidden(cache)
+        cache, own = _split_hidden(cache)
+        tokens = _tokens_from_last(p, own.get(LAST))                                  # [T]
         attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
                                         p["dec_len"], p["pre_table"], impl, interpret, prefill)
-        h, cache = serving.forward(model, p["tokens"][None], p["positions"][None], cache, attend, unroll=unroll,
+        h, cache = serving.forward(model, tokens[None], p["positions"][None], cache, attend, unroll=unroll,
                                    layers=per_layer)                                  # [1, T, d]
-        cache = _keep_page_ends(cache, page_h, h[0], p["positions"], p["write_page"])
+        cache = _keep_page_ends(cache, own.get(HIDDEN), h[0], p["positions"], p["write_page"])
         if not greedy:
-            seen = _mark(seen, p["slot"], p["tokens"], p["slot"] < seen.shape[0])
+            seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
-        return _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs), cache, seen
+        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs)
+        if LAST in own:
+            cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
+        return out, cache, seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
                     keep=None):
         model, per_layer = _bind(md, params, layers)
-        cache, page_h = _split_hidden(cache)
+        cache, own = _split_hidden(cache)
 
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
@@ -289,8 +311,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
             return (cache, seen, out["tokens"], pos + 1, counters + 1), out
         (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
-        cache = cache if page_h is None else dict(cache, **{HIDDEN: page_h})
-        return dict(outs, last=last), cache, seen                                     # outs: [n, b, ...]; last [b]
+        return dict(outs, last=last), dict(cache, **own), seen                                     # outs: [n, b, ...]; last [b]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))

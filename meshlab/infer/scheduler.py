@@ -62,6 +62,9 @@ class Request:
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
     registered: int = 0                   # its pages already offered to the prefix cache (pages[:registered])
     ids: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)   # the prompt as int32 (hashed)
+    # tokens sampled by device calls not read back yet (the engine's overlapped packed steps): fed
+    # already from the device (their positions counted in `cached`), not yet in `output`
+    pending: int = 0
 
     @property
     def text(self) -> str:
@@ -267,7 +270,8 @@ class Scheduler:
         victims = [r for r in reversed(self._admit_order) if r is not keep] or [keep]
         victim = victims[0]
         self.release(victim)
-        victim.cached, victim.preemptions = 0, victim.preemptions + 1
+        # recomputed from its tokens when readmitted: samples still on the device are dropped
+        victim.cached, victim.preemptions, victim.pending = 0, victim.preemptions + 1, 0
         self.waiting.appendleft(victim)
         return victim
 
@@ -299,8 +303,18 @@ class Scheduler:
         already begun (a first token never waits behind a call of steps_per_call decode steps: a
         prompt with one token left is planned as a prefill of 1, which the engine feeds in a packed
         row or, when every prompt row of the step has one token left, in one decode step), and a
-        position its own (a fully cached prompt's last token lies in a shared page, left unchanged)."""
-        return req.n_tokens - req.cached == 1 and bool(req.output) and req.cached >= req.prefix_hit_tokens
+        position its own (a fully cached prompt's last token lies in a shared page, left unchanged).
+        Tokens still on the device (req.pending) count as its own: the last of them is the one to
+        feed, unless they bring the output to max_tokens."""
+        out = len(req.output) + req.pending
+        return (req.n_tokens + req.pending - req.cached == 1 and out > 0 and req.cached >= req.prefix_hit_tokens
+                and out < req.params.max_tokens)
+
+    def prompts_left(self) -> bool:
+        """Whether the next step is likely to feed prompt tokens: a request waits while a row is free,
+        or a running row has tokens to feed that are not one decode token."""
+        return (bool(self.waiting) and None in self.rows) or any(
+            r is not None and r.n_tokens > r.cached and not self.decoding(r) for r in self.rows)
 
     def plan(self) -> tuple[list, list]:
         """(decoding requests, [(prefilling request, first position, tokens to feed)]) for this step:

@@ -231,7 +231,8 @@ def test_abort_running_and_queued(tiny, engine):
     reqs = [engine.add_request(p, sps, on_event=lambda r, new, done: events.append((r.id, len(new), done)))
             for p in prompts]
     engine.step()
-    assert reqs[0].slot >= 0 and reqs[4].slot < 0 and reqs[0].output   # 0 running, 4 waiting (4 rows)
+    # 0 running with its first token sampled (read back, or on the device while the next step runs), 4 waiting
+    assert reqs[0].slot >= 0 and reqs[4].slot < 0 and (reqs[0].output or reqs[0].pending)
     threads = [threading.Thread(target=engine.abort, args=(reqs[i],)) for i in (0, 4)]
     for t in threads:
         t.start()
@@ -328,3 +329,40 @@ def test_auto_layers_pick_kernels_only_with_the_pallas_kernels_on_one_device(tin
     assert default_layers(model_def(models.preset("moe_tiny")), "pallas") == "split"
     assert default_impl() == ("pallas" if jax.default_backend() == "gpu" else "xla")
     assert default_impl(interpret=True) == "xla"
+
+
+def test_overlapped_packed_steps_equal_read_back_ones(tiny):
+    """Packed steps dispatched before the one before is read back (async_packed: rows that sampled
+    there are fed from the device) give the tokens and logprobs of steps read back one by one: greedy,
+    seeded, penalised; through arrivals, preemptions (a small page pool) and a stop token sampled as a
+    first token while the next step already feeds it; every page comes back."""
+    md, params, fwd = tiny
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 257, size=n).tolist() for n in (21, 4, 30, 13, 9, 26, 3, 17)]
+    sps = [SamplingParams(max_tokens=m) for m in (9, 12, 6, 10, 7, 11, 8, 5)]
+    sps[1] = SamplingParams(max_tokens=12, temperature=0.9, top_k=30, seed=11)
+    sps[3] = SamplingParams(max_tokens=10, temperature=1.1, repetition_penalty=1.3, seed=2)
+    sps[5] = SamplingParams(max_tokens=11, logprobs=3)
+    eng = Engine(md, params, max_len=64, max_seqs=3, page_size=4, num_pages=14, chunk=8, steps_per_call=2, max_step_tokens=12,
+                 prefix_cache=False)
+    runs = {}
+    for overlap in (False, True, False, True):        # one engine, its programs compiled once
+        eng.async_packed, before = overlap, dict(eng.stats)
+        reqs = eng.generate(prompts, sps)
+        runs[overlap] = ([r.output for r in reqs], [r.logprobs for r in reqs])
+        assert (eng.stats["overlapped_calls"] > before["overlapped_calls"]) == overlap
+        assert eng.stats["preemptions"] > before["preemptions"], "the small page pool should have forced a preemption"
+        assert not eng.has_work() and eng.sched.pool.available == eng.sched.pool.total
+    assert runs[True] == runs[False]
+    assert [len(o) for o in runs[True][0]] == [sp.max_tokens for sp in sps]
+    assert_greedy_matches(fwd, params, prompts[0], runs[True][0][0])
+    # a first token that stops its request, sampled while later prompts still need packed steps
+    stop = runs[True][0][2][0]
+    stopped = list(sps)
+    stopped[2] = SamplingParams(max_tokens=6, stop_token_ids=[stop])
+    before = eng.stats["overlapped_calls"]
+    reqs = eng.generate(prompts, stopped)
+    assert reqs[2].output == [stop] and reqs[2].finish_reason == "stop"
+    assert [r.output for i, r in enumerate(reqs) if i != 2] == [o for i, o in enumerate(runs[True][0]) if i != 2]
+    assert eng.stats["overlapped_calls"] > before
+    assert not eng.has_work() and eng.sched.pool.available == eng.sched.pool.total

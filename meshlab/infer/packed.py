@@ -1,0 +1,110 @@
+"""`PackedSteps`, which `Engine` inherits: the token-packed steps (some row feeds prompt tokens).
+
+A packed step feeds every decoding row its token and prompt chunks to the rows still in their
+prompt, as one stream (`calls.fill_packed`, `programs.make_engine_programs`). Its device time is
+long (~11 ms under the load test's mix on the H200) and the host's work around it is not short
+(~4 ms: reading it back, emitting tokens, admitting, planning and filling the next step,
+dispatching it). Read back before the next is planned, the device idles through that host work:
+15% of the offline load test's run on the H200 when every step was read back at once.
+
+With `async_packed` (the default) the host dispatches step N, then, while it runs, plans and
+dispatches step N + 1, and only then reads step N back (`_land_packed`). Step N's samples are not
+on the host when step N + 1 is planned, so:
+  - a row that samples in step N counts the token as `Request.pending`: it decodes in step N + 1
+    (Scheduler.decoding), fed from the LAST entry of its slot on the device (programs.LAST),
+    which step N wrote;
+  - a row that stops in step N (a stop token or string, found when read back) has fed its stop
+    token in step N + 1 too; that step's sample for it is dropped, as a chained decode call's are;
+  - a row preempted while its token is pending recomputes it when readmitted (same token: sampling
+    keys count the row's own output tokens), and the token read back is dropped.
+A step overlaps the one before only when more prompt work may follow (`Scheduler.prompts_left`):
+a lone prompt's last step is read back at once, so its first token waits for no planning.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from meshlab.infer import calls
+from meshlab.infer.calls import logprob_rows
+from meshlab.infer.programs import page_end_rows
+
+
+class _PackedFlight:
+    """A packed step dispatched and not read back: its device outputs, logprobs flag, and the rows
+    that sample a token they keep, as (request, output row, request's preemptions at dispatch, whether
+    its prompt ended here)."""
+    __slots__ = ("out", "logprobs", "rows")
+
+    def __init__(self, out: dict, logprobs, rows: list):
+        self.out, self.logprobs, self.rows = out, logprobs, rows
+
+
+class PackedSteps:
+    """The packed steps of an `Engine`: they use its scheduler, buckets, slot settings and calls."""
+
+    def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
+        s = self.sched
+        return self._slots_for((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
+                                                                   self.cache["k"].shape[1]))
+
+    def _packed_input(self, slots: calls.Slots):
+        """A packed step's input buffer: numpy (the runtime copies it to the device inside the call), or
+        with pinned_inputs put into pinned host memory first (the program copies it in)."""
+        return slots.take() if self._pinned is None else jax.device_put(slots.take(), self._pinned[0])
+
+    def _packed(self, decodes, prefills) -> _PackedFlight:
+        """Dispatch one packed step; its flight, for `_land_packed` (Engine.step decides when)."""
+        s, m = self.sched, len(decodes)
+        c = next(w for w in self.WIDTHS if w >= prefills[0][2]) if len(prefills) == 1 else self.chunk
+        nd = next(x for x in self.MIXED_DECODE if x >= m)
+        k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
+        slots = self._packed_slots(nd, k, c)
+        real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
+        if self.reuse_hidden:            # the page ends whose hidden states this step keeps
+            ends = page_end_rows(slots.views["p.positions"], slots.views["p.write_page"], s.page_size,
+                                 len(s.hidden_ok), xp=np)
+            s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
+        greedy, logprobs = self._flags(real)
+        out = self._launch(("packed", nd, k, c, greedy, logprobs), self.packed_call, self._packed_input(slots),
+                           layout=slots.layout, greedy=greedy, logprobs=logprobs)
+        self.stats["steps"] += 1
+        self.stats["packed_calls"] += 1
+        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
+        rows = []                         # the rows that sample a token they keep
+        for i, r in enumerate(decodes):
+            r.cached += 1
+            r.pending += 1
+            rows.append((r, i, r.preemptions, False))
+        for j, (r, start, n) in enumerate(prefills):
+            r.cached = start + n
+            self.stats["prefill_tokens"] += n
+            if r.cached == r.n_tokens:
+                r.pending += 1
+                rows.append((r, nd + j, r.preemptions, True))
+            else:                         # computed pages offered to the prefix cache now (no token to wait for)
+                s.register(r)
+        if not rows:
+            # No row samples a token it keeps: nothing to read back. The host plans and dispatches the
+            # next step (the next chunks of a prompt longer than one step's rows) while the device runs
+            # this one (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms to its first token, H200).
+            self.stats["unread_calls"] += 1
+        return _PackedFlight(out, logprobs, rows)
+
+    def _land_packed(self, f: _PackedFlight) -> None:
+        """Read back a packed step and emit its rows' tokens (rows preempted since, or ended by an
+        earlier step, are skipped); a prompt fed to its end offers its pages to the prefix cache after
+        its first token goes out (hashing them is ~15-200 us per 2k-token prompt)."""
+        if not f.rows:
+            return
+        out = self._fetch(f.out)
+        lp = logprob_rows(out, 0) if f.logprobs is not None else None
+        for r, i, preemptions, prompt_end in f.rows:
+            if r.preemptions != preemptions:       # its pending count was reset; it recomputes this token
+                continue
+            r.pending -= 1
+            if r.finish_reason is not None:        # stopped in an earlier step, or aborted: dropped
+                continue
+            if self._emit(r, out["tokens"][i:i + 1], lp[i] if lp else None) or not prompt_end:
+                continue
+            self.sched.register(r)
