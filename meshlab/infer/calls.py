@@ -54,10 +54,10 @@ class HostInputs:
         return buf, layout
 
 
-def decode_inputs(pos, limit, table, slots, rows, counters) -> tuple[np.ndarray, tuple]:
+def decode_inputs(pos, limit, table, slots, rows, counters, from_last) -> tuple[np.ndarray, tuple]:
     """(buffer, layout) of a decode call (decode_program)."""
     h = HostInputs()
-    for name, a in (("pos", pos), ("limit", limit), ("table", table), ("slots", slots)):
+    for name, a in (("pos", pos), ("limit", limit), ("table", table), ("slots", slots), ("from_last", from_last)):
         h.add(name, a)
     h.add_tree("rows", rows)
     h.add("counters", counters)
@@ -255,11 +255,13 @@ def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
     packed_program, the buffer holds pos, limit, table, slots, rows.* and counters; tok [b] apart (a
     chained call's comes from the device), or None with "tok" in the buffer (a call from host tokens:
     one host-to-device copy, not two). With "hit" in the buffer (first_token_slots), rows whose
-    position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
+    position lies below their hit are fed without changing their shared page (decode_loop's keep);
+    with "from_last" (decode_inputs), rows naming a slot are fed that slot's LAST token instead."""
     def call(weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return decode_loop(params, cache, seen, a["tok"] if tok is None else tok, a["pos"], a["limit"], a["table"],
-                           a["slots"], a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs, keep=a.get("hit"))
+                           a["slots"], a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs, keep=a.get("hit"),
+                           from_last=a.get("from_last"))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 

@@ -43,11 +43,13 @@ NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
 
 class _Flight:
-    """A decode call dispatched and not read back: its rows, steps, device outputs, logprobs flag."""
-    __slots__ = ("decodes", "n", "out", "logprobs")
+    """A decode call dispatched and not read back: its rows, steps, device outputs, logprobs flag, and
+    per row the tokens it keeps (those before max_tokens) and its preemptions at dispatch."""
+    __slots__ = ("decodes", "n", "out", "logprobs", "kept", "preemptions")
 
-    def __init__(self, decodes: list, n: int, out: dict, logprobs):
-        self.decodes, self.n, self.out, self.logprobs = decodes, n, out, logprobs
+    def __init__(self, decodes: list, n: int, out: dict, logprobs, kept: list):
+        self.decodes, self.n, self.out, self.logprobs, self.kept = decodes, n, out, logprobs, kept
+        self.preemptions = [r.preemptions for r in decodes]
 
 
 class Engine(PackedSteps, FirstTokens, Warmup):
@@ -79,8 +81,10 @@ class Engine(PackedSteps, FirstTokens, Warmup):
     the same (no arrival, abort, free row wanted, or row at max_tokens). A row that meets a stop
     token inside a call loses the chained call's samples (dropped, as a call's samples past a stop
     always are). chain_decode=False reads every call back before the next (the A/B for the benchmark).
-    async_packed: a packed step is dispatched before the one before it is read back, its rows that
-    sampled there fed from the device (meshlab.infer.packed); False: each read back at once (the A/B).
+    overlap_steps: a step is dispatched before the one before it is read back (a packed step, or a
+    decode call that cannot chain because the rows change): rows whose tokens are still on the
+    device are fed from it, rows those tokens end give up their slot first (meshlab.infer.packed).
+    False: each read back before the next is planned (the A/B).
 
     pinned_inputs: a packed step's input buffer is put into pinned host memory and copied to the
     device by the program itself, instead of by the runtime before it (one device only; the
@@ -110,12 +114,12 @@ class Engine(PackedSteps, FirstTokens, Warmup):
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
-                 reuse_hidden: bool = True, async_packed: bool = True):
+                 reuse_hidden: bool = True, overlap_steps: bool = True):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
-        self.md, self.rules, self.mesh, self.chain_decode, self.async_packed = md, rules, mesh, chain_decode, async_packed
+        self.md, self.rules, self.mesh, self.chain_decode, self.overlap_steps = md, rules, mesh, chain_decode, overlap_steps
         self.first_token_decode, self.reuse_hidden = first_token_decode, reuse_hidden and prefix_cache
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
@@ -277,46 +281,54 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         A decode call is left running when launched. The next step either chains the next decode
         call behind it (the same rows and nothing else to schedule: it starts from the device's own
         last tokens, so the host reads back and emits one call while the device runs the next, and
-        the device never waits for the host) or reads it back before admitting and planning. A packed
-        step left running (async_packed) is read back after the next step is planned and, when that
-        one is packed too, dispatched; before any other call, whose tokens come from the host."""
+        the device never waits for the host) or, when the rows change, is read back after the next
+        step is planned and dispatched (overlap_steps), as a packed step is; before a first-token
+        step, whose tokens come from the host."""
         t0, self._waited = time.perf_counter(), 0.0
+        prev, self._pflight = self._pflight, None
         if self._flight is not None:
             flight, self._flight = self._flight, None
             with placement(self.rules, self.mesh):
                 self._flight = self._chain(flight)
-            self._land(flight)
+            if self._flight is not None or not self.overlap_steps:
+                self._land(flight)
+            else:                 # the rows change: plan the next step while it runs
+                prev = flight
         if self._flight is None:
-            packed, self._pflight = self._pflight, None
-            while self._plan_and_dispatch(packed):     # read back first: plan again with its tokens
-                packed = None
+            while self._plan_and_dispatch(prev):       # read back first: plan again with its tokens
+                prev = None
         busy = time.perf_counter() - t0
         self.stats["busy_s"] += busy
         self.stats["host_s"] += busy - self._waited
 
-    def _plan_and_dispatch(self, packed) -> bool:
-        """Admit, plan and dispatch the step's calls, reading back `packed` (a packed step in flight, or
-        None) after the next packed step is dispatched. True when it read `packed` back instead, the
-        plan being no packed step (its calls feed host tokens): the caller plans again, as rows may
-        have ended and freed slots."""
+    def _plan_and_dispatch(self, prev) -> bool:
+        """Admit, plan and dispatch the step's calls, then read back `prev` (a call in flight, or None):
+        rows whose samples in flight end them free their slots first (Scheduler.release_finishing), and
+        rows whose tokens are still on the device are fed from it. True when it read `prev` back
+        first instead, for a first-token step (fed from the host): the caller plans again."""
+        if prev is not None:
+            self.sched.release_finishing()
         self._admit()
         if self.sched.running():
             decodes, prefills = self.sched.plan()
+            firsts = bool(prefills) and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills)
+            if firsts and prev is not None:
+                self._land_any(prev)
+                return True
             with placement(self.rules, self.mesh):
-                if prefills and not (self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills)):
+                if prefills and not firsts:
                     flight = self._packed(decodes, prefills)
-                    if packed is not None:         # read back while this one runs
-                        self._land_packed(packed)
+                    if prev is not None:           # read back while this one runs
+                        self._land_any(prev)
                         self.stats["overlapped_calls"] += 1
-                    if flight.rows and self.async_packed and self.sched.prompts_left():
+                        prev = None
+                    # left running unless only prompts end here and no prompt work follows: a lone prompt's
+                    # first token then waits for no planning of the step after it
+                    if flight.rows and self.overlap_steps and (decodes or self.sched.prompts_left()):
                         self._pflight = flight
                     else:
                         self._land_packed(flight)
-                    return False
-                if packed is not None:
-                    self._land_packed(packed)
-                    return True
-                if prefills:
+                elif firsts:
                     firsts = [r for r, *_ in prefills]
                     if not decodes and self._hidden_kept(firsts):
                         self._head_tokens(firsts)
@@ -327,10 +339,15 @@ class Engine(PackedSteps, FirstTokens, Warmup):
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):
                         n = 1
                     self._flight = self._launch_decode(decodes, n)
-        elif packed is not None:
-            self._land_packed(packed)
+                    if prev is not None:
+                        self.stats["overlapped_calls"] += 1
+        if prev is not None:
+            self._land_any(prev)
         return False
 
+    def _land_any(self, f) -> None:
+        """Read back a call in flight: a decode call (_Flight) or a packed step."""
+        self._land(f) if isinstance(f, _Flight) else self._land_packed(f)
 
     def _launch(self, key, fn, *args, weights=None, **kw):
         """Dispatch one device call (its outputs stay on the device); compiles counted. weights: the
@@ -368,32 +385,38 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         """Sampler settings and counters of the rows at `slots` (padding rows: slot 0's, ignored)."""
         return {k: v[slots] for k, v in self.slot_rows.items()}
 
-    def _launch_decode(self, decodes, n: int, tok=None, ahead: int = 0) -> _Flight:
-        """Dispatch n decode steps of `decodes`; their cache positions advance now. tok: the device's
-        last sampled tokens [b] of a call still in flight, whose `ahead` tokens per row the host
-        has not appended yet (a chained call); else each row's last token from the host."""
+    def _launch_decode(self, decodes, n: int, tok=None) -> _Flight:
+        """Dispatch n decode steps of `decodes`; their cache positions advance now, and the tokens each
+        row keeps count as pending until read back. tok: the device's last sampled tokens [b] of a
+        call still in flight (a chained call); else each row's last token from the host, or for a
+        row whose token is still on the device (pending), from its slot's LAST entry."""
         s, m = self.sched, len(decodes)
         b = next(x for x in self.DECODE if x >= m)
         slots = np.zeros(b, np.int32)
         slots[:m] = [r.slot for r in decodes]
         pos, limit, counters = (np.zeros(b, np.int32) for _ in range(3))
+        from_last = np.full(b, s.max_seqs, np.int32)
         if tok is None:
             tok = np.zeros(b, np.int32)
-            tok[:m] = [r.last_token() for r in decodes]
+            tok[:m] = [0 if r.pending else r.last_token() for r in decodes]
+            from_last[:m] = [r.slot if r.pending else s.max_seqs for r in decodes]
         pos[:m] = [r.cached for r in decodes]
         limit[:m] = [r.end for r in decodes]
-        counters[:m] = [len(r.output) + ahead for r in decodes]
+        counters[:m] = [len(r.output) + r.pending for r in decodes]
         greedy, logprobs = self._flags(slots[:m])
         seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
-        buf, layout = calls.decode_inputs(pos, limit, s.table[slots], seen_slots, self._row_inputs(slots), counters)
+        buf, layout = calls.decode_inputs(pos, limit, s.table[slots], seen_slots, self._row_inputs(slots), counters,
+                                          from_last)
         out = self._launch(("decode", b, n, greedy, logprobs), self.decode_call, tok, buf, layout=layout, n=n,
                            greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += n
         self.stats["decode_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
-        for r in decodes:
+        kept = [min(n, r.params.max_tokens - len(r.output) - r.pending) for r in decodes]
+        for r, k in zip(decodes, kept):
             r.cached = min(r.cached + n, r.end)
-        return _Flight(list(decodes), n, out, logprobs)
+            r.pending += k
+        return _Flight(list(decodes), n, out, logprobs, kept)
 
     def _chain(self, f: _Flight):
         """The decode call after `f` (in flight), launched now from its last tokens on the device; None
@@ -402,20 +425,23 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         s = self.sched
         if not self.chain_decode or not (self.inbox.empty() and self.aborts.empty()) or (s.waiting and None in s.rows):
             return None
-        if any(r.finish_reason is not None or len(r.output) + f.n >= r.params.max_tokens for r in f.decodes):
+        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens for r in f.decodes):
             return None
         if not s.reserve_ahead(f.decodes, f.n):
             return None
         self.stats["chained_calls"] += 1
-        return self._launch_decode(f.decodes, f.n, tok=f.out["last"], ahead=f.n)
+        return self._launch_decode(f.decodes, f.n, tok=f.out["last"])
 
     def _land(self, f: _Flight) -> None:
-        """Read back a decode call and emit its tokens (rows that ended in an earlier call are skipped:
-        a chained call ran on for them and its samples are dropped)."""
+        """Read back a decode call and emit its tokens (rows that ended in an earlier call, or were
+        preempted since, are skipped: a call ran on for them and its samples are dropped)."""
         out = self._fetch(f.out)
         toks = out["tokens"]                                                          # [n, b]
         rows = logprob_rows(out, 1) if f.logprobs is not None else None
-        for i, r in enumerate(f.decodes):
+        for i, (r, kept, preemptions) in enumerate(zip(f.decodes, f.kept, f.preemptions)):
+            if r.preemptions != preemptions:       # its pending count was reset; it recomputes these
+                continue
+            r.pending -= kept
             if r.finish_reason is not None:
                 continue
             self._emit(r, toks[:, i], rows[i] if rows else None)

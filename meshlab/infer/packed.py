@@ -1,24 +1,27 @@
-"""`PackedSteps`, which `Engine` inherits: the token-packed steps (some row feeds prompt tokens).
+"""`PackedSteps`, which `Engine` inherits: the token-packed steps (some row feeds prompt tokens),
+and the rule by which the engine overlaps its steps (`Engine(overlap_steps=True)`, the default).
 
 A packed step feeds every decoding row its token and prompt chunks to the rows still in their
 prompt, as one stream (`calls.fill_packed`, `programs.make_engine_programs`). Its device time is
-long (~11 ms under the load test's mix on the H200) and the host's work around it is not short
-(~4 ms: reading it back, emitting tokens, admitting, planning and filling the next step,
-dispatching it). Read back before the next is planned, the device idles through that host work:
-15% of the offline load test's run on the H200 when every step was read back at once.
+~5-14 ms under the load test's mix on the H200, and the host's work around a step is ~4 ms
+(reading it back, emitting tokens, admitting, planning and filling the next step, dispatching
+it). A step read back before the next is planned leaves the device idle through that work.
 
-With `async_packed` (the default) the host dispatches step N, then, while it runs, plans and
-dispatches step N + 1, and only then reads step N back (`_land_packed`). Step N's samples are not
-on the host when step N + 1 is planned, so:
-  - a row that samples in step N counts the token as `Request.pending`: it decodes in step N + 1
-    (Scheduler.decoding), fed from the LAST entry of its slot on the device (programs.LAST),
-    which step N wrote;
+Overlapped, the host dispatches step N + 1 before it reads step N back (`Engine.step`): step N's
+samples are not on the host when step N + 1 is planned, so
+  - a row that samples in step N counts the tokens it keeps as `Request.pending`; it decodes in
+    step N + 1 (Scheduler.decoding), fed from the LAST entry of its slot on the device
+    (programs.LAST), which step N wrote (a packed step or a decode call, programs.make_engine_programs);
+  - a row whose pending tokens bring it to max_tokens gives up its slot before step N + 1 is
+    planned (Scheduler.release_finishing), so a waiting request takes the slot at once; its pages
+    stay until it is read back and released (its output pages reach the prefix cache);
   - a row that stops in step N (a stop token or string, found when read back) has fed its stop
-    token in step N + 1 too; that step's sample for it is dropped, as a chained decode call's are;
-  - a row preempted while its token is pending recomputes it when readmitted (same token: sampling
-    keys count the row's own output tokens), and the token read back is dropped.
-A step overlaps the one before only when more prompt work may follow (`Scheduler.prompts_left`):
-a lone prompt's last step is read back at once, so its first token waits for no planning.
+    token in step N + 1 too; that step's samples for it are dropped, as a chained decode call's are;
+  - a row preempted while its tokens are pending recomputes them when readmitted (the same tokens:
+    sampling keys count the row's own output tokens), and those read back are dropped.
+A first-token step (prompt rows with one token left, fed from the host) reads step N back first. A
+packed step whose only kept samples are prompts' first tokens, with no prompt work after it, is
+read back at once: a lone prompt's first token waits for no planning of the step after it.
 """
 from __future__ import annotations
 

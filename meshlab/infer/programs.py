@@ -49,9 +49,9 @@ TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's 
 # its last token again through every layer. Decode steps leave it alone (their page ends are not
 # recorded: the engine's Scheduler.hidden_ok says which pages hold a valid one).
 HIDDEN = "h"
-# The cache entry [max_seqs] int32 holding each slot's token sampled by the last packed step that
-# sampled for it. The engine plans and dispatches the next packed step before reading the last one
-# back (Engine async_packed): a row whose token is still on the device is fed from here (p.from_last)
+# The cache entry [max_seqs] int32 holding each slot's last sampled token, written by every packed
+# step and decode call. The engine plans and dispatches a step before reading the one before back
+# (Engine overlap_steps): a row whose token is still on the device is fed from here (from_last)
 # instead of from the host.
 LAST = "last"
 
@@ -268,7 +268,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
       [n, b] and "last" [b], the last sampled tokens (a chained call's input, without a slice
       dispatched). keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
-      last token): attended from there, not written (kv_cache.paged_attend's cached).
+      last token): attended from there, not written (kv_cache.paged_attend's cached). from_last [b]: a
+      slot whose LAST entry replaces the row's token, or max_seqs; the last samples go to LAST[slots].
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend). With a HIDDEN
     entry in the cache, packed_step keeps the hidden state of every token that ends a page there;
@@ -295,9 +296,13 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         return out, cache, seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
-                    keep=None):
+                    keep=None, from_last=None):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_hidden(cache)
+        last_slot = own.get(LAST)
+        if last_slot is not None and from_last is not None:     # rows whose token the host has not read yet
+            dev = last_slot[jnp.minimum(from_last, last_slot.shape[0] - 1)]
+            tok = jnp.where(from_last < last_slot.shape[0], dev, tok)                 # [b]
 
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
@@ -311,6 +316,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
             return (cache, seen, out["tokens"], pos + 1, counters + 1), out
         (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+        if last_slot is not None:        # each row's last sample, for a step dispatched before this is read back
+            own[LAST] = last_slot.at[slots].set(last, mode="drop")
         return dict(outs, last=last), dict(cache, **own), seen                                     # outs: [n, b, ...]; last [b]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),

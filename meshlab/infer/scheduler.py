@@ -252,11 +252,24 @@ class Scheduler:
         self.register(req)
         self.pool.give(req.pages)
         req.pages, req.registered = [], 0
+        self._vacate(req)
+
+    def _vacate(self, req: Request) -> None:
+        """Give up req's row (its slot), not its pages."""
         if req.slot >= 0:
             self.rows[req.slot] = None
         req.slot = -1
         if req in self._admit_order:
             self._admit_order.remove(req)
+
+    def release_finishing(self) -> None:
+        """Free the rows of requests whose samples still on the device bring them to max_tokens: they end
+        when read back, and a request waiting for a row need not wait for that. The slot is taken again
+        at once (the call in flight holds its own copy of the row's pages and settings, and any later
+        call runs after it on the device); the pages stay the request's until it is read back and
+        released, so its output pages reach the prefix cache with their tokens."""
+        for r in [r for r in self._admit_order if r.pending and len(r.output) + r.pending >= r.params.max_tokens]:
+            self._vacate(r)
 
     def remove_waiting(self, req: Request) -> bool:
         try:

@@ -28,7 +28,8 @@ class Warmup:
             for b in self.DECODE:
                 z = np.zeros(b, np.int32)
                 key = ("decode", b, self.steps_per_call, greedy, logprobs)
-                buf, layout = calls.decode_inputs(z, z, s.table[z], np.full(b, b_max, np.int32), self._row_inputs(z), z)
+                pad = np.full(b, b_max, np.int32)
+                buf, layout = calls.decode_inputs(z, z, s.table[z], pad, self._row_inputs(z), z, pad)
                 _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
