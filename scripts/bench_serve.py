@@ -13,6 +13,9 @@ never share one), printing `ROW {json}` lines:
   offline  Engine(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8).generate
            on all n at once, after Engine.warmup (compiles every bucket); then --match requests
            again one at a time: the share whose greedy tokens equal the concurrent run's
+  overlap_ab  (not by default) the offline engine with its steps overlapped (Engine.overlap_steps, the
+           default) and read back one by one, alternated twice in one process, then whether both
+           give the same greedy tokens
   peer_cb  transformers' continuous batching (default configuration) on the first --peer-n requests
   peer_b1  HF generate, static cache, torch.compile, batch 1 at ctx 2048 (and the same generate eager)
   peer_loop  (not by default) the strongest torch recipe at batch 1: the HF model's one-token forward and
@@ -108,7 +111,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job == "offline":
+    if args.job in ("offline", "overlap_ab"):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -132,6 +135,8 @@ def child(args):
         bs.emit({"section": "compile", "setting": "Engine.warmup: every bucket", "value": time.perf_counter() - t,
                  "unit": "s", "note": f"{k} programs: decode b in {eng.DECODE}, packed n_dec in {eng.MIXED_DECODE} "
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
+        if args.job == "overlap_ab":
+            return bs.overlap_ab(eng, work, cfg.vocab_size)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

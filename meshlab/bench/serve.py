@@ -67,6 +67,40 @@ def offline(engine, work, label: str):
     return emit(row), reqs
 
 
+def overlap_ab(engine, work, vocab: int, rounds: int = 2, seed: int = 7) -> list[dict]:
+    """The offline load with Engine.overlap_steps off and on, alternated `rounds` times in one process
+    (programs compiled once; each run on fresh prompt ids of the workload's lengths, so that no run
+    finds another's prefixes in the cache), then both on the same prompts with the prefix cache off:
+    whether their greedy tokens are equal (they are when the two modes run the same steps)."""
+    import hashlib
+    import json
+    from meshlab.infer.sampler import SamplingParams
+    rng = np.random.default_rng(seed)
+    fresh = lambda: [(rng.integers(0, vocab, len(p)).tolist(), m) for p, m in work]   # noqa: E731
+    rows, keep = [], engine.overlap_steps
+    try:
+        for on in (False, True):           # each mode's host paths warm before any is timed
+            engine.overlap_steps, warm = on, fresh()[:max(len(work) // 8, 1)]
+            engine.generate([p for p, _ in warm], [SamplingParams(max_tokens=m) for _, m in warm])
+        for r in range(rounds):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                engine.overlap_steps, before = on, engine.stats["overlapped_calls"]
+                row, _ = offline(engine, fresh(), f"engine [overlap_steps={on}]")
+                row["overlapped_calls"] = engine.stats["overlapped_calls"] - before
+                rows.append(row)
+        engine.sched.pool.prefix_cache, same, digests = False, fresh(), {}
+        for on in (False, True):
+            engine.overlap_steps = on
+            reqs = engine.generate([p for p, _ in same], [SamplingParams(max_tokens=m) for _, m in same])
+            digests[on] = hashlib.sha256(json.dumps([q.output for q in reqs]).encode()).hexdigest()[:16]
+    finally:
+        engine.overlap_steps = keep
+    rows.append(emit({"section": "offline", "setting": f"greedy tokens, overlap_steps off == on, {len(same)} requests",
+                      "value": float(digests[False] == digests[True]), "unit": "equal",
+                      "note": f"sha256 of the outputs {digests[False]} / {digests[True]} (prefix cache off)"}))
+    return rows
+
+
 def match_rate(engine, work, concurrent) -> dict:
     """Rerun requests one at a time: the share whose greedy tokens equal those of the concurrent run
     (exact in float32; bf16 kernels are not batch-invariant, so a different batch may round a
