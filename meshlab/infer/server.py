@@ -259,6 +259,8 @@ class Server:
         rows = [("requests_finished_total", s["requests_finished"]), ("prompt_tokens_total", s["prompt_tokens"]),
                 ("generated_tokens_total", s["generated_tokens"]), ("engine_steps_total", s["steps"]),
                 ("device_calls_total", s["device_calls"]), ("preemptions_total", s["preemptions"]),
+                # calls dispatched before the one before was read back: chained decode calls, overlapped steps
+                ("chained_calls_total", s["chained_calls"]), ("overlapped_calls_total", s["overlapped_calls"]),
                 ("requests_running", len(sched.running())), ("requests_waiting", len(sched.waiting)),
                 ("free_cache_pages", len(sched.pool.free)), ("http_requests_inflight", self.inflight),
                 ("http_requests_rejected_total", self.counts["rejected"]),

@@ -66,6 +66,7 @@ def test_health_models_metrics(server):
     assert status == 200 and body["data"][0]["id"] == "tiny"
     status, text = call(server, "GET", "/metrics")
     assert status == 200 and "meshlab_requests_finished_total" in text and "meshlab_ttft_seconds_mean" in text
+    assert "meshlab_overlapped_calls_total" in text and "meshlab_chained_calls_total" in text
 
 
 def test_completion_stream_equals_whole(server):
