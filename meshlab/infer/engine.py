@@ -80,7 +80,8 @@ class Engine(PackedSteps, FirstTokens, Warmup):
     on the device, and the host reads back and emits the first meanwhile, as long as the rows stay
     the same (no arrival, abort, free row wanted, or row at max_tokens). A row that meets a stop
     token inside a call loses the chained call's samples (dropped, as a call's samples past a stop
-    always are). chain_decode=False reads every call back before the next (the A/B for the benchmark).
+    always are). chain_decode=False reads every decode call back before the next (the A/B for the
+    benchmark; overlap_steps then overlaps packed steps only).
     overlap_steps: a step is dispatched before the one before it is read back (a packed step, or a
     decode call that cannot chain because the rows change): rows whose tokens are still on the
     device are fed from it, rows those tokens end give up their slot first (meshlab.infer.packed).
@@ -290,7 +291,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
             flight, self._flight = self._flight, None
             with placement(self.rules, self.mesh):
                 self._flight = self._chain(flight)
-            if self._flight is not None or not self.overlap_steps:
+            if self._flight is not None or not (self.overlap_steps and self.chain_decode):
                 self._land(flight)
             else:                 # the rows change: plan the next step while it runs
                 prev = flight

@@ -310,9 +310,11 @@ def test_chained_decode_calls_equal_unchained(tiny):
     eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=3, prefix_cache=False)
     outs = {}
     for chain in (False, True):                       # one engine, its programs compiled once
-        eng.chain_decode, before = chain, eng.stats["chained_calls"]
+        eng.chain_decode, before, overlapped = chain, eng.stats["chained_calls"], eng.stats["overlapped_calls"]
         outs[chain] = [r.output for r in eng.generate(prompts, sps)]
         assert (eng.stats["chained_calls"] > before) == chain
+        if not chain:      # no decode call is dispatched before the one before is read back, overlapped or not
+            assert eng.stats["overlapped_calls"] == overlapped
     assert outs[True] == outs[False] and [len(o) for o in outs[True]] == [13, 11]
     assert_greedy_matches(fwd, params, prompts[0], outs[True][0])
     first = outs[True][0]
