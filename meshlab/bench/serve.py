@@ -77,7 +77,7 @@ def overlap_ab(engine, work, vocab: int, rounds: int = 2, seed: int = 7) -> list
     from meshlab.infer.sampler import SamplingParams
     rng = np.random.default_rng(seed)
     fresh = lambda: [(rng.integers(0, vocab, len(p)).tolist(), m) for p, m in work]   # noqa: E731
-    rows, keep = [], engine.overlap_steps
+    rows, keep = [], (engine.overlap_steps, engine.sched.pool.prefix_cache)
     try:
         for on in (False, True):           # each mode's host paths warm before any is timed
             engine.overlap_steps, warm = on, fresh()[:max(len(work) // 8, 1)]
@@ -94,7 +94,7 @@ def overlap_ab(engine, work, vocab: int, rounds: int = 2, seed: int = 7) -> list
             reqs = engine.generate([p for p, _ in same], [SamplingParams(max_tokens=m) for _, m in same])
             digests[on] = hashlib.sha256(json.dumps([q.output for q in reqs]).encode()).hexdigest()[:16]
     finally:
-        engine.overlap_steps = keep
+        engine.overlap_steps, engine.sched.pool.prefix_cache = keep
     rows.append(emit({"section": "offline", "setting": f"greedy tokens, overlap_steps off == on, {len(same)} requests",
                       "value": float(digests[False] == digests[True]), "unit": "equal",
                       "note": f"sha256 of the outputs {digests[False]} / {digests[True]} (prefix cache off)"}))

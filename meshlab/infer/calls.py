@@ -111,6 +111,17 @@ def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max
                           "p.out_idx": np.where(np.arange(r) < n_dec, np.arange(r), 0)})   # decode row i: token i
 
 
+def feed_decodes(reqs, tok: np.ndarray, from_last: np.ndarray) -> None:
+    """What each decode row is fed: its last token from the host (tok[i]), or, while its last sample is
+    still on the device (Request.pending), its slot (from_last[i]: the program reads that slot's LAST
+    entry). The other entry of each row keeps its padding (token 0, from_last max_seqs)."""
+    for i, r in enumerate(reqs):
+        if r.pending:
+            from_last[i] = r.slot
+        else:
+            tok[i] = r.last_token()
+
+
 def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, slot_rows: dict) -> np.ndarray:
     """Fill a packed step's views `v` (Slots.fill() of its bucket: n_dec decode tokens, then chunk rows
     of equal width) with `decodes` (requests feeding one token) and `prefills` ([(request, first position, tokens)]:
@@ -124,9 +135,7 @@ def fill_packed(v: dict, decodes, prefills, table: np.ndarray, page_size: int, s
     if m:
         dslots = np.array([r.slot for r in decodes], np.int32)
         dpos = np.array([r.cached for r in decodes], np.int32)
-        pending = np.array([r.pending > 0 for r in decodes])
-        v["p.tokens"][:m] = [0 if r.pending else r.last_token() for r in decodes]
-        v["p.from_last"][:m] = np.where(pending, dslots, v["p.from_last"][:m])
+        feed_decodes(decodes, v["p.tokens"], v["p.from_last"])
         v["p.positions"][:m], v["p.slot"][:m], v["p.write_off"][:m] = dpos, dslots, dpos % ps
         v["p.write_page"][:m] = table[dslots, dpos // ps]
         v["p.dec_len"][:m] = dpos + 1

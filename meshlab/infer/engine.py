@@ -31,7 +31,7 @@ from meshlab.infer import calls, kv_cache
 from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
-from meshlab.infer.packed import PackedSteps
+from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
                                     make_head_program, make_programs, page_end_rows, placement, serving_params)
@@ -40,16 +40,6 @@ from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
-
-
-class _Flight:
-    """A decode call dispatched and not read back: its rows, steps, device outputs, logprobs flag, and
-    per row the tokens it keeps (those before max_tokens) and its preemptions at dispatch."""
-    __slots__ = ("decodes", "n", "out", "logprobs", "kept", "preemptions")
-
-    def __init__(self, decodes: list, n: int, out: dict, logprobs, kept: list):
-        self.decodes, self.n, self.out, self.logprobs, self.kept = decodes, n, out, logprobs, kept
-        self.preemptions = [r.preemptions for r in decodes]
 
 
 class Engine(PackedSteps, FirstTokens, Warmup):
@@ -181,7 +171,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
         self._slots: dict = {}                   # (n_dec, k, width) -> calls.Slots of a packed step
-        self._flight: _Flight | None = None      # a decode call not read back yet (step says why)
+        self._flight: Flight | None = None       # a decode call not read back yet (step says why)
         self._pflight = None                     # a packed step not read back yet (meshlab.infer.packed)
         self._waited = 0.0                       # this step's seconds waiting for the device
         # entered around each wait for the device: a server lets its other threads run only then
@@ -312,15 +302,16 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self._admit()
         if self.sched.running():
             decodes, prefills = self.sched.plan()
-            firsts = bool(prefills) and self.first_token_decode and all(r.n_tokens - r.cached == 1 for r, *_ in prefills)
-            if firsts and prev is not None:
-                self._land_any(prev)
+            one_left = bool(prefills) and self.first_token_decode and all(r.n_tokens - r.cached == 1
+                                                                          for r, *_ in prefills)
+            if one_left and prev is not None:
+                self._land(prev)
                 return True
             with placement(self.rules, self.mesh):
-                if prefills and not firsts:
+                if prefills and not one_left:
                     flight = self._packed(decodes, prefills)
                     if prev is not None:           # read back while this one runs
-                        self._land_any(prev)
+                        self._land(prev)
                         self.stats["overlapped_calls"] += 1
                         prev = None
                     # left running unless only prompts end here and no prompt work follows: a lone prompt's
@@ -328,8 +319,8 @@ class Engine(PackedSteps, FirstTokens, Warmup):
                     if flight.rows and self.overlap_steps and (decodes or self.sched.prompts_left()):
                         self._pflight = flight
                     else:
-                        self._land_packed(flight)
-                elif firsts:
+                        self._land(flight)
+                elif one_left:
                     firsts = [r for r, *_ in prefills]
                     if not decodes and self._hidden_kept(firsts):
                         self._head_tokens(firsts)
@@ -343,12 +334,8 @@ class Engine(PackedSteps, FirstTokens, Warmup):
                     if prev is not None:
                         self.stats["overlapped_calls"] += 1
         if prev is not None:
-            self._land_any(prev)
+            self._land(prev)
         return False
-
-    def _land_any(self, f) -> None:
-        """Read back a call in flight: a decode call (_Flight) or a packed step."""
-        self._land(f) if isinstance(f, _Flight) else self._land_packed(f)
 
     def _launch(self, key, fn, *args, weights=None, **kw):
         """Dispatch one device call (its outputs stay on the device); compiles counted. weights: the
@@ -386,7 +373,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         """Sampler settings and counters of the rows at `slots` (padding rows: slot 0's, ignored)."""
         return {k: v[slots] for k, v in self.slot_rows.items()}
 
-    def _launch_decode(self, decodes, n: int, tok=None) -> _Flight:
+    def _launch_decode(self, decodes, n: int, tok=None) -> Flight:
         """Dispatch n decode steps of `decodes`; their cache positions advance now, and the tokens each
         row keeps count as pending until read back. tok: the device's last sampled tokens [b] of a
         call still in flight (a chained call); else each row's last token from the host, or for a
@@ -399,8 +386,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         from_last = np.full(b, s.max_seqs, np.int32)
         if tok is None:
             tok = np.zeros(b, np.int32)
-            tok[:m] = [0 if r.pending else r.last_token() for r in decodes]
-            from_last[:m] = [r.slot if r.pending else s.max_seqs for r in decodes]
+            calls.feed_decodes(decodes, tok, from_last)
         pos[:m] = [r.cached for r in decodes]
         limit[:m] = [r.end for r in decodes]
         counters[:m] = [len(r.output) + r.pending for r in decodes]
@@ -413,13 +399,15 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self.stats["steps"] += n
         self.stats["decode_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
-        kept = [min(n, r.params.max_tokens - len(r.output) - r.pending) for r in decodes]
-        for r, k in zip(decodes, kept):
+        rows = []
+        for i, r in enumerate(decodes):
+            kept = min(n, r.params.max_tokens - len(r.output) - r.pending)   # those before max_tokens
+            rows.append((r, i, kept, r.preemptions, False))
             r.cached = min(r.cached + n, r.end)
-            r.pending += k
-        return _Flight(list(decodes), n, out, logprobs, kept)
+            r.pending += kept
+        return Flight(out, logprobs, rows, list(decodes), n)
 
-    def _chain(self, f: _Flight):
+    def _chain(self, f: Flight):
         """The decode call after `f` (in flight), launched now from its last tokens on the device; None
         when the rows may change after f: a request arrived or is being aborted, one waits while a
         row is free, a row reaches max_tokens or has stopped, or pages for n more steps are short."""
@@ -433,19 +421,25 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self.stats["chained_calls"] += 1
         return self._launch_decode(f.decodes, f.n, tok=f.out["last"])
 
-    def _land(self, f: _Flight) -> None:
-        """Read back a decode call and emit its tokens (rows that ended in an earlier call, or were
-        preempted since, are skipped: a call ran on for them and its samples are dropped)."""
+    def _land(self, f: Flight) -> None:
+        """Read back a call in flight and emit its rows' tokens. Rows ended by an earlier call (a call
+        ran on for them) or preempted since (they recompute these tokens) are skipped; a prompt fed to
+        its end offers its pages to the prefix cache after its first token goes out (hashing them is
+        ~15-200 us per 2k-token prompt)."""
+        if not f.rows:                    # no row samples a token it keeps: nothing to read
+            return
         out = self._fetch(f.out)
-        toks = out["tokens"]                                                          # [n, b]
-        rows = logprob_rows(out, 1) if f.logprobs is not None else None
-        for i, (r, kept, preemptions) in enumerate(zip(f.decodes, f.kept, f.preemptions)):
-            if r.preemptions != preemptions:       # its pending count was reset; it recomputes these
+        toks = out["tokens"] if f.decodes is not None else out["tokens"][None]            # [n, rows]
+        lps = logprob_rows(out, 1 if f.decodes is not None else 0) if f.logprobs is not None else None
+        for r, i, kept, preemptions, prompt_end in f.rows:
+            if r.preemptions != preemptions:       # its pending count was reset when it was preempted
                 continue
             r.pending -= kept
             if r.finish_reason is not None:
                 continue
-            self._emit(r, toks[:, i], rows[i] if rows else None)
+            if self._emit(r, toks[:, i], lps[i] if lps else None) or not prompt_end:
+                continue
+            self.sched.register(r)
 
     def _slots_for(self, key, make) -> calls.Slots:
         """The host-input layout of a call's shape (calls.Slots), made once per shape and kept."""

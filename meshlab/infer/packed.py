@@ -29,18 +29,19 @@ import jax
 import numpy as np
 
 from meshlab.infer import calls
-from meshlab.infer.calls import logprob_rows
 from meshlab.infer.programs import page_end_rows
 
 
-class _PackedFlight:
-    """A packed step dispatched and not read back: its device outputs, logprobs flag, and the rows
-    that sample a token they keep, as (request, output row, request's preemptions at dispatch, whether
-    its prompt ended here)."""
-    __slots__ = ("out", "logprobs", "rows")
+class Flight:
+    """A device call dispatched and not read back (Engine._land reads it): its outputs, logprobs
+    flag, and the rows that keep samples of it, as (request, output column, tokens it keeps, the
+    request's preemptions at dispatch, whether its prompt ended here). A packed step's outputs hold
+    one token per row ([R]), a decode call's n ([n, b]; `decodes` and `n`: its rows and steps, for
+    the call chained after it)."""
+    __slots__ = ("out", "logprobs", "rows", "decodes", "n")
 
-    def __init__(self, out: dict, logprobs, rows: list):
-        self.out, self.logprobs, self.rows = out, logprobs, rows
+    def __init__(self, out: dict, logprobs, rows: list, decodes: list | None = None, n: int = 1):
+        self.out, self.logprobs, self.rows, self.decodes, self.n = out, logprobs, rows, decodes, n
 
 
 class PackedSteps:
@@ -56,8 +57,8 @@ class PackedSteps:
         with pinned_inputs put into pinned host memory first (the program copies it in)."""
         return slots.take() if self._pinned is None else jax.device_put(slots.take(), self._pinned[0])
 
-    def _packed(self, decodes, prefills) -> _PackedFlight:
-        """Dispatch one packed step; its flight, for `_land_packed` (Engine.step decides when)."""
+    def _packed(self, decodes, prefills) -> Flight:
+        """Dispatch one packed step; its flight, for `Engine._land` (Engine.step decides when)."""
         s, m = self.sched, len(decodes)
         c = next(w for w in self.WIDTHS if w >= prefills[0][2]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
@@ -78,13 +79,13 @@ class PackedSteps:
         for i, r in enumerate(decodes):
             r.cached += 1
             r.pending += 1
-            rows.append((r, i, r.preemptions, False))
+            rows.append((r, i, 1, r.preemptions, False))
         for j, (r, start, n) in enumerate(prefills):
             r.cached = start + n
             self.stats["prefill_tokens"] += n
             if r.cached == r.n_tokens:
                 r.pending += 1
-                rows.append((r, nd + j, r.preemptions, True))
+                rows.append((r, nd + j, 1, r.preemptions, True))
             else:                         # computed pages offered to the prefix cache now (no token to wait for)
                 s.register(r)
         if not rows:
@@ -92,22 +93,4 @@ class PackedSteps:
             # next step (the next chunks of a prompt longer than one step's rows) while the device runs
             # this one (a 2k prompt in four one-row steps: 17.1 -> 14.3 ms to its first token, H200).
             self.stats["unread_calls"] += 1
-        return _PackedFlight(out, logprobs, rows)
-
-    def _land_packed(self, f: _PackedFlight) -> None:
-        """Read back a packed step and emit its rows' tokens (rows preempted since, or ended by an
-        earlier step, are skipped); a prompt fed to its end offers its pages to the prefix cache after
-        its first token goes out (hashing them is ~15-200 us per 2k-token prompt)."""
-        if not f.rows:
-            return
-        out = self._fetch(f.out)
-        lp = logprob_rows(out, 0) if f.logprobs is not None else None
-        for r, i, preemptions, prompt_end in f.rows:
-            if r.preemptions != preemptions:       # its pending count was reset; it recomputes this token
-                continue
-            r.pending -= 1
-            if r.finish_reason is not None:        # stopped in an earlier step, or aborted: dropped
-                continue
-            if self._emit(r, out["tokens"][i:i + 1], lp[i] if lp else None) or not prompt_end:
-                continue
-            self.sched.register(r)
+        return Flight(out, logprobs, rows)

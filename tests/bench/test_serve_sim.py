@@ -41,4 +41,5 @@ def test_overlap_ab_alternates_the_modes_and_compares_their_tokens():
     assert [r["setting"].split("=")[1][:4] for r in runs] == ["Fals", "True", "True", "Fals"]
     assert all((r["overlapped_calls"] > 0) == ("True" in r["setting"]) for r in runs)
     assert all(r["output_tokens"] == sum(m for _, m in work) for r in runs)
-    assert same["value"] == 1.0 and eng.overlap_steps and not eng.has_work()
+    assert same["value"] == 1.0 and not eng.has_work()
+    assert eng.overlap_steps and eng.sched.pool.prefix_cache          # the engine as it came
