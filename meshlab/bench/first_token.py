@@ -95,7 +95,7 @@ def dispatch_variants(engine, key, reps: int = 10) -> dict:
         return held[0]
 
     def call(fn, buf):
-        res, engine.cache, engine.seen = fn(engine.weights, engine.cache, engine.seen, buf)
+        engine.cache, engine.seen, res = fn(engine.weights, engine.cache, engine.seen, buf)
         return res
     for name, fn in programs.items():
         jax.block_until_ready(call(fn, slots.take()))     # warm (a new executable's first call)

@@ -227,10 +227,11 @@ class _Pending:
 
 class SimulatedDevice:
     """An Engine whose device calls sample uniform random tokens at once and take a modeled time on one
-    device timeline (a call starts when the previous one ends): decode calls n * (step_s + row_s * b),
-    packed steps packed_s + row_s * n_dec + token_s * chunk tokens; each dispatch holds the host for
-    dispatch_s. The engine's and the server's host work are real, so the server's cost against the
-    offline engine shows on a CPU in the regime of a GPU (the defaults: llama3_1b's on the H200, about)."""
+    device timeline (a call starts when the previous one ends; each returns (cache, seen, outputs), as
+    the engine's calls do): decode calls n * (step_s + row_s * b), packed steps packed_s + row_s *
+    n_dec + token_s * chunk tokens; each dispatch holds the host for dispatch_s. The engine's and the
+    server's host work are real, so the server's cost against the offline engine shows on a CPU in the
+    regime of a GPU (the defaults: llama3_1b's on the H200, about)."""
 
     def __init__(self, engine, step_s=1.5e-3, row_s=4e-5, packed_s=2e-3, token_s=4e-6, dispatch_s=3e-4,
                  vocab=128256, seed=0):
@@ -251,16 +252,15 @@ class SimulatedDevice:
                        top_logprob=np.zeros(shape + (k,), np.float32))
         return {key: _Pending(v, self.free) for key, v in out.items()}, out["tokens"]
 
-    def decode(self, weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
+    def decode(self, weights, cache, seen, buf, layout, n, greedy, logprobs):
         b = dict((name, shape) for name, shape, _ in layout)["pos"][0]
-        out, toks = self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)
-        return dict(out, last=toks[-1]), cache, seen
+        return cache, seen, self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)[0]
 
     def packed(self, weights, cache, seen, buf, layout, greedy, logprobs):
         shapes = dict((name, shape) for name, shape, _ in layout)
         nd, t = shapes["p.dec_len"][0], shapes["p.tokens"][0]
         cost = self.packed_s + self.row_s * nd + self.token_s * (t - nd)
-        return self._outputs((shapes["p.out_idx"][0],), cost, logprobs)[0], cache, seen
+        return cache, seen, self._outputs((shapes["p.out_idx"][0],), cost, logprobs)[0]
 
 
 def simulated(n: int, logprobs: bool, seed: int = 0) -> list[dict]:

@@ -54,10 +54,11 @@ class HostInputs:
         return buf, layout
 
 
-def decode_inputs(pos, limit, table, slots, rows, counters, from_last) -> tuple[np.ndarray, tuple]:
+def decode_inputs(tok, pos, limit, table, slots, rows, counters, from_last) -> tuple[np.ndarray, tuple]:
     """(buffer, layout) of a decode call (decode_program)."""
     h = HostInputs()
-    for name, a in (("pos", pos), ("limit", limit), ("table", table), ("slots", slots), ("from_last", from_last)):
+    for name, a in (("tok", tok), ("pos", pos), ("limit", limit), ("table", table), ("slots", slots),
+                    ("from_last", from_last)):
         h.add(name, a)
     h.add_tree("rows", rows)
     h.add("counters", counters)
@@ -244,6 +245,16 @@ def pinned_shardings(like: jax.Array) -> tuple:
     return tuple(SingleDeviceSharding(dev, memory_kind=kind) for kind in ("pinned_host", "device"))
 
 
+def state_first(result: tuple) -> tuple:
+    """A program's (outputs, cache, seen) as (cache, seen, outputs), the order the engine's jitted calls
+    return. jax pairs each donated input with the first output of its shape and dtype, in output
+    order: outputs first, a call's sampled tokens [b] took the donated LAST entry [max_seqs] whenever
+    b == max_seqs, and the cache's own LAST got a new buffer, so the next call met an input at a new
+    device address and paid the command buffer's update in its dispatch."""
+    out, cache, seen = result
+    return cache, seen, out
+
+
 def packed_program(packed_step, treedef, compiler_options: dict | None = None, on_device=None):
     """packed_step (programs.make_engine_programs) taking (weights, cache, seen, buf, layout): weights
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
@@ -253,24 +264,25 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
-        return packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"], greedy=greedy,
-                           logprobs=logprobs)
+        return state_first(packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"],
+                                       greedy=greedy, logprobs=logprobs))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 
 
 def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
-    """decode_loop taking (weights, cache, seen, tok, buf, layout): weights and compiler_options as in
-    packed_program, the buffer holds pos, limit, table, slots, rows.* and counters; tok [b] apart (a
-    chained call's comes from the device), or None with "tok" in the buffer (a call from host tokens:
-    one host-to-device copy, not two). With "hit" in the buffer (first_token_slots), rows whose
-    position lies below their hit are fed without changing their shared page (decode_loop's keep);
-    with "from_last" (decode_inputs), rows naming a slot are fed that slot's LAST token instead."""
-    def call(weights, cache, seen, tok, buf, layout, n, greedy, logprobs):
+    """decode_loop taking (weights, cache, seen, buf, layout): weights and compiler_options as in
+    packed_program, the buffer holds tok, pos, limit, table, slots, rows.* and counters. A row whose
+    last sample is still on the device (a chained call's rows, Request.pending) names its slot in
+    "from_last" and is fed that slot's LAST token: the call's only input is the host buffer, so no
+    input of a decode call sits at a device address the call before did not use (a new one costs
+    the GPU's command buffer an update in the dispatch). With "hit" in the buffer (first_token_slots),
+    rows whose position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
+    def call(weights, cache, seen, buf, layout, n, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
-        return decode_loop(params, cache, seen, a["tok"] if tok is None else tok, a["pos"], a["limit"], a["table"],
-                           a["slots"], a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs, keep=a.get("hit"),
-                           from_last=a.get("from_last"))
+        return state_first(decode_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"], a["slots"],
+                                       a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs,
+                                       keep=a.get("hit"), from_last=a.get("from_last")))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 
@@ -281,19 +293,18 @@ def head_program(head_step, treedef, compiler_options: dict | None = None):
     counters (head_slots)."""
     def call(weights, cache, seen, buf, layout, greedy, logprobs):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
-        return head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"], greedy=greedy,
-                         logprobs=logprobs)
+        return state_first(head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"],
+                                     greedy=greedy, logprobs=logprobs))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
                    compiler_options=compiler_options)
 
 
-def fetch(out: dict, skip=("last",)) -> dict:
+def fetch(out: dict) -> dict:
     """The host copies of a call's outputs (all started before the first is waited for)."""
-    keep = {k: v for k, v in out.items() if k not in skip}
-    if len(keep) > 1:                      # overlap the copies (a lone one would only pay for the call)
-        for v in keep.values():
+    if len(out) > 1:                       # overlap the copies (a lone one would only pay for the call)
+        for v in out.values():
             v.copy_to_host_async()
-    return {k: np.asarray(v) for k, v in keep.items()}
+    return {k: np.asarray(v) for k, v in out.items()}
 
 
 def logprob_rows(out: dict, axis: int) -> list:

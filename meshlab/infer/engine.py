@@ -342,7 +342,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         leaves fn takes (default: every serving weight)."""
         first = key not in self._programs
         t_call = time.perf_counter()
-        out, self.cache, self.seen = fn(self.weights if weights is None else weights, self.cache, self.seen, *args, **kw)
+        self.cache, self.seen, out = fn(self.weights if weights is None else weights, self.cache, self.seen, *args, **kw)
         if first:                       # the dispatch compiled (and waited for) the program
             jax.block_until_ready(out)
             self._programs.add(key)
@@ -373,28 +373,25 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         """Sampler settings and counters of the rows at `slots` (padding rows: slot 0's, ignored)."""
         return {k: v[slots] for k, v in self.slot_rows.items()}
 
-    def _launch_decode(self, decodes, n: int, tok=None) -> Flight:
+    def _launch_decode(self, decodes, n: int) -> Flight:
         """Dispatch n decode steps of `decodes`; their cache positions advance now, and the tokens each
-        row keeps count as pending until read back. tok: the device's last sampled tokens [b] of a
-        call still in flight (a chained call); else each row's last token from the host, or for a
-        row whose token is still on the device (pending), from its slot's LAST entry."""
+        row keeps count as pending until read back. Each row is fed its last token from the host, or,
+        while that token is still on the device (pending: a chained call's rows), its slot's LAST entry."""
         s, m = self.sched, len(decodes)
         b = next(x for x in self.DECODE if x >= m)
         slots = np.zeros(b, np.int32)
         slots[:m] = [r.slot for r in decodes]
         pos, limit, counters = (np.zeros(b, np.int32) for _ in range(3))
-        from_last = np.full(b, s.max_seqs, np.int32)
-        if tok is None:
-            tok = np.zeros(b, np.int32)
-            calls.feed_decodes(decodes, tok, from_last)
+        tok, from_last = np.zeros(b, np.int32), np.full(b, s.max_seqs, np.int32)
+        calls.feed_decodes(decodes, tok, from_last)
         pos[:m] = [r.cached for r in decodes]
         limit[:m] = [r.end for r in decodes]
         counters[:m] = [len(r.output) + r.pending for r in decodes]
         greedy, logprobs = self._flags(slots[:m])
         seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
-        buf, layout = calls.decode_inputs(pos, limit, s.table[slots], seen_slots, self._row_inputs(slots), counters,
-                                          from_last)
-        out = self._launch(("decode", b, n, greedy, logprobs), self.decode_call, tok, buf, layout=layout, n=n,
+        buf, layout = calls.decode_inputs(tok, pos, limit, s.table[slots], seen_slots, self._row_inputs(slots),
+                                          counters, from_last)
+        out = self._launch(("decode", b, n, greedy, logprobs), self.decode_call, buf, layout=layout, n=n,
                            greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += n
         self.stats["decode_calls"] += 1
@@ -408,7 +405,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         return Flight(out, logprobs, rows, list(decodes), n)
 
     def _chain(self, f: Flight):
-        """The decode call after `f` (in flight), launched now from its last tokens on the device; None
+        """The decode call after `f` (in flight), launched now from its last tokens on the device (LAST); None
         when the rows may change after f: a request arrived or is being aborted, one waits while a
         row is free, a row reaches max_tokens or has stopped, or pages for n more steps are short."""
         s = self.sched
@@ -419,7 +416,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         if not s.reserve_ahead(f.decodes, f.n):
             return None
         self.stats["chained_calls"] += 1
-        return self._launch_decode(f.decodes, f.n, tok=f.out["last"])
+        return self._launch_decode(f.decodes, f.n)
 
     def _land(self, f: Flight) -> None:
         """Read back a call in flight and emit its rows' tokens. Rows ended by an earlier call (a call

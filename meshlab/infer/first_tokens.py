@@ -33,7 +33,7 @@ class FirstTokens:
         slots = self._first_slots(b)                # the bucket's layout, kept
         real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
         greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.first_call, None, slots.take(),
+        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.first_call, slots.take(),
                                layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs)
         self.stats["steps"] += 1
         self.stats["first_token_calls"] += 1

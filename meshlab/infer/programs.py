@@ -266,10 +266,10 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       rows/counters/out_slot describe the R = n_dec + k output rows.
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
-      [n, b] and "last" [b], the last sampled tokens (a chained call's input, without a slice
-      dispatched). keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
+      [n, b]. keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
       last token): attended from there, not written (kv_cache.paged_attend's cached). from_last [b]: a
-      slot whose LAST entry replaces the row's token, or max_seqs; the last samples go to LAST[slots].
+      slot whose LAST entry replaces the row's token, or max_seqs; the last samples go to LAST[slots]
+      (what a chained call, dispatched before this one is read back, feeds its rows).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend). With a HIDDEN
     entry in the cache, packed_step keeps the hidden state of every token that ends a page there;
@@ -318,7 +318,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
         if last_slot is not None:        # each row's last sample, for a step dispatched before this is read back
             own[LAST] = last_slot.at[slots].set(last, mode="drop")
-        return dict(outs, last=last), dict(cache, **own), seen                                     # outs: [n, b, ...]; last [b]
+        return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))

@@ -29,15 +29,15 @@ class Warmup:
                 z = np.zeros(b, np.int32)
                 key = ("decode", b, self.steps_per_call, greedy, logprobs)
                 pad = np.full(b, b_max, np.int32)
-                buf, layout = calls.decode_inputs(z, z, s.table[z], pad, self._row_inputs(z), z, pad)
-                _, t0, t1 = self._call(key, self.decode_call, z, buf, layout=layout, n=self.steps_per_call,
+                buf, layout = calls.decode_inputs(z, z, z, s.table[z], pad, self._row_inputs(z), z, pad)
+                _, t0, t1 = self._call(key, self.decode_call, buf, layout=layout, n=self.steps_per_call,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
                 if not self.first_token_decode:   # its one-step program is never called: not compiled
                     continue
                 key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
                 slots.fill()                                          # padding only: limit 0, nothing fed
-                _, t0, t1 = self._call(key, self.first_call, None, slots.take(), layout=slots.layout, n=1,
+                _, t0, t1 = self._call(key, self.first_call, slots.take(), layout=slots.layout, n=1,
                                        greedy=greedy, logprobs=logprobs)
                 report and report(key, t1 - t0)
                 if self.reuse_hidden:

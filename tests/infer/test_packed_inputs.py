@@ -101,3 +101,28 @@ def test_a_cached_prompts_first_token_sends_one_array(tiny, capfd):
         reqs = [eng.generate([prefix + tail], SamplingParams(max_tokens=1))[0] for tail in ([5, 6], [7, 8])]
     assert [r.prefix_hit_tokens for r in reqs] == [24, 24]
     assert capfd.readouterr().err.count("host-to-device transfer") == 2
+
+
+def test_every_call_updates_the_donated_cache_in_place(tiny):
+    """Each packed, decode, head and first-token call writes the cache and `seen` into the buffers it was
+    given (donation aliased), with two rows so that a call's sampled tokens [2] have the shape of the
+    LAST entry [max_seqs]: a state buffer that moves puts the next call's input at a new device
+    address, which costs the GPU's command buffer an update in that call's dispatch (~0.5-1 ms)."""
+    md, params = tiny
+    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4)
+    addresses = lambda: {k: v.unsafe_buffer_pointer() for k, v in {**eng.cache, "seen": eng.seen}.items()}  # noqa: E731
+    launch, moved, kinds = eng._launch, [], set()
+
+    def checked(key, fn, *args, **kw):
+        before = addresses()
+        out = launch(key, fn, *args, **kw)
+        kinds.add(key[0])
+        moved.extend((key, name) for name, ptr in addresses().items() if ptr != before[name])
+        return out
+    eng._launch = checked
+    prefix = list(range(40, 56))
+    eng.generate([prefix + [1, 2], prefix + [3]], SamplingParams(max_tokens=6))     # packed, then decode b=2
+    eng.generate([prefix + [1, 2], prefix + [3]], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    eng.generate([prefix, prefix], SamplingParams(max_tokens=1))                     # all cached: head call
+    assert {"packed", "decode", "head"} <= kinds
+    assert not moved
