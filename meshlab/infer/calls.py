@@ -248,9 +248,9 @@ def pinned_shardings(like: jax.Array) -> tuple:
 def state_first(result: tuple) -> tuple:
     """A program's (outputs, cache, seen) as (cache, seen, outputs), the order the engine's jitted calls
     return. jax pairs each donated input with the first output of its shape and dtype, in output
-    order: outputs first, a call's sampled tokens [b] took the donated LAST entry [max_seqs] whenever
-    b == max_seqs, and the cache's own LAST got a new buffer, so the next call met an input at a new
-    device address and paid the command buffer's update in its dispatch."""
+    order: with the outputs first, a call's sampled tokens [b] would take the donated LAST entry
+    [max_seqs] whenever b == max_seqs, the cache's own LAST would get a new buffer, and the next call
+    would meet an input at a new device address and pay the command buffer's update in its dispatch."""
     out, cache, seen = result
     return cache, seen, out
 

@@ -123,6 +123,7 @@ def test_every_call_updates_the_donated_cache_in_place(tiny):
     prefix = list(range(40, 56))
     eng.generate([prefix + [1, 2], prefix + [3]], SamplingParams(max_tokens=6))     # packed, then decode b=2
     eng.generate([prefix + [1, 2], prefix + [3]], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    eng.generate([prefix + [7], prefix + [8]], SamplingParams(max_tokens=2))        # one token left each: first-token call
     eng.generate([prefix, prefix], SamplingParams(max_tokens=1))                     # all cached: head call
-    assert {"packed", "decode", "head"} <= kinds
+    assert {"packed", "decode", "first", "head"} <= kinds
     assert not moved
