@@ -204,8 +204,8 @@ def _mark(seen, slots, tokens, valid):
     return seen.at[jnp.where(valid, slots, seen.shape[0]), tokens].set(True, mode="drop")
 
 
-def _split_hidden(cache: dict):
-    """(the K/V cache, the engine's own entries: HIDDEN and LAST, those present): the layers see only K and V."""
+def _split_own(cache: dict):
+    """(the K/V cache, the engine's own entries: LAST, and HIDDEN when present): the layers see only K and V."""
     return ({k: v for k, v in cache.items() if k not in (HIDDEN, LAST)},
             {k: cache[k] for k in (HIDDEN, LAST) if k in cache})
 
@@ -225,14 +225,11 @@ def _keep_page_ends(cache: dict, page_h, h, positions, write_page) -> dict:
     return dict(cache, **{HIDDEN: page_h.at[rows].set(h.astype(page_h.dtype), mode="drop")})
 
 
-def _tokens_from_last(p: dict, last):
-    """The packed stream's tokens [T], its decode rows' taken from `last` where p.from_last names a
-    slot (< max_seqs): tokens the step before sampled and the host has not read back yet."""
-    if last is None:
-        return p["tokens"]
-    nd, src = p["from_last"].shape[0], p["from_last"]                                 # [n_dec]
-    dev = last[jnp.minimum(src, last.shape[0] - 1)]
-    return p["tokens"].at[:nd].set(jnp.where(src < last.shape[0], dev, p["tokens"][:nd]))
+def _fed_from_last(tok, from_last, last):
+    """tok [b] with each row whose from_last names a slot (< max_seqs) fed that slot's LAST token
+    instead: a token a call before sampled that the host has not read back yet."""
+    dev = last[jnp.minimum(from_last, last.shape[0] - 1)]                              # [b]
+    return jnp.where(from_last < last.shape[0], dev, tok)
 
 
 def head_params(params: dict) -> dict:
@@ -272,16 +269,18 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       (what a chained call, dispatched before this one is read back, feeds its rows).
     seen [max_seqs, V] bool: tokens fed per slot (the repetition penalty); read and written only
     when greedy is False. prefill: the chunk rows' attention (kv_cache.packed_attend). With a HIDDEN
-    entry in the cache, packed_step keeps the hidden state of every token that ends a page there;
-    with a LAST entry, it reads and records the tokens of the rows named by from_last and last_slot.
+    entry in the cache, packed_step keeps the hidden state of every token that ends a page there.
+    The cache's LAST entry (required) holds each slot's last sample: both programs feed the rows
+    named by from_last from it and record there the samples of the rows named by last_slot / slots.
     """
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
     def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
         model, per_layer = _bind(md, params, layers)
-        cache, own = _split_hidden(cache)
-        tokens = _tokens_from_last(p, own.get(LAST))                                  # [T]
+        cache, own = _split_own(cache)
+        nd = p["from_last"].shape[0]
+        tokens = p["tokens"].at[:nd].set(_fed_from_last(p["tokens"][:nd], p["from_last"], own[LAST]))   # [T]
         attend = kv_cache.packed_attend(p["positions"][None], p["write_page"], p["write_off"], p["dec_table"],
                                         p["dec_len"], p["pre_table"], impl, interpret, prefill)
         h, cache = serving.forward(model, tokens[None], p["positions"][None], cache, attend, unroll=unroll,
@@ -291,18 +290,15 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
         out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs)
-        if LAST in own:
-            cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
+        cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
         return out, cache, seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
                     keep=None, from_last=None):
         model, per_layer = _bind(md, params, layers)
-        cache, own = _split_hidden(cache)
-        last_slot = own.get(LAST)
-        if last_slot is not None and from_last is not None:     # rows whose token the host has not read yet
-            dev = last_slot[jnp.minimum(from_last, last_slot.shape[0] - 1)]
-            tok = jnp.where(from_last < last_slot.shape[0], dev, tok)                 # [b]
+        cache, own = _split_own(cache)
+        if from_last is not None:        # rows whose token the host has not read yet
+            tok = _fed_from_last(tok, from_last, own[LAST])                            # [b]
 
         def body(carry, _):
             cache, seen, tok, pos, counters = carry
@@ -316,8 +312,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
             return (cache, seen, out["tokens"], pos + 1, counters + 1), out
         (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
-        if last_slot is not None:        # each row's last sample, for a step dispatched before this is read back
-            own[LAST] = last_slot.at[slots].set(last, mode="drop")
+        # each row's last sample, for a step dispatched before this one is read back
+        own[LAST] = own[LAST].at[slots].set(last, mode="drop")
         return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]
 
     return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
