@@ -3,7 +3,7 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(prompt logprobs, several prompts per request, best_of, penalties other than the repetition one)
+(several prompts per request, best_of, penalties other than the repetition one)
 with a 400 that says so, rather than ignoring it.
 """
 from __future__ import annotations
@@ -35,6 +35,12 @@ class Plan:
     include_usage: bool = False
     continuous_usage: bool = False     # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
+    prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
+
+    @property
+    def submits(self) -> bool:
+        """Whether the engine runs it: to generate, or (max_tokens=0) only to score the prompt."""
+        return self.generate or self.prompt_logprobs is not None
 
 
 def _typed(body, name, typ, default=None, lo=None, hi=None):
@@ -106,9 +112,10 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     for key in ("include_usage", "continuous_usage_stats"):
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
-    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids)
+    prompt_logprobs = logprobs if echo else None
+    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs)
     return Plan(prompt, text, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
-                opts.get("continuous_usage_stats", False), generate=max_tokens > 0)
+                opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs)
 
 
 def _chat_prompt(body, tok):
@@ -139,17 +146,15 @@ def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len:
         max_tokens = _typed(body, "max_tokens", int, 16, 0)
         if max_tokens == 0 and not echo:
             raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
-        if echo and logprobs is not None:
-            raise BadRequest("`echo` with `logprobs` asks for the prompt's logprobs, which this server does not "
-                             "compute; drop one of them", param="echo")
     if prompt_len + max_tokens > max_len:
         raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} exceeds the context of "
                          f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens")
     return logprobs, max_tokens
 
 
-def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids) -> list:
-    """One SamplingParams per choice: the same settings, seeds seed + i."""
+def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None) -> list:
+    """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
+    when prompt_logprobs is set (every choice shares its prompt)."""
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
@@ -159,7 +164,8 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids) -> list:
           "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0)}
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                               logprobs=logprobs, **kw).validate() for i in range(n)]
+                               logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()
+                for i in range(n)]
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
@@ -238,15 +244,16 @@ class TokenText:
         return got
 
 
-def completion_logprobs(text: TokenText, output, entries, offset: int) -> dict:
-    """OpenAI completions format for output tokens with (logprob, {id: logprob}) entries;
-    `offset`: where the first token's text starts in the choice's text."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, (lp, top) in zip(output, entries):
+def completion_logprobs(text: TokenText, output, entries, offset: int, before: dict | None = None) -> dict:
+    """OpenAI completions format for output tokens with (logprob, {id: logprob}) entries (None: a
+    prompt's first token, null in both); `offset`: where the first token's text starts in the
+    choice's text; `before`: the lists of tokens shown before these (the echoed prompt's), extended."""
+    out = before or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, entry in zip(output, entries):
         piece, shown, _ = text(t)
         out["tokens"].append(shown)
-        out["token_logprobs"].append(float(lp))
-        out["top_logprobs"].append({text(a)[1]: float(v) for a, v in top.items()})
+        out["token_logprobs"].append(None if entry is None else float(entry[0]))
+        out["top_logprobs"].append(None if entry is None else {text(a)[1]: float(v) for a, v in entry[1].items()})
         out["text_offset"].append(offset)
         offset += len(piece)
     return out

@@ -37,6 +37,7 @@ from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MOD
                                     make_head_program, make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
+from meshlab.infer.scoring import PromptScorer
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
@@ -170,6 +171,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self.inbox: queue.Queue = queue.Queue()
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
+        self._scorer: PromptScorer | None = None   # prompt logprobs, built at the first request for them
         self._slots: dict = {}                   # (n_dec, k, width) -> calls.Slots of a packed step
         self._flight: Flight | None = None       # a decode call not read back yet (step says why)
         self._pflight = None                     # a packed step not read back yet (meshlab.infer.packed)
@@ -235,9 +237,21 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         return bool(req.finish_reason)
 
     # -- one step -------------------------------------------------------------------------
+    def prompt_logprobs(self, prompt, top: int = 0) -> list:
+        """Each prompt token's logprob given the ones before it and its `top` best alternatives
+        ([None, (logprob, {id: logprob}), ...]: meshlab.infer.scoring); a pass of its own over the
+        prompt, on the engine's weights. Call it from the thread that runs the engine."""
+        if self._scorer is None:
+            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk,
+                                        self.rules, self.mesh)
+        return self._scorer(prompt, top)
+
     def _admit(self):
         while not self.inbox.empty():
-            self.sched.add(self.inbox.get_nowait())
+            req = self.inbox.get_nowait()
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = self.prompt_logprobs(req.prompt, req.params.prompt_logprobs)
+            self.sched.add(req)
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):

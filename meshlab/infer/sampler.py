@@ -31,6 +31,9 @@ class SamplingParams:
     # None: off; k in [0, 20]: each output token's log-softmax (of the raw logits, before temperature
     # and filters, as OpenAI reports it) and its k most likely alternatives (Request.logprobs)
     logprobs: Optional[int] = None
+    # None: off; k in [0, 20]: each prompt token's logprob given the tokens before it and its k most
+    # likely alternatives (Request.prompt_logprobs; a pass of its own: meshlab/infer/scoring.py)
+    prompt_logprobs: Optional[int] = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
@@ -49,9 +52,10 @@ class SamplingParams:
             bad(f"seed={self.seed!r} must be an integer in [0, 2**31)")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs={self.logprobs!r} must be None (off) or an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+                bad(f"{name}={k!r} must be None (off) or an integer in [0, 20]")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):

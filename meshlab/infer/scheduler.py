@@ -52,6 +52,9 @@ class Request:
     # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
+    # with params.prompt_logprobs: [None, then (logprob, {token: logprob}) per prompt token after the
+    # first], computed at admission (Engine.prompt_logprobs)
+    prompt_logprobs: Optional[list] = dataclasses.field(default=None, repr=False)
     t_arrival: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0

@@ -308,8 +308,9 @@ class Call:
         self.closed, self.failed, self.lock = False, False, threading.Lock()
         self.loop = asyncio.get_running_loop()
         n = len(plan.params)
-        self.reqs = [None] * n if plan.generate else []
-        self.done = [not plan.generate] * n
+        self.reqs = [None] * n if plan.submits else []
+        self.done = [not plan.submits] * n
+        self.echoed = [False] * n             # the echoed prompt sent (with prompt logprobs: at the choice's first event)
         self.shown = [0] * n                  # characters of each choice's text already streamed
         self.lp_sent = [0] * n                # tokens whose logprobs were streamed
         self.counted = [0] * n                # tokens counted in the last chunk's usage (continuous usage)
@@ -318,7 +319,7 @@ class Call:
         self.head = "data: " + json.dumps(head)[:-1] + ', "choices": ['    # every chunk's start, encoded once
         server.inflight += 1
         server.calls.add(self)
-        if plan.generate:
+        if plan.submits:
             try:
                 self.reqs[0] = server.engine.add_request(plan.prompt, plan.params[0], on_event=self._on_event(0))
             except ValueError as e:           # AdmissionError included
@@ -397,31 +398,36 @@ class Call:
 
     # -- output -----------------------------------------------------------------------------
     def _text(self, i: int, final: bool) -> str:
-        return api.visible(self.reqs[i], final) if self.reqs else ""
+        return api.visible(self.reqs[i], final) if self.reqs and self.plan.generate else ""
 
-    def _logprobs(self, i: int, start: int, end: int, offset: int):
+    def _logprobs(self, i: int, start: int, end: int, offset: int, before=None):
         if self.plan.logprobs is None:
             return None
         r, text = self.reqs[i], self.server.token_text
-        toks, entries = r.output[start:end], r.logprobs[start:end]
+        toks, entries = (r.output[start:end], r.logprobs[start:end]) if self.plan.generate else ([], [])
         return (api.chat_logprobs(text, toks, entries) if self.plan.chat
-                else api.completion_logprobs(text, toks, entries, offset))
+                else api.completion_logprobs(text, toks, entries, offset, before))
+
+    def _prompt_logprobs(self) -> dict:
+        """The echoed prompt's logprobs (the first choice's request scored it at admission)."""
+        return api.completion_logprobs(self.server.token_text, self.plan.prompt, self.reqs[0].prompt_logprobs or [], 0)
 
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
-        if self.plan.logprobs is None:
+        if self.plan.logprobs is None or not self.plan.generate:
             return 0
         r = self.reqs[i]
         # every decoding asked for is of a prefix of the output: the request keeps its last one
         return api.covered_tokens(lambda ids: r.decoded(len(ids)), r.output, text, final, start)
 
     def _finish(self, i: int) -> str:
-        return self.reqs[i].finish_reason if self.reqs else "length"
+        return self.reqs[i].finish_reason if self.reqs and self.plan.generate else "length"
 
     def whole(self) -> dict:
         p, choices = self.plan, []
         for i in range(len(p.params)):
             text = self._text(i, True)
-            lp = self._logprobs(i, 0, self._covered(i, text, True), len(p.prompt_text) if p.echo else 0)
+            before = self._prompt_logprobs() if p.prompt_logprobs is not None else None
+            lp = self._logprobs(i, 0, self._covered(i, text, True), len(p.prompt_text) if p.echo else 0, before)
             choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
             if p.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -432,7 +438,8 @@ class Call:
                 "model": self.server.model_name, "choices": choices, "usage": self._usage()}
 
     def _usage(self) -> dict:
-        return api.usage(len(self.plan.prompt), sum(len(r.output) for r in self.reqs if r is not None))
+        made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0
+        return api.usage(len(self.plan.prompt), made)
 
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
@@ -447,18 +454,23 @@ class Call:
         return f"{self.head}{json.dumps(choice)}]{usage}}}\n\n".encode()
 
     def _delta(self, i: int, final: bool) -> bytes | None:
-        """The chunk for what choice i added since the last one (None: nothing new to show)."""
+        """The chunk for what choice i added since the last one (None: nothing new to show), after the
+        echoed prompt with its logprobs at the choice's first event when those were asked for."""
+        echo = b""
+        if self.plan.prompt_logprobs is not None and not self.echoed[i]:
+            self.echoed[i] = True
+            echo = self._chunk(i, self.plan.prompt_text, None, self._prompt_logprobs())
         text = self._text(i, final)
         new, k0 = text[self.shown[i]:], self.lp_sent[i]
         k = self._covered(i, text, final, k0)
         n = len(self.reqs[i].output) if self.reqs else 0
         grew = self.plan.continuous_usage and n > self.counted[i]   # a chunk for every new token then
         if not new and k == k0 and not final and not grew:
-            return None
+            return echo or None
         offset = self.shown[i] + (len(self.plan.prompt_text) if self.plan.echo else 0)
         lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
         self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, n
-        return self._chunk(i, new, self._finish(i) if final else None, lp)
+        return echo + self._chunk(i, new, self._finish(i) if final else None, lp)
 
     async def sse(self):
         """Server-sent events: one chunk per choice as its text grows, then [DONE]. Cancelled when the
@@ -467,7 +479,7 @@ class Call:
             for i in range(len(self.plan.params)):
                 if self.plan.chat:
                     yield self._chunk(i, "", None, None, role=True)
-                elif self.plan.echo:
+                elif self.plan.echo and self.plan.prompt_logprobs is None:
                     yield self._chunk(i, self.plan.prompt_text, None, None)
             for i in range(len(self.plan.params)):
                 if not self.reqs:

@@ -274,6 +274,38 @@ def test_logprobs_are_the_models_log_softmax(tiny, engine):
         np.testing.assert_allclose([top[t] for t in best], ref[i, best], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request([1], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.add_request([1], SamplingParams(prompt_logprobs=-1))
+
+
+def test_prompt_logprobs_equal_the_full_forward(tiny, engine):
+    """Engine.prompt_logprobs (a pass of its own, in the engine's chunks of 8): each prompt token's
+    log-softmax given the ones before it and its best alternatives, as the no-cache forward computes
+    them, at lengths around the chunk up to the whole context; a request that asks for them gets
+    them at admission and generates what one that does not generates."""
+    md, params, fwd = tiny
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 8, 9, 17, 64):
+        prompt = rng.integers(0, md.cfg.vocab_size, n).tolist()
+        got = engine.prompt_logprobs(prompt, top=2)
+        ref = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([prompt], jnp.int32))[0], axis=-1))   # [n, V]
+        assert len(got) == n and got[0] is None
+        for k in range(1, n):
+            value, top = got[k]
+            best = np.argsort(-ref[k - 1])[:2].tolist()
+            np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
+            assert list(top) == best
+            np.testing.assert_allclose(list(top.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="alternatives"):
+        engine.prompt_logprobs([1, 2], top=21)
+    with pytest.raises(ValueError, match="cannot be scored"):
+        engine.prompt_logprobs(list(range(65)))
+    prompt = list(range(30, 50))
+    asked = engine.generate([prompt], SamplingParams(max_tokens=5, prompt_logprobs=0))[0]
+    plain = engine.generate([prompt], SamplingParams(max_tokens=5))[0]
+    assert asked.output == plain.output and plain.prompt_logprobs is None
+    assert [e[0] for e in asked.prompt_logprobs[1:]] == [e[0] for e in engine.prompt_logprobs(prompt)[1:]]
+    assert all(e[1] == {} for e in asked.prompt_logprobs[1:])
 
 
 def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):

@@ -106,7 +106,6 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, None, 400, "prompt's logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "one prompt per request"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop"),
@@ -320,6 +319,39 @@ def test_completion_logprobs_match_the_model(server):
     chunks = [json.loads(e[6:])["choices"][0] for e in payload.splitlines() if e.startswith("data: {")]
     streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
     assert np.allclose(streamed, lp["token_logprobs"], atol=1e-6)
+
+
+def test_echo_with_logprobs_scores_the_prompt(server):
+    """What evaluation harnesses send to score a continuation (lm-evaluation-harness's local-completions:
+    the prompt as one list of ids, echo, logprobs 1, max_tokens 1): every prompt token's logprob given
+    the ones before it (the first null), then the generated token's, each as the model computes it in
+    fp32. max_tokens 0 gives the prompt's alone; streaming gives the same values; a prompt met again
+    (its pages in the prefix cache) is scored in full all the same."""
+    ids = ByteTokenizer().encode("def score(x): return x * 2  # forty tokens")       # crosses chunks of 16
+    body = {"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    choice, n = resp["choices"][0], len(ids)
+    lp = choice["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == n + 1 and resp["usage"]["completion_tokens"] == 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = _reference_logprobs(server, ids[:1], ids[1:])                               # row k: after ids[:k + 1]
+    for k in range(1, n):
+        assert abs(lp["token_logprobs"][k] - ref[k - 1][ids[k]]) < 1e-4
+        (best,) = lp["top_logprobs"][k].values()
+        assert best == pytest.approx(ref[k - 1].max(), abs=1e-4) and best >= lp["token_logprobs"][k] - 1e-6
+    assert lp["text_offset"][:3] == [0, 1, 2] and lp["text_offset"][n] == len(choice["text"]) - 1
+    assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-5)   # greedy
+    again = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["logprobs"]["token_logprobs"]
+    assert np.allclose(again[1:], lp["token_logprobs"][1:], atol=1e-6)
+    status, zero = call(server, "POST", "/v1/completions", dict(body, max_tokens=0))
+    zl = zero["choices"][0]["logprobs"]
+    assert status == 200 and zero["usage"]["completion_tokens"] == 0 and len(zl["tokens"]) == n
+    assert zero["choices"][0]["text"] == ByteTokenizer().decode(ids) and zl["token_logprobs"][1:] == lp["token_logprobs"][1:n]
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stream=True))
+    chunks = [json.loads(e[6:])["choices"][0] for e in payload.splitlines() if e.startswith("data: {")]
+    streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
+    assert streamed[0] is None and np.allclose(streamed[1:], lp["token_logprobs"][1:], atol=1e-6)
+    assert "".join(c["text"] for c in chunks) == choice["text"]
 
 
 def test_chat_logprobs_format(server):

@@ -1,0 +1,76 @@
+"""Prompt logprobs: each prompt token's log-probability given the tokens before it, and its most
+likely alternatives (OpenAI completions' `echo` with `logprobs`: how evaluation harnesses such as
+lm-evaluation-harness score a continuation).
+
+The engine's packed steps run the LM head on each row's last token only, and a prefix-cache hit
+computes nothing for its cached tokens, so a prompt's logprobs come from a pass of their own: the
+prompt in `chunk`-token pieces through a one-row contiguous cache (kv_cache.contiguous_attend,
+the layout's dense attention), the head over every position, the log-softmax at the next prompt
+token and the top TOP_LOGPROBS. What it costs: one more prefill of the prompt, with the head over
+every token ([chunk, vocab] fp32 logits per piece), for the requests that ask; one compiled program
+per engine, built at the first such request; the one-row cache (max_len tokens) is kept between
+requests.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshlab.infer import kv_cache
+from meshlab.infer.programs import TOP_LOGPROBS, _bind, placement
+from models import serving
+
+
+def make_score_program(md, layers: str):
+    """score(params, cache, tokens [C], positions [C], valid [C], targets [C]) -> (cache, logprob [C],
+    top_logprob [C, K], top_id [C, K]): the log-softmax of targets[i] after tokens[..i], jitted,
+    cache donated. params from programs.serving_params(md, ., layers)."""
+    vocab = md.cfg.vocab_size
+
+    def score(params, cache, tokens, positions, valid, targets):
+        model, per_layer = _bind(md, params, layers)
+        attend = kv_cache.contiguous_attend(positions[None], valid[None])
+        h, cache = serving.forward(model, tokens[None], positions[None], cache, attend, unroll=layers == "unroll",
+                                   layers=per_layer)                                   # [1, C, d]
+        lp = jax.nn.log_softmax(model.logits(h)[0, :, :vocab], axis=-1)                 # [C, V] fp32
+        top_lp, top_id = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))                    # [C, K]
+        return cache, jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0], top_lp, top_id
+    return jax.jit(score, donate_argnums=(1,))
+
+
+class PromptScorer:
+    """Prompt logprobs for an engine: shares its serving params (read only), owns a one-row cache."""
+
+    def __init__(self, md, params, layers: str, max_len: int, chunk: int, rules=None, mesh=None):
+        self.md, self.params, self.max_len, self.chunk = md, params, max_len, min(chunk, max_len)
+        self.rules, self.mesh = rules, mesh
+        self.fn = make_score_program(md, layers)
+        with placement(rules, mesh):
+            self.cache = kv_cache.init_contiguous(md.cfg, 1, -(-max_len // self.chunk) * self.chunk,
+                                                  rules=rules, mesh=mesh)
+
+    def __call__(self, prompt, top: int) -> list:
+        """[None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
+        `top` most likely)]: the first token has no context, as OpenAI reports it (null)."""
+        if not 0 <= top <= TOP_LOGPROBS:
+            raise ValueError(f"top={top} alternatives must be in [0, {TOP_LOGPROBS}]")
+        n, c = len(prompt), self.chunk
+        if not 0 < n <= self.max_len:
+            raise ValueError(f"a prompt of {n} tokens cannot be scored in a context of {self.max_len}")
+        ids = np.zeros(-(-n // c) * c + 1, np.int32)
+        ids[:n] = prompt
+        pieces = []
+        with placement(self.rules, self.mesh):
+            for start in range(0, n - 1, c):       # position i scores token i + 1; the last has no target
+                pos = np.arange(start, start + c, dtype=np.int32)
+                self.cache, lp, top_lp, top_id = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
+                                                         ids[start + 1:start + c + 1])
+                pieces.append((lp, top_lp[:, :top], top_id[:, :top]))
+        out: list = [None]
+        for lp, top_lp, top_id in jax.device_get(pieces):
+            for i in range(len(lp)):
+                if len(out) == n:
+                    break
+                out.append((float(lp[i]), dict(zip(top_id[i].tolist(), top_lp[i].tolist()))))
+        return out
