@@ -3,7 +3,7 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(several prompts per request, best_of, penalties other than the repetition one)
+(best_of, penalties other than the repetition one)
 with a 400 that says so, rather than ignoring it.
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ class BadRequest(Exception):
 
 @dataclasses.dataclass
 class Plan:
-    """One HTTP request as the engine sees it: the prompt, and one SamplingParams per choice."""
-    prompt: list                       # token ids
-    prompt_text: str                   # what echo shows ("" for token ids without echo: never decoded then)
+    """One HTTP request as the engine sees it: its prompts, and one SamplingParams per copy of each.
+    Choice i answers prompt i // n (OpenAI's order: a prompt's n choices together)."""
+    prompts: list                      # token ids per prompt (a chat request, or most completions: one)
+    prompt_texts: list                 # what echo shows ("" for token ids without echo: never decoded then)
     params: list                       # [SamplingParams] * n (seeds seed + i)
     chat: bool
     stream: bool
@@ -41,6 +42,10 @@ class Plan:
     def submits(self) -> bool:
         """Whether the engine runs it: to generate, or (max_tokens=0) only to score the prompt."""
         return self.generate or self.prompt_logprobs is not None
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * len(self.params)
 
 
 def _typed(body, name, typ, default=None, lo=None, hi=None):
@@ -96,15 +101,15 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     for name, used in UNSUPPORTED.items():
         if body.get(name) is not None and used(body[name], body):
             raise BadRequest(f"`{name}` is not supported by this server; leave it out", param=name)
-    text, prompt = _chat_prompt(body, tok) if chat else _completion_prompt(body.get("prompt"), tok)
-    if not prompt:
+    texts, prompts = _chat_prompt(body, tok) if chat else _completion_prompts(body.get("prompt"), tok)
+    if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = _typed(body, "n", int, 1, 1, max_n)
     stream = _typed(body, "stream", bool, False)
     echo = False if chat else _typed(body, "echo", bool, False)
-    if text is None:                   # token ids are decoded only for echo (~0.1 ms per 1k ids)
-        text = tok.decode(prompt) if echo else ""
-    logprobs, max_tokens = _logprobs_and_length(body, chat, echo, len(prompt), max_len)
+    # token ids are decoded only for echo (~0.1 ms per 1k ids)
+    texts = [(tok.decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
+    logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
         raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
@@ -114,19 +119,19 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo else None
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs)
-    return Plan(prompt, text, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
+    return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs)
 
 
 def _chat_prompt(body, tok):
-    """(text, ids): the messages through the tokenizer's chat template, else the plain format."""
+    """([text], [ids]): the messages through the tokenizer's chat template, else the plain format."""
     messages = chat_messages(body.get("messages"))
     template = getattr(tok, "chat_template", None)
     try:
         text = template(messages) if template else plain_chat_prompt(messages)
     except ValueError as e:
         raise BadRequest(str(e), param="messages") from None
-    return text, tok.encode(text)
+    return [text], [tok.encode(text)]
 
 
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
@@ -170,18 +175,22 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
         raise BadRequest(str(e)) from None
 
 
-def _completion_prompt(prompt, tok):
-    """(text, ids) of a completions prompt: a string, or token ids (text None); one prompt per request."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt, tok.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):     # bool is not int here
-        return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("one prompt per request; send several requests (they are batched together)",
+def _completion_prompts(prompt, tok):
+    """([text], [ids]) of a completions prompt: a string or a list of token ids (text None), or a
+    list of those (several prompts: what evaluation harnesses batch into one request)."""
+    def one(p):
+        if isinstance(p, str) and p:
+            return p, tok.encode(p)
+        if isinstance(p, list) and p and all(type(t) is int for t in p):     # bool is not int here
+            return None, list(p)
+        return None
+    single = one(prompt)
+    many = [one(p) for p in prompt] if isinstance(prompt, list) and prompt and single is None else [None]
+    if single is None and None in many:
+        raise BadRequest("`prompt` must be a non-empty string, a list of token ids, or a list of those",
                          param="prompt")
-    raise BadRequest("`prompt` must be a non-empty string (or a list of token ids)", param="prompt")
+    texts, ids = zip(*([single] if single else many))
+    return list(texts), list(ids)
 
 
 # -- responses ---------------------------------------------------------------------------------

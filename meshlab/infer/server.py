@@ -231,7 +231,7 @@ class Server:
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
                              self.stop_token_ids, self.max_n)
-            self._admit(len(plan.params))
+            self._admit(plan.choices)
             call = Call(self, plan)
         except BadRequest as e:
             self.counts["rejected"] += e.status in (413, 429, 503)
@@ -307,7 +307,7 @@ class Call:
         self.events: asyncio.Queue = asyncio.Queue()
         self.closed, self.failed, self.lock = False, False, threading.Lock()
         self.loop = asyncio.get_running_loop()
-        n = len(plan.params)
+        self.n, n = len(plan.params), plan.choices
         self.reqs = [None] * n if plan.submits else []
         self.done = [not plan.submits] * n
         self.echoed = [False] * n             # the echoed prompt sent (with prompt logprobs: at the choice's first event)
@@ -320,29 +320,31 @@ class Call:
         server.inflight += 1
         server.calls.add(self)
         if plan.submits:
-            try:
-                self.reqs[0] = server.engine.add_request(plan.prompt, plan.params[0], on_event=self._on_event(0))
+            try:                              # each prompt's first copy (its n - 1 others: _submit_copies)
+                for i in range(0, n, self.n):
+                    self.reqs[i] = server.engine.add_request(plan.prompts[i // self.n], plan.params[0],
+                                                             on_event=self._on_event(i))
             except ValueError as e:           # AdmissionError included
                 self.close()
                 raise BadRequest(str(e)) from None
         server.wake.set()
 
     def _on_event(self, i: int):
-        """on_event for choice i (engine thread). Copies 1..n-1 are submitted at copy 0's first event:
-        its prompt pages are in the prefix cache by then, so the copies do not prefill them again."""
+        """on_event for choice i (engine thread). A prompt's copies 1..n-1 are submitted at copy 0's first
+        event: its prompt pages are in the prefix cache by then, so the copies do not prefill them again."""
         def put(_req, _new, done):
-            if i == 0 and self.reqs and any(r is None for r in self.reqs):
-                self._submit_copies()
+            if i % self.n == 0 and self.n > 1 and self.reqs and self.reqs[i + 1] is None:
+                self._submit_copies(i)
             self.server.pending.append((self, i, done))     # delivered after the step (_deliver_events)
         return put
 
-    def _submit_copies(self):
+    def _submit_copies(self, first: int):
         with self.lock:                       # close() on the event loop sees every request submitted
             if self.closed:
                 return
-            for i in range(1, len(self.reqs)):
-                self.reqs[i] = self.server.engine.add_request(self.plan.prompt, self.plan.params[i],
-                                                              on_event=self._on_event(i))
+            for j in range(1, self.n):
+                self.reqs[first + j] = self.server.engine.add_request(
+                    self.plan.prompts[first // self.n], self.plan.params[j], on_event=self._on_event(first + j))
         self.server.wake.set()
 
     def close(self):
@@ -408,9 +410,14 @@ class Call:
         return (api.chat_logprobs(text, toks, entries) if self.plan.chat
                 else api.completion_logprobs(text, toks, entries, offset, before))
 
-    def _prompt_logprobs(self) -> dict:
-        """The echoed prompt's logprobs (the first choice's request scored it at admission)."""
-        return api.completion_logprobs(self.server.token_text, self.plan.prompt, self.reqs[0].prompt_logprobs or [], 0)
+    def _echoed(self, i: int) -> str:
+        return self.plan.prompt_texts[i // self.n] if self.plan.echo else ""
+
+    def _prompt_logprobs(self, i: int) -> dict:
+        """Choice i's echoed prompt's logprobs (the prompt's first copy scored it at admission)."""
+        first = self.reqs[i - i % self.n]
+        return api.completion_logprobs(self.server.token_text, self.plan.prompts[i // self.n],
+                                       first.prompt_logprobs or [], 0)
 
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
         if self.plan.logprobs is None or not self.plan.generate:
@@ -424,22 +431,22 @@ class Call:
 
     def whole(self) -> dict:
         p, choices = self.plan, []
-        for i in range(len(p.params)):
+        for i in range(p.choices):
             text = self._text(i, True)
-            before = self._prompt_logprobs() if p.prompt_logprobs is not None else None
-            lp = self._logprobs(i, 0, self._covered(i, text, True), len(p.prompt_text) if p.echo else 0, before)
+            before = self._prompt_logprobs(i) if p.prompt_logprobs is not None else None
+            lp = self._logprobs(i, 0, self._covered(i, text, True), len(self._echoed(i)), before)
             choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
             if p.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = (p.prompt_text if p.echo else "") + text
+                choice["text"] = self._echoed(i) + text
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if p.chat else "text_completion", "created": self.created,
                 "model": self.server.model_name, "choices": choices, "usage": self._usage()}
 
     def _usage(self) -> dict:
         made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0
-        return api.usage(len(self.plan.prompt), made)
+        return api.usage(sum(map(len, self.plan.prompts)), made)
 
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
@@ -450,7 +457,7 @@ class Call:
             choice["text"] = text
         usage = ""
         if self.plan.continuous_usage:         # this choice's tokens so far (vLLM's continuous_usage_stats)
-            usage = f', "usage": {json.dumps(api.usage(len(self.plan.prompt), self.counted[i]))}'
+            usage = f', "usage": {json.dumps(api.usage(len(self.plan.prompts[i // self.n]), self.counted[i]))}'
         return f"{self.head}{json.dumps(choice)}]{usage}}}\n\n".encode()
 
     def _delta(self, i: int, final: bool) -> bytes | None:
@@ -459,7 +466,7 @@ class Call:
         echo = b""
         if self.plan.prompt_logprobs is not None and not self.echoed[i]:
             self.echoed[i] = True
-            echo = self._chunk(i, self.plan.prompt_text, None, self._prompt_logprobs())
+            echo = self._chunk(i, self._echoed(i), None, self._prompt_logprobs(i))
         text = self._text(i, final)
         new, k0 = text[self.shown[i]:], self.lp_sent[i]
         k = self._covered(i, text, final, k0)
@@ -467,7 +474,7 @@ class Call:
         grew = self.plan.continuous_usage and n > self.counted[i]   # a chunk for every new token then
         if not new and k == k0 and not final and not grew:
             return echo or None
-        offset = self.shown[i] + (len(self.plan.prompt_text) if self.plan.echo else 0)
+        offset = self.shown[i] + len(self._echoed(i))
         lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
         self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, n
         return echo + self._chunk(i, new, self._finish(i) if final else None, lp)
@@ -476,12 +483,12 @@ class Call:
         """Server-sent events: one chunk per choice as its text grows, then [DONE]. Cancelled when the
         client disconnects (Starlette watches for it), and close() then aborts the requests."""
         try:
-            for i in range(len(self.plan.params)):
+            for i in range(self.plan.choices):
                 if self.plan.chat:
                     yield self._chunk(i, "", None, None, role=True)
                 elif self.plan.echo and self.plan.prompt_logprobs is None:
-                    yield self._chunk(i, self.plan.prompt_text, None, None)
-            for i in range(len(self.plan.params)):
+                    yield self._chunk(i, self._echoed(i), None, None)
+            for i in range(self.plan.choices):
                 if not self.reqs:
                     yield self._chunk(i, "", "length", None)
             while not all(self.done):

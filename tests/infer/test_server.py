@@ -107,7 +107,8 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "one prompt per request"),
+    ("/v1/completions", {"prompt": ["a", 3]}, None, 400, "a list of those"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "a list of those"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400,
@@ -352,6 +353,31 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
     assert streamed[0] is None and np.allclose(streamed[1:], lp["token_logprobs"][1:], atol=1e-6)
     assert "".join(c["text"] for c in chunks) == choice["text"]
+
+
+def test_several_prompts_answer_in_prompt_order(server):
+    """A list of prompts (strings or token-id lists, as evaluation harnesses batch them) gets n choices
+    per prompt, in OpenAI's order (index = prompt * n + copy), each what its prompt alone gets; usage
+    counts each prompt once; streaming gives the same texts; echo with logprobs scores each prompt."""
+    prompts = ["def f(x):", "import os", [100, 101, 102]]
+    body = {"prompt": prompts, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in resp["choices"]] == list(range(6))
+    for i, c in enumerate(resp["choices"]):
+        alone = call(server, "POST", "/v1/completions", dict(body, prompt=prompts[i // 2], n=1, seed=3 + i % 2))[1]
+        assert c["text"] == alone["choices"][0]["text"]
+    assert resp["usage"]["prompt_tokens"] == 9 + 9 + 3
+    _, payload = call(server, "POST", "/v1/completions", dict(body, stream=True))
+    texts = [""] * 6
+    for e in payload.splitlines():
+        if e.startswith("data: {"):
+            for c in json.loads(e[6:])["choices"]:
+                texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in resp["choices"]]
+    scored = call(server, "POST", "/v1/completions", dict(body, n=1, echo=True, logprobs=0, max_tokens=1,
+                                                           temperature=0))[1]["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in scored] == [10, 10, 4]
+    assert [c["text"][:-1] for c in scored] == ["def f(x):", "import os", "def"]
 
 
 def test_chat_logprobs_format(server):
