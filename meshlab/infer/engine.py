@@ -241,16 +241,33 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         """Each prompt token's logprob given the ones before it and its `top` best alternatives
         ([None, (logprob, {id: logprob}), ...]: meshlab.infer.scoring); a pass of its own over the
         prompt, on the engine's weights. Call it from the thread that runs the engine."""
+        return self._score(prompt, top)[0]
+
+    def _score(self, prompt, top: int) -> tuple[list, tuple]:
         if self._scorer is None:
             self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk,
                                         self.rules, self.mesh)
         return self._scorer(prompt, top)
 
+    def _answer_from_scoring(self, req, following) -> bool:
+        """A greedy one-token request that asked for its prompt's logprobs (how evaluation harnesses
+        score) takes its token from the scoring pass's last position, the argmax of the same model's
+        logits, instead of a second prefill; True when it did (the request is finished)."""
+        p = req.params
+        if p.max_tokens != 1 or p.temperature > 0 or p.repetition_penalty != 1.0:
+            return False
+        ids, values = following
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self._emit(req, [ids[0]], None if p.logprobs is None else [(values[0], ids, values)])
+        return True
+
     def _admit(self):
         while not self.inbox.empty():
             req = self.inbox.get_nowait()
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs = self.prompt_logprobs(req.prompt, req.params.prompt_logprobs)
+                req.prompt_logprobs, following = self._score(req.prompt, req.params.prompt_logprobs)
+                if self._answer_from_scoring(req, following):
+                    continue
             self.sched.add(req)
         while not self.aborts.empty():
             req = self.aborts.get_nowait()

@@ -9,7 +9,8 @@ the layout's dense attention), the head over every position, the log-softmax at 
 token and the top TOP_LOGPROBS. What it costs: one more prefill of the prompt, with the head over
 every token ([chunk, vocab] fp32 logits per piece), for the requests that ask; one compiled program
 per engine, built at the first such request; the one-row cache (max_len tokens) is kept between
-requests.
+requests. A greedy one-token request (what a harness sends to score) takes its token from the same
+pass's last position (Engine._answer_from_scoring), so it costs no second prefill.
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ class PromptScorer:
             self.cache = kv_cache.init_contiguous(md.cfg, 1, -(-max_len // self.chunk) * self.chunk,
                                                   rules=rules, mesh=mesh)
 
-    def __call__(self, prompt, top: int) -> list:
-        """[None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
-        `top` most likely)]: the first token has no context, as OpenAI reports it (null)."""
+    def __call__(self, prompt, top: int) -> tuple[list, tuple]:
+        """([None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
+        `top` most likely)], (ids, logprobs) of the TOP_LOGPROBS most likely tokens after the whole
+        prompt). The first token has no context, as OpenAI reports it (null)."""
         if not 0 <= top <= TOP_LOGPROBS:
             raise ValueError(f"top={top} alternatives must be in [0, {TOP_LOGPROBS}]")
         n, c = len(prompt), self.chunk
@@ -62,15 +64,13 @@ class PromptScorer:
         ids[:n] = prompt
         pieces = []
         with placement(self.rules, self.mesh):
-            for start in range(0, n - 1, c):       # position i scores token i + 1; the last has no target
+            for start in range(0, n, c):           # position i scores token i + 1 (the last: what follows)
                 pos = np.arange(start, start + c, dtype=np.int32)
-                self.cache, lp, top_lp, top_id = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
-                                                         ids[start + 1:start + c + 1])
-                pieces.append((lp, top_lp[:, :top], top_id[:, :top]))
-        out: list = [None]
-        for lp, top_lp, top_id in jax.device_get(pieces):
-            for i in range(len(lp)):
-                if len(out) == n:
-                    break
-                out.append((float(lp[i]), dict(zip(top_id[i].tolist(), top_lp[i].tolist()))))
-        return out
+                self.cache, *outs = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
+                                            ids[start + 1:start + c + 1])
+                pieces.append(outs)
+        lp, top_lp, top_id = (np.concatenate(x)[:n] for x in zip(*jax.device_get(pieces)))   # [n], [n, K] x2
+        lp, top_lp, top_id = lp.tolist(), top_lp[:, :top].tolist(), top_id[:, :top].tolist()
+        out = [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)]
+        following = pieces[-1][2][(n - 1) % c].tolist(), pieces[-1][1][(n - 1) % c].tolist()
+        return out, following

@@ -342,6 +342,8 @@ def test_echo_with_logprobs_scores_the_prompt(server):
         assert best == pytest.approx(ref[k - 1].max(), abs=1e-4) and best >= lp["token_logprobs"][k] - 1e-6
     assert lp["text_offset"][:3] == [0, 1, 2] and lp["text_offset"][n] == len(choice["text"]) - 1
     assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-5)   # greedy
+    plain = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 1})[1]["choices"][0]["text"]
+    assert choice["text"] == ByteTokenizer().decode(ids) + plain      # the token the scoring pass answered with
     again = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["logprobs"]["token_logprobs"]
     assert np.allclose(again[1:], lp["token_logprobs"][1:], atol=1e-6)
     status, zero = call(server, "POST", "/v1/completions", dict(body, max_tokens=0))
