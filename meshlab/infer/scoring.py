@@ -6,11 +6,13 @@ The engine's packed steps run the LM head on each row's last token only, and a p
 computes nothing for its cached tokens, so a prompt's logprobs come from a pass of their own: the
 prompt in `chunk`-token pieces through a one-row contiguous cache (kv_cache.contiguous_attend,
 the layout's dense attention), the head over every position, the log-softmax at the next prompt
-token and the top TOP_LOGPROBS. What it costs: one more prefill of the prompt, with the head over
-every token ([chunk, vocab] fp32 logits per piece), for the requests that ask; one compiled program
-per engine, built at the first such request; the one-row cache (max_len tokens) is kept between
-requests. A greedy one-token request (what a harness sends to score) takes its token from the same
-pass's last position (Engine._answer_from_scoring), so it costs no second prefill.
+token and the top TOP_LOGPROBS. What it costs: a prefill of the prompt with the head over every
+token ([chunk, vocab] fp32 logits per piece) and each piece's dense attention over all max_len cache
+positions ([kv heads, group, chunk, max_len] fp32 scores); one compiled program per engine, built at
+the first such request; the one-row cache (max_len tokens), kept between requests. A greedy one-token
+request (what a harness sends to score) takes its token from the same pass's last position
+(Engine._answer_from_scoring); any other request asking for prompt logprobs is then prefilled again
+by the engine's own steps.
 """
 from __future__ import annotations
 
