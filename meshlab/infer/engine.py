@@ -245,8 +245,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
 
     def _score(self, prompt, top: int) -> tuple[list, tuple]:
         if self._scorer is None:
-            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk,
-                                        self.rules, self.mesh)
+            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk)
         return self._scorer(prompt, top)
 
     def _answer_from_scoring(self, req, following) -> bool:

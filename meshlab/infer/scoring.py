@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import kv_cache
-from meshlab.infer.programs import TOP_LOGPROBS, _bind, placement
+from meshlab.infer.programs import TOP_LOGPROBS, _bind
 from models import serving
 
 
@@ -43,15 +43,15 @@ def make_score_program(md, layers: str):
 
 
 class PromptScorer:
-    """Prompt logprobs for an engine: shares its serving params (read only), owns a one-row cache."""
+    """Prompt logprobs for an engine: shares its serving params (read only), owns a one-row cache.
+    It runs outside the engine's rule file: a rule that shards the cache's batch (fsdp_tp's
+    cache_batch) cannot split one row, so XLA places the cache and activations from the params'
+    own shardings."""
 
-    def __init__(self, md, params, layers: str, max_len: int, chunk: int, rules=None, mesh=None):
+    def __init__(self, md, params, layers: str, max_len: int, chunk: int):
         self.md, self.params, self.max_len, self.chunk = md, params, max_len, min(chunk, max_len)
-        self.rules, self.mesh = rules, mesh
         self.fn = make_score_program(md, layers)
-        with placement(rules, mesh):
-            self.cache = kv_cache.init_contiguous(md.cfg, 1, -(-max_len // self.chunk) * self.chunk,
-                                                  rules=rules, mesh=mesh)
+        self.cache = kv_cache.init_contiguous(md.cfg, 1, -(-max_len // self.chunk) * self.chunk)
 
     def __call__(self, prompt, top: int) -> tuple[list, tuple]:
         """([None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
@@ -65,12 +65,11 @@ class PromptScorer:
         ids = np.zeros(-(-n // c) * c + 1, np.int32)
         ids[:n] = prompt
         pieces = []
-        with placement(self.rules, self.mesh):
-            for start in range(0, n, c):           # position i scores token i + 1 (the last: what follows)
-                pos = np.arange(start, start + c, dtype=np.int32)
-                self.cache, *outs = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
-                                            ids[start + 1:start + c + 1])
-                pieces.append(outs)
+        for start in range(0, n, c):               # position i scores token i + 1 (the last: what follows)
+            pos = np.arange(start, start + c, dtype=np.int32)
+            self.cache, *outs = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
+                                        ids[start + 1:start + c + 1])
+            pieces.append(outs)
         lp, top_lp, top_id = (np.concatenate(x)[:n] for x in zip(*jax.device_get(pieces)))   # [n], [n, K] x2
         lp, top_lp, top_id = lp.tolist(), top_lp[:, :top].tolist(), top_id[:, :top].tolist()
         out = [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)]

@@ -163,6 +163,20 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
 
 
+def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):
+    """fsdp_tp shards cache_batch over 4 devices, which one scoring row cannot fill: the scoring pass
+    runs outside the rule file, on the sharded params, and gives the one-device values."""
+    from meshlab.infer.loading import serving_placement, _shardings
+    md, params, _ = tiny
+    rules, mesh = serving_placement("fsdp_tp", "data=1,fsdp=4,tensor=2")
+    sharded = Engine(md, jax.device_put(params, _shardings(md, rules, mesh)), max_len=64, max_seqs=4, page_size=4,
+                     chunk=8, rules=rules, mesh=mesh)
+    prompt = list(range(3, 40))
+    got, want = sharded.prompt_logprobs(prompt, top=2), engine.prompt_logprobs(prompt, top=2)
+    np.testing.assert_allclose([e[0] for e in got[1:]], [e[0] for e in want[1:]], rtol=1e-4, atol=1e-4)
+    assert [list(e[1]) for e in got[1:]] == [list(e[1]) for e in want[1:]]
+
+
 LAYER_PROMPTS = [[5, 6, 7], list(range(40, 60))]
 # one greedy and one sampled + penalised row (the all-greedy program is exercised by the other tests)
 LAYER_SAMPLING = [[SamplingParams(max_tokens=9),
