@@ -3,7 +3,7 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, penalties other than the repetition one)
+(best_of, logit_bias, suffix, tools, response formats)
 with a 400 that says so, rather than ignoring it.
 """
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 
 # Fields of OpenAI's API that would change the answer and that this server does not implement.
 UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v),
-               "logit_bias": lambda v, b: bool(v), "presence_penalty": lambda v, b: v != 0,
-               "frequency_penalty": lambda v, b: v != 0, "tools": lambda v, b: bool(v),
+               "logit_bias": lambda v, b: bool(v), "tools": lambda v, b: bool(v),
                "response_format": lambda v, b: isinstance(v, dict) and v.get("type") not in (None, "text")}
 
 
@@ -166,7 +165,9 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
     seed = _typed(body, "seed", int, 0, 0, 2 ** 31 - n)
     kw = {"temperature": _typed(body, "temperature", float, 0.0), "top_p": _typed(body, "top_p", float, 1.0),
-          "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0)}
+          "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
+          "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+          "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()

@@ -32,10 +32,10 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
-from meshlab.infer.programs import (CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
+from meshlab.infer.programs import (COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
                                     TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
                                     make_head_program, make_programs, page_end_rows, placement, serving_params)
-from meshlab.infer.sampler import SamplingParams, row_arrays
+from meshlab.infer.sampler import SamplingParams, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.infer.scoring import PromptScorer
 from meshlab.infer.warmup import Warmup
@@ -132,6 +132,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
             if self.reuse_hidden:
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
             self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
+            self.cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -149,6 +150,9 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         self.head_weights, head_treedef = jax.tree.flatten(head_params(self.params))
         self.head_call = calls.head_program(make_head_program(md), head_treedef, opts.get("head"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
+        # a slot's generated-token counts set to a request's output so far (ids padded with the vocab size)
+        self._recount = jax.jit(lambda counts, slot, ids: counts.at[slot].set(0).at[slot, ids].add(1, mode="drop"),
+                                donate_argnums=0)
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 up to 16 (a decode step at small batch reads the weights once whatever its
         # rows, and padding rows attend to nothing), then of 2: past 16 the attention's grid follows
@@ -253,7 +257,7 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         score) takes its token from the scoring pass's last position, the argmax of the same model's
         logits, instead of a second prefill; True when it did (the request is finished)."""
         p = req.params
-        if p.max_tokens != 1 or p.temperature > 0 or p.repetition_penalty != 1.0:
+        if p.max_tokens != 1 or p.temperature > 0 or penalised_row(p):
             return False
         ids, values = following
         self.stats["prompt_tokens"] += len(req.prompt)
@@ -279,13 +283,19 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         for r in self.sched.admit():
             p = r.params
             for key, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
-                               ("penalty", p.repetition_penalty), ("seed", p.seed)):
+                               ("penalty", p.repetition_penalty), ("seed", p.seed),
+                               ("presence", p.presence_penalty), ("frequency", p.frequency_penalty)):
                 self.slot_rows[key][r.slot] = value
             self.slot_logprobs[r.slot] = -1 if p.logprobs is None else p.logprobs
             rows = self.slot_rows           # the stored (float32) settings decide, as the sampler sees them
-            self.slot_sampled[r.slot] = rows["temperature"][r.slot] > 0 or rows["penalty"][r.slot] != 1.0
+            self.slot_sampled[r.slot] = rows["temperature"][r.slot] > 0 or rows["penalty"][r.slot] != 1.0 or \
+                rows["presence"][r.slot] != 0 or rows["frequency"][r.slot] != 0
             if p.repetition_penalty != 1.0:
                 self.seen = self._forget(self.seen, r.slot)
+            if p.presence_penalty or p.frequency_penalty:        # a preempted request's output counts again
+                ids = np.full(self.sched.max_len, self.md.cfg.vocab_size, np.int32)
+                ids[:len(r.output)] = r.output
+                self.cache[COUNTS] = self._recount(self.cache[COUNTS], r.slot, ids)
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens
 

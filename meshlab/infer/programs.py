@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlab.infer import kv_cache
-from meshlab.infer.sampler import sample
+from meshlab.infer.sampler import count_sampled, sample
 from meshlab.rules import use_rules
 from models import serving
 
@@ -54,6 +54,11 @@ HIDDEN = "h"
 # (Engine overlap_steps): a row whose token is still on the device is fed from here (from_last)
 # instead of from the host.
 LAST = "last"
+# The cache entry [max_seqs, V] int32 counting, per slot, the tokens its request generated (the
+# presence and frequency penalties): every program that samples without the greedy promise adds its
+# kept samples; the engine sets a slot's row when a request with those penalties is admitted.
+COUNTS = "counts"
+OWN = (HIDDEN, LAST, COUNTS)           # the engine's entries of the cache dict, beside the layers' K and V
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -182,12 +187,13 @@ def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, l
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
-def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs):
+def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, counts=None, slots=None):
     """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
     "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
-    temperature and the filters)."""
+    temperature and the filters). counts: the cache's COUNTS entry, read at `slots` [R] (not greedy)."""
     logits = model.logits(h[:, None])[:, 0, :vocab]                                 # [R, V] fp32
-    tok = sample(logits, rows, counters, seen_rows, greedy)
+    counts_rows = None if greedy or counts is None else counts[jnp.minimum(slots, counts.shape[0] - 1)]
+    tok = sample(logits, rows, counters, seen_rows, greedy, counts_rows)
     out = {"tokens": tok}
     if logprobs is not None:
         lp = jax.nn.log_softmax(logits, axis=-1)
@@ -205,9 +211,15 @@ def _mark(seen, slots, tokens, valid):
 
 
 def _split_own(cache: dict):
-    """(the K/V cache, the engine's own entries: LAST, and HIDDEN when present): the layers see only K and V."""
-    return ({k: v for k, v in cache.items() if k not in (HIDDEN, LAST)},
-            {k: cache[k] for k in (HIDDEN, LAST) if k in cache})
+    """(the K/V cache, the engine's own entries: LAST, and HIDDEN and COUNTS when present): the layers
+    see only K and V."""
+    return {k: v for k, v in cache.items() if k not in OWN}, {k: cache[k] for k in OWN if k in cache}
+
+
+def _count(own: dict, greedy, slots, tokens, keep) -> None:
+    """own[COUNTS] with the kept samples added (programs without the greedy promise, when present)."""
+    if not greedy and COUNTS in own:
+        own[COUNTS] = count_sampled(own[COUNTS], slots, tokens, keep)
 
 
 def page_end_rows(positions, write_page, page_size: int, num_pages: int, xp=jnp):
@@ -246,7 +258,12 @@ def make_head_program(md):
     def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs):
         model = md.bind(dict(params, layers=md.abstract["layers"]))
         h = cache[HIDDEN][pages]                                                      # [b, d]
-        return _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs), cache, seen
+        out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs,
+                    cache.get(COUNTS), slots)
+        if not greedy and COUNTS in cache:
+            cache = dict(cache, **{COUNTS: count_sampled(cache[COUNTS], slots, out["tokens"],
+                                                         slots < cache[COUNTS].shape[0])})
+        return out, cache, seen
     return head_step
 
 
@@ -289,7 +306,10 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         if not greedy:
             seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
-        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs)
+        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs,
+                    own.get(COUNTS), out_slot)
+        _count(own, greedy, p["last_slot"], out["tokens"], p["last_slot"] < own[LAST].shape[0])
+        cache.update({k: v for k, v in own.items() if k not in (LAST, HIDDEN)})
         cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
         return out, cache, seen
 
@@ -301,7 +321,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             tok = _fed_from_last(tok, from_last, own[LAST])                            # [b]
 
         def body(carry, _):
-            cache, seen, tok, pos, counters = carry
+            cache, seen, counts, tok, pos, counters = carry
             valid = pos < limit                                                       # [b]
             cached = None if keep is None else (pos < keep)[:, None]                  # [b, 1]
             attend = kv_cache.paged_attend(pos[:, None], valid[:, None], table, impl, interpret, cached)
@@ -309,9 +329,16 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
                                        layers=per_layer, kernels=kernels)             # [b, 1, d]
             if not greedy:
                 seen = _mark(seen, slots, tok, valid)
-            out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs)
-            return (cache, seen, out["tokens"], pos + 1, counters + 1), out
-        (cache, seen, last, *_), outs = jax.lax.scan(body, (cache, seen, tok, pos, counters), None, length=n)
+            out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs,
+                        counts, slots)
+            if counts is not None:
+                counts = count_sampled(counts, slots, out["tokens"], valid)
+            return (cache, seen, counts, out["tokens"], pos + 1, counters + 1), out
+        counts = None if greedy else own.get(COUNTS)
+        (cache, seen, counts, last, *_), outs = jax.lax.scan(body, (cache, seen, counts, tok, pos, counters), None,
+                                                             length=n)
+        if counts is not None:
+            own[COUNTS] = counts
         # each row's last sample, for a step dispatched before this one is read back
         own[LAST] = own[LAST].at[slots].set(last, mode="drop")
         return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]

@@ -1,4 +1,5 @@
-"""Sampling on device: greedy, temperature, top-k, top-p, repetition penalty, seeded per request.
+"""Sampling on device: greedy, temperature, top-k, top-p, the repetition, presence and frequency
+penalties, seeded per request.
 
 Every row carries its own settings (arrays [b]), so one compiled program serves a batch that mixes
 greedy and sampled requests. The random key of a row is fold_in(key(seed), n) where n counts the
@@ -25,6 +26,10 @@ class SamplingParams:
     top_k: int = 0                      # 0 = whole vocabulary
     top_p: float = 1.0
     repetition_penalty: float = 1.0     # > 1 discourages tokens already in prompt or output (CTRL rule)
+    # OpenAI's: logits - presence * [token generated before] - frequency * (times generated before),
+    # over this request's output tokens only (as OpenAI and vLLM count them), in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()            # stop strings, checked on the detokenized output
@@ -48,6 +53,10 @@ class SamplingParams:
             bad(f"top_p={self.top_p!r} must be a number in (0, 1]")
         if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
             bad(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(f"{name}={v!r} must be a number in [-2, 2] (0 = off)")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             bad(f"seed={self.seed!r} must be an integer in [0, 2**31)")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
@@ -70,6 +79,8 @@ def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
             "top_k": np.array([q.top_k for q in p], np.int32),
             "top_p": np.array([q.top_p for q in p], np.float32),
             "penalty": np.array([q.repetition_penalty for q in p], np.float32),
+            "presence": np.array([q.presence_penalty for q in p], np.float32),
+            "frequency": np.array([q.frequency_penalty for q in p], np.float32),
             "seed": np.array([q.seed for q in p], np.int32)}
 
 
@@ -99,21 +110,33 @@ def _draw(logits, rows, counters):
 
 def all_greedy(rows: dict) -> bool:
     """True when no row samples or penalises (host arrays from row_arrays): argmax is the whole sampler."""
-    return not (np.any(np.asarray(rows["temperature"]) > 0) or np.any(np.asarray(rows["penalty"]) != 1.0))
+    return not (np.any(np.asarray(rows["temperature"]) > 0) or np.any(np.asarray(rows["penalty"]) != 1.0)
+                or np.any(np.asarray(rows.get("presence", 0.0)) != 0) or np.any(np.asarray(rows.get("frequency", 0.0)) != 0))
 
 
-def sample(logits, rows: dict, counters, seen, greedy: bool | None = None):
+def penalised_row(p: SamplingParams) -> bool:
+    """Whether a request's logits are changed before its draw (so argmax over the raw ones is not its
+    greedy choice): the repetition, presence or frequency penalty."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
-    seen [b, V] bool (prompt and output tokens). Returns tokens [b] int32.
+    seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
+    the presence and frequency penalties), or None (no row has them). Returns tokens [b] int32.
     greedy: a static promise that `all_greedy(rows)` (True) or not (False); None decides on device."""
     def full(_):
         pen = _penalise(logits, seen, rows["penalty"])
+        if counts is not None:
+            pen = pen - rows["frequency"][:, None] * counts - rows["presence"][:, None] * (counts > 0)
         return jnp.where(rows["temperature"] > 0, _draw(pen, rows, counters), jnp.argmax(pen, axis=-1))
 
     argmax = lambda _: jnp.argmax(logits, axis=-1)
     if greedy is not None:
         return (argmax if greedy else full)(None).astype(jnp.int32)
     needs_full = jnp.any(rows["temperature"] > 0) | jnp.any(rows["penalty"] != 1.0)
+    if counts is not None:
+        needs_full = needs_full | jnp.any(rows["presence"] != 0) | jnp.any(rows["frequency"] != 0)
     return jax.lax.cond(needs_full, full, argmax, None).astype(jnp.int32)
 
 
@@ -122,3 +145,8 @@ def mark_seen(seen, tokens, active=None):
     b, v = seen.shape
     cols = tokens if active is None else jnp.where(active, tokens, v)
     return seen.at[jnp.arange(b), cols].set(True, mode="drop")
+
+
+def count_sampled(counts, slots, tokens, keep):
+    """counts [max_seqs, V] with counts[slot, token] += 1 for each kept sample (slots, tokens, keep [n])."""
+    return counts.at[jnp.where(keep, slots, counts.shape[0]), tokens].add(1, mode="drop")

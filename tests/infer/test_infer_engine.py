@@ -292,6 +292,38 @@ def test_logprobs_are_the_models_log_softmax(tiny, engine):
         engine.add_request([1], SamplingParams(prompt_logprobs=-1))
 
 
+def _penalised_greedy(fwd, params, prompt, n, presence, frequency):
+    """Greedy decoding over the no-cache forward with OpenAI's presence and frequency penalties (counts
+    of the tokens generated so far, the prompt's not counted)."""
+    out = []
+    for _ in range(n):
+        logits = np.asarray(fwd(params, jnp.asarray([prompt + out], jnp.int32)))[0, -1]
+        counts = np.bincount(np.asarray(out, np.int64), minlength=logits.shape[0])
+        out.append(int(np.argmax(logits - frequency * counts - presence * (counts > 0))))
+    return out
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens(tiny, engine):
+    """Four penalised greedy requests at once on 13 pages (preemption: a readmitted row's counts are
+    rebuilt from its output) give what the penalised no-cache reference gives, which differs from
+    plain greedy; the contiguous generator refuses them."""
+    md, params, fwd = tiny
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(40, 48)), [9] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
+    settings = [(2.0, 0.0), (0.0, 2.0), (1.5, -0.5), (0.5, 1.0)]          # (presence, frequency)
+    before = engine.stats["preemptions"]
+    reqs = engine.generate(prompts, [SamplingParams(max_tokens=16, presence_penalty=p, frequency_penalty=f)
+                                     for p, f in settings])
+    assert engine.stats["preemptions"] > before
+    for r, (p, f) in zip(reqs, settings):
+        assert r.output == _penalised_greedy(fwd, params, r.prompt, 16, p, f)
+    plain = engine.generate(prompts[1:2], SamplingParams(max_tokens=16))[0]
+    assert plain.output != reqs[1].output
+    with pytest.raises(ValueError, match="presence_penalty"):
+        engine.add_request([1], SamplingParams(presence_penalty=2.5))
+    with pytest.raises(ValueError, match="served by Engine"):
+        ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
+
+
 def test_prompt_logprobs_equal_the_full_forward(tiny, engine):
     """Engine.prompt_logprobs (a pass of its own, in the engine's chunks of 8): each prompt token's
     log-softmax given the ones before it and its best alternatives, as the no-cache forward computes

@@ -106,6 +106,8 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, None, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ["a", 3]}, None, 400, "a list of those"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "a list of those"),
