@@ -3,7 +3,7 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, logit_bias, suffix, tools, response formats)
+(best_of, suffix, tools, response formats)
 with a 400 that says so, rather than ignoring it.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 
 # Fields of OpenAI's API that would change the answer and that this server does not implement.
 UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v),
-               "logit_bias": lambda v, b: bool(v), "tools": lambda v, b: bool(v),
+               "tools": lambda v, b: bool(v),
                "response_format": lambda v, b: isinstance(v, dict) and v.get("type") not in (None, "text")}
 
 
@@ -168,12 +168,23 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
+    kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()
                 for i in range(n)]
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+def _logit_bias(bias) -> dict:
+    """OpenAI's logit_bias, {"token id": bias}, as {int: float} (SamplingParams checks ids and ranges)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise BadRequest('`logit_bias` must map token ids (as strings, e.g. {"50256": -100}) to biases',
+                         param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _completion_prompts(prompt, tok):

@@ -10,8 +10,9 @@ host reads back the last (Engine says when). Host work per step is numpy over th
 step; the page table is kept by the scheduler and changed only where pages change; the only
 device-to-host transfer is the sampled tokens (and logprobs when asked). `Engine` inherits its
 packed steps (each dispatched before the one before is read back) from `meshlab.infer.packed`, its
-one-step first-token paths from `meshlab.infer.first_tokens` and `warmup` (every bucket's program
-compiled before the first request) from `meshlab.infer.warmup`.
+one-step first-token paths from `meshlab.infer.first_tokens`, `warmup` (every bucket's program
+compiled before the first request) from `meshlab.infer.warmup` and prompt logprobs from
+`meshlab.infer.scoring`.
 
 `ContiguousGenerator` (a fixed batch over a contiguous cache) lives in `meshlab.infer.contiguous`
 and is importable from here too.
@@ -32,18 +33,19 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
-from meshlab.infer.programs import (COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, LAYER_MODES, _fuse, _unfused_placeholders,  # noqa: F401
-                                    TOP_LOGPROBS, default_impl, default_layers, head_params, make_engine_programs,
-                                    make_head_program, make_programs, page_end_rows, placement, serving_params)
-from meshlab.infer.sampler import SamplingParams, penalised_row, row_arrays
+from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST,  # noqa: F401
+                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
+                                    default_layers, head_params, make_engine_programs, make_head_program,
+                                    make_programs, page_end_rows, placement, serving_params)
+from meshlab.infer.sampler import MAX_LOGIT_BIAS, SamplingParams, bias_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
-from meshlab.infer.scoring import PromptScorer
+from meshlab.infer.scoring import PromptScorer, Scoring
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
 
-class Engine(PackedSteps, FirstTokens, Warmup):
+class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -133,6 +135,8 @@ class Engine(PackedSteps, FirstTokens, Warmup):
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
             self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
             self.cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
+            self.cache[BIAS_IDS] = jnp.full((max_seqs, MAX_LOGIT_BIAS), md.cfg.vocab_size, jnp.int32)
+            self.cache[BIAS_VALUES] = jnp.zeros((max_seqs, MAX_LOGIT_BIAS), jnp.float32)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -153,6 +157,8 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         # a slot's generated-token counts set to a request's output so far (ids padded with the vocab size)
         self._recount = jax.jit(lambda counts, slot, ids: counts.at[slot].set(0).at[slot, ids].add(1, mode="drop"),
                                 donate_argnums=0)
+        self._set_row = jax.jit(lambda table, slot, row: table.at[slot].set(row), donate_argnums=0)
+        self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 up to 16 (a decode step at small batch reads the weights once whatever its
         # rows, and padding rows attend to nothing), then of 2: past 16 the attention's grid follows
@@ -241,37 +247,11 @@ class Engine(PackedSteps, FirstTokens, Warmup):
         return bool(req.finish_reason)
 
     # -- one step -------------------------------------------------------------------------
-    def prompt_logprobs(self, prompt, top: int = 0) -> list:
-        """Each prompt token's logprob given the ones before it and its `top` best alternatives
-        ([None, (logprob, {id: logprob}), ...]: meshlab.infer.scoring); a pass of its own over the
-        prompt, on the engine's weights. Call it from the thread that runs the engine."""
-        return self._score(prompt, top)[0]
-
-    def _score(self, prompt, top: int) -> tuple[list, tuple]:
-        if self._scorer is None:
-            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk)
-        return self._scorer(prompt, top)
-
-    def _answer_from_scoring(self, req, following) -> bool:
-        """A greedy one-token request that asked for its prompt's logprobs (how evaluation harnesses
-        score) takes its token from the scoring pass's last position, the argmax of the same model's
-        logits, instead of a second prefill; True when it did (the request is finished)."""
-        p = req.params
-        if p.max_tokens != 1 or p.temperature > 0 or penalised_row(p):
-            return False
-        ids, values = following
-        self.stats["prompt_tokens"] += len(req.prompt)
-        self._emit(req, [ids[0]], None if p.logprobs is None else [(values[0], ids, values)])
-        return True
-
     def _admit(self):
         while not self.inbox.empty():
             req = self.inbox.get_nowait()
-            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs, following = self._score(req.prompt, req.params.prompt_logprobs)
-                if self._answer_from_scoring(req, following):
-                    continue
-            self.sched.add(req)
+            if not self._scored(req):        # a greedy one-token scoring request is answered there
+                self.sched.add(req)
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):
@@ -289,13 +269,17 @@ class Engine(PackedSteps, FirstTokens, Warmup):
             self.slot_logprobs[r.slot] = -1 if p.logprobs is None else p.logprobs
             rows = self.slot_rows           # the stored (float32) settings decide, as the sampler sees them
             self.slot_sampled[r.slot] = rows["temperature"][r.slot] > 0 or rows["penalty"][r.slot] != 1.0 or \
-                rows["presence"][r.slot] != 0 or rows["frequency"][r.slot] != 0
+                rows["presence"][r.slot] != 0 or rows["frequency"][r.slot] != 0 or bool(p.logit_bias)
             if p.repetition_penalty != 1.0:
                 self.seen = self._forget(self.seen, r.slot)
             if p.presence_penalty or p.frequency_penalty:        # a preempted request's output counts again
                 ids = np.full(self.sched.max_len, self.md.cfg.vocab_size, np.int32)
                 ids[:len(r.output)] = r.output
                 self.cache[COUNTS] = self._recount(self.cache[COUNTS], r.slot, ids)
+            if p.logit_bias or self.slot_biased[r.slot]:          # set, or cleared of the slot's last request's
+                for name, row in zip((BIAS_IDS, BIAS_VALUES), bias_row(p.logit_bias, self.md.cfg.vocab_size)):
+                    self.cache[name] = self._set_row(self.cache[name], r.slot, row)
+                self.slot_biased[r.slot] = bool(p.logit_bias)
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens
 

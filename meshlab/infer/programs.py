@@ -58,7 +58,11 @@ LAST = "last"
 # presence and frequency penalties): every program that samples without the greedy promise adds its
 # kept samples; the engine sets a slot's row when a request with those penalties is admitted.
 COUNTS = "counts"
-OWN = (HIDDEN, LAST, COUNTS)           # the engine's entries of the cache dict, beside the layers' K and V
+# The cache entries [max_seqs, MAX_LOGIT_BIAS] (token ids, int32; biases, float32) of each slot's
+# logit_bias (sampler.bias_row), set by the engine at admission; read by the programs that sample
+# without the greedy promise.
+BIAS_IDS, BIAS_VALUES = "bias_ids", "bias_values"
+OWN = (HIDDEN, LAST, COUNTS, BIAS_IDS, BIAS_VALUES)    # the engine's entries of the cache dict, beside K and V
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -187,13 +191,18 @@ def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, l
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
-def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, counts=None, slots=None):
+def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None):
     """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
     "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
-    temperature and the filters). counts: the cache's COUNTS entry, read at `slots` [R] (not greedy)."""
+    temperature and the filters). own: the cache's engine entries, whose COUNTS and logit-bias rows
+    at `slots` [R] the sampler reads (not greedy)."""
     logits = model.logits(h[:, None])[:, 0, :vocab]                                 # [R, V] fp32
-    counts_rows = None if greedy or counts is None else counts[jnp.minimum(slots, counts.shape[0] - 1)]
-    tok = sample(logits, rows, counters, seen_rows, greedy, counts_rows)
+    counts = bias = None
+    if not greedy and own:
+        pick = lambda name: own[name][jnp.minimum(slots, own[name].shape[0] - 1)]   # noqa: E731 - [R, ...]
+        counts = pick(COUNTS) if COUNTS in own else None
+        bias = (pick(BIAS_IDS), pick(BIAS_VALUES)) if BIAS_IDS in own else None
+    tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias)
     out = {"tokens": tok}
     if logprobs is not None:
         lp = jax.nn.log_softmax(logits, axis=-1)
@@ -258,8 +267,7 @@ def make_head_program(md):
     def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs):
         model = md.bind(dict(params, layers=md.abstract["layers"]))
         h = cache[HIDDEN][pages]                                                      # [b, d]
-        out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs,
-                    cache.get(COUNTS), slots)
+        out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs, cache, slots)
         if not greedy and COUNTS in cache:
             cache = dict(cache, **{COUNTS: count_sampled(cache[COUNTS], slots, out["tokens"],
                                                          slots < cache[COUNTS].shape[0])})
@@ -306,8 +314,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         if not greedy:
             seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
-        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs,
-                    own.get(COUNTS), out_slot)
+        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs, own, out_slot)
         _count(own, greedy, p["last_slot"], out["tokens"], p["last_slot"] < own[LAST].shape[0])
         cache.update({k: v for k, v in own.items() if k not in (LAST, HIDDEN)})
         cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
@@ -330,7 +337,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             if not greedy:
                 seen = _mark(seen, slots, tok, valid)
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs,
-                        counts, slots)
+                        dict(own, **{COUNTS: counts}) if counts is not None else own, slots)
             if counts is not None:
                 counts = count_sampled(counts, slots, out["tokens"], valid)
             return (cache, seen, counts, out["tokens"], pos + 1, counters + 1), out

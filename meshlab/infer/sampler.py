@@ -1,5 +1,5 @@
 """Sampling on device: greedy, temperature, top-k, top-p, the repetition, presence and frequency
-penalties, seeded per request.
+penalties and a per-token logit bias, seeded per request.
 
 Every row carries its own settings (arrays [b]), so one compiled program serves a batch that mixes
 greedy and sampled requests. The random key of a row is fold_in(key(seed), n) where n counts the
@@ -12,11 +12,14 @@ with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every st
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+MAX_LOGIT_BIAS = 300       # tokens a request may bias (OpenAI's logit_bias)
 
 
 @dataclasses.dataclass
@@ -30,6 +33,9 @@ class SamplingParams:
     # over this request's output tokens only (as OpenAI and vLLM count them), in [-2, 2]
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (at most
+    # MAX_LOGIT_BIAS tokens); logprobs still report the raw logits
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()            # stop strings, checked on the detokenized output
@@ -65,11 +71,30 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
                 bad(f"{name}={k!r} must be None (off) or an integer in [0, 20]")
+        _check_bias(self.logit_bias, vocab_size, bad)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad(f"stop={list(self.stop)!r} must be a list of non-empty strings")
         return self
+
+
+def _check_bias(bias, vocab_size, bad) -> None:
+    if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS:
+        bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+    for t, b in bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size):
+            bad(f"logit_bias: token {t!r} must be an id in [0, {vocab_size})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+            bad(f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
+
+
+def bias_row(bias: Mapping[int, float], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [MAX_LOGIT_BIAS] int32, padded with vocab_size: dropped; biases float32) of a logit_bias."""
+    ids = np.full(MAX_LOGIT_BIAS, vocab_size, np.int32)
+    vals = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    ids[:len(bias)], vals[:len(bias)] = list(bias), list(bias.values())
+    return ids, vals
 
 
 def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
@@ -116,17 +141,22 @@ def all_greedy(rows: dict) -> bool:
 
 def penalised_row(p: SamplingParams) -> bool:
     """Whether a request's logits are changed before its draw (so argmax over the raw ones is not its
-    greedy choice): the repetition, presence or frequency penalty."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    greedy choice): the repetition, presence or frequency penalty, or a logit bias."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
 
 
-def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None):
+def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None, bias=None):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
     seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
-    the presence and frequency penalties), or None (no row has them). Returns tokens [b] int32.
-    greedy: a static promise that `all_greedy(rows)` (True) or not (False); None decides on device."""
+    the presence and frequency penalties), or None (no row has them); bias: (ids, biases) [b,
+    MAX_LOGIT_BIAS] (bias_row's), or None. Returns tokens [b] int32. greedy: a static promise that
+    `all_greedy(rows)` (True) or not (False) with no row biased; None decides on device (no bias then)."""
     def full(_):
-        pen = _penalise(logits, seen, rows["penalty"])
+        pen = logits
+        if bias is not None:
+            ids, values = bias
+            pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")
+        pen = _penalise(pen, seen, rows["penalty"])
         if counts is not None:
             pen = pen - rows["frequency"][:, None] * counts - rows["presence"][:, None] * (counts > 0)
         return jnp.where(rows["temperature"] > 0, _draw(pen, rows, counters), jnp.argmax(pen, axis=-1))

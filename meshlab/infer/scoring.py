@@ -11,7 +11,7 @@ token ([chunk, vocab] fp32 logits per piece) and each piece's dense attention ov
 positions ([kv heads, group, chunk, max_len] fp32 scores); one compiled program per engine, built at
 the first such request; the one-row cache (max_len tokens), kept between requests. A greedy one-token
 request (what a harness sends to score) takes its token from the same pass's last position
-(Engine._answer_from_scoring); any other request asking for prompt logprobs is then prefilled again
+(Scoring._scored); any other request asking for prompt logprobs is then prefilled again
 by the engine's own steps.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from meshlab.infer import kv_cache
 from meshlab.infer.programs import TOP_LOGPROBS, _bind
+from meshlab.infer.sampler import penalised_row
 from models import serving
 
 
@@ -75,3 +76,33 @@ class PromptScorer:
         out = [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)]
         following = pieces[-1][2][(n - 1) % c].tolist(), pieces[-1][1][(n - 1) % c].tolist()
         return out, following
+
+
+class Scoring:
+    """Engine's prompt logprobs (a mixin, as meshlab.infer.packed's PackedSteps is): the scorer, built
+    at the first request for them, and their admission."""
+
+    def prompt_logprobs(self, prompt, top: int = 0) -> list:
+        """Each prompt token's logprob given the ones before it and its `top` best alternatives
+        ([None, (logprob, {id: logprob}), ...]); a pass of its own over the prompt, on the engine's
+        weights. Call it from the thread that runs the engine."""
+        return self._score(prompt, top)[0]
+
+    def _score(self, prompt, top: int) -> tuple[list, tuple]:
+        if self._scorer is None:
+            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk)
+        return self._scorer(prompt, top)
+
+    def _scored(self, req) -> bool:
+        """Score req's prompt when it asks (admission, engine thread). A greedy one-token request (how
+        evaluation harnesses score) then takes its token from the pass's last position, the argmax of
+        the same model's logits, instead of a second prefill: True when it did (req is finished)."""
+        p = req.params
+        if p.prompt_logprobs is None or req.prompt_logprobs is not None:
+            return False
+        req.prompt_logprobs, (ids, values) = self._score(req.prompt, p.prompt_logprobs)
+        if p.max_tokens != 1 or p.temperature > 0 or penalised_row(p):
+            return False
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self._emit(req, [ids[0]], None if p.logprobs is None else [(values[0], ids, values)])
+        return True

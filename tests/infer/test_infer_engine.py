@@ -320,6 +320,30 @@ def test_presence_and_frequency_penalties_count_generated_tokens(tiny, engine):
     assert plain.output != reqs[1].output
     with pytest.raises(ValueError, match="presence_penalty"):
         engine.add_request([1], SamplingParams(presence_penalty=2.5))
+
+
+def test_logit_bias_moves_greedy_choices_and_leaves_the_slot(tiny, engine):
+    """A logit bias bans plain greedy's first choice (-100) and favours another token (+5): the engine
+    follows the biased no-cache reference; a plain request taking the same slot next is unbiased."""
+    md, params, fwd = tiny
+    prompt = list(range(40, 48))
+    plain = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    bias = {plain.output[0]: -100.0, 7: 5.0}
+    biased = engine.generate([prompt], SamplingParams(max_tokens=8, logit_bias=bias))[0]
+    out = []
+    for _ in range(8):
+        logits = np.asarray(fwd(params, jnp.asarray([prompt + out], jnp.int32)))[0, -1].copy()
+        for t, b in bias.items():
+            logits[t] += b
+        out.append(int(np.argmax(logits)))
+    assert biased.output == out and plain.output[0] not in out
+    assert engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.5, seed=1))[0].output \
+        == ContiguousGenerator(md, params, batch=1, max_len=64, chunk=8).generate([prompt], SamplingParams(
+            max_tokens=8, temperature=0.5, seed=1))[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request([1], SamplingParams(logit_bias={md.cfg.vocab_size: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request([1], SamplingParams(logit_bias={1: 101.0}))
     with pytest.raises(ValueError, match="served by Engine"):
         ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
 

@@ -107,7 +107,8 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 5}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, None, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ["a", 3]}, None, 400, "a list of those"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "a list of those"),
@@ -357,6 +358,17 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
     assert streamed[0] is None and np.allclose(streamed[1:], lp["token_logprobs"][1:], atol=1e-6)
     assert "".join(c["text"] for c in chunks) == choice["text"]
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(server):
+    """logit_bias of +100 on one token makes greedy answer with it every time; the presence and frequency
+    penalties are accepted (the engine tests check their values)."""
+    body = {"prompt": "def f(x):", "max_tokens": 4, "logit_bias": {str(ord("z")): 100}}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and resp["choices"][0]["text"] == "zzzz"
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4,
+                                                            "presence_penalty": 1.0, "frequency_penalty": 0.5})
+    assert status == 200 and resp["usage"]["completion_tokens"] >= 1
 
 
 def test_several_prompts_answer_in_prompt_order(server):
