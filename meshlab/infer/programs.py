@@ -220,8 +220,7 @@ def _mark(seen, slots, tokens, valid):
 
 
 def _split_own(cache: dict):
-    """(the K/V cache, the engine's own entries: LAST, and HIDDEN and COUNTS when present): the layers
-    see only K and V."""
+    """(the K/V cache, the engine's own entries OWN present in it): the layers see only K and V."""
     return {k: v for k, v in cache.items() if k not in OWN}, {k: cache[k] for k in OWN if k in cache}
 
 
