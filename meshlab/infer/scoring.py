@@ -7,9 +7,10 @@ computes nothing for its cached tokens, so a prompt's logprobs come from a pass 
 prompt in `chunk`-token pieces through a one-row contiguous cache (kv_cache.contiguous_attend,
 the layout's dense attention), the head over every position, the log-softmax at the next prompt
 token and the top TOP_LOGPROBS. What it costs: a prefill of the prompt with the head over every
-token ([chunk, vocab] fp32 logits per piece) and each piece's dense attention over all max_len cache
-positions ([kv heads, group, chunk, max_len] fp32 scores); one compiled program per engine, built at
-the first such request; the one-row cache (max_len tokens), kept between requests. A greedy one-token
+token ([chunk, vocab] fp32 logits per piece) and each piece's dense attention over the cache ([kv
+heads, group, chunk, L] fp32 scores). The cache is L tokens, the prompt's length rounded up to chunk
+times a power of two (at most max_len rounded up to chunks), made per request: memory and attention follow the prompt, not the engine's
+max_len, and one program is compiled per L met (at most log2(max_len / chunk) + 1). A greedy one-token
 request (what a harness sends to score) takes its token from the same pass's last position
 (Scoring._scored); any other request asking for prompt logprobs is then prefilled again
 by the engine's own steps.
@@ -44,15 +45,14 @@ def make_score_program(md, layers: str):
 
 
 class PromptScorer:
-    """Prompt logprobs for an engine: shares its serving params (read only), owns a one-row cache.
-    It runs outside the engine's rule file: a rule that shards the cache's batch (fsdp_tp's
+    """Prompt logprobs for an engine: shares its serving params (read only); a one-row cache per
+    request. It runs outside the engine's rule file: a rule that shards the cache's batch (fsdp_tp's
     cache_batch) cannot split one row, so XLA places the cache and activations from the params'
     own shardings."""
 
     def __init__(self, md, params, layers: str, max_len: int, chunk: int):
         self.md, self.params, self.max_len, self.chunk = md, params, max_len, min(chunk, max_len)
         self.fn = make_score_program(md, layers)
-        self.cache = kv_cache.init_contiguous(md.cfg, 1, -(-max_len // self.chunk) * self.chunk)
 
     def __call__(self, prompt, top: int) -> tuple[list, tuple]:
         """([None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
@@ -63,13 +63,15 @@ class PromptScorer:
         n, c = len(prompt), self.chunk
         if not 0 < n <= self.max_len:
             raise ValueError(f"a prompt of {n} tokens cannot be scored in a context of {self.max_len}")
-        ids = np.zeros(-(-n // c) * c + 1, np.int32)
+        chunks = -(-n // c)
+        ids = np.zeros(chunks * c + 1, np.int32)
         ids[:n] = prompt
+        length = c * min(1 << (chunks - 1).bit_length(), -(-self.max_len // c))   # L: chunks in a power of two
+        cache = kv_cache.init_contiguous(self.md.cfg, 1, length)                   # [layers, 1, L, kvh, hd]
         pieces = []
         for start in range(0, n, c):               # position i scores token i + 1 (the last: what follows)
             pos = np.arange(start, start + c, dtype=np.int32)
-            self.cache, *outs = self.fn(self.params, self.cache, ids[start:start + c], pos, pos < n,
-                                        ids[start + 1:start + c + 1])
+            cache, *outs = self.fn(self.params, cache, ids[start:start + c], pos, pos < n, ids[start + 1:start + c + 1])
             pieces.append(outs)
         lp, top_lp, top_id = (np.concatenate(x)[:n] for x in zip(*jax.device_get(pieces)))   # [n], [n, K] x2
         lp, top_lp, top_id = lp.tolist(), top_lp[:, :top].tolist(), top_id[:, :top].tolist()

@@ -348,12 +348,16 @@ def test_logit_bias_moves_greedy_choices_and_leaves_the_slot(tiny, engine):
         ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
 
 
-def test_prompt_logprobs_equal_the_full_forward(tiny, engine):
-    """Engine.prompt_logprobs (a pass of its own, in the engine's chunks of 8): each prompt token's
-    log-softmax given the ones before it and its best alternatives, as the no-cache forward computes
-    them, at lengths around the chunk up to the whole context; a request that asks for them gets
-    them at admission and generates what one that does not generates."""
+def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
+    """Engine.prompt_logprobs (a pass of its own, in the engine's chunks of 8, over a cache of the
+    prompt's chunks rounded up to a power of two): each prompt token's log-softmax given the ones
+    before it and its best alternatives, as the no-cache forward computes them, at lengths around the
+    chunk up to the whole context; a request that asks for them gets them at admission and generates
+    what one that does not generates."""
+    from meshlab.infer import scoring
     md, params, fwd = tiny
+    lengths, make = [], scoring.kv_cache.init_contiguous
+    monkeypatch.setattr(scoring.kv_cache, "init_contiguous", lambda cfg, b, n: lengths.append(n) or make(cfg, b, n))
     rng = np.random.default_rng(3)
     for n in (1, 2, 8, 9, 17, 64):
         prompt = rng.integers(0, md.cfg.vocab_size, n).tolist()
@@ -366,6 +370,7 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine):
             np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
             assert list(top) == best
             np.testing.assert_allclose(list(top.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
+    assert lengths == [8, 8, 8, 16, 32, 64]
     with pytest.raises(ValueError, match="alternatives"):
         engine.prompt_logprobs([1, 2], top=21)
     with pytest.raises(ValueError, match="cannot be scored"):
