@@ -24,6 +24,9 @@ never share one), printing `ROW {json}` lines:
            listens); the workload with Poisson arrivals at each --rates (requests/s; 0 = all at
            once), streamed, tokens timed by the usage in each chunk (`continuous_usage_stats`);
            --http-logprobs asks for logprobs too
+  score    (not by default) the workload's prompts as an evaluation harness's loglikelihood requests
+           (greedy, one token, prompt logprobs: Engine's scoring pass) against the same prompts as
+           plain one-token requests, in the offline engine: prompt tokens/s of each
   restart  (not by default) serve.py started twice over one fresh compile cache: seconds to listening
   sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device
            (meshlab/bench/serve.py SimulatedDevice): offline and all at once through the server in
@@ -111,7 +114,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job in ("offline", "overlap_ab"):
+    if args.job in ("offline", "overlap_ab", "score"):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -137,6 +140,8 @@ def child(args):
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         if args.job == "overlap_ab":
             return bs.overlap_ab(eng, work, cfg.vocab_size)
+        if args.job == "score":
+            return bs.scoring(eng, work)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

@@ -163,6 +163,16 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
 
 
+def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
+    """bench_serve's score job on the tiny engine: plain one-token requests and scored ones over the
+    same prompts, each with its prompt tokens/s, and the scored requests' tokens equal the plain ones'."""
+    from meshlab.bench.serve import scoring
+    work = [(list(range(1 + i, 12 + 3 * i)), 1) for i in range(4)]
+    plain, scored = scoring(engine, work)
+    assert plain["unit"] == scored["unit"] == "prompt tok/s" and plain["value"] > 0 and scored["value"] > 0
+    assert "in 4 of 4" in scored["note"]
+
+
 def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):
     """fsdp_tp shards cache_batch over 4 devices, which one scoring row cannot fill: the scoring pass
     runs outside the rule file, on the sharded params, and gives the one-device values."""
