@@ -197,11 +197,11 @@ def _completion_prompts(prompt, tok):
             return None, list(p)
         return None
     single = one(prompt)
-    many = [one(p) for p in prompt] if isinstance(prompt, list) and prompt and single is None else [None]
-    if single is None and None in many:
+    many = [single] if single else [one(p) for p in prompt] if isinstance(prompt, list) and prompt else [None]
+    if None in many:
         raise BadRequest("`prompt` must be a non-empty string, a list of token ids, or a list of those",
                          param="prompt")
-    texts, ids = zip(*([single] if single else many))
+    texts, ids = zip(*many)
     return list(texts), list(ids)
 
 

@@ -37,7 +37,7 @@ from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED,
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
                                     default_layers, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
-from meshlab.infer.sampler import MAX_LOGIT_BIAS, SamplingParams, bias_row, row_arrays
+from meshlab.infer.sampler import MAX_LOGIT_BIAS, SamplingParams, bias_row, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.infer.scoring import PromptScorer, Scoring
 from meshlab.infer.warmup import Warmup
@@ -267,9 +267,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
                                ("presence", p.presence_penalty), ("frequency", p.frequency_penalty)):
                 self.slot_rows[key][r.slot] = value
             self.slot_logprobs[r.slot] = -1 if p.logprobs is None else p.logprobs
-            rows = self.slot_rows           # the stored (float32) settings decide, as the sampler sees them
-            self.slot_sampled[r.slot] = rows["temperature"][r.slot] > 0 or rows["penalty"][r.slot] != 1.0 or \
-                rows["presence"][r.slot] != 0 or rows["frequency"][r.slot] != 0 or bool(p.logit_bias)
+            self.slot_sampled[r.slot] = p.temperature > 0 or penalised_row(p)
             if p.repetition_penalty != 1.0:
                 self.seen = self._forget(self.seen, r.slot)
             if p.presence_penalty or p.frequency_penalty:        # a preempted request's output counts again

@@ -224,10 +224,11 @@ def _split_own(cache: dict):
     return {k: v for k, v in cache.items() if k not in OWN}, {k: cache[k] for k in OWN if k in cache}
 
 
-def _count(own: dict, greedy, slots, tokens, keep) -> None:
-    """own[COUNTS] with the kept samples added (programs without the greedy promise, when present)."""
+def _count(own: dict, greedy, slots, tokens) -> None:
+    """own[COUNTS] with the samples of the rows naming a slot (< max_seqs) added (programs without
+    the greedy promise, when the entry is present)."""
     if not greedy and COUNTS in own:
-        own[COUNTS] = count_sampled(own[COUNTS], slots, tokens, keep)
+        own[COUNTS] = count_sampled(own[COUNTS], slots, tokens, slots < own[COUNTS].shape[0])
 
 
 def page_end_rows(positions, write_page, page_size: int, num_pages: int, xp=jnp):
@@ -237,12 +238,11 @@ def page_end_rows(positions, write_page, page_size: int, num_pages: int, xp=jnp)
     return xp.where(positions % page_size == page_size - 1, write_page, num_pages)
 
 
-def _keep_page_ends(cache: dict, page_h, h, positions, write_page) -> dict:
-    """cache with page_h's rows set to h [T, d] at the tokens that end a page."""
-    if page_h is None:
-        return cache
-    rows = page_end_rows(positions, write_page, cache["k"].shape[2], page_h.shape[0])    # [T]
-    return dict(cache, **{HIDDEN: page_h.at[rows].set(h.astype(page_h.dtype), mode="drop")})
+def _keep_page_ends(own: dict, page_size: int, h, positions, write_page) -> None:
+    """own[HIDDEN] (when present) with its rows set to h [T, d] at the tokens that end a page."""
+    if HIDDEN in own:
+        rows = page_end_rows(positions, write_page, page_size, own[HIDDEN].shape[0])        # [T]
+        own[HIDDEN] = own[HIDDEN].at[rows].set(h.astype(own[HIDDEN].dtype), mode="drop")
 
 
 def _fed_from_last(tok, from_last, last):
@@ -267,9 +267,8 @@ def make_head_program(md):
         model = md.bind(dict(params, layers=md.abstract["layers"]))
         h = cache[HIDDEN][pages]                                                      # [b, d]
         out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs, cache, slots)
-        if not greedy and COUNTS in cache:
-            cache = dict(cache, **{COUNTS: count_sampled(cache[COUNTS], slots, out["tokens"],
-                                                         slots < cache[COUNTS].shape[0])})
+        cache = dict(cache)
+        _count(cache, greedy, slots, out["tokens"])
         return out, cache, seen
     return head_step
 
@@ -309,15 +308,14 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
                                         p["dec_len"], p["pre_table"], impl, interpret, prefill)
         h, cache = serving.forward(model, tokens[None], p["positions"][None], cache, attend, unroll=unroll,
                                    layers=per_layer)                                  # [1, T, d]
-        cache = _keep_page_ends(cache, own.get(HIDDEN), h[0], p["positions"], p["write_page"])
+        _keep_page_ends(own, cache["k"].shape[2], h[0], p["positions"], p["write_page"])
         if not greedy:
             seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
         out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs, own, out_slot)
-        _count(own, greedy, p["last_slot"], out["tokens"], p["last_slot"] < own[LAST].shape[0])
-        cache.update({k: v for k, v in own.items() if k not in (LAST, HIDDEN)})
-        cache[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
-        return out, cache, seen
+        _count(own, greedy, p["last_slot"], out["tokens"])
+        own[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
+        return out, dict(cache, **own), seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
                     keep=None, from_last=None):

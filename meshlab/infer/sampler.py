@@ -136,7 +136,7 @@ def _draw(logits, rows, counters):
 def all_greedy(rows: dict) -> bool:
     """True when no row samples or penalises (host arrays from row_arrays): argmax is the whole sampler."""
     return not (np.any(np.asarray(rows["temperature"]) > 0) or np.any(np.asarray(rows["penalty"]) != 1.0)
-                or np.any(np.asarray(rows.get("presence", 0.0)) != 0) or np.any(np.asarray(rows.get("frequency", 0.0)) != 0))
+                or np.any(np.asarray(rows["presence"]) != 0) or np.any(np.asarray(rows["frequency"]) != 0))
 
 
 def penalised_row(p: SamplingParams) -> bool:

@@ -74,10 +74,9 @@ class PromptScorer:
             cache, *outs = self.fn(self.params, cache, ids[start:start + c], pos, pos < n, ids[start + 1:start + c + 1])
             pieces.append(outs)
         lp, top_lp, top_id = (np.concatenate(x)[:n] for x in zip(*jax.device_get(pieces)))   # [n], [n, K] x2
+        following = top_id[n - 1].tolist(), top_lp[n - 1].tolist()
         lp, top_lp, top_id = lp.tolist(), top_lp[:, :top].tolist(), top_id[:, :top].tolist()
-        out = [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)]
-        following = pieces[-1][2][(n - 1) % c].tolist(), pieces[-1][1][(n - 1) % c].tolist()
-        return out, following
+        return [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)], following
 
 
 class Scoring:
