@@ -25,7 +25,7 @@ never share one), printing `ROW {json}` lines:
            once), streamed, tokens timed by the usage in each chunk (`continuous_usage_stats`);
            --http-logprobs asks for logprobs too
   score    (not by default) the workload's prompts as an evaluation harness's loglikelihood requests
-           (greedy, one token, prompt logprobs: Engine's scoring pass) against the same prompts as
+           (greedy, one token, prompt logprobs: scored in the packed steps) against the same prompts as
            plain one-token requests, in the offline engine: prompt tokens/s of each
   restart  (not by default) serve.py started twice over one fresh compile cache: seconds to listening
   sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device

@@ -95,16 +95,18 @@ class Slots:
         return self._staging.copy()
 
 
-def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max_seqs: int, num_pages: int) -> Slots:
+def packed_slots(n_dec: int, k: int, chunk: int, max_pages: int, rows: dict, max_seqs: int, num_pages: int,
+                 score: bool = False) -> Slots:
     """The Slots of a packed step (packed_program) with n_dec decode tokens and k chunk rows `chunk`
-    wide; rows: the sampler's per-row settings (their names and dtypes). Padding tokens have slot
+    wide; rows: the sampler's per-row settings (their names and dtypes); score: with the chunk
+    tokens' targets (the token each prompt logprob is of: programs._prompt_scores). Padding tokens have slot
     max_seqs (no seen row) and write page num_pages (no cache write); decode row i samples token i;
     no row reads or records a device-side last token (from_last, last_slot: max_seqs)."""
     t, r = n_dec + k * chunk, n_dec + k
     stream = [(f"p.{name}", (t,), "i") for name in ("tokens", "positions", "slot", "write_page", "write_off")]
     tables = [("p.dec_table", (n_dec, max_pages), "i"), ("p.dec_len", (n_dec,), "i"),
               ("p.pre_table", (k, max_pages), "i"), ("p.out_idx", (r,), "i"), ("p.from_last", (n_dec,), "i"),
-              ("p.last_slot", (r,), "i")]
+              ("p.last_slot", (r,), "i")] + ([("p.targets", (k * chunk,), "i")] if score else [])
     settings = [(f"rows.{name}", (r,), "f" if a.dtype == np.float32 else "i") for name, a in rows.items()]
     return Slots(stream + tables + settings + [("counters", (r,), "i"), ("out_slot", (r,), "i")],
                  padding={"p.slot": max_seqs, "p.write_page": num_pages, "p.from_last": max_seqs,
@@ -260,13 +262,13 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
     compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
     the buffer comes in pinned host memory and the program copies it to this sharding first."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None):
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"],
-                                       greedy=greedy, logprobs=logprobs))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
+                                       greedy=greedy, logprobs=logprobs, score=score))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "score"),
                    compiler_options=compiler_options)
 
 

@@ -35,11 +35,11 @@ from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
-                                    default_layers, head_params, make_engine_programs, make_head_program,
+                                    default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import MAX_LOGIT_BIAS, SamplingParams, bias_row, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
-from meshlab.infer.scoring import PromptScorer, Scoring
+from meshlab.infer.scoring import Scoring
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
@@ -113,6 +113,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
+        rules = engine_rules(rules)
         self.md, self.rules, self.mesh, self.chain_decode, self.overlap_steps = md, rules, mesh, chain_decode, overlap_steps
         self.first_token_decode, self.reuse_hidden = first_token_decode, reuse_hidden and prefix_cache
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
@@ -181,7 +182,6 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
         self.inbox: queue.Queue = queue.Queue()
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
-        self._scorer: PromptScorer | None = None   # prompt logprobs, built at the first request for them
         self._slots: dict = {}                   # (n_dec, k, width) -> calls.Slots of a packed step
         self._flight: Flight | None = None       # a decode call not read back yet (step says why)
         self._pflight = None                     # a packed step not read back yet (meshlab.infer.packed)
@@ -238,6 +238,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
         req.detokenize = self.detokenize
         if not req.output:
             req.t_first = time.perf_counter()
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = self._put_together(req)
         new = req.append(tokens, logprobs)
         self.stats["generated_tokens"] += len(new)
         if req.finish_reason:
@@ -249,9 +251,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
     # -- one step -------------------------------------------------------------------------
     def _admit(self):
         while not self.inbox.empty():
-            req = self.inbox.get_nowait()
-            if not self._scored(req):        # a greedy one-token scoring request is answered there
-                self.sched.add(req)
+            self.sched.add(self.inbox.get_nowait())
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):

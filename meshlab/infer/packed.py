@@ -47,10 +47,10 @@ class Flight:
 class PackedSteps:
     """The packed steps of an `Engine`: they use its scheduler, buckets, slot settings and calls."""
 
-    def _packed_slots(self, nd: int, k: int, c: int) -> calls.Slots:
+    def _packed_slots(self, nd: int, k: int, c: int, score: bool = False) -> calls.Slots:
         s = self.sched
-        return self._slots_for((nd, k, c), lambda: calls.packed_slots(nd, k, c, s.max_pages, self.slot_rows, s.max_seqs,
-                                                                   self.cache["k"].shape[1]))
+        return self._slots_for((nd, k, c, score), lambda: calls.packed_slots(
+            nd, k, c, s.max_pages, self.slot_rows, s.max_seqs, self.cache["k"].shape[1], score))
 
     def _packed_input(self, slots: calls.Slots):
         """A packed step's input buffer: numpy (the runtime copies it to the device inside the call), or
@@ -63,15 +63,20 @@ class PackedSteps:
         c = next(w for w in self.WIDTHS if w >= prefills[0][2]) if len(prefills) == 1 else self.chunk
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
-        slots = self._packed_slots(nd, k, c)
+        scored = self._scored_rows(prefills)            # chunk rows computing prompt logprobs (scoring.py)
+        score = self._score_flag(scored)
+        slots = self._packed_slots(nd, k, c, score is not None)
         real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
+        if scored:
+            self._fill_targets(slots.views["p.targets"], scored, c)
         if self.reuse_hidden:            # the page ends whose hidden states this step keeps
             ends = page_end_rows(slots.views["p.positions"], slots.views["p.write_page"], s.page_size,
                                  len(s.hidden_ok), xp=np)
             s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
         greedy, logprobs = self._flags(real)
-        out = self._launch(("packed", nd, k, c, greedy, logprobs), self.packed_call, self._packed_input(slots),
-                           layout=slots.layout, greedy=greedy, logprobs=logprobs)
+        out = self._launch(("packed", nd, k, c, greedy, logprobs, score), self.packed_call, self._packed_input(slots),
+                           layout=slots.layout, greedy=greedy, logprobs=logprobs, score=score)
+        self._keep_scores(out, scored, c)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)

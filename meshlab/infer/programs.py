@@ -21,7 +21,8 @@ Programs:
     packed_step  one stream of T tokens: n_dec decode tokens, then k prompt-chunk rows of `chunk`
                  tokens (kv_cache.packed_attend), so the GEMMs see only real rows (a [max_seqs,
                  chunk] grid would run every row at chunk width whenever any row prefills); the LM
-                 head and sampler run on the last token of each row only.
+                 head and sampler run on the last token of each row only (with `score`, the
+                 head also over every chunk-row token, for prompt logprobs).
     decode_loop  n decode steps over the compacted decode rows [b] (b a bucket, rows padded),
                  each row fed while its position is below its own limit (rows that end mid-call
                  stop writing; their extra samples are dropped on the host).
@@ -33,6 +34,7 @@ Programs:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +90,20 @@ def default_layers(md, impl: str, mesh=None) -> str:
     if (mesh is None or mesh.size == 1) and "mlp" in md.abstract["layers"]:
         return "kernels" if impl == "pallas" else "fused"
     return "split"
+
+
+# The engine's activations are one packed stream ([1, T, d]) or a decode bucket ([b, 1, d], b from 1):
+# a rule file's batch or sequence split (fsdp_tp's act_batch over fsdp) cannot divide them, and one
+# engine serves its rows together (replicas, not this, are data parallelism). They stay whole; the
+# weights and the cache keep the rule file's placement.
+WHOLE_IN_ENGINE = ("act_batch", "act_seq", "act_attn_seq")
+
+
+def engine_rules(rules):
+    """The rule file as the engine's programs run under it: WHOLE_IN_ENGINE replicated."""
+    if rules is None:
+        return None
+    return dataclasses.replace(rules, rules={**rules.rules, **{name: () for name in WHOLE_IN_ENGINE}})
 
 
 def placement(rules, mesh):
@@ -214,6 +230,26 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None
     return out
 
 
+def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
+    """The prompt logprobs of a packed step's k chunk rows: h [k c, d] their final-normed hidden states,
+    targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob" [k c],
+    "prompt_top_logprob", "prompt_top_id" [k c, TOP_LOGPROBS or 0 when top == 0]}, the log-softmax of
+    the raw logits as _head reports it. One row at a time (lax.map): the fp32 logits are [c, V] at
+    once (263 MB at c = 512 for llama3's vocabulary), not [k c, V]."""
+    d = h.shape[-1]
+
+    def row(args):
+        h_row, t_row = args                                                             # [c, d], [c]
+        lp = jax.nn.log_softmax(model.logits(h_row[None])[0, :, :vocab], axis=-1)      # [c, V] fp32
+        got = jnp.take_along_axis(lp, t_row[:, None], axis=1)[:, 0]                    # [c]
+        if top:
+            return got, *jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))                     # [c, K] x2
+        return got, lp[:, :0], t_row[:, None][:, :0]
+    lp, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
+    return {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
+            "prompt_top_id": top_id.reshape(lp.size, -1)}
+
+
 def _mark(seen, slots, tokens, valid):
     """seen[slot, token] = True for each valid fed token (slots [n], tokens [n])."""
     return seen.at[jnp.where(valid, slots, seen.shape[0]), tokens].set(True, mode="drop")
@@ -277,13 +313,15 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
                          prefill: str = "auto"):
     """(packed_step, decode_loop) of the continuous-batching engine, jitted, cache and seen donated.
 
-    packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs): p holds the
+    packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None): p holds the
       packed stream (tokens, positions, slot [T]; write_page, write_off [T]: write_page = num_pages
       marks padding, write_off = page_size a real token whose K/V are already cached (not written);
       dec_table, dec_len, pre_table; out_idx [R]: the token whose hidden state each output row
       samples from; from_last [n_dec]: a slot whose LAST entry replaces the decode row's token, or
       max_seqs; last_slot [R]: the slot whose LAST entry takes the row's sampled token, or max_seqs);
-      rows/counters/out_slot describe the R = n_dec + k output rows.
+      rows/counters/out_slot describe the R = n_dec + k output rows. score (static): None, or the
+      chunk rows' prompt logprobs are computed too (_prompt_scores: at p["targets"] [k chunk], the
+      token after each position; score > 0 also their TOP_LOGPROBS best).
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
       [n, b]. keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
@@ -299,7 +337,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
-    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs):
+    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         nd = p["from_last"].shape[0]
@@ -315,6 +353,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs, own, out_slot)
         _count(own, greedy, p["last_slot"], out["tokens"])
         own[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
+        if score is not None:
+            out.update(_prompt_scores(model, h[0, nd:], p["targets"], p["pre_table"].shape[0], vocab, score))
         return out, dict(cache, **own), seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
@@ -347,5 +387,5 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         own[LAST] = own[LAST].at[slots].set(last, mode="drop")
         return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]
 
-    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs")),
+    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs", "score")),
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))

@@ -43,7 +43,7 @@ class SamplingParams:
     # and filters, as OpenAI reports it) and its k most likely alternatives (Request.logprobs)
     logprobs: Optional[int] = None
     # None: off; k in [0, 20]: each prompt token's logprob given the tokens before it and its k most
-    # likely alternatives (Request.prompt_logprobs; a pass of its own: meshlab/infer/scoring.py)
+    # likely alternatives (Request.prompt_logprobs; computed by the packed steps: meshlab/infer/scoring.py)
     prompt_logprobs: Optional[int] = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":

@@ -53,8 +53,11 @@ class Request:
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
     # with params.prompt_logprobs: [None, then (logprob, {token: logprob}) per prompt token after the
-    # first], computed at admission (Engine.prompt_logprobs)
+    # first], put together when its first token is emitted (meshlab.infer.scoring)
     prompt_logprobs: Optional[list] = dataclasses.field(default=None, repr=False)
+    # until then, the packed steps that scored its positions: (scoring.StepScores, row offset in the
+    # step's outputs, first position, positions)
+    score_parts: list = dataclasses.field(default_factory=list, repr=False)
     t_arrival: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -134,6 +137,11 @@ class Request:
                 break
         return new
 
+    @property
+    def scored_to(self) -> int:
+        """Prompt positions below this have their logprobs computed (steps score a prompt in order)."""
+        return max((start + m for _, _, start, m in self.score_parts), default=0)
+
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
 
@@ -207,10 +215,15 @@ class Scheduler:
         """Cached pages for req's prefix, its last full page included: when every token is cached,
         the last one is fed again for its logits and reads its own K/V from the shared page (its
         write is dropped: Request.prefix_hit_tokens). Repetition-penalised requests compute
-        everything: their seen-token mask is built by feeding."""
+        everything: their seen-token mask is built by feeding; a request asking for prompt logprobs
+        computes every position it has not scored (meshlab.infer.scoring)."""
         if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
             return []
         n = req.n_tokens // self.page_size
+        if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            n = min(n, req.scored_to // self.page_size)
+            if not n:
+                return []
         if req.keys:                          # keys known (a preempted request): no hashing
             return self.pool.lookup(page_keys(req.token_ids(n * self.page_size), self.page_size, req.keys, n)[:n])
         return self.pool.longest(req.token_ids(n * self.page_size), self.page_size, n, req.keys)

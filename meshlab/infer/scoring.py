@@ -2,108 +2,100 @@
 likely alternatives (OpenAI completions' `echo` with `logprobs`: how evaluation harnesses such as
 lm-evaluation-harness score a continuation).
 
-The engine's packed steps run the LM head on each row's last token only, and a prefix-cache hit
-computes nothing for its cached tokens, so a prompt's logprobs come from a pass of their own: the
-prompt in `chunk`-token pieces through a one-row contiguous cache (kv_cache.contiguous_attend,
-the layout's dense attention), the head over every position, the log-softmax at the next prompt
-token and the top TOP_LOGPROBS. What it costs: a prefill of the prompt with the head over every
-token ([chunk, vocab] fp32 logits per piece) and each piece's dense attention over the cache ([kv
-heads, group, chunk, L] fp32 scores). The cache is L tokens, the prompt's length rounded up to chunk
-times a power of two (at most max_len rounded up to chunks), made per request: memory and attention follow the prompt, not the engine's
-max_len, and one program is compiled per L met (at most log2(max_len / chunk) + 1). A greedy one-token
-request (what a harness sends to score) takes its token from the same pass's last position
-(Scoring._scored); any other request asking for prompt logprobs is then prefilled again
-by the engine's own steps.
+The packed steps compute them (programs._prompt_scores), batched with whatever else the step
+feeds: a step with a chunk row of a request that asks for them (SamplingParams.prompt_logprobs)
+runs the LM head over every chunk-row token too, at the next prompt token (the step's `targets`
+input), and its TOP_LOGPROBS best when some row asks for alternatives. Only such steps pay for it
+(a program per bucket and score flag, compiled at its first use): [chunk, vocab] fp32 logits per
+chunk row, one row at a time, and a top-k over the vocabulary per token.
+
+A request computes what it scores: the prefix cache serves it no page it has not scored yet
+(Scheduler._prefix_hit), so a prompt met before is fed again, and a preempted request takes back
+only pages it scored before it was preempted. Each step's score outputs stay on the device, held
+by the rows it scored (Request.score_parts), and are read back once, when the request's first
+token is emitted (Engine._emit): no step waits for them.
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from meshlab.infer import kv_cache
-from meshlab.infer.programs import TOP_LOGPROBS, _bind
-from meshlab.infer.sampler import penalised_row
-from models import serving
+from meshlab.infer.programs import TOP_LOGPROBS
+from meshlab.infer.sampler import SamplingParams
+
+SCORE_KEYS = ("prompt_logprob", "prompt_top_logprob", "prompt_top_id")   # a scoring packed step's extra outputs
 
 
-def make_score_program(md, layers: str):
-    """score(params, cache, tokens [C], positions [C], valid [C], targets [C]) -> (cache, logprob [C],
-    top_logprob [C, K], top_id [C, K]): the log-softmax of targets[i] after tokens[..i], jitted,
-    cache donated. params from programs.serving_params(md, ., layers)."""
-    vocab = md.cfg.vocab_size
+class StepScores:
+    """One packed step's score outputs (SCORE_KEYS) on the device; read back once for all its rows."""
+    __slots__ = ("out", "_host")
 
-    def score(params, cache, tokens, positions, valid, targets):
-        model, per_layer = _bind(md, params, layers)
-        attend = kv_cache.contiguous_attend(positions[None], valid[None])
-        h, cache = serving.forward(model, tokens[None], positions[None], cache, attend, unroll=layers == "unroll",
-                                   layers=per_layer)                                   # [1, C, d]
-        lp = jax.nn.log_softmax(model.logits(h)[0, :, :vocab], axis=-1)                 # [C, V] fp32
-        top_lp, top_id = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))                    # [C, K]
-        return cache, jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0], top_lp, top_id
-    return jax.jit(score, donate_argnums=(1,))
+    def __init__(self, out: dict):
+        self.out, self._host = out, None
 
-
-class PromptScorer:
-    """Prompt logprobs for an engine: shares its serving params (read only); a one-row cache per
-    request. It runs outside the engine's rule file: a rule that shards the cache's batch (fsdp_tp's
-    cache_batch) cannot split one row, so XLA places the cache and activations from the params'
-    own shardings."""
-
-    def __init__(self, md, params, layers: str, max_len: int, chunk: int):
-        self.md, self.params, self.max_len, self.chunk = md, params, max_len, min(chunk, max_len)
-        self.fn = make_score_program(md, layers)
-
-    def __call__(self, prompt, top: int) -> tuple[list, tuple]:
-        """([None, then per token i >= 1: (logprob of prompt[i] after prompt[:i], {id: logprob} of the
-        `top` most likely)], (ids, logprobs) of the TOP_LOGPROBS most likely tokens after the whole
-        prompt). The first token has no context, as OpenAI reports it (null)."""
-        if not 0 <= top <= TOP_LOGPROBS:
-            raise ValueError(f"top={top} alternatives must be in [0, {TOP_LOGPROBS}]")
-        n, c = len(prompt), self.chunk
-        if not 0 < n <= self.max_len:
-            raise ValueError(f"a prompt of {n} tokens cannot be scored in a context of {self.max_len}")
-        chunks = -(-n // c)
-        ids = np.zeros(chunks * c + 1, np.int32)
-        ids[:n] = prompt
-        length = c * min(1 << (chunks - 1).bit_length(), -(-self.max_len // c))   # L: chunks in a power of two
-        cache = kv_cache.init_contiguous(self.md.cfg, 1, length)                   # [layers, 1, L, kvh, hd]
-        pieces = []
-        for start in range(0, n, c):               # position i scores token i + 1 (the last: what follows)
-            pos = np.arange(start, start + c, dtype=np.int32)
-            cache, *outs = self.fn(self.params, cache, ids[start:start + c], pos, pos < n, ids[start + 1:start + c + 1])
-            pieces.append(outs)
-        lp, top_lp, top_id = (np.concatenate(x)[:n] for x in zip(*jax.device_get(pieces)))   # [n], [n, K] x2
-        following = top_id[n - 1].tolist(), top_lp[n - 1].tolist()
-        lp, top_lp, top_id = lp.tolist(), top_lp[:, :top].tolist(), top_id[:, :top].tolist()
-        return [None] + [(lp[i], dict(zip(top_id[i], top_lp[i]))) for i in range(n - 1)], following
+    def host(self) -> dict:
+        if self._host is None:
+            self._host = {k: np.asarray(v) for k, v in self.out.items()}
+            self.out = None
+        return self._host
 
 
 class Scoring:
-    """Engine's prompt logprobs (a mixin, as meshlab.infer.packed's PackedSteps is): the scorer, built
-    at the first request for them, and their admission."""
+    """Engine's prompt logprobs (a mixin, as meshlab.infer.packed's PackedSteps is): which chunk rows
+    of a packed step score, their targets, and each request's logprobs put together."""
 
     def prompt_logprobs(self, prompt, top: int = 0) -> list:
         """Each prompt token's logprob given the ones before it and its `top` best alternatives
-        ([None, (logprob, {id: logprob}), ...]); a pass of its own over the prompt, on the engine's
-        weights. Call it from the thread that runs the engine."""
-        return self._score(prompt, top)[0]
+        ([None, (logprob, {id: logprob}), ...]; the first token has no context, as OpenAI reports
+        it): a one-token request through the engine (generate: call it from the thread that runs
+        the engine; other queued requests run too)."""
+        return self.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=top))[0].prompt_logprobs
 
-    def _score(self, prompt, top: int) -> tuple[list, tuple]:
-        if self._scorer is None:
-            self._scorer = PromptScorer(self.md, self.params, self.layers, self.sched.max_len, self.chunk)
-        return self._scorer(prompt, top)
+    @staticmethod
+    def _scored_rows(prefills) -> list:
+        """[(chunk row j, request, first position, positions scored)] of a packed step's prefills that
+        score: their request asks for prompt logprobs not yet put together, and the row feeds
+        positions below the prompt's last (whose next token is generated, not scored)."""
+        return [(j, r, start, min(n, len(r.prompt) - 1 - start)) for j, (r, start, n) in enumerate(prefills)
+                if r.params.prompt_logprobs is not None and r.prompt_logprobs is None and start < len(r.prompt) - 1]
 
-    def _scored(self, req) -> bool:
-        """Score req's prompt when it asks (admission, engine thread). A greedy one-token request (how
-        evaluation harnesses score) then takes its token from the pass's last position, the argmax of
-        the same model's logits, instead of a second prefill: True when it did (req is finished)."""
-        p = req.params
-        if p.prompt_logprobs is None or req.prompt_logprobs is not None:
-            return False
-        req.prompt_logprobs, (ids, values) = self._score(req.prompt, p.prompt_logprobs)
-        if p.max_tokens != 1 or p.temperature > 0 or penalised_row(p):
-            return False
-        self.stats["prompt_tokens"] += len(req.prompt)
-        self._emit(req, [ids[0]], None if p.logprobs is None else [(values[0], ids, values)])
-        return True
+    @staticmethod
+    def _score_flag(scored):
+        """The packed step's static score: None (no row scores), 0 (logprobs only), TOP_LOGPROBS."""
+        if not scored:
+            return None
+        return TOP_LOGPROBS if any(r.params.prompt_logprobs for _, r, _, _ in scored) else 0
+
+    @staticmethod
+    def _fill_targets(targets: np.ndarray, scored, c: int) -> None:
+        """targets [k c] (the step's p.targets): at each scored position, the prompt token after it."""
+        for j, r, start, m in scored:
+            targets[j * c:j * c + m] = r.token_ids(start + 1 + m)[start + 1:]
+
+    @staticmethod
+    def _keep_scores(out: dict, scored, c: int) -> None:
+        """Move the step's score outputs from `out` (read back with the step's tokens otherwise) to the
+        requests of its scored rows (Request.score_parts)."""
+        if not scored:
+            return
+        step = StepScores({k: out.pop(k) for k in SCORE_KEYS})
+        for j, r, start, m in scored:
+            r.score_parts.append((step, j * c, start, m))
+
+    @staticmethod
+    def _put_together(req) -> list:
+        """req's prompt logprobs from the steps that scored its positions (read back now: they ran before
+        the step that sampled its first token). A position scored again after a preemption takes
+        its last scores (the same weights and tokens)."""
+        n, top = len(req.prompt) - 1, req.params.prompt_logprobs
+        lp, ids, vals = np.zeros(n, np.float32), np.zeros((n, top), np.int32), np.zeros((n, top), np.float32)
+        have = np.zeros(n, bool)
+        for step, base, start, m in req.score_parts:
+            h = step.host()
+            lp[start:start + m] = h["prompt_logprob"][base:base + m]
+            ids[start:start + m] = h["prompt_top_id"][base:base + m, :top]
+            vals[start:start + m] = h["prompt_top_logprob"][base:base + m, :top]
+            have[start:start + m] = True
+        if not have.all():
+            raise RuntimeError(f"prompt positions {np.flatnonzero(~have)[:8].tolist()} were never scored")
+        req.score_parts = []
+        return [None] + [(x, dict(zip(i, v))) for x, i, v in zip(lp.tolist(), ids.tolist(), vals.tolist())]

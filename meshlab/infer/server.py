@@ -414,7 +414,8 @@ class Call:
         return self.plan.prompt_texts[i // self.n] if self.plan.echo else ""
 
     def _prompt_logprobs(self, i: int) -> dict:
-        """Choice i's echoed prompt's logprobs (the prompt's first copy scored it at admission)."""
+        """Choice i's echoed prompt's logprobs: the prompt's first copy's, put together at its first
+        token (the other copies are submitted after it: _on_event)."""
         first = self.reqs[i - i % self.n]
         return api.completion_logprobs(self.server.token_text, self.plan.prompts[i // self.n],
                                        first.prompt_logprobs or [], 0)

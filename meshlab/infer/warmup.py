@@ -49,7 +49,7 @@ class Warmup:
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
             for nd, k, w in shapes:
-                key = ("packed", nd, k, w, greedy, logprobs)
+                key = ("packed", nd, k, w, greedy, logprobs, None)
                 slots = self._packed_slots(nd, k, w)
                 slots.fill()                                          # padding only
                 _, t0, t1 = self._call(key, self.packed_call, self._packed_input(slots), layout=slots.layout, greedy=greedy,

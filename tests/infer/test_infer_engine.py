@@ -174,8 +174,9 @@ def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
 
 
 def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):
-    """fsdp_tp shards cache_batch over 4 devices, which one scoring row cannot fill: the scoring pass
-    runs outside the rule file, on the sharded params, and gives the one-device values."""
+    """Under fsdp_tp (batch over 4 devices, heads and vocabulary over 2) the engine runs its packed
+    stream ([1, T, d]) and decode buckets with the activations whole (programs.engine_rules): the
+    one-device tokens and prompt logprobs."""
     from meshlab.infer.loading import serving_placement, _shardings
     md, params, _ = tiny
     rules, mesh = serving_placement("fsdp_tp", "data=1,fsdp=4,tensor=2")
@@ -185,6 +186,8 @@ def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):
     got, want = sharded.prompt_logprobs(prompt, top=2), engine.prompt_logprobs(prompt, top=2)
     np.testing.assert_allclose([e[0] for e in got[1:]], [e[0] for e in want[1:]], rtol=1e-4, atol=1e-4)
     assert [list(e[1]) for e in got[1:]] == [list(e[1]) for e in want[1:]]
+    prompts, sp = [prompt, [5, 6, 7]], SamplingParams(max_tokens=6)
+    assert [r.output for r in sharded.generate(prompts, sp)] == [r.output for r in engine.generate(prompts, sp)]
 
 
 LAYER_PROMPTS = [[5, 6, 7], list(range(40, 60))]
@@ -358,46 +361,59 @@ def test_logit_bias_moves_greedy_choices_and_leaves_the_slot(tiny, engine):
         ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
 
 
+def _check_prompt_logprobs(got, prompt, ref, top):
+    """got (Request.prompt_logprobs) against ref [n, V], the no-cache forward's log-softmax."""
+    assert len(got) == len(prompt) and got[0] is None
+    for k in range(1, len(prompt)):
+        value, alternatives = got[k]
+        best = np.argsort(-ref[k - 1])[:top].tolist()
+        np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
+        assert list(alternatives) == best
+        np.testing.assert_allclose(list(alternatives.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
+
+
 def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
-    """Engine.prompt_logprobs (a pass of its own, in the engine's chunks of 8, over a cache of the
-    prompt's chunks rounded up to a power of two): each prompt token's log-softmax given the ones
-    before it and its best alternatives, as the no-cache forward computes them, at lengths around the
-    chunk up to the whole context; a request that asks for them gets them at admission and generates
-    what one that does not generates."""
-    from meshlab.infer import scoring
+    """Prompt logprobs come from the packed steps (chunks of 8): each prompt token's log-softmax given
+    the ones before it and its best alternatives as the no-cache forward computes them, at lengths
+    around the chunk up to the whole cache; several requests scored in the same steps, preempted
+    (13 pages of 4 for four rows), a prompt met before (computed again: the prefix cache holds no
+    scores) and a greedy one-token request (an evaluation harness's: its token from the same steps)."""
     md, params, fwd = tiny
-    lengths, make = [], scoring.kv_cache.init_contiguous
-    monkeypatch.setattr(scoring.kv_cache, "init_contiguous", lambda cfg, b, n: lengths.append(n) or make(cfg, b, n))
+    ref_of = lambda p: np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([p], jnp.int32))[0], axis=-1))  # noqa: E731
     rng = np.random.default_rng(3)
-    for n in (1, 2, 8, 9, 17, 64):
+    for n in (1, 2, 8, 9, 17, 51):       # 51 and its one token: the whole cache (13 pages of 4)
         prompt = rng.integers(0, md.cfg.vocab_size, n).tolist()
-        got = engine.prompt_logprobs(prompt, top=2)
-        ref = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([prompt], jnp.int32))[0], axis=-1))   # [n, V]
-        assert len(got) == n and got[0] is None
-        for k in range(1, n):
-            value, top = got[k]
-            best = np.argsort(-ref[k - 1])[:2].tolist()
-            np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
-            assert list(top) == best
-            np.testing.assert_allclose(list(top.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
-    assert lengths == [8, 8, 8, 16, 32, 64]
-    with pytest.raises(ValueError, match="alternatives"):
+        _check_prompt_logprobs(engine.prompt_logprobs(prompt, top=2), prompt, ref_of(prompt), 2)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.prompt_logprobs([1, 2], top=21)
-    with pytest.raises(ValueError, match="cannot be scored"):
-        engine.prompt_logprobs(list(range(65)))
-    prompt = list(range(30, 50))
-    asked = engine.generate([prompt], SamplingParams(max_tokens=5, prompt_logprobs=0))[0]
-    plain = engine.generate([prompt], SamplingParams(max_tokens=5))[0]
-    assert asked.output == plain.output and plain.prompt_logprobs is None
-    assert [e[0] for e in asked.prompt_logprobs[1:]] == [e[0] for e in engine.prompt_logprobs(prompt)[1:]]
-    assert all(e[1] == {} for e in asked.prompt_logprobs[1:])
-    # A greedy one-token request (an evaluation harness's) takes its token from the scoring pass: no engine call.
-    calls = engine.stats["device_calls"]
-    one = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=0))[0]
-    assert engine.stats["device_calls"] == calls and one.output == plain.output[:1] and one.finish_reason == "length"
-    ref = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([prompt], jnp.int32))[0, -1]))
+    with pytest.raises(AdmissionError):
+        engine.prompt_logprobs(list(range(52)))        # and its one token: 14 pages
+    # Four at once, two tops and a plain request among them: they share steps and preempt each other.
+    prompts = [rng.integers(0, md.cfg.vocab_size, n).tolist() for n in (21, 14, 30, 9)]
+    tops = [2, 0, 3, None]
+    before, together, keep = engine.stats["preemptions"], [], engine._keep_scores
+    monkeypatch.setattr(engine, "_keep_scores", lambda out, scored, c: together.append(
+        len({id(r) for _, r, _, _ in scored})) or keep(out, scored, c))
+    reqs = engine.generate(prompts, [SamplingParams(max_tokens=12, prompt_logprobs=t) for t in tops])
+    assert engine.stats["preemptions"] > before and max(together) > 1      # requests scored in one step
+    for r, prompt, top in zip(reqs, prompts, tops):
+        assert_greedy_matches(fwd, params, prompt, r.output)
+        if top is None:
+            assert r.prompt_logprobs is None
+        else:
+            _check_prompt_logprobs(r.prompt_logprobs, prompt, ref_of(prompt), top)
+    # Met before: its pages are cached, its scores are not; the request computes them.
+    prompt = prompts[0]
+    plain = [engine.generate([prompt], SamplingParams(max_tokens=1))[0] for _ in range(2)][1]
+    assert plain.prefix_hit_tokens > 0 and plain.prompt_logprobs is None
+    fed = engine.stats["prefill_tokens"]
+    again = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=1))[0]
+    assert again.prefix_hit_tokens == 0 and engine.stats["prefill_tokens"] - fed == len(prompt)
+    _check_prompt_logprobs(again.prompt_logprobs, prompt, ref_of(prompt), 1)
+    ref = ref_of(prompt)[-1]
     best = np.argsort(-ref)[:2].tolist()
-    assert list(one.logprobs[0][1]) == best and one.logprobs[0][0] == pytest.approx(ref[best[0]], abs=1e-4)
+    assert again.output == reqs[0].output[:1] and again.finish_reason == "length"
+    assert list(again.logprobs[0][1]) == best and again.logprobs[0][0] == pytest.approx(ref[best[0]], abs=1e-4)
 
 
 def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
