@@ -3,8 +3,8 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, suffix, tools, response formats)
-with a 400 that says so, rather than ignoring it.
+(best_of, suffix, tools) with a 400 that says so, rather than ignoring it. `response_format`
+json_object / json_schema holds the output to JSON (meshlab.infer.guided).
 """
 from __future__ import annotations
 
@@ -63,8 +63,7 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 
 # Fields of OpenAI's API that would change the answer and that this server does not implement.
 UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v),
-               "tools": lambda v, b: bool(v),
-               "response_format": lambda v, b: isinstance(v, dict) and v.get("type") not in (None, "text")}
+               "tools": lambda v, b: bool(v)}
 
 
 def chat_messages(messages) -> list:
@@ -169,12 +168,34 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    kw["grammar"] = response_grammar(body.get("response_format"))
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()
                 for i in range(n)]
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+def response_grammar(fmt) -> Optional[str]:
+    """The grammar of OpenAI's `response_format`: None for text; JSON for {"type": "json_object"} (any
+    object) and {"type": "json_schema", "json_schema": {"schema": {...}}} (that schema)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    from meshlab.infer.guided import json_grammar
+    try:
+        if kind == "json_object":
+            return json_grammar(True)
+        spec = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return json_grammar(spec.get("schema", {}))
+    except ValueError as e:
+        raise BadRequest(f"`response_format`: {e}", param="response_format") from None
+    raise BadRequest('`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                     '"json_schema": {"name": ..., "schema": {...}}}', param="response_format")
 
 
 def _logit_bias(bias) -> dict:

@@ -38,8 +38,8 @@ class ContiguousGenerator:
             sp.validate(self.md.cfg.vocab_size)
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            if sp.presence_penalty or sp.frequency_penalty or sp.logit_bias:
-                raise ValueError(f"prompt {i}: presence and frequency penalties and logit_bias are served by Engine "
+            if sp.presence_penalty or sp.frequency_penalty or sp.logit_bias or sp.grammar is not None:
+                raise ValueError(f"prompt {i}: presence and frequency penalties, logit_bias and grammars are served by Engine "
                                  "(it keeps them per request); use Engine, or leave them out")
             if len(p) + sp.max_tokens > self.max_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens={sp.max_tokens} exceed the context "

@@ -33,7 +33,8 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
-from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST,  # noqa: F401
+from meshlab.infer.guided import Guided, mask_words
+from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
@@ -45,7 +46,7 @@ from meshlab.infer.warmup import Warmup
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
 
-class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
+class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -138,6 +139,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
             self.cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
             self.cache[BIAS_IDS] = jnp.full((max_seqs, MAX_LOGIT_BIAS), md.cfg.vocab_size, jnp.int32)
             self.cache[BIAS_VALUES] = jnp.zeros((max_seqs, MAX_LOGIT_BIAS), jnp.float32)
+            self._mask_width = mask_words(md.cfg.vocab_size)
+            self.cache[MASK] = jnp.full((max_seqs, self._mask_width), -1, jnp.int32)     # every token allowed
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -160,6 +163,10 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
                                 donate_argnums=0)
         self._set_row = jax.jit(lambda table, slot, row: table.at[slot].set(row), donate_argnums=0)
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias
+        self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
+        # meshlab.infer.guided.Grammars of the served tokenizer (the server sets it): requests with a
+        # grammar (SamplingParams.grammar) are refused without one
+        self.grammars = None
         # Few shapes, each compiled once (a llama3_1b program takes seconds to compile): decode rows
         # in powers of 4 up to 16 (a decode step at small batch reads the weights once whatever its
         # rows, and padding rows attend to nothing), then of 2: past 16 the attention's grid follows
@@ -214,7 +221,14 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
         need = len(prompt) + params.max_tokens
         if need > s.max_len or -(-need // s.page_size) > s.pool.total:
             s.add(Request(prompt, params))            # raises the precise AdmissionError
-        req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32))
+        guide = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise AdmissionError("a grammar needs the engine's tokenizer: set engine.grammars = "
+                                     "meshlab.infer.guided.Grammars(tokenizer, vocab_size)")
+            guide = self.grammars.guide(params.grammar)
+        req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32),
+                      guide=guide)
         self.inbox.put(req)
         return req
 
@@ -319,9 +333,13 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
         rows whose samples in flight end them free their slots first (Scheduler.release_finishing), and
         rows whose tokens are still on the device are fed from it. True when it read `prev` back
         first instead, for a first-token step (fed from the host): the caller plans again."""
+        if prev is not None and self._guides_running():     # a guided row's next mask needs its tokens
+            self._land(prev)
+            prev = None
         if prev is not None:
             self.sched.release_finishing()
         self._admit()
+        self._refresh_masks()
         if self.sched.running():
             decodes, prefills = self.sched.plan()
             one_left = bool(prefills) and self.first_token_decode and all(r.n_tokens - r.cached == 1
@@ -349,7 +367,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
                     else:
                         self._first_tokens(decodes, firsts)
                 elif decodes:
-                    n = self.steps_per_call
+                    n = 1 if any(r.guide is not None for r in decodes) else self.steps_per_call
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):
                         n = 1
                     self._flight = self._launch_decode(decodes, n)
@@ -433,7 +451,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring):
         s = self.sched
         if not self.chain_decode or not (self.inbox.empty() and self.aborts.empty()) or (s.waiting and None in s.rows):
             return None
-        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens for r in f.decodes):
+        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens or r.guide is not None
+               for r in f.decodes):
             return None
         if not s.reserve_ahead(f.decodes, f.n):
             return None

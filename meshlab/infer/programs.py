@@ -64,7 +64,11 @@ COUNTS = "counts"
 # logit_bias (sampler.bias_row), set by the engine at admission; read by the programs that sample
 # without the greedy promise.
 BIAS_IDS, BIAS_VALUES = "bias_ids", "bias_values"
-OWN = (HIDDEN, LAST, COUNTS, BIAS_IDS, BIAS_VALUES)    # the engine's entries of the cache dict, beside K and V
+# The cache entry [max_seqs, ceil(V / 32)] int32: each slot's allowed-token bitmask (all bits set: free),
+# set by the engine before each step of a request held to a grammar (meshlab.infer.guided); read by
+# the programs that sample without the greedy promise.
+MASK = "mask"
+OWN = (HIDDEN, LAST, COUNTS, BIAS_IDS, BIAS_VALUES, MASK)    # the engine's entries of the cache dict, beside K and V
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -210,15 +214,16 @@ def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, l
 def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None):
     """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
     "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
-    temperature and the filters). own: the cache's engine entries, whose COUNTS and logit-bias rows
-    at `slots` [R] the sampler reads (not greedy)."""
+    temperature and the filters). own: the cache's engine entries, whose COUNTS, logit-bias and MASK
+    rows at `slots` [R] the sampler reads (not greedy)."""
     logits = model.logits(h[:, None])[:, 0, :vocab]                                 # [R, V] fp32
-    counts = bias = None
+    counts = bias = allowed = None
     if not greedy and own:
         pick = lambda name: own[name][jnp.minimum(slots, own[name].shape[0] - 1)]   # noqa: E731 - [R, ...]
         counts = pick(COUNTS) if COUNTS in own else None
         bias = (pick(BIAS_IDS), pick(BIAS_VALUES)) if BIAS_IDS in own else None
-    tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias)
+        allowed = pick(MASK) if MASK in own else None                               # [R, V / 32]
+    tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias, allowed)
     out = {"tokens": tok}
     if logprobs is not None:
         lp = jax.nn.log_softmax(logits, axis=-1)

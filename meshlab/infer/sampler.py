@@ -45,6 +45,9 @@ class SamplingParams:
     # None: off; k in [0, 20]: each prompt token's logprob given the tokens before it and its k most
     # likely alternatives (Request.prompt_logprobs; computed by the packed steps: meshlab/infer/scoring.py)
     prompt_logprobs: Optional[int] = None
+    # None: free; else llguidance's grammar text (meshlab.infer.guided.json_grammar): every token is
+    # sampled among those the grammar allows next, and a complete grammar ends the request ("stop")
+    grammar: Optional[str] = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
@@ -72,6 +75,8 @@ class SamplingParams:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
                 bad(f"{name}={k!r} must be None (off) or an integer in [0, 20]")
         _check_bias(self.logit_bias, vocab_size, bad)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            bad("grammar must be None or llguidance's grammar text (meshlab.infer.guided.json_grammar)")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -141,18 +146,29 @@ def all_greedy(rows: dict) -> bool:
 
 def penalised_row(p: SamplingParams) -> bool:
     """Whether a request's logits are changed before its draw (so argmax over the raw ones is not its
-    greedy choice): the repetition, presence or frequency penalty, or a logit bias."""
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
+    greedy choice): the repetition, presence or frequency penalty, a logit bias, or a grammar."""
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
+            or p.grammar is not None)
 
 
-def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None, bias=None):
+def allowed_bits(allowed, vocab: int):
+    """allowed [b, ceil(vocab / 32)] int32 bitmasks (bit t % 32 of word t // 32) -> [b, vocab] bool."""
+    ids = jnp.arange(vocab)
+    return ((allowed[:, ids // 32] >> (ids % 32)) & 1).astype(bool)
+
+
+def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None, bias=None, allowed=None):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
     seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
     the presence and frequency penalties), or None (no row has them); bias: (ids, biases) [b,
-    MAX_LOGIT_BIAS] (bias_row's), or None. Returns tokens [b] int32. greedy: a static promise that
-    `all_greedy(rows)` (True) or not (False) with no row biased; None decides on device (no bias then)."""
+    MAX_LOGIT_BIAS] (bias_row's), or None; allowed: [b, ceil(V / 32)] int32 bitmasks of the tokens a
+    row may take (a grammar's, meshlab.infer.guided; all bits set: free), or None. Returns tokens [b]
+    int32. greedy: a static promise that `all_greedy(rows)` (True) or not (False) with no row biased
+    or held to a grammar; None decides on device (no bias or grammar then)."""
     def full(_):
         pen = logits
+        if allowed is not None:
+            pen = jnp.where(allowed_bits(allowed, logits.shape[-1]), pen, -jnp.inf)
         if bias is not None:
             ids, values = bias
             pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")

@@ -68,6 +68,8 @@ class Request:
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
     registered: int = 0                   # its pages already offered to the prefix cache (pages[:registered])
     ids: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)   # the prompt as int32 (hashed)
+    # its grammar's matcher (meshlab.infer.guided.Guide) when params.grammar is set
+    guide: Optional[object] = dataclasses.field(default=None, repr=False)
     # tokens sampled by device calls not read back yet (the engine's overlapped packed steps): fed
     # already from the device (their positions counted in `cached`), not yet in `output`
     pending: int = 0
@@ -124,7 +126,7 @@ class Request:
             if k is not None and logprobs is not None:
                 lp, ids, vals = logprobs[i]                 # Python numbers (calls.logprob_rows)
                 self.logprobs.append((lp, dict(zip(ids[:k], vals[:k])) if k else {}))
-            if t in p.stop_token_ids:
+            if t in p.stop_token_ids or (self.guide is not None and self.guide.consume(t)):
                 self.finish_reason = "stop"
             elif self.detokenize and p.stop:
                 text = self.detokenize(out)

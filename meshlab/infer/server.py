@@ -26,6 +26,7 @@ import uuid
 
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
+from meshlab.infer.guided import Grammars
 
 
 class Server:
@@ -40,6 +41,7 @@ class Server:
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_concurrent, self.max_waiting, self.max_n = max_concurrent, max_waiting, max_n
         engine.detokenize = tokenizer.decode
+        engine.grammars = Grammars(tokenizer, engine.md.cfg.vocab_size)     # response_format's matchers
         self.token_text = api.TokenText(tokenizer)
         self.wake = threading.Event()
         self.running = True

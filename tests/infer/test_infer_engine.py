@@ -545,3 +545,46 @@ def test_a_finishing_row_gives_its_slot_to_a_waiting_request_before_it_is_read_b
     # the first request's prompt and 6 of its output tokens: three full pages, offered when it was read back
     again = eng.generate([first.prompt + first.output[:6]], SamplingParams(max_tokens=2))[0]
     assert again.prefix_hit_tokens == 12
+
+
+def test_grammar_holds_every_token_and_leaves_free_rows_alone(tiny, engine, monkeypatch):
+    """Requests held to a JSON schema (meshlab.infer.guided) among free ones, preempting each other (13
+    pages of 4): every greedy guided token is the argmax of the full forward's logits over the tokens
+    its grammar allowed at that point (a matcher replayed alongside), the sampled one stays inside
+    the grammar, both parse as the schema asks and end with "stop"; free requests, in the same steps
+    and then in the slots the guided ones left, are the plain greedy ones."""
+    import json
+    from meshlab.infer.guided import Grammars, json_grammar
+    from meshlab.infer.sampler import allowed_bits
+    from meshlab.tokenizer import ByteTokenizer
+    md, params, fwd = tiny
+    vocab = md.cfg.vocab_size
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 999}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    grammar = json_grammar(schema)
+    with pytest.raises(AdmissionError, match="grammars"):
+        engine.add_request([1, 2], SamplingParams(grammar=grammar))
+    monkeypatch.setattr(engine, "grammars", Grammars(ByteTokenizer(), vocab))
+    with pytest.raises(ValueError, match="grammar"):
+        engine.add_request([1, 2], SamplingParams(grammar="start: nowhere"))
+    prompts = [list(range(3, 20)), list(range(40, 52)), list(range(60, 81)), [7, 8, 9]]
+    sp = [SamplingParams(max_tokens=30, grammar=grammar), SamplingParams(max_tokens=10),
+          SamplingParams(max_tokens=30, grammar=grammar, temperature=1.0, seed=2), SamplingParams(max_tokens=10)]
+    before = engine.stats["preemptions"]
+    reqs = engine.generate(prompts, sp)
+    assert engine.stats["preemptions"] > before
+    for r in reqs[::2]:
+        assert r.finish_reason == "stop"
+        value = json.loads(bytes(r.output).decode())
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] <= 999
+    replay = engine.grammars.guide(grammar)
+    seq = list(prompts[0]) + reqs[0].output
+    logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0]
+    for i, t in enumerate(reqs[0].output):
+        row = np.empty((1, (vocab + 31) // 32), np.int32)
+        replay.mask(row[0])
+        allowed = np.asarray(allowed_bits(jnp.asarray(row), vocab))[0]
+        assert allowed.sum() < vocab and t == np.where(allowed, logits[len(prompts[0]) - 1 + i], -np.inf).argmax()
+        replay.consume(t)
+    for r in reqs[1::2] + engine.generate(prompts, SamplingParams(max_tokens=10)):
+        assert_greedy_matches(fwd, params, r.prompt, r.output)

@@ -118,6 +118,9 @@ def test_chat_stream_equals_whole(server):
      "logprobs: true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "exceeds the context"),
     ("/v1/completions", [1, 2], None, 400, "JSON object"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, None, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, None, 400, "grammar"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, path, body, raw, status, words):
     got, resp = call(server, "POST", path, body, raw)
@@ -450,6 +453,7 @@ class _BrokenEngine:
         import queue
         from meshlab.infer.scheduler import Request
         self.Request, self.inbox, self.aborts = Request, queue.Queue(), []
+        self.md = type("M", (), {"cfg": type("C", (), {"vocab_size": 257})()})()
         self.sched = type("S", (), {"max_len": 64, "waiting": collections.deque(), "running": lambda s: [],
                                     "pool": type("P", (), {"free": []})()})()
         self.stats = dict.fromkeys(("requests_finished", "prompt_tokens", "generated_tokens", "steps",
@@ -522,3 +526,21 @@ def test_covered_tokens_decode_once_when_the_text_shows_them_all():
     assert api.covered_tokens(decode, out, "hello world", False, start=3) == 11 and lengths == [11]
     assert api.covered_tokens(decode, out, "hello wo", False, start=3) == 8
     assert api.covered_tokens(decode, out + [0xE2, 0x82], "hello world", False, start=3) == 13   # half a character
+
+
+def test_response_format_holds_the_output_to_json(server):
+    """json_schema and json_object: the tiny random model's output parses as the schema asks (it never
+    would unguided), sampled and greedy, whole and streamed."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    chat = {"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 60, "response_format": fmt}
+    status, resp = call(server, "POST", "/v1/chat/completions", dict(chat, temperature=0.8, seed=4))
+    assert status == 200, resp
+    reply = json.loads(resp["choices"][0]["message"]["content"])
+    assert reply["answer"] in ("yes", "no") and 0 <= reply["n"] <= 99 and resp["choices"][0]["finish_reason"] == "stop"
+    status, text = call(server, "POST", "/v1/completions", {"prompt": "data = ", "max_tokens": 60, "stream": True,
+                                                          "response_format": {"type": "json_object"}})
+    content, finish = sse_text(text, chat=False)
+    assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"

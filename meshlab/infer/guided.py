@@ -1,0 +1,143 @@
+"""Structured output: a request's tokens held to a grammar (OpenAI's `response_format` json_object and
+json_schema), by llguidance's token matcher (the library vLLM and SGLang offer for it; the `serve`
+extra installs it).
+
+A request carries its grammar (SamplingParams.grammar, llguidance's text: `json_grammar` makes one
+from a JSON schema); the engine makes its matcher at admission (`Guide`) from a tokenizer view built
+once (`matcher_tokenizer`), and before each step the matcher's allowed tokens, a bitmask of
+ceil(V / 32) int32 words, go into the slot's MASK cache entry (programs.MASK); the sampler sets every
+other token's logit to -inf (sampler.sample's `allowed`). Each sampled token advances the matcher on
+the host; a grammar that is complete (nothing may follow) finishes the request with "stop", and one
+that may end allows the tokenizer's end-of-sequence token.
+
+What it costs: the next mask needs the last token on the host, so while a guided request runs the
+engine reads every step back before it plans the next (no overlap, no chained decode calls) and its
+decode calls run one step; masks cost ~2-100 us of host time per token (the grammar's), and the
+sampling programs read a [rows, V / 32] mask and take their non-greedy path (a vocabulary sort per
+row) for guided rows.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from meshlab.infer.programs import MASK
+
+# Compact JSON unless the schema's own "x-guidance" says otherwise: no whitespace between tokens (a
+# model may otherwise spend its max_tokens on blanks the grammar allows).
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401  (fill_next_token_bitmask)
+    except ImportError:
+        raise ValueError("structured output (response_format json_object / json_schema) needs llguidance: "
+                         "pip install 'meshlab[serve]'") from None
+    return llguidance
+
+
+def json_grammar(schema) -> str:
+    """The llguidance grammar of a JSON schema (a dict, or True: any JSON object)."""
+    llg = _llguidance()
+    if schema is True:
+        schema = {"type": "object"}
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+
+
+class _ByteTokens:
+    """meshlab's ByteTokenizer as llguidance's TokenizerWrapper reads a tokenizer: every id's bytes,
+    the end-of-document id, and encode."""
+
+    def __init__(self, tok, vocab_size: int):
+        self.eos_token_id, self.bos_token_id = tok.eod_id, None
+        self.tokens = [bytes([i]) if i < 256 else f"<|{i}|>".encode() for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(256, vocab_size)]
+
+    def __call__(self, text):
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+def matcher_tokenizer(tok, vocab_size: int):
+    """llguidance's view of a serving tokenizer (meshlab.infer.loading's HFTokenizer or the byte
+    tokenizer) over the model's vocab_size ids; ~1 s for a 128k vocabulary, built once per engine."""
+    llg = _llguidance()
+    stops = list(getattr(tok, "stop_token_ids", None) or [])
+    if hasattr(tok, "tk"):                            # tokenizer.json through the tokenizers library
+        return llg.LLTokenizer(tok.tk.to_str(), n_vocab=vocab_size, eos_token=stops or None)
+    if getattr(tok, "eod_id", None) is not None:
+        return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tok, vocab_size)), n_vocab=vocab_size)
+    raise ValueError(f"structured output cannot read a {type(tok).__name__}'s tokens")
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's allowed-token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class Guide:
+    """One request's matcher: its allowed-token mask now, and the tokens sampled under it."""
+    __slots__ = ("matcher", "fed", "written")
+
+    def __init__(self, tokenizer, grammar: str):
+        llg = _llguidance()
+        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar was refused: {self.matcher.get_error()}")
+        self.fed = 0                   # output tokens consumed
+        self.written = None            # (slot, fed) of the mask in the engine's MASK entry
+
+    def mask(self, out: np.ndarray) -> None:
+        """Write the allowed tokens into out [mask_words(V)] int32 (bit t % 32 of word t // 32)."""
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def consume(self, token: int) -> bool:
+        """Advance past a sampled token; True when the grammar is complete (nothing may follow)."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} was sampled outside the grammar: {self.matcher.get_error()}")
+        self.fed += 1
+        return self.matcher.is_stopped()
+
+
+
+class Grammars:
+    """A serving tokenizer's matchers: `guide(grammar)` makes a request's Guide; the tokenizer view
+    (matcher_tokenizer) is built at the first one."""
+
+    def __init__(self, tok, vocab_size: int):
+        self.tok, self.vocab_size, self._tokenizer = tok, vocab_size, None
+
+    def guide(self, grammar: str) -> Guide:
+        if self._tokenizer is None:
+            self._tokenizer = matcher_tokenizer(self.tok, self.vocab_size)
+        return Guide(self._tokenizer, grammar)
+
+
+class Guided:
+    """Engine's grammar masks (a mixin, as meshlab.infer.scoring's Scoring is): each guided row's MASK
+    entry kept equal to its matcher's next allowed tokens, and the step rules those rows need."""
+
+    def _guides_running(self) -> bool:
+        """Whether a running request is held to a grammar: its next mask waits for its last token, so
+        steps are read back before the next is planned and decode calls run one step."""
+        return any(r.guide is not None for r in self.sched.running())
+
+    def _refresh_masks(self) -> None:
+        """Write each running guided row's allowed tokens into its slot's MASK row, where its matcher
+        moved (or the request moved slot) since the last write; free rows of slots a guided request
+        left."""
+        for r in self.sched.running():
+            g = r.guide
+            if g is None:
+                if self.slot_guided[r.slot]:
+                    self.cache[MASK] = self._set_row(self.cache[MASK], r.slot, np.full(self._mask_width, -1, np.int32))
+                    self.slot_guided[r.slot] = False
+            elif g.written != (r.slot, g.fed):
+                row = np.empty(self._mask_width, np.int32)
+                g.mask(row)
+                self.cache[MASK] = self._set_row(self.cache[MASK], r.slot, row)
+                self.slot_guided[r.slot], g.written = True, (r.slot, g.fed)
