@@ -164,6 +164,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self._set_row = jax.jit(lambda table, slot, row: table.at[slot].set(row), donate_argnums=0)
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias
         self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
+        self._set_masks = jax.jit(lambda mask, slots, rows: mask.at[slots].set(rows, mode="drop"), donate_argnums=0)
+        self._mask_executor = None                               # llguidance's, made at the first guided step
         # meshlab.infer.guided.Grammars of the served tokenizer (the server sets it): requests with a
         # grammar (SamplingParams.grammar) are refused without one
         self.grammars = None

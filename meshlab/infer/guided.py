@@ -12,9 +12,10 @@ that may end allows the tokenizer's end-of-sequence token.
 
 What it costs: the next mask needs the last token on the host, so while a guided request runs the
 engine reads every step back before it plans the next (no overlap, no chained decode calls) and its
-decode calls run one step; masks cost ~2-100 us of host time per token (the grammar's), and the
-sampling programs read a [rows, V / 32] mask and take their non-greedy path (a vocabulary sort per
-row) for guided rows.
+decode calls run one step; the step's masks are computed in parallel across its guided rows
+(llguidance's executor; ~2-100 us each, the grammar's) and written in one device call; the sampling
+programs read a [rows, V / 32] mask and take their non-greedy path (a vocabulary sort per row) for
+guided rows.
 """
 from __future__ import annotations
 
@@ -127,17 +128,24 @@ class Guided:
         return any(r.guide is not None for r in self.sched.running())
 
     def _refresh_masks(self) -> None:
-        """Write each running guided row's allowed tokens into its slot's MASK row, where its matcher
-        moved (or the request moved slot) since the last write; free rows of slots a guided request
-        left."""
-        for r in self.sched.running():
-            g = r.guide
-            if g is None:
-                if self.slot_guided[r.slot]:
-                    self.cache[MASK] = self._set_row(self.cache[MASK], r.slot, np.full(self._mask_width, -1, np.int32))
-                    self.slot_guided[r.slot] = False
-            elif g.written != (r.slot, g.fed):
-                row = np.empty(self._mask_width, np.int32)
-                g.mask(row)
-                self.cache[MASK] = self._set_row(self.cache[MASK], r.slot, row)
-                self.slot_guided[r.slot], g.written = True, (r.slot, g.fed)
+        """Write each running guided row's allowed tokens into its slot's MASK row where its matcher moved
+        (or the request moved slot) since the last write, and all bits into the rows of slots a guided
+        request left: the masks computed in parallel (llguidance's executor), one device call for all."""
+        rows = [r for r in self.sched.running() if (r.guide is None and self.slot_guided[r.slot])
+                or (r.guide is not None and r.guide.written != (r.slot, r.guide.fed))]
+        if not rows:
+            return
+        b = next(x for x in self.DECODE if x >= len(rows))
+        slots = np.full(b, self.sched.max_seqs, np.int32)                 # padding rows: dropped
+        masks = np.full((b, self._mask_width), -1, np.int32)               # [b, V / 32]; free rows: every token
+        guided = [(r.guide.matcher, i) for i, r in enumerate(rows) if r.guide is not None]
+        if guided:
+            if self._mask_executor is None:
+                self._mask_executor = _llguidance().LLExecutor()
+            self._mask_executor.unsafe_compute_mask_ptr(guided, masks.ctypes.data, masks.strides[0], b)
+        for i, r in enumerate(rows):
+            slots[i] = r.slot
+            self.slot_guided[r.slot] = r.guide is not None
+            if r.guide is not None:
+                r.guide.written = (r.slot, r.guide.fed)
+        self.cache[MASK] = self._set_masks(self.cache[MASK], slots, masks)
