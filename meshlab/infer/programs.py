@@ -238,7 +238,7 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None
 def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
     """The prompt logprobs of a packed step's k chunk rows: h [k c, d] their final-normed hidden states,
     targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob" [k c],
-    "prompt_top_logprob", "prompt_top_id" [k c, TOP_LOGPROBS or 0 when top == 0]}, the log-softmax of
+    "prompt_top_logprob", "prompt_top_id" [k c, min(top, V)]}, the log-softmax of
     the raw logits as _head reports it. One row at a time (lax.map): the fp32 logits are [c, V] at
     once (263 MB at c = 512 for llama3's vocabulary), not [k c, V]."""
     d = h.shape[-1]
@@ -248,7 +248,7 @@ def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
         lp = jax.nn.log_softmax(model.logits(h_row[None])[0, :, :vocab], axis=-1)      # [c, V] fp32
         got = jnp.take_along_axis(lp, t_row[:, None], axis=1)[:, 0]                    # [c]
         if top:
-            return got, *jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))                     # [c, K] x2
+            return got, *jax.lax.top_k(lp, min(top, vocab))                              # [c, top] x2
         return got, lp[:, :0], t_row[:, None][:, :0]
     lp, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
     return {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
@@ -326,7 +326,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       max_seqs; last_slot [R]: the slot whose LAST entry takes the row's sampled token, or max_seqs);
       rows/counters/out_slot describe the R = n_dec + k output rows. score (static): None, or the
       chunk rows' prompt logprobs are computed too (_prompt_scores: at p["targets"] [k chunk], the
-      token after each position; score > 0 also their TOP_LOGPROBS best).
+      token after each position, and their `score` best).
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
       [n, b]. keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's

@@ -7,7 +7,8 @@ feeds: a step with a chunk row of a request that asks for them (SamplingParams.p
 runs the LM head over every chunk-row token too, at the next prompt token (the step's `targets`
 input), and its TOP_LOGPROBS best when some row asks for alternatives. Only such steps pay for it
 (a program per bucket and score flag, compiled at its first use): [chunk, vocab] fp32 logits per
-chunk row, one row at a time, and a top-k over the vocabulary per token.
+chunk row, one row at a time, and a top-k over the vocabulary per token (k = 0, 1 or TOP_LOGPROBS:
+the most any row of the step asks for, rounded up).
 
 A request computes what it scores: the prefix cache serves it no page it has not scored yet
 (Scheduler._prefix_hit), so a prompt met before is fed again, and a preempted request takes back
@@ -60,10 +61,13 @@ class Scoring:
 
     @staticmethod
     def _score_flag(scored):
-        """The packed step's static score: None (no row scores), 0 (logprobs only), TOP_LOGPROBS."""
+        """The packed step's static score: None (no row scores), else the alternatives it computes per
+        token: 0, 1 (what an evaluation harness asks: whether each token is the greedy one) or
+        TOP_LOGPROBS; one top-k pass over the vocabulary per token, cheapest at k = 1."""
         if not scored:
             return None
-        return TOP_LOGPROBS if any(r.params.prompt_logprobs for _, r, _, _ in scored) else 0
+        most = max(r.params.prompt_logprobs for _, r, _, _ in scored)
+        return most if most <= 1 else TOP_LOGPROBS
 
     @staticmethod
     def _fill_targets(targets: np.ndarray, scored, c: int) -> None:
