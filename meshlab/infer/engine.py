@@ -335,9 +335,6 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         rows whose samples in flight end them free their slots first (Scheduler.release_finishing), and
         rows whose tokens are still on the device are fed from it. True when it read `prev` back
         first instead, for a first-token step (fed from the host): the caller plans again."""
-        if prev is not None and self._guides_running():     # a guided row's next mask needs its tokens
-            self._land(prev)
-            prev = None
         if prev is not None:
             self.sched.release_finishing()
         self._admit()
@@ -369,7 +366,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                     else:
                         self._first_tokens(decodes, firsts)
                 elif decodes:
-                    n = 1 if any(r.guide is not None for r in decodes) else self.steps_per_call
+                    n = 1 if self._guides_running() else self.steps_per_call
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):
                         n = 1
                     self._flight = self._launch_decode(decodes, n)
@@ -453,8 +450,9 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         s = self.sched
         if not self.chain_decode or not (self.inbox.empty() and self.aborts.empty()) or (s.waiting and None in s.rows):
             return None
-        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens or r.guide is not None
-               for r in f.decodes):
+        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens for r in f.decodes):
+            return None
+        if self._guides_running():       # a guided row waits for its mask between calls: it joins the next one
             return None
         if not s.reserve_ahead(f.decodes, f.n):
             return None

@@ -10,12 +10,12 @@ other token's logit to -inf (sampler.sample's `allowed`). Each sampled token adv
 the host; a grammar that is complete (nothing may follow) finishes the request with "stop", and one
 that may end allows the tokenizer's end-of-sequence token.
 
-What it costs: the next mask needs the last token on the host, so while a guided request runs the
-engine reads every step back before it plans the next (no overlap, no chained decode calls) and its
-decode calls run one step; the step's masks are computed in parallel across its guided rows
-(llguidance's executor; ~2-100 us each, the grammar's) and written in one device call; the sampling
-programs read a [rows, V / 32] mask and take their non-greedy path (a vocabulary sort per row) for
-guided rows.
+What it costs: the next mask needs the last token on the host, so a guided row sits out each step
+planned while its last token is still on the device (Scheduler.decoding; the engine's steps still
+overlap: it decodes every other step), and while one runs, decode calls run one step and do not
+chain. A step's masks are computed in parallel across its guided rows (llguidance's executor; ~2-100
+us each, the grammar's) and written in one device call; the sampling programs read a [rows, V / 32]
+mask and take their non-greedy path (a vocabulary sort per row) for guided rows.
 """
 from __future__ import annotations
 
@@ -123,8 +123,8 @@ class Guided:
     entry kept equal to its matcher's next allowed tokens, and the step rules those rows need."""
 
     def _guides_running(self) -> bool:
-        """Whether a running request is held to a grammar: its next mask waits for its last token, so
-        steps are read back before the next is planned and decode calls run one step."""
+        """Whether a running request is held to a grammar: decode calls then run one step and do not
+        chain, so that a guided row whose last token is read back joins the next call."""
         return any(r.guide is not None for r in self.sched.running())
 
     def _refresh_masks(self) -> None:

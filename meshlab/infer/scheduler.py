@@ -336,10 +336,11 @@ class Scheduler:
         row or, when every prompt row of the step has one token left, in one decode step), and a
         position its own (a fully cached prompt's last token lies in a shared page, left unchanged).
         Tokens still on the device (req.pending) count as its own: the last of them is the one to
-        feed, unless they bring the output to max_tokens."""
+        feed, unless they bring the output to max_tokens; a request held to a grammar waits for them
+        (its next allowed tokens follow from its last: meshlab.infer.guided)."""
         out = len(req.output) + req.pending
         return (req.n_tokens + req.pending - req.cached == 1 and out > 0 and req.cached >= req.prefix_hit_tokens
-                and out < req.params.max_tokens)
+                and out < req.params.max_tokens and not (req.pending and req.guide is not None))
 
     def prompts_left(self) -> bool:
         """Whether the next step is likely to feed prompt tokens: a request waits while a row is free,
