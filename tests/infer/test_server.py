@@ -544,3 +544,21 @@ def test_response_format_holds_the_output_to_json(server):
                                                           "response_format": {"type": "json_object"}})
     content, finish = sse_text(text, chat=False)
     assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"
+
+
+def test_response_format_with_a_tokenizer_json(server, templated_tokenizer):
+    """The matcher reads a tokenizer.json's tokens (byte-level BPE here) as it reads the byte tokenizer's."""
+    from meshlab.infer.guided import Grammars
+    tok, engine = templated_tokenizer, server.engine
+    old = server.tok, engine.detokenize, engine.grammars
+    server.tok, engine.detokenize, engine.grammars = tok, tok.decode, Grammars(tok, server.md.cfg.vocab_size)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    try:
+        status, resp = call(server, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "where?"}], "max_tokens": 40, "temperature": 0.7, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}})
+    finally:
+        server.tok, engine.detokenize, engine.grammars = old
+    assert status == 200, resp
+    assert list(json.loads(resp["choices"][0]["message"]["content"])) == ["city"]
