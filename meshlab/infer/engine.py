@@ -166,6 +166,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
         self._set_masks = jax.jit(lambda mask, slots, rows: mask.at[slots].set(rows, mode="drop"), donate_argnums=0)
         self._mask_executor = None                               # llguidance's, made at the first guided step
+        self.guided: set = set()                                 # requests held to a grammar, queued or running
         # meshlab.infer.guided.Grammars of the served tokenizer (the server sets it): requests with a
         # grammar (SamplingParams.grammar) are refused without one
         self.grammars = None
@@ -248,6 +249,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.sched.release(req)
         self.stats["requests_finished"] += 1
         self.stats["preemptions"] += req.preemptions
+        self.guided.discard(req)
 
     def _emit(self, req, tokens, logprobs=None) -> bool:
         """Append sampled tokens until a stop (Request.append); True when the request finished."""
@@ -267,7 +269,9 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     # -- one step -------------------------------------------------------------------------
     def _admit(self):
         while not self.inbox.empty():
-            self.sched.add(self.inbox.get_nowait())
+            req = self.sched.add(self.inbox.get_nowait())
+            if req.guide is not None:
+                self.guided.add(req)
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):

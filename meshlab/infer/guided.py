@@ -125,12 +125,15 @@ class Guided:
     def _guides_running(self) -> bool:
         """Whether a running request is held to a grammar: decode calls then run one step and do not
         chain, so that a guided row whose last token is read back joins the next call."""
-        return any(r.guide is not None for r in self.sched.running())
+        return any(r.slot >= 0 for r in self.guided)
 
     def _refresh_masks(self) -> None:
         """Write each running guided row's allowed tokens into its slot's MASK row where its matcher moved
         (or the request moved slot) since the last write, and all bits into the rows of slots a guided
-        request left: the masks computed in parallel (llguidance's executor), one device call for all."""
+        request left: the masks computed in parallel (llguidance's executor), one device call for all.
+        Nothing to do, and no row looked at, while no request is held to a grammar and no slot holds a mask."""
+        if not self.guided and not self.slot_guided.any():
+            return
         rows = [r for r in self.sched.running() if (r.guide is None and self.slot_guided[r.slot])
                 or (r.guide is not None and r.guide.written != (r.slot, r.guide.fed))]
         if not rows:
