@@ -27,6 +27,9 @@ never share one), printing `ROW {json}` lines:
   score    (not by default) the workload's prompts as an evaluation harness's loglikelihood requests
            (greedy, one token, prompt logprobs: scored in the packed steps) against the same prompts as
            plain one-token requests, in the offline engine: prompt tokens/s of each
+  guided   (not by default) the offline workload free, then with 1 request in 8 held to a JSON schema
+           of its length (response_format's path: meshlab/infer/guided.py), in the offline engine:
+           output tokens/s of each
   restart  (not by default) serve.py started twice over one fresh compile cache: seconds to listening
   sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device
            (meshlab/bench/serve.py SimulatedDevice): offline and all at once through the server in
@@ -114,7 +117,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job in ("offline", "overlap_ab", "score"):
+    if args.job in ("offline", "overlap_ab", "score", "guided"):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -140,8 +143,9 @@ def child(args):
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         if args.job == "overlap_ab":
             return bs.overlap_ab(eng, work, cfg.vocab_size)
-        if args.job == "score":
-            return bs.scoring(eng, work)
+        if args.job in ("score", "guided"):
+            from meshlab.bench import serve_kinds
+            return (serve_kinds.scoring if args.job == "score" else serve_kinds.guided)(eng, work)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

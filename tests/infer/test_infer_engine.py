@@ -166,11 +166,22 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
 def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
     """bench_serve's score job on the tiny engine: plain one-token requests and scored ones over the
     same prompts, each with its prompt tokens/s, and the scored requests' tokens equal the plain ones'."""
-    from meshlab.bench.serve import scoring
+    from meshlab.bench.serve_kinds import scoring
     work = [(list(range(1 + i, 12 + 3 * i)), 1) for i in range(4)]
     plain, scored = scoring(engine, work)
     assert plain["unit"] == scored["unit"] == "prompt tok/s" and plain["value"] > 0 and scored["value"] > 0
     assert "in 4 of 4" in scored["note"]
+
+
+def test_guided_benchmark_times_both_runs_and_its_outputs_parse(engine, monkeypatch):
+    """bench_serve's guided job on the tiny engine: the workload free and with 1 in 2 requests held to a
+    JSON string of its length, each with its output tokens/s, every guided output parsing."""
+    from meshlab.bench.serve_kinds import guided
+    monkeypatch.setattr(engine, "grammars", None)            # the job sets its own; the fixture's is left alone
+    work = [(list(range(1 + i, 8 + 2 * i)), 6 + i) for i in range(4)]
+    free, held = guided(engine, work, share=2)
+    assert free["unit"] == held["unit"] == "tok/s" and free["value"] > 0 and held["value"] > 0
+    assert "2 of 2 guided outputs parse" in held["note"] and f"{sum(m for _, m in work)} output tokens" in held["note"]
 
 
 def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):

@@ -1,0 +1,71 @@
+"""Request kinds beyond plain generation under the offline workload (scripts/bench_serve.py's score
+and guided jobs): an evaluation harness's scoring requests, and requests held to a JSON schema, each
+against plain requests in the same engine.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from meshlab.bench.decode import emit
+
+
+def scoring(engine, work, label: str = "engine") -> list[dict]:
+    """An evaluation harness's loglikelihood load: every prompt of `work` sent at once as a greedy
+    one-token request with prompt logprobs (what lm-evaluation-harness's local-completions sends with
+    echo), against the same prompts as plain one-token requests (prefill through the packed steps) in
+    the same engine: prompt tokens/s of each, and the scored values' agreement (first token's)."""
+    from meshlab.infer.sampler import SamplingParams
+    prompts, rows, outputs, tokens = [p for p, _ in work], [], [], sum(len(p) for p, _ in work)
+    vocab = engine.md.cfg.vocab_size
+    warm = [[(t + 1) % vocab for t in p] for p in prompts]   # the same lengths (every program), none cached
+    for name, sp in (("plain one-token", SamplingParams(max_tokens=1)),
+                     ("scored (prompt logprobs 1)", SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))):
+        engine.generate(warm, sp)
+        t = time.perf_counter()
+        outputs.append([r.output for r in engine.generate(prompts, sp)])
+        wall = time.perf_counter() - t
+        rows.append({"section": "score", "setting": f"{label} {name} n={len(prompts)}", "value": tokens / wall,
+                     "unit": "prompt tok/s", "requests_per_s": len(prompts) / wall,
+                     "note": f"{len(prompts)} requests, {tokens} prompt tokens in {wall:.2f} s"})
+    same = sum(a == b for a, b in zip(*outputs))
+    rows[-1]["note"] += f"; its tokens equal the plain requests' in {same} of {len(prompts)}"
+    return [emit(r) for r in rows]
+
+
+def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
+    """The offline workload free, then with every `share`-th request held to a JSON schema that fixes
+    its length (a string of max_tokens - 2 lowercase letters: as many tokens as the free request, one
+    byte token each), in the same engine over the model's vocabulary read as bytes: output tokens/s of
+    each, and how many guided outputs parse as the schema asks. What it costs the other rows: guided
+    rows sit out the steps planned while their last token is on the device, and decode calls run
+    one step while one runs (meshlab.infer.guided)."""
+    from meshlab.infer.guided import Grammars, json_grammar
+    from meshlab.infer.sampler import SamplingParams
+    from meshlab.tokenizer import ByteTokenizer
+    vocab = engine.md.cfg.vocab_size
+    engine.grammars = Grammars(ByteTokenizer(), vocab)
+    engine.warmup(greedy=False)        # guided rows sample through the programs without the greedy promise
+    # each run on its own prompt ids of the workload's lengths: none finds another's pages cached
+    prompts = lambda k: [[(t + k) % vocab for t in p] for p, _ in work]      # noqa: E731
+    warm = max(len(work) // 8, 1)
+
+    def params(held: bool):
+        return [SamplingParams(max_tokens=m, grammar=json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"}))
+                if held and i % share == 0 else SamplingParams(max_tokens=m) for i, (_, m) in enumerate(work)]
+    rows = []
+    for k, (name, held) in enumerate((("free", False), (f"1 in {share} held to a JSON schema", True))):
+        engine.generate(prompts(2 * k + 1)[:warm], params(held)[:warm])
+        t, compiles = time.perf_counter(), engine.stats["compiles"]
+        reqs = engine.generate(prompts(2 * k), params(held))
+        wall = time.perf_counter() - t
+        out_tok = sum(len(r.output) for r in reqs)
+        row = {"section": "guided", "setting": f"{label} {name} n={len(work)}", "value": out_tok / wall, "unit": "tok/s",
+               "note": f"{out_tok} output tokens in {wall:.2f} s, {engine.stats['compiles'] - compiles} compiles"}
+        if held:
+            held_reqs = reqs[::share]
+            valid = sum(len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2 for r in held_reqs)
+            row["note"] += f"; {valid} of {len(held_reqs)} guided outputs parse as their schema asks"
+        rows.append(row)
+    rows[-1]["note"] += f"; {rows[-1]['value'] / rows[0]['value']:.2f}x the free run"
+    return [emit(r) for r in rows]
