@@ -201,7 +201,7 @@ def restart(preset, dtype, bs) -> list:
                 log = err.read()
             if "http://" not in line:
                 raise RuntimeError(f"serve.py did not start: {log[-500:]}")
-            compiled = re.search(r"compiled \d+ programs in \d+ s", log)
+            compiled = re.search(r"compiled \d+ programs (\([a-z, ]+\) )?in \d+ s", log)
             rows.append(bs.emit({"section": "start", "setting": f"serve.py to listening, {label}", "value": took,
                                  "unit": "s", "note": f"{compiled.group(0) if compiled else 'no compile line'}; "
                                                       f"--checkpoint random:{preset} --dtype {dtype}, defaults"}))

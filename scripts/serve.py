@@ -46,7 +46,16 @@ def main(argv=None):
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
                          "bucket first met under load compiles then, stalling every request for seconds")
+    ap.add_argument("--warmup-kinds", default="greedy,sampled",
+                    help="the requests whose programs --warmup compiles, comma-separated: greedy, sampled "
+                         "(temperature, penalties, response_format), logprobs, scoring (echo with logprobs, as "
+                         "evaluation harnesses score); a step mixing kinds runs a program of its own, compiled "
+                         "at its first use")
     args = ap.parse_args(argv)
+    from meshlab.infer.warmup import WARMUP_KINDS
+    kinds = [k for k in args.warmup_kinds.split(",") if k]
+    if any(k not in WARMUP_KINDS for k in kinds):
+        sys.exit(f"serve: --warmup-kinds {args.warmup_kinds}: each must be one of {', '.join(WARMUP_KINDS)}")
     import jax
     from meshlab.infer.engine import Engine
     from meshlab.infer.server import Server
@@ -58,8 +67,9 @@ def main(argv=None):
                         impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
         if args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu"):
             t = time.perf_counter()
-            k = engine.warmup()
-            print(f"compiled {k} programs in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+            k = sum(engine.warmup(**WARMUP_KINDS[kind]) for kind in kinds)
+            print(f"compiled {k} programs ({', '.join(kinds)}) in {time.perf_counter() - t:.0f} s", file=sys.stderr,
+                  flush=True)
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         max_concurrent=args.max_concurrent, max_waiting=args.max_waiting).start()

@@ -12,47 +12,55 @@ from typing import Callable
 import numpy as np
 
 from meshlab.infer import calls
-from meshlab.infer.programs import placement
+from meshlab.infer.programs import TOP_LOGPROBS, placement
+
+# What a server compiles before it listens (scripts/serve.py --warmup-kinds): each kind is one set of the
+# programs' static flags (greedy, logprobs, prompt-logprob score), every bucket compiled for it.
+WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature 0, no penalties
+                "sampled": dict(greedy=False),                     # temperature, penalties, logit_bias, grammars
+                "logprobs": dict(greedy=True, logprobs=TOP_LOGPROBS),
+                "scoring": dict(greedy=True, logprobs=TOP_LOGPROBS, score=1)}   # an evaluation harness's
 
 
 class Warmup:
     """`warmup` for an `Engine`: its buckets' programs called through its own calls (compiles counted)."""
 
-    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None) -> int:
-        """Compile every bucket's program now (decode calls of steps_per_call steps, every packed
-        shape) by calling each on padding only: nothing is written, no request is touched. A
-        server does this before its first request. report(key, seconds) after each program.
-        Returns the number of programs compiled."""
+    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None, score=None) -> int:
+        """Compile every bucket's program now for these static flags (decode calls of steps_per_call
+        steps and of one, which runs when pages for more are short or a request is held to a grammar;
+        first-token and head calls; every packed shape) by calling each on padding only: nothing is
+        written, no request is touched. A server does this before its first request (WARMUP_KINDS: the
+        flags of each kind of request). score: the packed shapes' prompt-logprob flag
+        (scoring._score_flag). report(key, seconds) after each program compiled. Returns the number
+        of programs compiled (those compiled before are skipped)."""
         s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
+        flags = dict(greedy=greedy, logprobs=logprobs)
+
+        def run(key, call, buf, **kw):
+            if key not in self._programs:
+                _, t0, t1 = self._call(key, call, buf, **kw, **flags)
+                report and report(key, t1 - t0)
         with placement(self.rules, self.mesh):
             for b in self.DECODE:
-                z = np.zeros(b, np.int32)
-                key = ("decode", b, self.steps_per_call, greedy, logprobs)
-                pad = np.full(b, b_max, np.int32)
+                z, pad = np.zeros(b, np.int32), np.full(b, b_max, np.int32)
                 buf, layout = calls.decode_inputs(z, z, z, s.table[z], pad, self._row_inputs(z), z, pad)
-                _, t0, t1 = self._call(key, self.decode_call, buf, layout=layout, n=self.steps_per_call,
-                                       greedy=greedy, logprobs=logprobs)
-                report and report(key, t1 - t0)
+                for n in sorted({self.steps_per_call, 1}, reverse=True):
+                    run(("decode", b, n, greedy, logprobs), self.decode_call, buf, layout=layout, n=n)
                 if not self.first_token_decode:   # its one-step program is never called: not compiled
                     continue
-                key, slots = ("first", b, 1, greedy, logprobs), self._first_slots(b)
+                slots = self._first_slots(b)
                 slots.fill()                                          # padding only: limit 0, nothing fed
-                _, t0, t1 = self._call(key, self.first_call, slots.take(), layout=slots.layout, n=1,
-                                       greedy=greedy, logprobs=logprobs)
-                report and report(key, t1 - t0)
+                run(("first", b, 1, greedy, logprobs), self.first_call, slots.take(), layout=slots.layout, n=1)
                 if self.reuse_hidden:
-                    key, slots = ("head", b, greedy, logprobs), self._head_slots(b)
+                    slots = self._head_slots(b)
                     slots.fill()                                      # page 0's row: read, nothing written
-                    _, t0, t1 = self._call(key, self.head_call, slots.take(), layout=slots.layout, greedy=greedy,
-                                           logprobs=logprobs, weights=self.head_weights)
-                    report and report(key, t1 - t0)
+                    run(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
+                        weights=self.head_weights)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
             for nd, k, w in shapes:
-                key = ("packed", nd, k, w, greedy, logprobs, None)
-                slots = self._packed_slots(nd, k, w)
+                slots = self._packed_slots(nd, k, w, score is not None)
                 slots.fill()                                          # padding only
-                _, t0, t1 = self._call(key, self.packed_call, self._packed_input(slots), layout=slots.layout, greedy=greedy,
-                                       logprobs=logprobs)
-                report and report(key, t1 - t0)
+                run(("packed", nd, k, w, greedy, logprobs, score), self.packed_call, self._packed_input(slots),
+                    layout=slots.layout, score=score)
         return self.stats["compiles"] - before

@@ -435,19 +435,29 @@ def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
     wide = Engine(md, params, max_len=32, max_seqs=256, page_size=4, chunk=8, steps_per_call=2)
     assert wide.DECODE == [1, 4, 16, 32, 64, 128, 256]
     cache = jax.tree.map(np.asarray, eng.cache)
-    assert eng.warmup() == 2 * 3 + 2 * 2           # per decode bucket: n steps, one first-token step, the head
+    assert eng.warmup() == 2 * 4 + 2 * 2           # per decode bucket: n steps, one step, the first-token step, the head
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, eng.cache), cache)
     prompts = [[5, 6, 7], list(range(40, 52)), [9] * 10]
     reqs = eng.generate(prompts, SamplingParams(max_tokens=5))
     reqs += eng.generate([[4]], SamplingParams(max_tokens=5))        # one token to feed: a first-token step
     assert eng.stats["first_token_calls"] == 1
-    assert eng.stats["compiles"] == 10, sorted(eng._programs)       # every step found its program compiled
+    assert eng.stats["compiles"] == 12, sorted(eng._programs)       # every step found its program compiled
     for r in reqs:
         assert_greedy_matches(fwd, params, r.prompt, r.output)
+    # The other kinds a server may warm (scripts/serve.py --warmup-kinds): their requests compile nothing
+    # (each kind alone: steps that mix kinds combine their flags, a program of its own).
+    from meshlab.infer.warmup import WARMUP_KINDS
+    assert eng.warmup(**WARMUP_KINDS["sampled"]) == 12 and eng.warmup(**WARMUP_KINDS["scoring"]) == 12
+    assert eng.warmup(**WARMUP_KINDS["logprobs"]) == 4          # its packed shapes; scoring compiled the rest
+    before = set(eng._programs)
+    for sp in (SamplingParams(max_tokens=5, temperature=0.9, seed=1), SamplingParams(max_tokens=4, logprobs=3),
+               SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)):
+        eng.generate(prompts, sp)
+    assert set(eng._programs) == before, set(eng._programs) - before
     # Without the first-token route its programs are not compiled at start-up.
     off = Engine(md, params, max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=2, max_step_tokens=20,
                  first_token_decode=False)
-    assert off.warmup() == 2 + 2 * 2 and not [k for k in off._programs if k[0] == "first"]
+    assert off.warmup() == 2 * 2 + 2 * 2 and not [k for k in off._programs if k[0] == "first"]
 
 
 def test_chained_decode_calls_equal_unchained(tiny):

@@ -120,6 +120,14 @@ def test_mesh_without_rules_is_one_clear_error():
         open_checkpoint(args)
 
 
+def test_an_unknown_warmup_kind_is_one_clear_error():
+    """serve.py --warmup-kinds names kinds of requests (meshlab/infer/warmup.py); a typo stops it before loading."""
+    import runpy
+    serve = runpy.run_path(str(ROOT / "scripts/serve.py"), run_name="serve")
+    with pytest.raises(SystemExit, match="--warmup-kinds greedy,sampeld: each must be one of greedy, sampled"):
+        serve["main"](["--checkpoint", "random:tiny", "--warmup-kinds", "greedy,sampeld"])
+
+
 def test_a_second_start_loads_its_programs_from_the_compile_cache(clean):
     """--compile-cache (default: under $XDG_CACHE_HOME): generate.py run again loads what it compiled
     (jax logs each hit; the tiny model's programs compile in under jax's default 1 s, and are kept too)."""
