@@ -33,7 +33,6 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 def _llguidance():
     try:
         import llguidance
-        import llguidance.numpy  # noqa: F401  (fill_next_token_bitmask)
     except ImportError:
         raise ValueError("structured output (response_format json_object / json_schema) needs llguidance: "
                          "pip install 'meshlab[serve]'") from None
@@ -57,7 +56,7 @@ class _ByteTokens:
     def __init__(self, tok, vocab_size: int):
         self.eos_token_id, self.bos_token_id = tok.eod_id, None
         self.tokens = [bytes([i]) if i < 256 else f"<|{i}|>".encode() for i in range(vocab_size)]
-        self.special_token_ids = [i for i in range(256, vocab_size)]
+        self.special_token_ids = list(range(256, vocab_size))
 
     def __call__(self, text):
         return list(text if isinstance(text, bytes) else text.encode("utf-8"))
@@ -102,7 +101,6 @@ class Guide:
             raise RuntimeError(f"token {token} was sampled outside the grammar: {self.matcher.get_error()}")
         self.fed += 1
         return self.matcher.is_stopped()
-
 
 
 class Grammars:
