@@ -3,12 +3,14 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, suffix, tools) with a 400 that says so, rather than ignoring it. `response_format`
-json_object / json_schema holds the output to JSON (meshlab.infer.guided).
+(best_of, suffix, tool_choice "auto") with a 400 that says so, rather than ignoring it.
+`response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided), and chat
+`tools` with tool_choice "required" or a named function make the reply a tool call (meshlab.infer.tools).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional
 
 from meshlab.infer.sampler import SamplingParams
@@ -37,6 +39,7 @@ class Plan:
     continuous_usage: bool = False     # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
     prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
+    tool_call: bool = False            # each reply is a tool call (tools.tool_calls reads it back)
 
     @property
     def submits(self) -> bool:
@@ -62,12 +65,13 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 
 
 # Fields of OpenAI's API that would change the answer and that this server does not implement.
-UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v),
-               "tools": lambda v, b: bool(v)}
+UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v)}
 
 
 def chat_messages(messages) -> list:
-    """Messages as [{role, content: str}]; content given as text parts is joined."""
+    """Messages as [{role, content: str}]; content given as text parts is joined. A tool's result
+    (role "tool") keeps its tool_call_id, and an assistant's tool calls (content then may be null)
+    their tool_calls, for the chat template."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list of {role, content} objects", param="messages")
     out = []
@@ -76,17 +80,25 @@ def chat_messages(messages) -> list:
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant") \
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if content is None and isinstance(calls, list) and calls:
+            content = ""
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool") \
                 or not isinstance(content, str):
-            raise BadRequest(f"messages[{i}] must be {{\"role\": system|developer|user|assistant, \"content\": "
+            raise BadRequest(f"messages[{i}] must be {{\"role\": system|developer|user|assistant|tool, \"content\": "
                              "string or text parts}", param="messages")
-        out.append({"role": m["role"], "content": content})
+        extra = {k: m[k] for k in ("tool_call_id", "tool_calls", "name") if m.get(k) is not None}
+        out.append({"role": m["role"], "content": content, **extra})
     return out
 
 
-def plain_chat_prompt(messages: list) -> str:
-    """The format for tokenizers without a chat template: 'role: content' lines, then 'assistant:'."""
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+def plain_chat_prompt(messages: list, tools: Optional[list] = None) -> str:
+    """The format for tokenizers without a chat template: 'role: content' lines (an assistant's tool
+    calls as their JSON; the tools first, as one line), then 'assistant:'."""
+    from meshlab.infer.tools import plain_tools_line
+    lines = [plain_tools_line(tools)] if tools else []
+    lines += [f"{m['role']}: {json.dumps(m['tool_calls']) if m.get('tool_calls') else m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
 
 
 def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int) -> Plan:
@@ -99,7 +111,9 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     for name, used in UNSUPPORTED.items():
         if body.get(name) is not None and used(body[name], body):
             raise BadRequest(f"`{name}` is not supported by this server; leave it out", param=name)
-    texts, prompts = _chat_prompt(body, tok) if chat else _completion_prompts(body.get("prompt"), tok)
+    if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise BadRequest("`tools` belong to /v1/chat/completions", param="tools")
+    texts, prompts, choice = _chat_prompt(body, tok) if chat else (*_completion_prompts(body.get("prompt"), tok), None)
     if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = _typed(body, "n", int, 1, 1, max_n)
@@ -116,20 +130,33 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo else None
-    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs)
+    tool_call = choice is not None and choice.call is not None
+    if tool_call and body.get("response_format") is not None:
+        raise BadRequest("`response_format` and a required tool call both fix the reply's form; send one",
+                         param="response_format")
+    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs,
+                       choice.grammar() if tool_call else None)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
-                opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs)
+                opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
+                tool_call=tool_call)
 
 
 def _chat_prompt(body, tok):
-    """([text], [ids]): the messages through the tokenizer's chat template, else the plain format."""
+    """([text], [ids], tools.ToolChoice or None): the messages (and tools) through the tokenizer's chat
+    template, else the plain format."""
+    from meshlab.infer.tools import ToolError, parse_tools
     messages = chat_messages(body.get("messages"))
+    try:
+        choice = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolError as e:
+        raise BadRequest(str(e), param=e.param) from None
+    tools = choice.tools if choice else None
     template = getattr(tok, "chat_template", None)
     try:
-        text = template(messages) if template else plain_chat_prompt(messages)
+        text = template(messages, tools) if template else plain_chat_prompt(messages, tools)
     except ValueError as e:
         raise BadRequest(str(e), param="messages") from None
-    return [text], [tok.encode(text)]
+    return [text], [tok.encode(text)], choice
 
 
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
@@ -155,7 +182,7 @@ def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len:
     return logprobs, max_tokens
 
 
-def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None) -> list:
+def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None) -> list:
     """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
     when prompt_logprobs is set (every choice shares its prompt)."""
     stop = body.get("stop") or ()
@@ -168,7 +195,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
-    kw["grammar"] = response_grammar(body.get("response_format"))
+    kw["grammar"] = grammar or response_grammar(body.get("response_format"))
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()

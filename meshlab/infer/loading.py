@@ -58,10 +58,10 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         self.template, self.special = env.from_string(source), special
 
-    def __call__(self, messages: list) -> str:
+    def __call__(self, messages: list, tools: list | None = None) -> str:
         from jinja2.exceptions import TemplateError
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
         except TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
 

@@ -27,6 +27,7 @@ import uuid
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
+from meshlab.infer.tools import tool_calls
 
 
 class Server:
@@ -439,7 +440,11 @@ class Call:
             before = self._prompt_logprobs(i) if p.prompt_logprobs is not None else None
             lp = self._logprobs(i, 0, self._covered(i, text, True), len(self._echoed(i)), before)
             choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
-            if p.chat:
+            calls = tool_calls(text) if p.tool_call else None
+            if calls:                              # a whole call (not cut by max_tokens)
+                choice.update(message={"role": "assistant", "content": None, "tool_calls": calls},
+                              finish_reason="tool_calls")
+            elif p.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = self._echoed(i) + text
@@ -451,9 +456,11 @@ class Call:
         made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0
         return api.usage(sum(map(len, self.plan.prompts)), made)
 
-    def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False) -> bytes:
+    def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False, calls=None) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
-        if self.plan.chat:
+        if calls:                                  # a tool call, whole, in the choice's last chunk
+            choice.update(delta={"tool_calls": [dict(index=0, **calls[0])]}, finish_reason="tool_calls")
+        elif self.plan.chat:
             choice["delta"] = dict({"role": "assistant"} if role else {}, **({"content": text} if text or role
                                                                            else {}))
         else:
@@ -465,7 +472,12 @@ class Call:
 
     def _delta(self, i: int, final: bool) -> bytes | None:
         """The chunk for what choice i added since the last one (None: nothing new to show), after the
-        echoed prompt with its logprobs at the choice's first event when those were asked for."""
+        echoed prompt with its logprobs at the choice's first event when those were asked for. A tool
+        call's reply is sent whole when it ends (its JSON is not the message's content)."""
+        if self.plan.tool_call:
+            calls = tool_calls(self._text(i, True)) if final else None
+            return self._chunk(i, "" if calls else self._text(i, True), self._finish(i), None, calls=calls) \
+                if final else None
         echo = b""
         if self.plan.prompt_logprobs is not None and not self.echoed[i]:
             self.echoed[i] = True

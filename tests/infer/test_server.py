@@ -119,6 +119,17 @@ def test_chat_stream_equals_whole(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "exceeds the context"),
     ("/v1/completions", [1, 2], None, 400, "JSON object"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, None, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, None, 400, '"auto"'),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}],
+                              "tool_choice": "required"}, None, 400, "tools[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, None, 400, "one of ['f']"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None,
+     400, "needs `tools`"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400,
+     "chat/completions"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, None, 400, "grammar"),
 ])
@@ -562,3 +573,65 @@ def test_response_format_with_a_tokenizer_json(server, templated_tokenizer):
         server.tok, engine.detokenize, engine.grammars = old
     assert status == 200, resp
     assert list(json.loads(resp["choices"][0]["message"]["content"])) == ["city"]
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+
+
+def test_a_required_tool_call_comes_back_as_tool_calls(server):
+    """tool_choice "required" and a named function: the reply is a call of one of the tools with
+    arguments of its schema (even from the random model), as message.tool_calls, whole and streamed;
+    a conversation carrying a call and its result is accepted back. (A chat template that leaves the
+    tools out of the prompt: the plain format's tools line would not fit the tiny server's context.)"""
+    from meshlab.infer.loading import ChatTemplate
+    tok = ByteTokenizer()
+    tok.chat_template = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:", {})
+    old, server.tok = server.tok, tok
+    try:
+        _tool_calls_of(server)
+    finally:
+        server.tok = old
+
+
+def _tool_calls_of(server):
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    status, resp = call(server, "POST", "/v1/chat/completions", {
+        "messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": "required", "max_tokens": 60,
+        "temperature": 0.8, "seed": 2})
+    assert status == 200, resp
+    choice = resp["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (tc,) = choice["message"]["tool_calls"]
+    args = json.loads(tc["function"]["arguments"])
+    assert tc["type"] == "function" and tc["id"].startswith("call_")
+    assert (tc["function"]["name"], set(args)) in (("weather", {"city"}), ("clock", {"utc"}))
+    status, text = call(server, "POST", "/v1/chat/completions", {
+        "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": 60, "stream": True,
+        "tool_choice": {"type": "function", "function": {"name": "clock"}}})
+    chunks = [json.loads(e[6:]) for e in text.splitlines() if e.startswith("data: {")]
+    last = chunks[-1]["choices"][0]
+    assert status == 200 and last["finish_reason"] == "tool_calls"
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "clock"
+    assert isinstance(json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"])["utc"], bool)
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [tc]},
+                          {"role": "tool", "tool_call_id": tc["id"], "content": "12 C, rain"}]
+    status, resp = call(server, "POST", "/v1/chat/completions", {
+        "messages": history, "tools": [WEATHER, CLOCK], "tool_choice": "none", "max_tokens": 4})
+    assert status == 200 and resp["choices"][0]["message"]["content"] is not None, resp
+
+
+def test_tools_reach_the_prompt_through_the_chat_template():
+    """The chat template renders the request's tools (its `tools` variable); without one, a tools line."""
+    from meshlab.infer import api
+    from meshlab.infer.loading import ChatTemplate
+    tok = ByteTokenizer()
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required"}
+    plain = api.parse(body, True, tok, "tiny", 512, [256], 1)
+    assert plain.tool_call and plain.prompt_texts[0].startswith('tools: [{"name": "weather"')
+    tok.chat_template = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                                     "{% for m in messages %}{{ m.content }}{% endfor %}", {})
+    assert api.parse(body, True, tok, "tiny", 512, [256], 1).prompt_texts[0] == "[weather]hi"
