@@ -68,8 +68,8 @@ def parse_tools(tools, choice) -> Optional[ToolChoice]:
         return ToolChoice(tools)
     if choice == "required":
         return ToolChoice(tools, functions)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        else None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     named = [f for f in functions if f["name"] == name]
     if not named:
         raise ToolError(f'`tool_choice` must be "none", "required" or {{"type": "function", "function": {{"name": '
@@ -83,6 +83,8 @@ def tool_calls(text: str) -> Optional[list]:
     try:
         call = json.loads(text)
     except ValueError:
+        return None
+    if not isinstance(call, dict) or not {"name", "arguments"} <= set(call):
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]

@@ -126,6 +126,9 @@ def test_chat_stream_equals_whole(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
             "name": "g"}}}, None, 400, "one of ['f']"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": "f"}},
+     None, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None,
      400, "needs `tools`"),
     ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400,
