@@ -609,3 +609,25 @@ def test_grammar_holds_every_token_and_leaves_free_rows_alone(tiny, engine, monk
         replay.consume(t)
     for r in reqs[1::2] + engine.generate(prompts, SamplingParams(max_tokens=10)):
         assert_greedy_matches(fwd, params, r.prompt, r.output)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_scores_and_guides_on_its_shipped_paths(tiny):
+    """On one GPU, the engine's defaults (Pallas attention, kernels layers, the paged prompt kernel):
+    prompt logprobs near the full forward's (fp32; XLA's GPU dots may round through TF32, hence 2e-2)
+    and a request held to a JSON schema parses."""
+    import json
+    from meshlab.infer.guided import Grammars, json_grammar
+    from meshlab.tokenizer import ByteTokenizer
+    md, params, fwd = tiny
+    eng = Engine(md, params, max_len=256, max_seqs=4, page_size=16, chunk=64)
+    assert (eng.impl, eng.layers) == ("pallas", "kernels")
+    prompt = np.random.default_rng(4).integers(0, md.cfg.vocab_size, 150).tolist()
+    got = eng.prompt_logprobs(prompt, top=1)
+    ref = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([prompt], jnp.int32))[0], axis=-1))
+    np.testing.assert_allclose([e[0] for e in got[1:]], ref[np.arange(149), prompt[1:]], atol=2e-2, rtol=2e-2)
+    eng.grammars = Grammars(ByteTokenizer(), md.cfg.vocab_size)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (req,) = eng.generate([prompt[:20]], SamplingParams(max_tokens=20, grammar=json_grammar(schema)))
+    assert req.finish_reason == "stop" and isinstance(json.loads(bytes(req.output).decode())["ok"], bool)
