@@ -7,13 +7,14 @@ steps per call; compiled shapes t in {1, chunk}, n in {steps_per_call}.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import kv_cache
-from meshlab.infer.programs import make_programs, placement, serving_params
+from meshlab.infer.programs import engine_rules, make_programs, placement, serving_params
 from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 
 
@@ -24,6 +25,9 @@ class ContiguousGenerator:
                  rules=None, mesh=None, layers: str = "split"):
         if max_len % chunk and chunk < max_len:
             raise ValueError(f"max_len={max_len} must be a multiple of chunk={chunk}")
+        if rules is not None and mesh is not None and batch % math.prod(mesh.shape[a] for a in rules.axes("cache_batch", mesh)):
+            # a batch the rule file's batch split cannot divide (one prompt under fsdp_tp) stays whole
+            rules = engine_rules(rules, ("act_batch", "cache_batch"))
         self.md, self.batch, self.max_len = md, batch, max_len
         self.chunk, self.steps_per_call, self.rules, self.mesh = min(chunk, max_len), steps_per_call, rules, mesh
         self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)

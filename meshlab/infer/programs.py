@@ -103,11 +103,11 @@ def default_layers(md, impl: str, mesh=None) -> str:
 WHOLE_IN_ENGINE = ("act_batch", "act_seq", "act_attn_seq")
 
 
-def engine_rules(rules):
-    """The rule file as the engine's programs run under it: WHOLE_IN_ENGINE replicated."""
+def engine_rules(rules, names=WHOLE_IN_ENGINE):
+    """The rule file as the engine's programs run under it: `names` replicated."""
     if rules is None:
         return None
-    return dataclasses.replace(rules, rules={**rules.rules, **{name: () for name in WHOLE_IN_ENGINE}})
+    return dataclasses.replace(rules, rules={**rules.rules, **{name: () for name in names}})
 
 
 def placement(rules, mesh):

@@ -161,6 +161,10 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     assert gen.cache["k"].sharding.spec[1:4] == ("fsdp", None, "tensor")     # cache_batch, cache_seq, cache_kv_heads
     alone = ContiguousGenerator(md, params, batch=4, max_len=32, chunk=8, steps_per_call=4)
     assert gen.generate(prompts, sp) == alone.generate(prompts, sp)
+    # One prompt (scripts/generate.py's usual batch), which the batch split over fsdp=4 cannot divide: kept whole.
+    one = ContiguousGenerator(md, sharded, batch=1, max_len=32, chunk=8, steps_per_call=4, rules=rules, mesh=mesh)
+    assert one.cache["k"].sharding.spec[1] is None
+    assert one.generate(prompts[3:], sp) == alone.generate(prompts[3:], sp)
 
 
 def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
