@@ -203,7 +203,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                       "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
                       "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
                       "dispatch_s": 0.0, "first_token_calls": 0, "head_calls": 0, "unread_calls": 0,
-                      "overlapped_calls": 0}
+                      "overlapped_calls": 0, "scored_tokens": 0, "guided_requests": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -272,6 +272,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
             req = self.sched.add(self.inbox.get_nowait())
             if req.guide is not None:
                 self.guided.add(req)
+                self.stats["guided_requests"] += 1
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):

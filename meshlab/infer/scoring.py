@@ -75,8 +75,7 @@ class Scoring:
         for j, r, start, m in scored:
             targets[j * c:j * c + m] = r.token_ids(start + 1 + m)[start + 1:]
 
-    @staticmethod
-    def _keep_scores(out: dict, scored, c: int) -> None:
+    def _keep_scores(self, out: dict, scored, c: int) -> None:
         """Move the step's score outputs from `out` (read back with the step's tokens otherwise) to the
         requests of its scored rows (Request.score_parts)."""
         if not scored:
@@ -84,6 +83,7 @@ class Scoring:
         step = StepScores({k: out.pop(k) for k in SCORE_KEYS})
         for j, r, start, m in scored:
             r.score_parts.append((step, j * c, start, m))
+            self.stats["scored_tokens"] += m
 
     @staticmethod
     def _put_together(req) -> list:

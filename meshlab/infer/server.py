@@ -269,6 +269,9 @@ class Server:
                 ("http_requests_rejected_total", self.counts["rejected"]),
                 ("requests_aborted_total", self.counts["aborted"]), ("ttft_seconds_mean", mean(ttft)),
                 ("tpot_seconds_mean", mean(tpot)),
+                # prompt positions whose logprobs were computed (echo with logprobs), requests held to a grammar
+                ("prompt_tokens_scored_total", s.get("scored_tokens", 0)),
+                ("guided_requests_total", s.get("guided_requests", 0)),
                 ("generation_tokens_per_second", s["generated_tokens"] / s["busy_s"] if s["busy_s"] else 0.0)]
         return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
 

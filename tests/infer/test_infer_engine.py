@@ -407,10 +407,12 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
     prompts = [rng.integers(0, md.cfg.vocab_size, n).tolist() for n in (21, 14, 30, 9)]
     tops = [2, 0, 3, None]
     before, together, keep = engine.stats["preemptions"], [], engine._keep_scores
+    scored = engine.stats["scored_tokens"]
     monkeypatch.setattr(engine, "_keep_scores", lambda out, scored, c: together.append(
         len({id(r) for _, r, _, _ in scored})) or keep(out, scored, c))
     reqs = engine.generate(prompts, [SamplingParams(max_tokens=12, prompt_logprobs=t) for t in tops])
     assert engine.stats["preemptions"] > before and max(together) > 1      # requests scored in one step
+    assert engine.stats["scored_tokens"] - scored >= sum(len(p) - 1 for p, t in zip(prompts, tops) if t is not None)
     for r, prompt, top in zip(reqs, prompts, tops):
         assert_greedy_matches(fwd, params, prompt, r.output)
         if top is None:

@@ -558,6 +558,8 @@ def test_response_format_holds_the_output_to_json(server):
                                                           "response_format": {"type": "json_object"}})
     content, finish = sse_text(text, chat=False)
     assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"
+    guided = [line for line in call(server, "GET", "/metrics")[1].splitlines() if "guided_requests_total" in line]
+    assert guided and int(guided[0].split()[1]) >= 2
 
 
 def test_response_format_with_a_tokenizer_json(server, templated_tokenizer):
