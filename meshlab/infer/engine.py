@@ -161,10 +161,10 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         # a slot's generated-token counts set to a request's output so far (ids padded with the vocab size)
         self._recount = jax.jit(lambda counts, slot, ids: counts.at[slot].set(0).at[slot, ids].add(1, mode="drop"),
                                 donate_argnums=0)
-        self._set_row = jax.jit(lambda table, slot, row: table.at[slot].set(row), donate_argnums=0)
+        # rows [n, ...] of a per-slot cache entry set at slots [n] (slot max_seqs: padding, dropped)
+        self._set_rows = jax.jit(lambda entry, slots, rows: entry.at[slots].set(rows, mode="drop"), donate_argnums=0)
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias
         self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
-        self._set_masks = jax.jit(lambda mask, slots, rows: mask.at[slots].set(rows, mode="drop"), donate_argnums=0)
         self._mask_executor = None                               # llguidance's, made at the first guided step
         self.guided: set = set()                                 # requests held to a grammar, queued or running
         # meshlab.infer.guided.Grammars of the served tokenizer (the server sets it): requests with a
@@ -297,7 +297,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                 self.cache[COUNTS] = self._recount(self.cache[COUNTS], r.slot, ids)
             if p.logit_bias or self.slot_biased[r.slot]:          # set, or cleared of the slot's last request's
                 for name, row in zip((BIAS_IDS, BIAS_VALUES), bias_row(p.logit_bias, self.md.cfg.vocab_size)):
-                    self.cache[name] = self._set_row(self.cache[name], r.slot, row)
+                    self.cache[name] = self._set_rows(self.cache[name], np.array([r.slot], np.int32), row[None])
                 self.slot_biased[r.slot] = bool(p.logit_bias)
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens

@@ -149,4 +149,4 @@ class Guided:
             self.slot_guided[r.slot] = r.guide is not None
             if r.guide is not None:
                 r.guide.written = (r.slot, r.guide.fed)
-        self.cache[MASK] = self._set_masks(self.cache[MASK], slots, masks)
+        self.cache[MASK] = self._set_rows(self.cache[MASK], slots, masks)

@@ -226,13 +226,18 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None
     tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias, allowed)
     out = {"tokens": tok}
     if logprobs is not None:
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        out["logprob"] = jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
-        if logprobs:                     # no top-k pass when every row asked for the chosen token only
-            out["top_logprob"], out["top_id"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, vocab))
-        else:
-            out["top_logprob"], out["top_id"] = lp[:, :0], tok[:, None][:, :0]
+        out["logprob"], out["top_logprob"], out["top_id"] = _logprobs(logits, tok, logprobs and TOP_LOGPROBS)
     return out
+
+
+def _logprobs(logits, ids, top: int):
+    """(log-softmax of logits [R, V] at ids [R], and the top best [R, top] (logprobs, ids)): no top-k
+    pass when top == 0 (only the given tokens' logprobs were asked)."""
+    lp = jax.nn.log_softmax(logits, axis=-1)                                        # [R, V] fp32
+    at = jnp.take_along_axis(lp, ids[:, None], axis=1)[:, 0]                         # [R]
+    if top:
+        return at, *jax.lax.top_k(lp, min(top, lp.shape[-1]))                         # [R, top] x2
+    return at, lp[:, :0], ids[:, None][:, :0]
 
 
 def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
@@ -245,11 +250,7 @@ def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
 
     def row(args):
         h_row, t_row = args                                                             # [c, d], [c]
-        lp = jax.nn.log_softmax(model.logits(h_row[None])[0, :, :vocab], axis=-1)      # [c, V] fp32
-        got = jnp.take_along_axis(lp, t_row[:, None], axis=1)[:, 0]                    # [c]
-        if top:
-            return got, *jax.lax.top_k(lp, min(top, vocab))                              # [c, top] x2
-        return got, lp[:, :0], t_row[:, None][:, :0]
+        return _logprobs(model.logits(h_row[None])[0, :, :vocab], t_row, top)           # [c], [c, top] x2
     lp, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
     return {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
             "prompt_top_id": top_id.reshape(lp.size, -1)}
