@@ -51,6 +51,10 @@ def main(argv=None):
                          "(temperature, penalties, response_format), logprobs, scoring (echo with logprobs, as "
                          "evaluation harnesses score); a step mixing kinds runs a program of its own, compiled "
                          "at its first use")
+    ap.add_argument("--tool-call-parser", default="auto", choices=("auto", "json", "hermes", "mistral"),
+                    help='how tool_choice "auto" reads calls out of a reply: json (bare JSON calls, Llama 3\'s '
+                         "too), hermes (<tool_call> blocks: Hermes, Qwen), mistral ([TOOL_CALLS]); auto: the one "
+                         "the checkpoint's chat template writes, else json")
     args = ap.parse_args(argv)
     from meshlab.infer.warmup import WARMUP_KINDS
     kinds = [k for k in args.warmup_kinds.split(",") if k]
@@ -59,6 +63,7 @@ def main(argv=None):
     import jax
     from meshlab.infer.engine import Engine
     from meshlab.infer.server import Server
+    from meshlab.infer.tools import tool_format
     try:
         rules, mesh, cfg, md, params, tok = open_checkpoint(args)
         engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
@@ -70,9 +75,11 @@ def main(argv=None):
             k = sum(engine.warmup(**WARMUP_KINDS[kind]) for kind in kinds)
             print(f"compiled {k} programs ({', '.join(kinds)}) in {time.perf_counter() - t:.0f} s", file=sys.stderr,
                   flush=True)
+        tool_fmt = tool_format(args.tool_call_parser, getattr(tok, "chat_template", None))
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                        max_concurrent=args.max_concurrent, max_waiting=args.max_waiting).start()
+                        max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
+                        tool_format=tool_fmt).start()
     except ImportError as e:
         sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
     except (ValueError, OSError, RuntimeError) as e:

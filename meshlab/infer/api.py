@@ -3,15 +3,16 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, suffix, tool_choice "auto") with a 400 that says so, rather than ignoring it.
-`response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided), and chat
-`tools` with tool_choice "required" or a named function make the reply a tool call (meshlab.infer.tools).
+(best_of, suffix) with a 400 that says so, rather than ignoring it.
+`response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
+`tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
+(the default) calls are read back out of the model's reply (meshlab.infer.tools).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import Any, Optional
 
 from meshlab.infer.sampler import SamplingParams
 
@@ -40,6 +41,8 @@ class Plan:
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
     prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
     tool_call: bool = False            # each reply is a tool call (tools.tool_calls reads it back)
+    tool_format: Optional[Any] = None  # tool_choice "auto": the tools.ToolFormat its calls are read back in
+    tool_names: frozenset = frozenset()   # ... and the functions offered
 
     @property
     def submits(self) -> bool:
@@ -101,8 +104,9 @@ def plain_chat_prompt(messages: list, tools: Optional[list] = None) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
-def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int) -> Plan:
-    """Validate a request body into a Plan (raises BadRequest)."""
+def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int, tool_format=None) -> Plan:
+    """Validate a request body into a Plan (raises BadRequest). tool_format: the tools.ToolFormat of
+    tool_choice "auto" (None: the one the tokenizer's chat template writes)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if body.get("model") not in (None, model_name):
@@ -131,6 +135,9 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo else None
     tool_call = choice is not None and choice.call is not None
+    if choice is not None and choice.auto and tool_format is None:
+        from meshlab.infer.tools import tool_format as format_named
+        tool_format = format_named("auto", getattr(tok, "chat_template", None))
     if tool_call and body.get("response_format") is not None:
         raise BadRequest("`response_format` and a required tool call both fix the reply's form; send one",
                          param="response_format")
@@ -138,7 +145,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                        choice.grammar() if tool_call else None)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
-                tool_call=tool_call)
+                tool_call=tool_call, tool_format=tool_format if choice is not None and choice.auto else None,
+                tool_names=frozenset(choice.names) if choice is not None else frozenset())
 
 
 def _chat_prompt(body, tok):

@@ -56,7 +56,7 @@ class ChatTemplate:
             raise TemplateError(message)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self.template, self.special = env.from_string(source), special
+        self.template, self.special, self.source = env.from_string(source), special, source
 
     def __call__(self, messages: list, tools: list | None = None) -> str:
         from jinja2.exceptions import TemplateError

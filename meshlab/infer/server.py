@@ -35,8 +35,9 @@ class Server:
 
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
-                 max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16):
+                 max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
         self.host, self.port = host, port
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -233,7 +234,7 @@ class Server:
         try:
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
-                             self.stop_token_ids, self.max_n)
+                             self.stop_token_ids, self.max_n, self.tool_format)
             self._admit(plan.choices)
             call = Call(self, plan)
         except BadRequest as e:
@@ -443,9 +444,9 @@ class Call:
             before = self._prompt_logprobs(i) if p.prompt_logprobs is not None else None
             lp = self._logprobs(i, 0, self._covered(i, text, True), len(self._echoed(i)), before)
             choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
-            calls = tool_calls(text) if p.tool_call else None
-            if calls:                              # a whole call (not cut by max_tokens)
-                choice.update(message={"role": "assistant", "content": None, "tool_calls": calls},
+            content, calls = self._calls(i, text)
+            if calls:                              # whole calls (not cut by max_tokens)
+                choice.update(message={"role": "assistant", "content": content, "tool_calls": calls},
                               finish_reason="tool_calls")
             elif p.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -459,10 +460,19 @@ class Call:
         made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0
         return api.usage(sum(map(len, self.plan.prompts)), made)
 
+    def _calls(self, i: int, text: str) -> tuple:
+        """(content, tool_calls or None) of choice i's whole reply."""
+        if self.plan.tool_call:
+            return None, tool_calls(text)
+        if self.plan.tool_format is not None:
+            return self.plan.tool_format.read(text, self.plan.tool_names)
+        return text, None
+
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False, calls=None) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
-        if calls:                                  # a tool call, whole, in the choice's last chunk
-            choice.update(delta={"tool_calls": [dict(index=0, **calls[0])]}, finish_reason="tool_calls")
+        if calls:                                  # the tool calls, whole, in the choice's last chunk
+            choice.update(delta={"tool_calls": [dict(index=j, **c) for j, c in enumerate(calls)]},
+                          finish_reason="tool_calls")
         elif self.plan.chat:
             choice["delta"] = dict({"role": "assistant"} if role else {}, **({"content": text} if text or role
                                                                            else {}))
@@ -476,11 +486,14 @@ class Call:
     def _delta(self, i: int, final: bool) -> bytes | None:
         """The chunk for what choice i added since the last one (None: nothing new to show), after the
         echoed prompt with its logprobs at the choice's first event when those were asked for. A tool
-        call's reply is sent whole when it ends (its JSON is not the message's content)."""
+        call's reply is sent whole when it ends (its JSON is not the message's content); under
+        tool_choice "auto" the text is sent up to where a call may open, and the calls when it ends."""
         if self.plan.tool_call:
             calls = tool_calls(self._text(i, True)) if final else None
             return self._chunk(i, "" if calls else self._text(i, True), self._finish(i), None, calls=calls) \
                 if final else None
+        if self.plan.tool_format is not None:
+            return self._auto_delta(i, final)
         echo = b""
         if self.plan.prompt_logprobs is not None and not self.echoed[i]:
             self.echoed[i] = True
@@ -496,6 +509,26 @@ class Call:
         lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
         self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, n
         return echo + self._chunk(i, new, self._finish(i) if final else None, lp)
+
+    def _auto_delta(self, i: int, final: bool) -> bytes | None:
+        """_delta under tool_choice "auto" (chat, no echo): content while it surely is content; at the
+        end the held text, or the content before the calls and then the calls."""
+        text = self._text(i, final)
+        if final:
+            content, calls = self._calls(i, text)
+            text = (content or "") if calls else text
+        else:
+            calls = None
+            text = text[:max(self.shown[i], self.plan.tool_format.streamable(text))]
+        new, k0 = text[self.shown[i]:], self.lp_sent[i]
+        k = self._covered(i, text, final and not calls, k0)
+        if not new and k == k0 and not final:
+            return None
+        lp = self._logprobs(i, k0, k, self.shown[i]) if k > k0 else None
+        self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, len(self.reqs[i].output) if self.reqs else 0
+        if not calls:
+            return self._chunk(i, new, self._finish(i) if final else None, lp)
+        return (self._chunk(i, new, None, lp) if new or lp else b"") + self._chunk(i, "", None, None, calls=calls)
 
     async def sse(self):
         """Server-sent events: one chunk per choice as its text grows, then [DONE]. Cancelled when the

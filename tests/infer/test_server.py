@@ -120,7 +120,7 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", [1, 2], None, 400, "JSON object"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, None, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, None, 400, '"auto"'),
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, None, 400, '"auto"'),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}],
                               "tool_choice": "required"}, None, 400, "tools[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
@@ -622,6 +622,10 @@ def _tool_calls_of(server):
     assert status == 200 and last["finish_reason"] == "tool_calls"
     assert last["delta"]["tool_calls"][0]["function"]["name"] == "clock"
     assert isinstance(json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"])["utc"], bool)
+    status, resp = call(server, "POST", "/v1/chat/completions", {     # tools alone: "auto", the reply free
+        "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": 8})
+    assert status == 200 and resp["choices"][0]["finish_reason"] in ("stop", "length"), resp
+    assert isinstance(resp["choices"][0]["message"]["content"], str)
     history = messages + [{"role": "assistant", "content": None, "tool_calls": [tc]},
                           {"role": "tool", "tool_call_id": tc["id"], "content": "12 C, rain"}]
     status, resp = call(server, "POST", "/v1/chat/completions", {
