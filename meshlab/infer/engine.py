@@ -40,7 +40,7 @@ from meshlab.infer.programs import (BIAS_IDS, BIAS_VALUES, COUNTS, CONCATENATED,
                                     make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import MAX_LOGIT_BIAS, SamplingParams, bias_row, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
-from meshlab.infer.scoring import Scoring
+from meshlab.infer.scoring import ScoreStore, Scoring
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
@@ -120,6 +120,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
+        if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
+            self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))
         impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):
             raise ValueError(f"impl={impl!r} must be auto, xla or pallas")

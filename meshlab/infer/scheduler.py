@@ -55,8 +55,8 @@ class Request:
     # with params.prompt_logprobs: [None, then (logprob, {token: logprob}) per prompt token after the
     # first], put together when its first token is emitted (meshlab.infer.scoring)
     prompt_logprobs: Optional[list] = dataclasses.field(default=None, repr=False)
-    # until then, the packed steps that scored its positions: (scoring.StepScores, row offset in the
-    # step's outputs, first position, positions)
+    # until then, the packed steps that scored its positions and the stored pages it was served:
+    # (scoring.StepScores or StoredScores, row offset in their outputs, first position, positions)
     score_parts: list = dataclasses.field(default_factory=list, repr=False)
     t_arrival: float = 0.0
     t_first: float = 0.0
@@ -141,7 +141,8 @@ class Request:
 
     @property
     def scored_to(self) -> int:
-        """Prompt positions below this have their logprobs computed (steps score a prompt in order)."""
+        """Prompt positions below this have their logprobs (steps score a prompt in order, after the
+        stored pages it was served: those start at position 0)."""
         return max((start + m for _, _, start, m in self.score_parts), default=0)
 
     def last_token(self) -> int:
@@ -178,6 +179,7 @@ class Scheduler:
         # pages whose last token's hidden state the engine kept (programs.HIDDEN): set by the engine
         # when a packed step computes that token, cleared when the page is handed out again
         self.hidden_ok = np.zeros(num_pages, bool)
+        self.scores = None                    # the engine's scoring.ScoreStore: prompt pages' scores by key
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -218,17 +220,33 @@ class Scheduler:
         the last one is fed again for its logits and reads its own K/V from the shared page (its
         write is dropped: Request.prefix_hit_tokens). Repetition-penalised requests compute
         everything: their seen-token mask is built by feeding; a request asking for prompt logprobs
-        computes every position it has not scored (meshlab.infer.scoring)."""
+        takes only pages whose positions it scored, or whose scores are stored, the last one fed
+        again (meshlab.infer.scoring)."""
         if req.params.repetition_penalty != 1.0 or not self.pool.prefix_cache:
             return []
         n = req.n_tokens // self.page_size
-        if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-            n = min(n, req.scored_to // self.page_size)
-            if not n:
+        if self._scoring(req):
+            n = min(n, max(req.scored_to // self.page_size, self._stored_pages(req) - 1))
+            if n <= 0:
                 return []
         if req.keys:                          # keys known (a preempted request): no hashing
             return self.pool.lookup(page_keys(req.token_ids(n * self.page_size), self.page_size, req.keys, n)[:n])
         return self.pool.longest(req.token_ids(n * self.page_size), self.page_size, n, req.keys)
+
+    @staticmethod
+    def _scoring(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
+
+    def prompt_keys(self, req: Request, pages: int) -> list:
+        """The prefix keys of req's first `pages` full pages (computed once, kept in req.keys)."""
+        return page_keys(req.token_ids(pages * self.page_size), self.page_size, req.keys, pages)[:pages]
+
+    def _stored_pages(self, req: Request) -> int:
+        """How many of req's first full prompt pages have stored scores with the alternatives it asks."""
+        if self.scores is None:
+            return 0
+        return self.scores.leading(self.prompt_keys(req, len(req.prompt) // self.page_size),
+                                   req.params.prompt_logprobs)
 
     def admit(self) -> list[Request]:
         """Move waiting requests into free rows while pages for their tokens + 1 are free."""
@@ -244,6 +262,9 @@ class Scheduler:
             self.pool.acquire(idx)
             req.pages, req.registered = list(hit), len(hit)
             req.prefix_hit_tokens = len(hit) * self.page_size
+            if hit and self._scoring(req) and self.scores is not None and req.scored_to < len(hit) * self.page_size:
+                # the stored scores up to the hit's end: its pages', and the next page's first token's
+                req.score_parts += self.scores.parts(self.prompt_keys(req, len(hit) + 1))
             req.cached = min(req.prefix_hit_tokens, req.n_tokens - 1)      # the last token is fed for its logits
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req

@@ -10,13 +10,21 @@ input), and its TOP_LOGPROBS best when some row asks for alternatives. Only such
 chunk row, one row at a time, and a top-k over the vocabulary per token (k = 0, 1 or TOP_LOGPROBS:
 the most any row of the step asks for, rounded up).
 
-A request computes what it scores: the prefix cache serves it no page it has not scored yet
-(Scheduler._prefix_hit), so a prompt met before is fed again, and a preempted request takes back
-only pages it scored before it was preempted. Each step's score outputs stay on the device, held
-by the rows it scored (Request.score_parts), and are read back once, when the request's first
-token is emitted (Engine._emit): no step waits for them.
+The prefix cache serves a scoring request only pages whose positions have scores: ones it scored
+itself (a preempted request takes back those), and full prompt pages whose scores an earlier
+request left in the `ScoreStore` (host memory, by page key, with as many alternatives as that
+request asked for): an evaluation harness's multiple-choice requests share a context, which is then
+computed once, and only each choice's tail is fed. Page q's stored scores are those of the tokens
+in it (positions q*page_size - 1 .. q*page_size + page_size - 2: a token's logprob comes from the
+position before it), so they depend only on the tokens up to the page's end, which its key names;
+the last shared page is fed again, since its last position scores the next page's first token.
+Each step's score outputs stay on the device, held by the rows it scored (Request.score_parts),
+and are read back once, when the request's first token is emitted (Engine._emit): no step waits
+for them.
 """
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 
@@ -38,6 +46,58 @@ class StepScores:
             self._host = {k: np.asarray(v) for k, v in self.out.items()}
             self.out = None
         return self._host
+
+
+class StoredScores:
+    """A stored page's scores as a score part (StepScores' interface): host arrays at hand."""
+    __slots__ = ("_host",)
+
+    def __init__(self, lp, ids, vals):
+        self._host = {"prompt_logprob": lp, "prompt_top_id": ids, "prompt_top_logprob": vals}
+
+    def host(self) -> dict:
+        return self._host
+
+
+class ScoreStore:
+    """Prompt scores of full pages by page key (pages.page_keys), least recently used dropped past
+    `capacity` pages. An entry: (its token's logprob [page_size], the best alternatives' ids and
+    logprobs [page_size, k]) for the page's tokens, k the alternatives the scoring request asked for."""
+
+    def __init__(self, page_size: int, capacity: int):
+        self.page_size, self.capacity = page_size, capacity
+        self.pages: collections.OrderedDict = collections.OrderedDict()
+
+    def leading(self, keys: list, top: int) -> int:
+        """How many of `keys` (a prompt's full pages, in order) have scores with >= top alternatives."""
+        n = 0
+        while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]][1].shape[1] >= top:
+            n += 1
+        return n
+
+    def parts(self, keys: list) -> list:
+        """Score parts (Request.score_parts) of the pages `keys`, the first page at position 0."""
+        out, ps = [], self.page_size
+        for q, key in enumerate(keys):
+            self.pages.move_to_end(key)
+            base = 1 if q == 0 else 0                    # the first token has no position before it
+            out.append((StoredScores(*self.pages[key]), base, q * ps - 1 + base, ps - base))
+        return out
+
+    def put(self, keys: list, lp, ids, vals) -> None:
+        """Store each full page q of keys from a prompt's scores by position (lp [n], ids / vals [n, k])."""
+        ps = self.page_size
+        for q, key in enumerate(keys):
+            lo = q * ps - 1                              # position of the page's first token's score
+            page = [np.concatenate([np.zeros_like(x[:1]), x[:ps - 1]]) if q == 0 else x[lo:lo + ps].copy()
+                    for x in (lp, ids, vals)]
+            if key in self.pages and self.pages[key][1].shape[1] >= page[1].shape[1]:
+                self.pages.move_to_end(key)
+                continue
+            self.pages[key] = tuple(page)
+            self.pages.move_to_end(key)
+        while len(self.pages) > self.capacity:
+            self.pages.popitem(last=False)
 
 
 class Scoring:
@@ -85,11 +145,11 @@ class Scoring:
             r.score_parts.append((step, j * c, start, m))
             self.stats["scored_tokens"] += m
 
-    @staticmethod
-    def _put_together(req) -> list:
+    def _put_together(self, req) -> list:
         """req's prompt logprobs from the steps that scored its positions (read back now: they ran before
-        the step that sampled its first token). A position scored again after a preemption takes
-        its last scores (the same weights and tokens)."""
+        the step that sampled its first token) and the stored pages it was served; its full pages'
+        scores then go to the store. A position scored again (after a preemption, or in a stored
+        page fed again) takes its last scores (the same weights and tokens)."""
         n, top = len(req.prompt) - 1, req.params.prompt_logprobs
         lp, ids, vals = np.zeros(n, np.float32), np.zeros((n, top), np.int32), np.zeros((n, top), np.float32)
         have = np.zeros(n, bool)
@@ -102,4 +162,8 @@ class Scoring:
         if not have.all():
             raise RuntimeError(f"prompt positions {np.flatnonzero(~have)[:8].tolist()} were never scored")
         req.score_parts = []
+        store = self.sched.scores
+        if store is not None and top is not None:
+            full = len(req.prompt) // store.page_size
+            store.put(self.sched.prompt_keys(req, full), lp, ids, vals)
         return [None] + [(x, dict(zip(i, v))) for x, i, v in zip(lp.tolist(), ids.tolist(), vals.tolist())]

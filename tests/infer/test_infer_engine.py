@@ -391,8 +391,8 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
     """Prompt logprobs come from the packed steps (chunks of 8): each prompt token's log-softmax given
     the ones before it and its best alternatives as the no-cache forward computes them, at lengths
     around the chunk up to the whole cache; several requests scored in the same steps, preempted
-    (13 pages of 4 for four rows), a prompt met before (computed again: the prefix cache holds no
-    scores) and a greedy one-token request (an evaluation harness's: its token from the same steps)."""
+    (13 pages of 4 for four rows), a prompt met before (its pages' scores stored: the tail computed)
+    and a greedy one-token request (an evaluation harness's: its token from the same steps)."""
     md, params, fwd = tiny
     ref_of = lambda p: np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([p], jnp.int32))[0], axis=-1))  # noqa: E731
     rng = np.random.default_rng(3)
@@ -419,18 +419,50 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
             assert r.prompt_logprobs is None
         else:
             _check_prompt_logprobs(r.prompt_logprobs, prompt, ref_of(prompt), top)
-    # Met before: its pages are cached, its scores are not; the request computes them.
+    # Met before: its pages are cached and their scores stored with 2 alternatives. Asking for 3, the
+    # request computes every position; asking for 1, it is served its 5 full pages' scores and feeds
+    # again only the last (whose last position scores the next page's first token) and the tail.
     prompt = prompts[0]
     plain = [engine.generate([prompt], SamplingParams(max_tokens=1))[0] for _ in range(2)][1]
     assert plain.prefix_hit_tokens > 0 and plain.prompt_logprobs is None
     fed = engine.stats["prefill_tokens"]
+    more = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+    assert more.prefix_hit_tokens == 0 and engine.stats["prefill_tokens"] - fed == len(prompt)
+    _check_prompt_logprobs(more.prompt_logprobs, prompt, ref_of(prompt), 3)
+    fed = engine.stats["prefill_tokens"]
     again = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=1))[0]
-    assert again.prefix_hit_tokens == 0 and engine.stats["prefill_tokens"] - fed == len(prompt)
+    assert again.prefix_hit_tokens == 16 and engine.stats["prefill_tokens"] - fed == len(prompt) - 16
     _check_prompt_logprobs(again.prompt_logprobs, prompt, ref_of(prompt), 1)
     ref = ref_of(prompt)[-1]
     best = np.argsort(-ref)[:2].tolist()
     assert again.output == reqs[0].output[:1] and again.finish_reason == "length"
     assert list(again.logprobs[0][1]) == best and again.logprobs[0][0] == pytest.approx(ref[best[0]], abs=1e-4)
+
+
+def test_a_shared_context_is_scored_once(tiny, engine):
+    """An evaluation harness's multiple choice: a context of 18 tokens (4 full pages of 4) and four
+    3-token choices, scored. The first computes every position; the next three, together, are served
+    the context's first 3 pages with their stored scores and feed the rest, with the full forward's
+    values; a plain request leaves no scores, so a scored one after it computes everything."""
+    md, params, fwd = tiny
+    ref_of = lambda p: np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([p], jnp.int32))[0], axis=-1))  # noqa: E731
+    rng = np.random.default_rng(11)
+    context = rng.integers(0, md.cfg.vocab_size, 18).tolist()
+    choices = [context + rng.integers(0, md.cfg.vocab_size, 3).tolist() for _ in range(4)]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    fed = engine.stats["prefill_tokens"]
+    first = engine.generate(choices[:1], score)[0]
+    assert first.prefix_hit_tokens == 0 and engine.stats["prefill_tokens"] - fed == 21
+    fed = engine.stats["prefill_tokens"]
+    rest = engine.generate(choices[1:], score)
+    assert [r.prefix_hit_tokens for r in rest] == [12] * 3 and engine.stats["prefill_tokens"] - fed == 3 * 9
+    for r, prompt in zip([first] + rest, choices):
+        _check_prompt_logprobs(r.prompt_logprobs, prompt, ref_of(prompt), 1)
+    other = [rng.integers(0, md.cfg.vocab_size, 9).tolist() + choices[0][9:]]      # plain first, then scored
+    engine.generate(other, SamplingParams(max_tokens=1))
+    scored = engine.generate(other, score)[0]
+    assert scored.prefix_hit_tokens == 0
+    _check_prompt_logprobs(scored.prompt_logprobs, other[0], ref_of(other[0]), 1)
 
 
 def test_warmup_compiles_every_bucket_without_touching_the_cache(tiny):
