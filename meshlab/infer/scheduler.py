@@ -180,6 +180,12 @@ class Scheduler:
         # when a packed step computes that token, cleared when the page is handed out again
         self.hidden_ok = np.zeros(num_pages, bool)
         self.scores = None                    # the engine's scoring.ScoreStore: prompt pages' scores by key
+        # Prompt pages in flight, by key: being computed by a running request (until it registers them)
+        # or scored (until it stores their scores). A waiting request whose next page is one of them
+        # waits for it instead of computing it too (SGLang's in-batch prefix sharing): requests that
+        # arrive together with a shared prefix (a system prompt, a question's choices) compute it once.
+        self.computing: dict = {}
+        self.scoring: dict = {}
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -248,12 +254,43 @@ class Scheduler:
         return self.scores.leading(self.prompt_keys(req, len(req.prompt) // self.page_size),
                                    req.params.prompt_logprobs)
 
+    def _in_flight(self, req: Request, hit: int) -> bool:
+        """Whether the next page req could take (after its `hit` pages, or its stored scores' pages when it
+        scores) is in flight: computed, or scored, by a running request."""
+        flight = self.scoring if self._scoring(req) else self.computing
+        if not flight or req.params.repetition_penalty != 1.0:
+            return False
+        full = len(req.prompt) // self.page_size
+        nxt = self._stored_pages(req) if self._scoring(req) else hit
+        return nxt < full and self.prompt_keys(req, nxt + 1)[nxt] in flight
+
+    def _fly(self, req: Request, hit: int) -> None:
+        """Mark req's full prompt pages past its hit in flight (computing; and scoring when it scores)."""
+        if not self.pool.prefix_cache or req.params.repetition_penalty != 1.0:
+            return
+        keys = self.prompt_keys(req, len(req.prompt) // self.page_size)
+        for key in keys[hit:]:
+            self.computing.setdefault(key, req)
+        if self._scoring(req) and self.scores is not None:
+            for key in keys[self._stored_pages(req):]:
+                self.scoring.setdefault(key, req)
+
+    def landed(self, req: Request, flight: dict, keys: list) -> None:
+        """Pages of req's no longer in flight in `flight` (computing or scoring)."""
+        for key in keys:
+            if flight.get(key) is req:
+                del flight[key]
+
     def admit(self) -> list[Request]:
-        """Move waiting requests into free rows while pages for their tokens + 1 are free."""
-        admitted = []
+        """Move waiting requests into free rows while pages for their tokens + 1 are free; a request whose
+        next page is in flight waits for it (keeping its place)."""
+        admitted, later = [], []
         while self.waiting and None in self.rows:
             req = self.waiting[0]
             hit = self._prefix_hit(req)
+            if self._in_flight(req, len(hit)):
+                later.append(self.waiting.popleft())
+                continue
             idx = np.asarray(hit, np.intp)                    # converted once for the three uses below
             need = -(-(req.n_tokens + 1) // self.page_size) - len(hit)
             if need + self.pool.unreferenced(idx) > self.pool.available:
@@ -271,7 +308,9 @@ class Scheduler:
             self.table[req.slot, :len(hit)] = idx
             self._grow(req, need)
             self._admit_order.append(req)
+            self._fly(req, len(hit))
             admitted.append(req)
+        self.waiting.extendleft(reversed(later))
         return admitted
 
     def register(self, req: Request) -> None:
@@ -285,10 +324,16 @@ class Scheduler:
         keys = page_keys(req.token_ids(full * self.page_size), self.page_size, req.keys, full)
         self.pool.register(req.pages[req.registered:full], keys[req.registered:full],
                            keys[req.registered - 1] if req.registered else ROOT_KEY)
+        if self.computing:
+            self.landed(req, self.computing, keys[req.registered:full])
         req.registered = full
 
     def release(self, req: Request) -> None:
         self.register(req)
+        if self.computing or self.scoring:        # what it did not finish is no longer in flight
+            keys = req.keys[:len(req.prompt) // self.page_size]
+            self.landed(req, self.computing, keys)
+            self.landed(req, self.scoring, keys)
         self.pool.give(req.pages)
         req.pages, req.registered = [], 0
         self._vacate(req)

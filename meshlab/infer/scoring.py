@@ -165,5 +165,7 @@ class Scoring:
         store = self.sched.scores
         if store is not None and top is not None:
             full = len(req.prompt) // store.page_size
-            store.put(self.sched.prompt_keys(req, full), lp, ids, vals)
+            keys = self.sched.prompt_keys(req, full)
+            store.put(keys, lp, ids, vals)
+            self.sched.landed(req, self.sched.scoring, keys)
         return [None] + [(x, dict(zip(i, v))) for x, i, v in zip(lp.tolist(), ids.tolist(), vals.tolist())]

@@ -443,7 +443,8 @@ def test_a_shared_context_is_scored_once(tiny, engine):
     """An evaluation harness's multiple choice: a context of 18 tokens (4 full pages of 4) and four
     3-token choices, scored. The first computes every position; the next three, together, are served
     the context's first 3 pages with their stored scores and feed the rest, with the full forward's
-    values; a plain request leaves no scores, so a scored one after it computes everything."""
+    values; sent all at once, three wait for the first's scores; a plain request leaves no scores, so
+    a scored one after it computes everything."""
     md, params, fwd = tiny
     ref_of = lambda p: np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([p], jnp.int32))[0], axis=-1))  # noqa: E731
     rng = np.random.default_rng(11)
@@ -457,6 +458,15 @@ def test_a_shared_context_is_scored_once(tiny, engine):
     rest = engine.generate(choices[1:], score)
     assert [r.prefix_hit_tokens for r in rest] == [12] * 3 and engine.stats["prefill_tokens"] - fed == 3 * 9
     for r, prompt in zip([first] + rest, choices):
+        _check_prompt_logprobs(r.prompt_logprobs, prompt, ref_of(prompt), 1)
+    # All four of a new context at once: the first computes it, the others wait for its scores.
+    context = rng.integers(0, md.cfg.vocab_size, 18).tolist()
+    choices = [context + rng.integers(0, md.cfg.vocab_size, 3).tolist() for _ in range(4)]
+    fed = engine.stats["prefill_tokens"]
+    together = engine.generate(choices, score)
+    assert [r.prefix_hit_tokens for r in together] == [0, 12, 12, 12]
+    assert engine.stats["prefill_tokens"] - fed == 21 + 3 * 9
+    for r, prompt in zip(together, choices):
         _check_prompt_logprobs(r.prompt_logprobs, prompt, ref_of(prompt), 1)
     other = [rng.integers(0, md.cfg.vocab_size, 9).tolist() + choices[0][9:]]      # plain first, then scored
     engine.generate(other, SamplingParams(max_tokens=1))

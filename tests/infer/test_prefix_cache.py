@@ -129,6 +129,29 @@ def test_shared_prefix_recomputes_only_the_tail(tiny):
     assert pool.available == pool.total and not pool.ref.any()
 
 
+def test_requests_sent_together_compute_a_shared_prefix_once(tiny):
+    """Three prompts with a 24-token prefix (six pages) arrive together: the first computes it, the
+    others wait for its pages (their rows stay free meanwhile), then compute only their tails; a
+    request without the prefix is not held back. The tokens are those of no cache."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 257, size=24).tolist()
+    prompts = [prefix + rng.integers(0, 257, size=3).tolist() for _ in range(3)]
+    prompts.insert(1, rng.integers(0, 257, size=10).tolist())
+    md, params = tiny
+    eng = Engine(md, params, max_len=96, max_seqs=4, page_size=4, chunk=8, steps_per_call=4)
+    before = eng.stats["prefill_tokens"]
+    reqs = eng.generate(prompts, SamplingParams(max_tokens=4))
+    assert [r.prefix_hit_tokens for r in reqs] == [0, 0, 24, 24]
+    assert eng.stats["prefill_tokens"] - before == 27 + 10 + 2 * 3
+    assert not eng.sched.computing and not eng.sched.scoring
+    plain = make(tiny, False)
+    for r in reqs:
+        assert r.output == computed(plain, r.prompt, 4)[0].output
+    # Under a repetition penalty nothing comes from the cache, so nothing waits.
+    penal = eng.generate([prefix + [1, 2], prefix + [3, 4]], SamplingParams(max_tokens=2, repetition_penalty=1.2))
+    assert [r.prefix_hit_tokens for r in penal] == [0, 0]
+
+
 def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
     """Two copies of a cached prompt hold the same pages at once; a small pool evicts the cache
     (least recently freed first) and the tokens stay those of no cache."""
