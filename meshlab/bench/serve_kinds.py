@@ -30,6 +30,38 @@ def scoring(engine, work, label: str = "engine") -> list[dict]:
                      "note": f"{len(prompts)} requests, {tokens} prompt tokens in {wall:.2f} s"})
     same = sum(a == b for a, b in zip(*outputs))
     rows[-1]["note"] += f"; its tokens equal the plain requests' in {same} of {len(prompts)}"
+    return [emit(r) for r in rows] + multiple_choice(engine, work, label=label)
+
+
+def multiple_choice(engine, work, choices: int = 4, label: str = "engine") -> list[dict]:
+    """A multiple-choice evaluation's load: a quarter of `work`'s prompts as contexts, each followed by
+    `choices` continuations of 1-8 tokens, every request sent at once and scored (prompt logprobs 1,
+    one greedy token), with the engine's score store (a context computed once, the others served its
+    stored pages) and without it (every choice computes its context), in the same engine: prompt
+    tokens/s of each, the prompt tokens computed, and the two runs' largest logprob difference."""
+    import numpy as np
+
+    from meshlab.infer.sampler import SamplingParams
+    rng, vocab = np.random.default_rng(7), engine.md.cfg.vocab_size
+    contexts = [p for p, _ in work[:max(len(work) // 4, 1)]]
+    prompts = [c + rng.integers(0, vocab, int(rng.integers(1, 9))).tolist() for c in contexts for _ in range(choices)]
+    warm = [[(t + 1) % vocab for t in p] for p in prompts[:8 * choices]]     # other ids: nothing stored for `prompts`
+    sp, store, rows, got = SamplingParams(max_tokens=1, prompt_logprobs=1), engine.sched.scores, [], []
+    for name, kept in (("without the score store", None), ("with the score store", store)):
+        engine.sched.scores = kept       # without: no page's scores kept, so every choice computes its context
+        engine.generate(warm, sp)
+        fed, t = engine.stats["prefill_tokens"], time.perf_counter()
+        reqs = engine.generate(prompts, sp)
+        wall, tokens = time.perf_counter() - t, sum(map(len, prompts))
+        got.append([np.asarray([x[0] for x in r.prompt_logprobs[1:]]) for r in reqs])
+        rows.append({"section": "score", "setting": f"{label} multiple choice {len(contexts)} x {choices}, {name}",
+                     "value": tokens / wall, "unit": "prompt tok/s",
+                     "note": f"{len(prompts)} requests, {tokens} prompt tokens in {wall:.2f} s, "
+                             f"{engine.stats['prefill_tokens'] - fed} computed"})
+    engine.sched.scores = store
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(*got))
+    rows[-1]["note"] += (f"; {rows[-1]['value'] / rows[0]['value']:.2f}x without; the logprobs differ from the run "
+                         f"without by at most {diff:.1e}")
     return [emit(r) for r in rows]
 
 
