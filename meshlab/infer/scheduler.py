@@ -14,7 +14,8 @@ output tokens.
 
 Queues: `waiting` (FIFO) and the running rows. Admission needs a free row and pages for the
 whole prompt + 1 token, minus the pages found in the prefix cache (`meshlab.infer.pages`);
-a request that could never fit is refused when added. When decode needs a page and none is
+a request that could never fit is refused when added; a request whose next prompt page a running
+request is computing waits for it, keeping its place. When decode needs a page and none is
 free, the most recently admitted request is preempted and goes back to the front of `waiting`.
 The page table [max_seqs, max_pages] is kept here and updated only where a row's pages change.
 """
