@@ -30,6 +30,9 @@ never share one), printing `ROW {json}` lines:
   guided   (not by default) the offline workload free, then with 1 request in 8 held to a JSON schema
            of its length (response_format's path: meshlab/infer/guided.py), in the offline engine:
            output tokens/s of each
+  shared   (not by default) the offline workload behind one 1,024-token system prompt, all sent at once,
+           with requests waiting for the prefix pages another computes (the default) and without, in the
+           offline engine: output tokens/s, TTFT p50, prompt tokens computed
   restart  (not by default) serve.py started twice over one fresh compile cache: seconds to listening
   sim      (not by default; CPU) the same load's shape on the tiny model with a simulated device
            (meshlab/bench/serve.py SimulatedDevice): offline and all at once through the server in
@@ -117,7 +120,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job in ("offline", "overlap_ab", "score", "guided"):
+    if args.job in ("offline", "overlap_ab", "score", "guided", "shared"):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -143,9 +146,10 @@ def child(args):
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         if args.job == "overlap_ab":
             return bs.overlap_ab(eng, work, cfg.vocab_size)
-        if args.job in ("score", "guided"):
+        if args.job in ("score", "guided", "shared"):
             from meshlab.bench import serve_kinds
-            return (serve_kinds.scoring if args.job == "score" else serve_kinds.guided)(eng, work)
+            return {"score": serve_kinds.scoring, "guided": serve_kinds.guided,
+                    "shared": serve_kinds.shared_prefix}[args.job](eng, work)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

@@ -1,6 +1,6 @@
-"""Request kinds beyond plain generation under the offline workload (scripts/bench_serve.py's score
-and guided jobs): an evaluation harness's scoring requests, and requests held to a JSON schema, each
-against plain requests in the same engine.
+"""Request kinds beyond plain generation under the offline workload (scripts/bench_serve.py's score,
+guided and shared jobs): an evaluation harness's scoring requests, requests held to a JSON schema,
+and requests that share a system prompt, each against its alternative in the same engine.
 """
 from __future__ import annotations
 
@@ -100,4 +100,38 @@ def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
             row["note"] += f"; {valid} of {len(held_reqs)} guided outputs parse as their schema asks"
         rows.append(row)
     rows[-1]["note"] += f"; {rows[-1]['value'] / rows[0]['value']:.2f}x the free run"
+    return [emit(r) for r in rows]
+
+
+def shared_prefix(engine, work, system: int = 1024, label: str = "engine") -> list[dict]:
+    """The offline workload with one `system`-token prompt before every request's own (a chat
+    service's system prompt), all sent at once: with requests waiting for the prefix pages another is
+    computing (Scheduler.wait_in_flight, the default) and without (each admitted request computes
+    what is not cached yet), each run on its own system prompt, in the same engine: output tokens/s,
+    TTFT p50 and the prompt tokens computed."""
+    import numpy as np
+
+    from meshlab.bench.serve import latency_summary
+    from meshlab.infer.sampler import SamplingParams
+    vocab, rows = engine.md.cfg.vocab_size, []
+    system = min(system, engine.sched.max_len // 2)          # the tiny engine's short context
+    limit = engine.sched.max_len - system
+    for k, (name, wait) in enumerate((("each computing it", False), ("waiting for it", True))):
+        engine.sched.wait_in_flight = wait
+        head = np.random.default_rng(100 + k).integers(0, vocab, system).tolist()
+        warm_head = [(t + 1) % vocab for t in head]
+        fit = [(p[:max(1, limit - m - 1)], m) for p, m in work]
+        engine.generate([warm_head + p for p, _ in fit[:16]], [SamplingParams(max_tokens=m) for _, m in fit[:16]])
+        fed, t = engine.stats["prefill_tokens"], time.perf_counter()
+        reqs = engine.generate([head + p for p, _ in fit], [SamplingParams(max_tokens=m) for _, m in fit])
+        wall = time.perf_counter() - t
+        out_tok = sum(len(r.output) for r in reqs)
+        lat = latency_summary([r.t_first - t for r in reqs], [])
+        rows.append({"section": "shared", "setting": f"{label} {system}-token system prompt, {name} n={len(fit)}",
+                     "value": out_tok / wall, "unit": "tok/s",
+                     "note": f"{out_tok} output tokens in {wall:.2f} s; TTFT p50 {lat['ttft_p50_ms']:.0f} ms; "
+                             f"{engine.stats['prefill_tokens'] - fed} of {sum(len(r.prompt) for r in reqs)} prompt "
+                             f"tokens computed"})
+    engine.sched.wait_in_flight = True
+    rows[-1]["note"] += f"; {rows[-1]['value'] / rows[0]['value']:.2f}x each computing it"
     return [emit(r) for r in rows]

@@ -187,6 +187,7 @@ class Scheduler:
         # arrive together with a shared prefix (a system prompt, a question's choices) compute it once.
         self.computing: dict = {}
         self.scoring: dict = {}
+        self.wait_in_flight = True            # False: never wait (a benchmark's A/B)
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -259,7 +260,7 @@ class Scheduler:
         """Whether the next page req could take (after its `hit` pages, or its stored scores' pages when it
         scores) is in flight: computed, or scored, by a running request."""
         flight = self.scoring if self._scoring(req) else self.computing
-        if not flight or req.params.repetition_penalty != 1.0:
+        if not flight or not self.wait_in_flight or req.params.repetition_penalty != 1.0:
             return False
         full = len(req.prompt) // self.page_size
         nxt = self._stored_pages(req) if self._scoring(req) else hit

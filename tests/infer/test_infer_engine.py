@@ -195,6 +195,19 @@ def test_guided_benchmark_times_both_runs_and_its_outputs_parse(engine, monkeypa
     assert "2 of 2 guided outputs parse" in held["note"] and f"{sum(m for _, m in work)} output tokens" in held["note"]
 
 
+def test_shared_prefix_benchmark_computes_the_system_prompt_once(engine):
+    """bench_serve's shared job on the tiny engine: requests behind one system prompt, all sent at once,
+    compute fewer prompt tokens when they wait for the pages another computes than when they do not."""
+    import re
+
+    from meshlab.bench.serve_kinds import shared_prefix
+    work = [(list(range(1 + i, 6 + i)), 3) for i in range(4)]
+    each, waiting = shared_prefix(engine, work, system=16)
+    computed = [int(re.search(r"(\d+) of \d+ prompt tokens computed", r["note"]).group(1)) for r in (each, waiting)]
+    assert "waiting for it" in waiting["setting"] and computed[1] < computed[0], computed
+    assert engine.sched.wait_in_flight
+
+
 def test_prompt_logprobs_under_a_rule_that_shards_the_cache_batch(tiny, engine):
     """Under fsdp_tp (batch over 4 devices, heads and vocabulary over 2) the engine runs its packed
     stream ([1, T, d]) and decode buckets with the activations whole (programs.engine_rules): the
