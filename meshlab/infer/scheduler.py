@@ -188,6 +188,7 @@ class Scheduler:
         self.computing: dict = {}
         self.scoring: dict = {}
         self.wait_in_flight = True            # False: never wait (a benchmark's A/B)
+        self.counts = {"stored_scores": 0, "prefix_waits": 0}   # for /metrics
         self.rows: list[Optional[Request]] = [None] * max_seqs
         self.waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -292,6 +293,7 @@ class Scheduler:
             hit = self._prefix_hit(req)
             if self._in_flight(req, len(hit)):
                 later.append(self.waiting.popleft())
+                self.counts["prefix_waits"] += 1
                 continue
             idx = np.asarray(hit, np.intp)                    # converted once for the three uses below
             need = -(-(req.n_tokens + 1) // self.page_size) - len(hit)
@@ -301,9 +303,11 @@ class Scheduler:
             self.pool.acquire(idx)
             req.pages, req.registered = list(hit), len(hit)
             req.prefix_hit_tokens = len(hit) * self.page_size
-            if hit and self._scoring(req) and self.scores is not None and req.scored_to < len(hit) * self.page_size:
+            scored = req.scored_to
+            if hit and self._scoring(req) and self.scores is not None and scored < len(hit) * self.page_size:
                 # the stored scores up to the hit's end: its pages', and the next page's first token's
                 req.score_parts += self.scores.parts(self.prompt_keys(req, len(hit) + 1))
+                self.counts["stored_scores"] += len(hit) * self.page_size - scored
             req.cached = min(req.prefix_hit_tokens, req.n_tokens - 1)      # the last token is fed for its logits
             req.slot = self.rows.index(None)
             self.rows[req.slot] = req

@@ -273,6 +273,10 @@ class Server:
                 # prompt positions whose logprobs were computed (echo with logprobs), requests held to a grammar
                 ("prompt_tokens_scored_total", s.get("scored_tokens", 0)),
                 ("guided_requests_total", s.get("guided_requests", 0)),
+                # prompt positions whose scores came from the score store; admissions put off while the
+                # next prompt page was in flight (computed or scored by a running request)
+                ("prompt_tokens_score_cached_total", sched.counts["stored_scores"]),
+                ("prefix_waits_total", sched.counts["prefix_waits"]),
                 ("generation_tokens_per_second", s["generated_tokens"] / s["busy_s"] if s["busy_s"] else 0.0)]
         return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
 

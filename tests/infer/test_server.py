@@ -365,8 +365,12 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-5)   # greedy
     plain = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 1})[1]["choices"][0]["text"]
     assert choice["text"] == ByteTokenizer().decode(ids) + plain      # the token the scoring pass answered with
+    stored = lambda: int(next(line.split()[1] for line in call(server, "GET", "/metrics")[1].splitlines()   # noqa: E731
+                              if line.startswith("meshlab_prompt_tokens_score_cached_total")))
+    before = stored()
     again = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["logprobs"]["token_logprobs"]
     assert np.allclose(again[1:], lp["token_logprobs"][1:], atol=1e-6)
+    assert stored() - before == (n // 8 - 1) * 8         # all but its last full page of 8 from the store
     status, zero = call(server, "POST", "/v1/completions", dict(body, max_tokens=0))
     zl = zero["choices"][0]["logprobs"]
     assert status == 200 and zero["usage"]["completion_tokens"] == 0 and len(zl["tokens"]) == n
