@@ -265,7 +265,8 @@ class Scheduler:
             return False
         full = len(req.prompt) // self.page_size
         nxt = self._stored_pages(req) if self._scoring(req) else hit
-        return nxt < full and self.prompt_keys(req, nxt + 1)[nxt] in flight
+        owner = flight.get(self.prompt_keys(req, nxt + 1)[nxt]) if nxt < full else None
+        return owner is not None and bool(owner.pages)     # never on one that let its pages go (preempted, done)
 
     def _fly(self, req: Request, hit: int) -> None:
         """Mark req's full prompt pages past its hit in flight (computing; and scoring when it scores)."""

@@ -152,6 +152,33 @@ def test_requests_sent_together_compute_a_shared_prefix_once(tiny):
     assert [r.prefix_hit_tokens for r in penal] == [0, 0]
 
 
+def test_waiting_for_pages_in_flight_survives_preemption_and_mixed_kinds(tiny):
+    """A tight pool (preemptions), prompts sharing prefixes of several lengths, plain and scored and
+    repetition-penalised requests all sent at once, in two waves: every greedy token is the one of no
+    cache, every prompt logprob the one of a scored request alone, nothing is left in flight, and some
+    requests did wait for a page in flight."""
+    rng = np.random.default_rng(9)
+    stems = [rng.integers(0, 257, size=n).tolist() for n in (9, 17, 26)]     # four prompts in a row on each
+    md, params = tiny
+    eng = Engine(md, params, max_len=48, max_seqs=4, page_size=4, num_pages=15, chunk=8, steps_per_call=2)
+    alone = make(tiny, False)
+    kinds = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=3, prompt_logprobs=1),
+             SamplingParams(max_tokens=4, repetition_penalty=1.3)]
+    for wave in range(2):
+        prompts = [stems[i // 4][:len(stems[i // 4]) - wave] + rng.integers(0, 257, size=1 + i % 4).tolist()
+                   for i in range(12)]
+        params_of = [kinds[i % 5 % 3] for i in range(12)]
+        reqs = eng.generate(prompts, params_of)
+        for r, sp in zip(reqs, params_of):
+            ref = alone.generate([r.prompt], sp)[0]
+            assert r.output == ref.output
+            if sp.prompt_logprobs is not None:
+                np.testing.assert_allclose([x[0] for x in r.prompt_logprobs[1:]],
+                                           [x[0] for x in ref.prompt_logprobs[1:]], atol=1e-5)
+    assert eng.stats["preemptions"] > 0 and eng.sched.counts["prefix_waits"] > 0
+    assert not eng.sched.computing and not eng.sched.scoring and not eng.sched.waiting
+
+
 def test_copies_share_pages_and_eviction_keeps_tokens(tiny):
     """Two copies of a cached prompt hold the same pages at once; a small pool evicts the cache
     (least recently freed first) and the tokens stay those of no cache."""
