@@ -165,7 +165,8 @@ def http(args, preset, dtype, wl, ek, bs, work):
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", f"random:{preset}", "--port", "0",
            "--dtype", dtype, "--max-len", str(ek["max_len"]), "--max-seqs", str(ek["max_seqs"]), "--page-size",
            str(ek["page_size"]), "--chunk", str(ek["chunk"]), "--steps-per-call", str(ek["steps_per_call"]),
-           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on"] \
+           "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on",
+           "--warmup-idle-kinds="] \
         + ([f"--max-step-tokens={ek['max_step_tokens']}"] if "max_step_tokens" in ek else [])
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
     try:
@@ -174,7 +175,8 @@ def http(args, preset, dtype, wl, ek, bs, work):
         if not m:
             raise RuntimeError(f"serve.py did not start: {line!r}")
         host, port = m.group(1), int(m.group(2))
-        # the server compiled every bucket before listening; this warms the rest (and logprobs' programs)
+        # the server compiled every greedy bucket before listening (and nothing while idle: no compile
+        # between the rates' loads); this warms the rest (and logprobs' programs)
         bs.http_load(host, port, bs.workload(max(args.n // 4, 1), seed=1, **wl), 1e6, args.http_logprobs, seed=1)
         for rate in args.rates:
             bs.http_load(host, port, work, rate if rate > 0 else 1e6, args.http_logprobs)

@@ -46,20 +46,26 @@ def main(argv=None):
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
                          "bucket first met under load compiles then, stalling every request for seconds")
-    ap.add_argument("--warmup-kinds", default="greedy,sampled",
-                    help="the requests whose programs --warmup compiles, comma-separated: greedy, sampled "
-                         "(temperature, penalties, response_format), logprobs, scoring (echo with logprobs, as "
-                         "evaluation harnesses score); a step mixing kinds runs a program of its own, compiled "
+    ap.add_argument("--warmup-kinds", default="greedy",
+                    help="the requests whose programs --warmup compiles before listening, comma-separated: greedy, "
+                         "sampled (temperature, penalties, response_format), logprobs, scoring (echo with logprobs, "
+                         "as evaluation harnesses score); a step mixing kinds runs a program of its own, compiled "
                          "at its first use")
+    ap.add_argument("--warmup-idle-kinds", default="sampled",
+                    help="kinds whose programs --warmup compiles after listening, while the engine has no work, "
+                         "one program at a time (a request meanwhile waits at most for the one compiling; /health "
+                         "says warming: true until done); empty: none")
     ap.add_argument("--tool-call-parser", default="auto", choices=("auto", "json", "hermes", "mistral"),
                     help='how tool_choice "auto" reads calls out of a reply: json (bare JSON calls, Llama 3\'s '
                          "too), hermes (<tool_call> blocks: Hermes, Qwen), mistral ([TOOL_CALLS]); auto: the one "
                          "the checkpoint's chat template writes, else json")
     args = ap.parse_args(argv)
     from meshlab.infer.warmup import WARMUP_KINDS
-    kinds = [k for k in args.warmup_kinds.split(",") if k]
-    if any(k not in WARMUP_KINDS for k in kinds):
-        sys.exit(f"serve: --warmup-kinds {args.warmup_kinds}: each must be one of {', '.join(WARMUP_KINDS)}")
+    kinds, idle = ([k for k in value.split(",") if k] for value in (args.warmup_kinds, args.warmup_idle_kinds))
+    for flag, value, named in (("--warmup-kinds", args.warmup_kinds, kinds),
+                               ("--warmup-idle-kinds", args.warmup_idle_kinds, idle)):
+        if any(k not in WARMUP_KINDS for k in named):
+            sys.exit(f"serve: {flag} {value}: each must be one of {', '.join(WARMUP_KINDS)}")
     import jax
     from meshlab.infer.engine import Engine
     from meshlab.infer.server import Server
@@ -70,7 +76,8 @@ def main(argv=None):
                         num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                         max_step_tokens=args.max_step_tokens,
                         impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
-        if args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu"):
+        warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
+        if warm:
             t = time.perf_counter()
             k = sum(engine.warmup(**WARMUP_KINDS[kind]) for kind in kinds)
             print(f"compiled {k} programs ({', '.join(kinds)}) in {time.perf_counter() - t:.0f} s", file=sys.stderr,
@@ -79,7 +86,8 @@ def main(argv=None):
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
-                        tool_format=tool_fmt).start()
+                        tool_format=tool_fmt,
+                        idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
     except ImportError as e:
         sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
     except (ValueError, OSError, RuntimeError) as e:

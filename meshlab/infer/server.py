@@ -35,9 +35,13 @@ class Server:
 
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
-                 max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None):
+                 max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None,
+                 idle_warmup=()):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
+        # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
+        # program at a time (a request then waits at most for the one being compiled)
+        self.idle_warmup = list(idle_warmup)
         self.host, self.port = host, port
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -73,6 +77,16 @@ class Server:
         waits."""
         self.engine_thread = threading.get_ident()
         while self.running:
+            if not self.engine.has_work() and self.idle_warmup:
+                try:
+                    with self.host_lock:
+                        if not self.engine.warmup(**self.idle_warmup[0], limit=1):
+                            self.idle_warmup.pop(0)
+                except Exception:  # noqa: BLE001 - a program that does not build now fails its first request instead
+                    print(f"meshlab serve: warming while idle failed:\n{traceback.format_exc()}", file=sys.stderr,
+                          flush=True)
+                    self.idle_warmup = []
+                continue
             if not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -166,7 +180,7 @@ class Server:
         async def health(_):
             if self.engine_error:
                 return JSONResponse({"status": "engine failed"}, 503)
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "warming": bool(self.idle_warmup)})
 
         async def metrics(_):
             return PlainTextResponse(self.metrics_text(), media_type="text/plain; version=0.0.4")

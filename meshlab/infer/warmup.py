@@ -14,8 +14,9 @@ import numpy as np
 from meshlab.infer import calls
 from meshlab.infer.programs import TOP_LOGPROBS, placement
 
-# What a server compiles before it listens (scripts/serve.py --warmup-kinds): each kind is one set of the
-# programs' static flags (greedy, logprobs, prompt-logprob score), every bucket compiled for it.
+# What a server compiles before it listens, or after while idle (scripts/serve.py --warmup-kinds,
+# --warmup-idle-kinds): each kind is one set of the programs' static flags (greedy, logprobs,
+# prompt-logprob score), every bucket compiled for it.
 WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature 0, no penalties
                 "sampled": dict(greedy=False),                     # temperature, penalties, logit_bias, grammars
                 "logprobs": dict(greedy=True, logprobs=TOP_LOGPROBS),
@@ -25,19 +26,21 @@ WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature
 class Warmup:
     """`warmup` for an `Engine`: its buckets' programs called through its own calls (compiles counted)."""
 
-    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None, score=None) -> int:
+    def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None, score=None,
+               limit: int | None = None) -> int:
         """Compile every bucket's program now for these static flags (decode calls of steps_per_call
         steps and of one, which runs when pages for more are short or a request is held to a grammar;
         first-token and head calls; every packed shape) by calling each on padding only: nothing is
         written, no request is touched. A server does this before its first request (WARMUP_KINDS: the
         flags of each kind of request). score: the packed shapes' prompt-logprob flag
-        (scoring._score_flag). report(key, seconds) after each program compiled. Returns the number
-        of programs compiled (those compiled before are skipped)."""
+        (scoring._score_flag). report(key, seconds) after each program compiled. limit: compile at
+        most this many (a server's engine thread warms while idle, one program at a time). Returns the
+        number of programs compiled (those compiled before are skipped)."""
         s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
         flags = dict(greedy=greedy, logprobs=logprobs)
 
         def run(key, call, buf, **kw):
-            if key not in self._programs:
+            if key not in self._programs and (limit is None or self.stats["compiles"] - before < limit):
                 _, t0, t1 = self._call(key, call, buf, **kw, **flags)
                 report and report(key, t1 - t0)
         with placement(self.rules, self.mesh):

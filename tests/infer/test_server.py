@@ -52,6 +52,29 @@ def call(srv, method, path, body=None, raw=None):
     return resp.status, (json.loads(text) if ctype.startswith("application/json") else text)
 
 
+def test_the_engine_thread_warms_more_kinds_while_idle(server):
+    """serve.py listens after its first warmup kinds and compiles the others (--warmup-idle-kinds) while the
+    engine has no work, one program at a time: /health says warming until done, and then a sampled
+    request compiles nothing."""
+    from meshlab.infer.warmup import WARMUP_KINDS
+    eng = Engine(server.md, server.params, max_len=128, max_seqs=4, page_size=8, chunk=16, steps_per_call=4)
+    srv = Server(eng, ByteTokenizer(), "tiny", "127.0.0.1", 0, stop_token_ids=[256],
+                 idle_warmup=[WARMUP_KINDS["sampled"]]).start()
+    try:
+        deadline = time.time() + 300
+        while call(srv, "GET", "/health")[1]["warming"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert call(srv, "GET", "/health")[1] == {"status": "ok", "warming": False}
+        compiled = eng.stats["compiles"]
+        assert compiled == len(eng._programs) > 0
+        status, resp = call(srv, "POST", "/v1/completions", {"prompt": "hi there", "max_tokens": 6,
+                                                             "temperature": 0.8, "seed": 3})
+        assert status == 200 and resp["usage"]["completion_tokens"] == 6
+        assert eng.stats["compiles"] == compiled, set(eng._programs)
+    finally:
+        srv.stop()
+
+
 def sse_text(payload: str, chat: bool):
     events = [line[6:] for line in payload.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -61,7 +84,7 @@ def sse_text(payload: str, chat: bool):
 
 
 def test_health_models_metrics(server):
-    assert call(server, "GET", "/health") == (200, {"status": "ok"})
+    assert call(server, "GET", "/health") == (200, {"status": "ok", "warming": False})
     status, body = call(server, "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny"
     status, text = call(server, "GET", "/metrics")
