@@ -6,7 +6,7 @@ import types
 import pytest
 
 from meshlab.infer import api
-from meshlab.infer.server import Call
+from meshlab.infer.http_call import Call
 from meshlab.infer.tools import TOOL_FORMATS, ToolError, parse_tools, tool_format
 
 NAMES = {"weather", "clock"}
