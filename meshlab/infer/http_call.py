@@ -9,14 +9,10 @@ import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.tools import tool_calls
-
-if TYPE_CHECKING:
-    from meshlab.infer.server import Server
 
 
 def _ignore(*_):
@@ -24,9 +20,10 @@ def _ignore(*_):
 
 
 class Call:
-    """The engine requests of one HTTP request (n choices) and their events, on the event loop."""
+    """The engine requests of one HTTP request (n choices) and their events, on the event loop; `server`
+    is the meshlab.infer.server.Server that owns the engine and the event loop."""
 
-    def __init__(self, server: Server, plan: api.Plan):
+    def __init__(self, server, plan: api.Plan):
         self.server, self.plan = server, plan
         self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
