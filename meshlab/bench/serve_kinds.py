@@ -116,11 +116,11 @@ def shared_prefix(engine, work, system: int = 1024, label: str = "engine") -> li
     vocab, rows = engine.md.cfg.vocab_size, []
     system = min(system, engine.sched.max_len // 2)          # the tiny engine's short context
     limit = engine.sched.max_len - system
+    fit = [(p[:max(1, limit - m - 1)], m) for p, m in work]          # each request within max_len
     for k, (name, wait) in enumerate((("each computing it", False), ("waiting for it", True))):
         engine.sched.wait_in_flight = wait
         head = np.random.default_rng(100 + k).integers(0, vocab, system).tolist()
         warm_head = [(t + 1) % vocab for t in head]
-        fit = [(p[:max(1, limit - m - 1)], m) for p, m in work]
         engine.generate([warm_head + p for p, _ in fit[:16]], [SamplingParams(max_tokens=m) for _, m in fit[:16]])
         fed, t = engine.stats["prefill_tokens"], time.perf_counter()
         reqs = engine.generate([head + p for p, _ in fit], [SamplingParams(max_tokens=m) for _, m in fit])

@@ -40,8 +40,8 @@ class Plan:
     continuous_usage: bool = False     # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
     prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
-    tool_call: bool = False            # each reply is a tool call (tools.tool_calls reads it back)
-    tool_format: Optional[Any] = None  # tool_choice "auto": the tools.ToolFormat its calls are read back in
+    tool_call: bool = False            # each reply is held to a tool call (sent whole when it ends)
+    tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
 
     @property
@@ -138,6 +138,9 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     if choice is not None and choice.auto and tool_format is None:
         from meshlab.infer.tools import tool_format as format_named
         tool_format = format_named("auto", getattr(tok, "chat_template", None))
+    elif tool_call:                            # the grammar's JSON call, read back as bare JSON
+        from meshlab.infer.tools import TOOL_FORMATS
+        tool_format = TOOL_FORMATS["json"]
     if tool_call and body.get("response_format") is not None:
         raise BadRequest("`response_format` and a required tool call both fix the reply's form; send one",
                          param="response_format")
@@ -145,7 +148,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                        choice.grammar() if tool_call else None)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
-                tool_call=tool_call, tool_format=tool_format if choice is not None and choice.auto else None,
+                tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset())
 
 

@@ -12,7 +12,6 @@ import uuid
 
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
-from meshlab.infer.tools import tool_calls
 
 
 def _ignore(*_):
@@ -178,8 +177,6 @@ class Call:
 
     def _calls(self, i: int, text: str) -> tuple:
         """(content, tool_calls or None) of choice i's whole reply."""
-        if self.plan.tool_call:
-            return None, tool_calls(text)
         if self.plan.tool_format is not None:
             return self.plan.tool_format.read(text, self.plan.tool_names)
         return text, None
@@ -205,9 +202,10 @@ class Call:
         call's reply is sent whole when it ends (its JSON is not the message's content); under
         tool_choice "auto" the text is sent up to where a call may open, and the calls when it ends."""
         if self.plan.tool_call:
-            calls = tool_calls(self._text(i, True)) if final else None
-            return self._chunk(i, "" if calls else self._text(i, True), self._finish(i), None, calls=calls) \
-                if final else None
+            if not final:
+                return None
+            content, calls = self._calls(i, self._text(i, True))
+            return self._chunk(i, "" if calls else content, self._finish(i), None, calls=calls)
         if self.plan.tool_format is not None:
             return self._auto_delta(i, final)
         echo = b""

@@ -163,7 +163,7 @@ class Scoring:
             raise RuntimeError(f"prompt positions {np.flatnonzero(~have)[:8].tolist()} were never scored")
         req.score_parts = []
         store = self.sched.scores
-        if store is not None and top is not None:
+        if store is not None:
             full = len(req.prompt) // store.page_size
             keys = self.sched.prompt_keys(req, full)
             store.put(keys, lp, ids, vals)

@@ -6,11 +6,12 @@
 "none" answers in text. "auto" (OpenAI's default when tools are sent) lets the model answer freely
 and reads its calls back out of the text in the format its family writes (`ToolFormat`: bare
 JSON objects, Llama 3's included; Hermes / Qwen's <tool_call> blocks; Mistral's [TOOL_CALLS] list),
-picked from the chat template or named by `serve.py --tool-call-parser`. A call of a function the
-request did not offer, or text that does not parse, stays the message's content. A stream sends
-the text before a call as it comes and holds back what may open one. The tools reach the prompt through the checkpoint's
-chat template (its `tools` variable), or, without one, a `tools:` line before the messages; tool
-results come back as messages of role "tool", and an assistant message may carry `tool_calls`.
+picked from the chat template or named by `serve.py --tool-call-parser` (a held call is read back as
+bare JSON). A call of a function the request did not offer, or text that does not parse, stays the
+message's content. A stream sends the text before a call as it comes and holds back what may open
+one. The tools reach the prompt through the checkpoint's chat template (its `tools` variable), or,
+without one, a `tools:` line before the messages; tool results come back as messages of role
+"tool", and an assistant message may carry `tool_calls`.
 """
 from __future__ import annotations
 
@@ -84,18 +85,6 @@ def parse_tools(tools, choice) -> Optional[ToolChoice]:
     return ToolChoice(tools, named)
 
 
-def tool_calls(text: str) -> Optional[list]:
-    """The message's tool_calls for a reply held to a ToolChoice grammar, or None when the text is not
-    a whole call (the reply ran out of max_tokens first)."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not {"name", "arguments"} <= set(call):
-        return None
-    return [_call(call["name"], call["arguments"])]
-
-
 def _call(name: str, arguments) -> dict:
     """One entry of a message's tool_calls; arguments as a JSON string (OpenAI's form)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -132,28 +121,31 @@ class ToolFormat:
     markers: tuple          # text that opens the calls
     leading: bool           # True: calls only make up a whole reply; False: they may follow some text
 
+    def _first_marker(self, text: str) -> int:
+        """Where the first marker in text starts, or -1."""
+        return min((i for i in (text.find(m) for m in self.markers) if i >= 0), default=-1)
+
     def streamable(self, text: str) -> int:
         """How much of a reply so far is content for sure: the text before where a call opens or may."""
         if self.leading:
             head = text.lstrip()
             return 0 if any(m.startswith(head) or head.startswith(m) for m in self.markers) else len(text)
-        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-        if found:
-            return min(found)
+        found = self._first_marker(text)
+        if found >= 0:
+            return found
         held = max((k for m in self.markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
         return len(text) - held
 
     def read(self, text: str, names: set) -> tuple[Optional[str], Optional[list]]:
         """(content, tool_calls) of a whole reply: with calls, the content is the text before them
-        (None when blank; as streamed, less trailing blanks); without (none there, or they do not parse or name no offered tool),
-        (text, None)."""
+        (None when blank; as streamed, less trailing blanks); without (none there, or they do not
+        parse or name no offered tool), (text, None)."""
         if self.leading:
             cut, body = 0, text.strip().removeprefix("<|python_tag|>")
         else:
-            found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-            if not found:
+            cut = self._first_marker(text)
+            if cut < 0:
                 return text, None
-            cut = min(found)
             if self.name == "hermes":  # <tool_call>{...}</tool_call> blocks, the last one's closing tag optional
                 body = ";".join(re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[cut:], flags=re.S))
             else:
