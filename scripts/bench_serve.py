@@ -30,6 +30,8 @@ never share one), printing `ROW {json}` lines:
   guided   (not by default) the offline workload free, then with 1 request in 8 held to a JSON schema
            of its length (response_format's path: meshlab/infer/guided.py), in the offline engine:
            output tokens/s of each
+  sampled  (not by default) the offline workload greedy, at temperature 1, and at temperature 0.7 with
+           top_p 0.9 and top_k 50, in the offline engine: output tokens/s of each
   shared   (not by default) the offline workload behind one 1,024-token system prompt, all sent at once,
            with requests waiting for the prefix pages another computes (the default) and without, in the
            offline engine: output tokens/s, TTFT p50, prompt tokens computed
@@ -120,7 +122,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job in ("offline", "overlap_ab", "score", "guided", "shared"):
+    if args.job in ("offline", "overlap_ab", "score", "guided", "shared", "sampled"):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -146,10 +148,10 @@ def child(args):
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         if args.job == "overlap_ab":
             return bs.overlap_ab(eng, work, cfg.vocab_size)
-        if args.job in ("score", "guided", "shared"):
+        if args.job in ("score", "guided", "shared", "sampled"):
             from meshlab.bench import serve_kinds
             return {"score": serve_kinds.scoring, "guided": serve_kinds.guided,
-                    "shared": serve_kinds.shared_prefix}[args.job](eng, work)
+                    "shared": serve_kinds.shared_prefix, "sampled": serve_kinds.sampled}[args.job](eng, work)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

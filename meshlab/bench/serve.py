@@ -61,10 +61,17 @@ def offline(engine, work, label: str):
            "prefix_hit_tokens": st["prefix_hit_tokens"]}
     row["note"] = (f"{out_tok} tokens in {wall:.1f} s; TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 "
                    f"{row['ttft_p99_ms']:.0f}; TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f}; "
-                   f"{row['host_ms_per_call']:.2f} ms host per call ({row['dispatch_ms_per_call']:.2f} of it dispatching), "
-                   f"{row['device_wait_ms_per_call']:.2f} waiting on the device; {row['decode_steps_per_dispatch']:.1f} decode "
-                   f"steps per dispatch, {st['compiles']} compiles, {st['preemptions']} preemptions")
+                   + counters_note(st))
     return emit(row), reqs
+
+
+def counters_note(st: dict) -> str:
+    """The engine's counters over a run (the difference of Engine.stats before and after) in words."""
+    calls = max(st["device_calls"], 1)
+    return (f"{st['host_s'] / calls * 1e3:.2f} ms host per call ({st['dispatch_s'] / calls * 1e3:.2f} of it "
+            f"dispatching), {st['device_wait_s'] / calls * 1e3:.2f} waiting on the device; "
+            f"{(st['steps'] - st['packed_calls']) / max(st['decode_calls'], 1):.1f} decode steps per dispatch, "
+            f"{st['device_calls']} calls, {st['compiles']} compiles, {st['preemptions']} preemptions")
 
 
 def overlap_ab(engine, work, vocab: int, rounds: int = 2, seed: int = 7) -> list[dict]:
@@ -252,11 +259,11 @@ class SimulatedDevice:
                        top_logprob=np.zeros(shape + (k,), np.float32))
         return {key: _Pending(v, self.free) for key, v in out.items()}, out["tokens"]
 
-    def decode(self, weights, cache, seen, buf, layout, n, greedy, logprobs):
+    def decode(self, weights, cache, seen, buf, layout, n, greedy, logprobs, cut=True):
         b = dict((name, shape) for name, shape, _ in layout)["pos"][0]
         return cache, seen, self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)[0]
 
-    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None):
+    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=True):
         shapes = dict((name, shape) for name, shape, _ in layout)
         nd, t = shapes["p.dec_len"][0], shapes["p.tokens"][0]
         cost = self.packed_s + self.row_s * nd + self.token_s * (t - nd)

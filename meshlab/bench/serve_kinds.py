@@ -65,6 +65,45 @@ def multiple_choice(engine, work, choices: int = 4, label: str = "engine") -> li
     return [emit(r) for r in rows]
 
 
+def _runs(engine, work, settings, section: str, label: str) -> list[tuple[dict, list]]:
+    """The offline workload once per (name, params) of `settings` (params: one SamplingParams per
+    request), each after a warm run of an eighth of it, each on its own prompt ids of the workload's
+    lengths (none finds another's pages cached): (row, requests) with output tokens/s and the
+    engine's counters over the run."""
+    from meshlab.bench.serve import counters_note
+    vocab = engine.md.cfg.vocab_size
+    prompts = lambda k: [[(t + k) % vocab for t in p] for p, _ in work]      # noqa: E731
+    warm, out = max(len(work) // 8, 1), []
+    for k, (name, params) in enumerate(settings):
+        engine.generate(prompts(2 * k + 1)[:warm], params[:warm])
+        before = dict(engine.stats)
+        t = time.perf_counter()
+        reqs = engine.generate(prompts(2 * k), params)
+        wall = time.perf_counter() - t
+        st = {key: engine.stats[key] - before[key] for key in before}
+        out_tok = sum(len(r.output) for r in reqs)
+        out.append(({"section": section, "setting": f"{label} {name} n={len(work)}", "value": out_tok / wall,
+                     "unit": "tok/s", "note": f"{out_tok} output tokens in {wall:.2f} s; " + counters_note(st)}, reqs))
+    return out
+
+
+def sampled(engine, work, label: str = "engine") -> list[dict]:
+    """The offline workload greedy, then sampled at temperature 1 (no filter), then at temperature 0.7
+    with top_p 0.9 and top_k 50 (a chat client's settings), in the same engine: output tokens/s of
+    each. Sampled rows run the programs without the greedy promise, and those with top_p or top_k
+    the programs that find their cuts (meshlab.infer.sampler)."""
+    from meshlab.infer.sampler import SamplingParams
+    engine.warmup(greedy=False)
+    engine.warmup(greedy=False, cut=True)
+    settings = [("greedy", {}), ("temperature 1", {"temperature": 1.0}),
+                ("temperature 0.7, top_p 0.9, top_k 50", {"temperature": 0.7, "top_p": 0.9, "top_k": 50})]
+    runs = _runs(engine, work, [(name, [SamplingParams(max_tokens=m, seed=i, **kw) for i, (_, m) in enumerate(work)])
+                                for name, kw in settings], "sampled", label)
+    for row, _ in runs[1:]:
+        row["note"] += f"; {row['value'] / runs[0][0]['value']:.2f}x greedy"
+    return [emit(row) for row, _ in runs]
+
+
 def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
     """The offline workload free, then with every `share`-th request held to a JSON schema that fixes
     its length (a string of max_tokens - 2 lowercase letters: as many tokens as the free request, one
@@ -75,32 +114,19 @@ def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
     from meshlab.infer.guided import Grammars, json_grammar
     from meshlab.infer.sampler import SamplingParams
     from meshlab.tokenizer import ByteTokenizer
-    vocab = engine.md.cfg.vocab_size
-    engine.grammars = Grammars(ByteTokenizer(), vocab)
+    engine.grammars = Grammars(ByteTokenizer(), engine.md.cfg.vocab_size)
     engine.warmup(greedy=False)        # guided rows sample through the programs without the greedy promise
-    # each run on its own prompt ids of the workload's lengths: none finds another's pages cached
-    prompts = lambda k: [[(t + k) % vocab for t in p] for p, _ in work]      # noqa: E731
-    warm = max(len(work) // 8, 1)
 
     def params(held: bool):
         return [SamplingParams(max_tokens=m, grammar=json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"}))
                 if held and i % share == 0 else SamplingParams(max_tokens=m) for i, (_, m) in enumerate(work)]
-    rows = []
-    for k, (name, held) in enumerate((("free", False), (f"1 in {share} held to a JSON schema", True))):
-        engine.generate(prompts(2 * k + 1)[:warm], params(held)[:warm])
-        t, compiles = time.perf_counter(), engine.stats["compiles"]
-        reqs = engine.generate(prompts(2 * k), params(held))
-        wall = time.perf_counter() - t
-        out_tok = sum(len(r.output) for r in reqs)
-        row = {"section": "guided", "setting": f"{label} {name} n={len(work)}", "value": out_tok / wall, "unit": "tok/s",
-               "note": f"{out_tok} output tokens in {wall:.2f} s, {engine.stats['compiles'] - compiles} compiles"}
-        if held:
-            held_reqs = reqs[::share]
-            valid = sum(len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2 for r in held_reqs)
-            row["note"] += f"; {valid} of {len(held_reqs)} guided outputs parse as their schema asks"
-        rows.append(row)
-    rows[-1]["note"] += f"; {rows[-1]['value'] / rows[0]['value']:.2f}x the free run"
-    return [emit(r) for r in rows]
+    (free, _), (row, reqs) = _runs(engine, work, [("free", params(False)),
+                                                  (f"1 in {share} held to a JSON schema", params(True))], "guided", label)
+    held_reqs = reqs[::share]
+    valid = sum(len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2 for r in held_reqs)
+    row["note"] += f"; {valid} of {len(held_reqs)} guided outputs parse as their schema asks; " \
+                   f"{row['value'] / free['value']:.2f}x the free run"
+    return [emit(free), emit(row)]
 
 
 def shared_prefix(engine, work, system: int = 1024, label: str = "engine") -> list[dict]:

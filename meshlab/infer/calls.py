@@ -262,13 +262,13 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
     compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
     the buffer comes in pinned host memory and the program copies it to this sharding first."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=True):
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"],
-                                       greedy=greedy, logprobs=logprobs, score=score))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "score"),
+                                       greedy=greedy, logprobs=logprobs, score=score, cut=cut))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "score", "cut"),
                    compiler_options=compiler_options)
 
 
@@ -280,12 +280,12 @@ def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
     input of a decode call sits at a device address the call before did not use (a new one costs
     the GPU's command buffer an update in the dispatch). With "hit" in the buffer (first_token_slots),
     rows whose position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
-    def call(weights, cache, seen, buf, layout, n, greedy, logprobs):
+    def call(weights, cache, seen, buf, layout, n, greedy, logprobs, cut=True):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(decode_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"], a["slots"],
                                        a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs,
-                                       keep=a.get("hit"), from_last=a.get("from_last")))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs"),
+                                       keep=a.get("hit"), from_last=a.get("from_last"), cut=cut))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "greedy", "logprobs", "cut"),
                    compiler_options=compiler_options)
 
 
@@ -293,11 +293,11 @@ def head_program(head_step, treedef, compiler_options: dict | None = None):
     """head_step (programs.make_head_program) taking (weights, cache, seen, buf, layout): weights the
     leaves of programs.head_params (of structure treedef), the buffer holds page, slots, rows.* and
     counters (head_slots)."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, cut=True):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"],
-                                     greedy=greedy, logprobs=logprobs))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs"),
+                                     greedy=greedy, logprobs=logprobs, cut=cut))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "cut"),
                    compiler_options=compiler_options)
 
 

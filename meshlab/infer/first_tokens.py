@@ -32,9 +32,9 @@ class FirstTokens:
         b = next(x for x in self.DECODE if x >= len(rows))
         slots = self._first_slots(b)                # the bucket's layout, kept
         real = calls.fill_decode(slots.fill(), rows, s.table, self.slot_rows)
-        greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("first", b, 1, greedy, logprobs), self.first_call, slots.take(),
-                               layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs)
+        greedy, logprobs, cut = self._flags(real)
+        out, _, _ = self._call(("first", b, 1, greedy, logprobs, cut), self.first_call, slots.take(),
+                               layout=slots.layout, n=1, greedy=greedy, logprobs=logprobs, cut=cut)
         self.stats["steps"] += 1
         self.stats["first_token_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in rows)
@@ -60,9 +60,9 @@ class FirstTokens:
         b = next(x for x in self.DECODE if x >= len(firsts))
         slots = self._head_slots(b)
         real = calls.fill_head(slots.fill(), firsts, s.table, s.page_size, self.slot_rows)
-        greedy, logprobs = self._flags(real)
-        out, _, _ = self._call(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
-                               greedy=greedy, logprobs=logprobs, weights=self.head_weights)
+        greedy, logprobs, cut = self._flags(real)
+        out, _, _ = self._call(("head", b, greedy, logprobs, cut), self.head_call, slots.take(), layout=slots.layout,
+                               greedy=greedy, logprobs=logprobs, cut=cut, weights=self.head_weights)
         self.stats["head_calls"] += 1
         lps = logprob_rows(out, 0) if logprobs is not None else None
         for i, r in enumerate(firsts):

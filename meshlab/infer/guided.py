@@ -15,7 +15,7 @@ planned while its last token is still on the device (Scheduler.decoding; the eng
 overlap: it decodes every other step), and while one runs, decode calls run one step and do not
 chain. A step's masks are computed in parallel across its guided rows (llguidance's executor; ~2-100
 us each, the grammar's) and written in one device call; the sampling programs read a [rows, V / 32]
-mask and take their non-greedy path (a vocabulary sort per row) for guided rows.
+mask and take their non-greedy path (penalties and a draw per row) for guided rows.
 """
 from __future__ import annotations
 

@@ -73,9 +73,10 @@ class PackedSteps:
             ends = page_end_rows(slots.views["p.positions"], slots.views["p.write_page"], s.page_size,
                                  len(s.hidden_ok), xp=np)
             s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
-        greedy, logprobs = self._flags(real)
-        out = self._launch(("packed", nd, k, c, greedy, logprobs, score), self.packed_call, self._packed_input(slots),
-                           layout=slots.layout, greedy=greedy, logprobs=logprobs, score=score)
+        greedy, logprobs, cut = self._flags(real)
+        out = self._launch(("packed", nd, k, c, greedy, logprobs, score, cut), self.packed_call,
+                           self._packed_input(slots), layout=slots.layout, greedy=greedy, logprobs=logprobs, score=score,
+                           cut=cut)
         self._keep_scores(out, scored, c)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1

@@ -211,7 +211,7 @@ def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, l
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
-def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None):
+def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None, cut=True):
     """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
     "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
     temperature and the filters). own: the cache's engine entries, whose COUNTS, logit-bias and MASK
@@ -223,7 +223,7 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None
         counts = pick(COUNTS) if COUNTS in own else None
         bias = (pick(BIAS_IDS), pick(BIAS_VALUES)) if BIAS_IDS in own else None
         allowed = pick(MASK) if MASK in own else None                               # [R, V / 32]
-    tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias, allowed)
+    tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias, allowed, cut)
     out = {"tokens": tok}
     if logprobs is not None:
         out["logprob"], out["top_logprob"], out["top_id"] = _logprobs(logits, tok, logprobs and TOP_LOGPROBS)
@@ -305,10 +305,11 @@ def make_head_program(md):
     (rows [b]); params from head_params (a call passes a few leaves, not every layer's)."""
     vocab = md.cfg.vocab_size
 
-    def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs):
+    def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs, cut=True):
         model = md.bind(dict(params, layers=md.abstract["layers"]))
         h = cache[HIDDEN][pages]                                                      # [b, d]
-        out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs, cache, slots)
+        out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs, cache, slots,
+                    cut)
         cache = dict(cache)
         _count(cache, greedy, slots, out["tokens"])
         return out, cache, seen
@@ -343,7 +344,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
-    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None):
+    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None, cut=True):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         nd = p["from_last"].shape[0]
@@ -356,7 +357,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         if not greedy:
             seen = _mark(seen, p["slot"], tokens, p["slot"] < seen.shape[0])
         seen_rows = None if greedy else seen[out_slot]
-        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs, own, out_slot)
+        out = _head(model, h[0, p["out_idx"]], vocab, rows, counters, seen_rows, greedy, logprobs, own, out_slot, cut)
         _count(own, greedy, p["last_slot"], out["tokens"])
         own[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
         if score is not None:
@@ -364,7 +365,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         return out, dict(cache, **own), seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
-                    keep=None, from_last=None):
+                    keep=None, from_last=None, cut=True):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         if from_last is not None:        # rows whose token the host has not read yet
@@ -380,7 +381,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
             if not greedy:
                 seen = _mark(seen, slots, tok, valid)
             out = _head(model, h[:, 0], vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs,
-                        dict(own, **{COUNTS: counts}) if counts is not None else own, slots)
+                        dict(own, **{COUNTS: counts}) if counts is not None else own, slots, cut)
             if counts is not None:
                 counts = count_sampled(counts, slots, out["tokens"], valid)
             return (cache, seen, counts, out["tokens"], pos + 1, counters + 1), out
@@ -393,5 +394,5 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         own[LAST] = own[LAST].at[slots].set(last, mode="drop")
         return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]
 
-    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs", "score")),
-            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs")))
+    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs", "score", "cut")),
+            jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs", "cut")))

@@ -19,6 +19,7 @@ from meshlab.infer.programs import TOP_LOGPROBS, placement
 # prompt-logprob score), every bucket compiled for it.
 WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature 0, no penalties
                 "sampled": dict(greedy=False),                     # temperature, penalties, logit_bias, grammars
+                "top_p": dict(greedy=False, cut=True),             # the same with top_k or top_p
                 "logprobs": dict(greedy=True, logprobs=TOP_LOGPROBS),
                 "scoring": dict(greedy=True, logprobs=TOP_LOGPROBS, score=1)}   # an evaluation harness's
 
@@ -27,7 +28,7 @@ class Warmup:
     """`warmup` for an `Engine`: its buckets' programs called through its own calls (compiles counted)."""
 
     def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None, score=None,
-               limit: int | None = None) -> int:
+               limit: int | None = None, cut: bool = False) -> int:
         """Compile every bucket's program now for these static flags (decode calls of steps_per_call
         steps and of one, which runs when pages for more are short or a request is held to a grammar;
         first-token and head calls; every packed shape) by calling each on padding only: nothing is
@@ -35,9 +36,11 @@ class Warmup:
         flags of each kind of request). score: the packed shapes' prompt-logprob flag
         (scoring._score_flag). report(key, seconds) after each program compiled. limit: compile at
         most this many (a server's engine thread warms while idle, one program at a time). Returns the
-        number of programs compiled (those compiled before are skipped)."""
+        number of programs compiled (those compiled before are skipped). cut: the sampled programs that
+        cut draws to top_k / top_p (Engine._flags)."""
         s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
-        flags = dict(greedy=greedy, logprobs=logprobs)
+        cut = cut and not greedy
+        flags = dict(greedy=greedy, logprobs=logprobs, cut=cut)
 
         def run(key, call, buf, **kw):
             if key not in self._programs and (limit is None or self.stats["compiles"] - before < limit):
@@ -48,22 +51,22 @@ class Warmup:
                 z, pad = np.zeros(b, np.int32), np.full(b, b_max, np.int32)
                 buf, layout = calls.decode_inputs(z, z, z, s.table[z], pad, self._row_inputs(z), z, pad)
                 for n in sorted({self.steps_per_call, 1}, reverse=True):
-                    run(("decode", b, n, greedy, logprobs), self.decode_call, buf, layout=layout, n=n)
+                    run(("decode", b, n, greedy, logprobs, cut), self.decode_call, buf, layout=layout, n=n)
                 if not self.first_token_decode:   # its one-step program is never called: not compiled
                     continue
                 slots = self._first_slots(b)
                 slots.fill()                                          # padding only: limit 0, nothing fed
-                run(("first", b, 1, greedy, logprobs), self.first_call, slots.take(), layout=slots.layout, n=1)
+                run(("first", b, 1, greedy, logprobs, cut), self.first_call, slots.take(), layout=slots.layout, n=1)
                 if self.reuse_hidden:
                     slots = self._head_slots(b)
                     slots.fill()                                      # page 0's row: read, nothing written
-                    run(("head", b, greedy, logprobs), self.head_call, slots.take(), layout=slots.layout,
+                    run(("head", b, greedy, logprobs, cut), self.head_call, slots.take(), layout=slots.layout,
                         weights=self.head_weights)
             shapes = [(nd, k, w) for nd, k, w in itertools.product(self.MIXED_DECODE, self.PREFILL_ROWS, self.WIDTHS)
                       if w == self.chunk or k == 1]
             for nd, k, w in shapes:
                 slots = self._packed_slots(nd, k, w, score is not None)
                 slots.fill()                                          # padding only
-                run(("packed", nd, k, w, greedy, logprobs, score), self.packed_call, self._packed_input(slots),
+                run(("packed", nd, k, w, greedy, logprobs, score, cut), self.packed_call, self._packed_input(slots),
                     layout=slots.layout, score=score)
         return self.stats["compiles"] - before

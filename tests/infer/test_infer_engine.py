@@ -132,6 +132,21 @@ def test_continuous_batching_equals_alone(tiny, engine):
             assert_greedy_matches(fwd, params, r.prompt, r.output)
 
 
+def test_a_draw_without_cuts_is_the_same_in_a_program_that_finds_them(engine, monkeypatch):
+    """A request sampled at a temperature alone runs programs that skip the top_k / top_p search (cut
+    False); beside one with top_p and top_k it runs those that find them (cut True), and draws the
+    same tokens: the cuts of a row that sets neither keep its whole vocabulary."""
+    keys, launch = [], engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
+    warm = SamplingParams(max_tokens=14, temperature=1.1, seed=11)
+    cut = SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, top_k=30, seed=2)
+    alone = engine.generate([[9, 8, 7, 6]], warm)[0].output
+    assert keys and not any(k[-1] for k in keys)                       # the flag ends every key
+    keys.clear()
+    both = engine.generate([[9, 8, 7, 6], [1, 2, 3]], [warm, cut])
+    assert any(k[-1] for k in keys) and both[0].output == alone and len(both[1].output) == 14
+
+
 def test_stop_token_and_bad_requests(tiny, engine):
     first = engine.generate([[9, 9, 9]], SamplingParams(max_tokens=8))[0].output
     stopped = engine.generate([[9, 9, 9]], SamplingParams(max_tokens=8, stop_token_ids=[first[2]]))[0]
@@ -193,6 +208,18 @@ def test_guided_benchmark_times_both_runs_and_its_outputs_parse(engine, monkeypa
     free, held = guided(engine, work, share=2)
     assert free["unit"] == held["unit"] == "tok/s" and free["value"] > 0 and held["value"] > 0
     assert "2 of 2 guided outputs parse" in held["note"] and f"{sum(m for _, m in work)} output tokens" in held["note"]
+
+
+def test_sampled_benchmark_times_greedy_and_both_sampled_settings(engine):
+    """bench_serve's sampled job on the tiny engine: the workload greedy, at temperature 1 and with a
+    chat client's filters, each with its output tokens/s and the engine's counters."""
+    from meshlab.bench.serve_kinds import sampled
+    work = [(list(range(1 + i, 8 + 2 * i)), 6 + i) for i in range(4)]
+    rows = sampled(engine, work)
+    assert [r["setting"].split(" n=")[0] for r in rows] == [
+        "engine greedy", "engine temperature 1", "engine temperature 0.7, top_p 0.9, top_k 50"]
+    assert all(r["unit"] == "tok/s" and r["value"] > 0 and "decode steps per dispatch" in r["note"] for r in rows)
+    assert all(f"{sum(m for _, m in work)} output tokens" in r["note"] and "x greedy" in r["note"] for r in rows[1:])
 
 
 def test_shared_prefix_benchmark_computes_the_system_prompt_once(engine):

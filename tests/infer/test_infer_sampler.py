@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlab.infer.sampler import SamplingParams, row_arrays, sample
+from meshlab.infer.sampler import SamplingParams, filtered, row_arrays, sample
 
 V = 50
 
@@ -52,6 +52,57 @@ def test_top_k_and_top_p_restrict_support(logits):
     for c in range(40):
         got |= set(draw(row, [SamplingParams(temperature=1.0, top_p=0.6, seed=s) for s in range(4)], [c] * 4).tolist())
     assert got <= nucleus
+
+
+def sorted_nucleus(row, temperature, top_k, top_p) -> tuple[set, set]:
+    """(kept, unsure) by the definition, through a float64 sort: the top_k best, then the fewest of
+    those whose renormalised probability reaches top_p. unsure: tokens fp32 rounding may put either
+    side (probability below 1e-9, or their mass before within 1e-5 of top_p), never the best."""
+    z = row.astype(np.float64) / max(temperature, 1e-6)
+    order = np.argsort(-z, kind="stable")[:top_k or len(row)]
+    p = np.exp(z[order] - z[order].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    unsure = (p < 1e-9) | (np.abs(before - top_p) < 1e-5)
+    unsure[0] = False                                     # the best is always kept
+    return set(order[before < top_p].tolist()), set(order[unsure].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.1, 2.0, 12.0])
+def test_thresholds_keep_exactly_the_sorted_nucleus(scale):
+    """The radix-select cuts keep the same tokens as a sort over random rows (no ties; only tokens of
+    negligible probability or at the top_p boundary's rounding may differ): every mix of temperature,
+    top_k (off, 1, a few, all but one) and top_p (off, tiny, middling, near 1)."""
+    rng = np.random.default_rng(int(scale * 10))
+    v, cases = 777, [(t, k, p) for t in (0.5, 1.0, 1.7) for k in (0, 1, 9, 776) for p in (1.0, 1e-6, 0.5, 0.97)]
+    rows = rng.normal(size=(len(cases), v)).astype(np.float32) * scale
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in cases]
+    got = np.isfinite(np.asarray(jax.jit(filtered)(jnp.asarray(rows), {
+        k: jnp.asarray(x) for k, x in row_arrays(params).items()})))
+    for i, (t, k, p) in enumerate(cases):
+        want, unsure = sorted_nucleus(rows[i], t, k, p)
+        differ = set(np.flatnonzero(got[i]).tolist()) ^ want
+        assert differ <= unsure and len(want - unsure) > 0, (scale, t, k, p, differ - unsure)
+
+
+def test_thresholds_keep_every_tie_and_masked_tokens_stay_out():
+    """Tokens tied at a cut are all kept; -inf (a grammar's or a bias's exclusion) is never kept."""
+    row = jnp.asarray([[3.0, 1.0, 1.0, 1.0, -jnp.inf, 0.0]], jnp.float32)
+    rows = lambda **kw: {k: jnp.asarray(x) for k, x in row_arrays([SamplingParams(temperature=1.0, **kw)]).items()}  # noqa: E731
+    assert np.isfinite(np.asarray(filtered(row, rows(top_k=2)))).tolist() == [[True, True, True, True, False, False]]
+    assert np.isfinite(np.asarray(filtered(row, rows()))).tolist() == [[True] * 4 + [False, True]]
+
+
+def test_draws_follow_the_filtered_probabilities():
+    """4,000 draws of one row (counters 0..3999) land on each kept token as often as its renormalised
+    probability says (within 3 points), and never outside top_p's nucleus."""
+    logits = jnp.log(jnp.asarray([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]], jnp.float32))
+    n = 4000
+    toks = draw(jnp.broadcast_to(logits, (n, 6)), [SamplingParams(temperature=1.0, top_p=0.85, seed=3)] * n,
+                counters=np.arange(n), seen=jnp.zeros((n, V), bool)[:, :6])
+    freq = np.bincount(toks, minlength=6) / n
+    want = np.array([0.4, 0.25, 0.15, 0.1, 0, 0]) / 0.9
+    assert np.abs(freq - want).max() < 0.03, freq
 
 
 def test_repetition_penalty_moves_off_seen_token(logits):

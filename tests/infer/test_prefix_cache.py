@@ -218,7 +218,7 @@ def test_first_token_step_takes_decoding_rows_along(tiny, monkeypatch):
         eng.step()
     rb = eng.add_request(b, SamplingParams(max_tokens=6))
     eng.run()
-    assert ("first", 2, 1, True, None) in keys and rb.prefix_hit_tokens == 12
+    assert ("first", 2, 1, True, None, False) in keys and rb.prefix_hit_tokens == 12
     assert ra.output == alone_a and rb.output == alone_b[0]
     for name in ("k", "v"):
         np.testing.assert_array_equal(np.asarray(eng.cache[name])[:, pages], kept[name])
@@ -388,7 +388,7 @@ def test_a_prompt_met_before_samples_from_its_kept_hidden_state(tiny, monkeypatc
         e.generate([p], SamplingParams(max_tokens=1))
     keys.clear()
     mine, ref = eng.generate([p], sp)[0], plain.generate([p], sp)[0]
-    assert keys[0] == ("head", 1, True, 20) and mine.prefix_hit_tokens == 8
+    assert keys[0][:4] == ("head", 1, True, 20) and mine.prefix_hit_tokens == 8
     assert mine.output == ref.output == argmax_of_uncached(md, params, mine)
     for (lp, top), (lp_ref, top_ref) in zip(mine.logprobs, ref.logprobs):
         assert sorted(top) == sorted(top_ref)
