@@ -94,6 +94,12 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     buffers a prompt met before took 2.5 ms to its first token against 2.2 with them on the H200:
     the host launches the step's ~110 kernels one by one; docs/benchmarks.md).
 
+    guided_steps: the steps of a decode call while a request held to a grammar runs (meshlab.infer.guided):
+    a guided row is fed at the first only (its next mask needs its token on the host), the others at
+    every one. 1 (the default): every row advances one token a call and a guided row every other call;
+    more: the free rows advance that many, and a guided row still one every other call, which lasts
+    longer. Values other than 1 and steps_per_call compile decode programs of their own.
+
     reuse_hidden (with the prefix cache): packed steps keep the final hidden state of each token that
     ends a page ([num_pages, d] in the cache: 4 KB a page for llama3_1b, 0.8% of its K/V), so a
     prompt met before up to such a page (the same prompt again: n copies, retries, evaluations)
@@ -109,7 +115,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
-                 reuse_hidden: bool = True, overlap_steps: bool = True):
+                 reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -118,6 +124,9 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.md, self.rules, self.mesh, self.chain_decode, self.overlap_steps = md, rules, mesh, chain_decode, overlap_steps
         self.first_token_decode, self.reuse_hidden = first_token_decode, reuse_hidden and prefix_cache
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
+        if guided_steps < 1:
+            raise ValueError(f"{guided_steps=} must be >= 1")
+        self.guided_steps = guided_steps
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
         if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
@@ -378,7 +387,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                     else:
                         self._first_tokens(decodes, firsts)
                 elif decodes:
-                    n = 1 if self._guides_running() else self.steps_per_call
+                    n = self.guided_steps if self._guides_running() else self.steps_per_call
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):
                         n = 1
                     self._flight = self._launch_decode(decodes, n)
@@ -436,7 +445,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         tok, from_last = np.zeros(b, np.int32), np.full(b, s.max_seqs, np.int32)
         calls.feed_decodes(decodes, tok, from_last)
         pos[:m] = [r.cached for r in decodes]
-        limit[:m] = [r.end for r in decodes]
+        steps = [1 if r.guide is not None else n for r in decodes]       # a guided row's next mask needs its token
+        limit[:m] = [min(r.end, r.cached + k) for r, k in zip(decodes, steps)]
         counters[:m] = [len(r.output) + r.pending for r in decodes]
         greedy, logprobs, cut = self._flags(slots[:m])
         seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
@@ -448,10 +458,10 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.stats["decode_calls"] += 1
         self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
         rows = []
-        for i, r in enumerate(decodes):
-            kept = min(n, r.params.max_tokens - len(r.output) - r.pending)   # those before max_tokens
+        for i, (r, k) in enumerate(zip(decodes, steps)):
+            kept = min(k, r.params.max_tokens - len(r.output) - r.pending)   # those before max_tokens
             rows.append((r, i, kept, r.preemptions, False))
-            r.cached = min(r.cached + n, r.end)
+            r.cached = min(r.cached + k, r.end)
             r.pending += kept
         return Flight(out, logprobs, rows, list(decodes), n)
 
@@ -487,7 +497,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
             r.pending -= kept
             if r.finish_reason is not None:
                 continue
-            if self._emit(r, toks[:, i], lps[i] if lps else None) or not prompt_end:
+            row = toks[:kept, i] if r.guide is not None else toks[:, i]   # a guided row's later steps ran unfed
+            if self._emit(r, row, lps[i] if lps else None) or not prompt_end:
                 continue
             self.sched.register(r)
 

@@ -12,9 +12,10 @@ that may end allows the tokenizer's end-of-sequence token.
 
 What it costs: the next mask needs the last token on the host, so a guided row sits out each step
 planned while its last token is still on the device (Scheduler.decoding; the engine's steps still
-overlap: it decodes every other step), and while one runs, decode calls run one step and do not
-chain. A step's masks are computed in parallel across its guided rows (llguidance's executor; ~2-100
-us each, the grammar's) and written in one device call; the sampling programs read a [rows, V / 32]
+overlap: it decodes every other step), and while one runs, decode calls do not chain and run
+Engine.guided_steps steps (default 1), of which a guided row takes the first. A step's masks are
+computed in parallel across its guided rows (llguidance's executor; ~2-100 us each, the grammar's)
+and written in one device call; the sampling programs read a [rows, V / 32]
 mask and take their non-greedy path (penalties and a draw per row) for guided rows.
 """
 from __future__ import annotations

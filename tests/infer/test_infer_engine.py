@@ -63,6 +63,8 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
         Engine(md, params, max_len=64, max_seqs=4, page_size=4, max_step_tokens=4)
     with pytest.raises(ValueError, match="prefill='dense' must be auto"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, prefill="dense")
+    with pytest.raises(ValueError, match="guided_steps=0 must be >= 1"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, guided_steps=0)
 
 
 @pytest.mark.parametrize("layers", ["split", "fused", "kernels"])
@@ -668,7 +670,8 @@ def test_grammar_holds_every_token_and_leaves_free_rows_alone(tiny, engine, monk
     pages of 4): every greedy guided token is the argmax of the full forward's logits over the tokens
     its grammar allowed at that point (a matcher replayed alongside), the sampled one stays inside
     the grammar, both parse as the schema asks and end with "stop"; free requests, in the same steps
-    and then in the slots the guided ones left, are the plain greedy ones."""
+    (decode calls of several steps, of which a guided row takes the first) and then in the slots the
+    guided ones left, are the plain greedy ones."""
     import json
     from meshlab.infer.guided import Grammars, json_grammar
     from meshlab.infer.sampler import allowed_bits
@@ -686,9 +689,14 @@ def test_grammar_holds_every_token_and_leaves_free_rows_alone(tiny, engine, monk
     prompts = [list(range(3, 20)), list(range(40, 52)), list(range(60, 81)), [7, 8, 9]]
     sp = [SamplingParams(max_tokens=30, grammar=grammar), SamplingParams(max_tokens=10),
           SamplingParams(max_tokens=30, grammar=grammar, temperature=1.0, seed=2), SamplingParams(max_tokens=10)]
-    before = engine.stats["preemptions"]
+    monkeypatch.setattr(engine, "guided_steps", engine.steps_per_call)
+    before, launches, launch = engine.stats["preemptions"], [], engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda key, *a, **kw: launches.append((key, engine._guides_running()))
+                        or launch(key, *a, **kw))
     reqs = engine.generate(prompts, sp)
     assert engine.stats["preemptions"] > before
+    # decode calls beside guided rows run guided_steps (here steps_per_call, 4) steps, the guided rows fed once
+    assert any(k[0] == "decode" and k[2] == 4 and g for k, g in launches)
     for r in reqs[::2]:
         assert r.finish_reason == "stop"
         value = json.loads(bytes(r.output).decode())
