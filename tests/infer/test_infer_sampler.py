@@ -120,3 +120,16 @@ def test_repetition_penalty_moves_off_seen_token(logits):
 def test_bad_values_are_one_clear_error(kw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_sampled_programs_sort_nothing(logits, cut):
+    """Neither sampled program sorts the vocabulary (a [b, V] sort cost 2.0 ms a step at 128 rows on the
+    H200, the Gumbel draw 0.15 and the radix-select cuts 1.4): the compiled HLO has no sort, and only
+    the cut program has the cuts' reductions, one 15-wide variadic reduction a pass."""
+    rows = {k: jnp.asarray(x) for k, x in row_arrays([SamplingParams(temperature=1.0, top_p=0.9)] * 4).items()}
+    fn = jax.jit(lambda l, r, c, s: sample(l, r, c, s, greedy=False, cut=cut))
+    hlo = fn.lower(logits, rows, jnp.zeros(4, jnp.int32), jnp.zeros((4, V), bool)).compile().as_text()
+    assert " sort(" not in hlo and " reduce(" in hlo
+    wide = [line for line in hlo.splitlines() if " reduce(" in line and "/*index=10*/" in line]   # 15 sums a pass
+    assert len(wide) == (16 if cut else 0), len(wide)                       # 8 passes for each cut
