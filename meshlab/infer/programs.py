@@ -28,8 +28,9 @@ Programs:
                  stop writing; their extra samples are dropped on the host).
     head_step    the LM head and sampler alone over hidden states kept in the cache (see HIDDEN).
   All take static `greedy` (no row samples or penalises: argmax only, the seen-token mask
-  untouched) and `logprobs`: None (off), 0 (the chosen token's log-softmax) or TOP_LOGPROBS
-  (also the TOP_LOGPROBS best, one top-k pass over the vocabulary).
+  untouched), `logprobs`: None (off), 0 (the chosen token's log-softmax) or TOP_LOGPROBS
+  (also the TOP_LOGPROBS best, one top-k pass over the vocabulary), and `cut` (some row sets
+  top_k or top_p: the draw finds those thresholds; sampler.filtered).
 """
 from __future__ import annotations
 
