@@ -30,8 +30,8 @@ never share one), printing `ROW {json}` lines:
   guided   (not by default) the offline workload free, then with 1 request in 8 held to a JSON schema
            of its length (response_format's path: meshlab/infer/guided.py), in the offline engine:
            output tokens/s of each
-  sampled  (not by default) the offline workload greedy, at temperature 1, and at temperature 0.7 with
-           top_p 0.9 and top_k 50, in the offline engine: output tokens/s of each
+  sampled  (not by default) the offline workload greedy, at temperature 1, at temperature 0.7 with
+           top_p 0.9, and with top_k 50 too, in the offline engine: output tokens/s of each
   shared   (not by default) the offline workload behind one 1,024-token system prompt, all sent at once,
            with requests waiting for the prefix pages another computes (the default) and without, in the
            offline engine: output tokens/s, TTFT p50, prompt tokens computed

@@ -259,11 +259,11 @@ class SimulatedDevice:
                        top_logprob=np.zeros(shape + (k,), np.float32))
         return {key: _Pending(v, self.free) for key, v in out.items()}, out["tokens"]
 
-    def decode(self, weights, cache, seen, buf, layout, n, greedy, logprobs, cut=True):
+    def decode(self, weights, cache, seen, buf, layout, n, greedy, logprobs, cut=None):
         b = dict((name, shape) for name, shape, _ in layout)["pos"][0]
         return cache, seen, self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)[0]
 
-    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=True):
+    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=None):
         shapes = dict((name, shape) for name, shape, _ in layout)
         nd, t = shapes["p.dec_len"][0], shapes["p.tokens"][0]
         cost = self.packed_s + self.row_s * nd + self.token_s * (t - nd)

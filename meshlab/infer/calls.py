@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab.infer.sampler import CUT_TOP_K
+
 
 class HostInputs:
     """Named int32 / float32 host arrays for one call, packed into one int32 buffer."""
@@ -262,7 +264,7 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
     compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
     the buffer comes in pinned host memory and the program copies it to this sharding first."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=True):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=CUT_TOP_K):
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
@@ -280,7 +282,7 @@ def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
     input of a decode call sits at a device address the call before did not use (a new one costs
     the GPU's command buffer an update in the dispatch). With "hit" in the buffer (first_token_slots),
     rows whose position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
-    def call(weights, cache, seen, buf, layout, n, greedy, logprobs, cut=True):
+    def call(weights, cache, seen, buf, layout, n, greedy, logprobs, cut=CUT_TOP_K):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(decode_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"], a["slots"],
                                        a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs,
@@ -293,7 +295,7 @@ def head_program(head_step, treedef, compiler_options: dict | None = None):
     """head_step (programs.make_head_program) taking (weights, cache, seen, buf, layout): weights the
     leaves of programs.head_params (of structure treedef), the buffer holds page, slots, rows.* and
     counters (head_slots)."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, cut=True):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, cut=CUT_TOP_K):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"],
                                      greedy=greedy, logprobs=logprobs, cut=cut))

@@ -200,7 +200,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.slot_rows = row_arrays([None] * max_seqs)           # sampler settings per slot
         self.slot_logprobs = np.full(max_seqs, -1, np.int32)     # top-k asked per slot (-1: none)
         self.slot_sampled = np.zeros(max_seqs, bool)             # slot samples or penalises (not argmax)
-        self.slot_cut = np.zeros(max_seqs, bool)                 # slot's draw is cut to its top_k / top_p
+        self.slot_cut = np.zeros(max_seqs, np.int8)              # slot's draw's cuts (sampler.cuts)
         self.inbox: queue.Queue = queue.Queue()
         self.aborts: queue.Queue = queue.Queue()
         self._programs: set = set()
@@ -315,15 +315,15 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens
 
-    def _flags(self, slots) -> tuple[bool, int | None, bool]:
+    def _flags(self, slots) -> tuple[bool, int | None, int]:
         """(greedy, logprobs, cut) for the rows in a step: argmax suffices; None (no row wants logprobs),
-        0 (only the chosen tokens') or TOP_LOGPROBS (some row wants alternatives); some row's draw is
-        cut to its top_k or top_p (finding the cuts costs ~1.4 ms a step at 128 rows on the H200; a
-        draw without them ~0.15)."""
+        0 (only the chosen tokens') or TOP_LOGPROBS (some row wants alternatives); the cuts its rows'
+        draws need, sampler.CUT_* (finding top_k and top_p costs ~1.4 ms a step at 128 rows on the
+        H200, top_p alone half of it; a draw without them ~0.15)."""
         most = self.slot_logprobs[slots].max()           # numpy reductions: ~3.5 us each
         logprobs = None if most < 0 else (TOP_LOGPROBS if most > 0 else 0)
         greedy = not self.slot_sampled[slots].any()
-        return greedy, logprobs, not greedy and bool(self.slot_cut[slots].any())
+        return greedy, logprobs, 0 if greedy else int(self.slot_cut[slots].max())
 
     def step(self) -> None:
         """Admit, feed one planned step (or n decode steps in one call), emit tokens, free finished rows.

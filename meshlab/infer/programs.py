@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlab.infer import kv_cache
-from meshlab.infer.sampler import count_sampled, sample
+from meshlab.infer.sampler import CUT_TOP_K, count_sampled, sample
 from meshlab.rules import use_rules
 from models import serving
 
@@ -212,7 +212,8 @@ def make_programs(md, layout: str, impl: str = "xla", interpret: bool = False, l
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy")))
 
 
-def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None, cut=True):
+def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None, slots=None,
+          cut=CUT_TOP_K):
     """h [R, d] last hidden states -> {"tokens" [R], and with logprobs: "logprob" [R], "top_logprob",
     "top_id" [R, TOP_LOGPROBS]} (log-softmax of the raw logits: what the model says, before
     temperature and the filters). own: the cache's engine entries, whose COUNTS, logit-bias and MASK
@@ -306,7 +307,7 @@ def make_head_program(md):
     (rows [b]); params from head_params (a call passes a few leaves, not every layer's)."""
     vocab = md.cfg.vocab_size
 
-    def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs, cut=True):
+    def head_step(params, cache, seen, pages, slots, rows, counters, greedy, logprobs, cut=CUT_TOP_K):
         model = md.bind(dict(params, layers=md.abstract["layers"]))
         h = cache[HIDDEN][pages]                                                      # [b, d]
         out = _head(model, h, vocab, rows, counters, None if greedy else seen[slots], greedy, logprobs, cache, slots,
@@ -345,7 +346,8 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
-    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None, cut=True):
+    def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None,
+                    cut=CUT_TOP_K):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         nd = p["from_last"].shape[0]
@@ -366,7 +368,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         return out, dict(cache, **own), seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
-                    keep=None, from_last=None, cut=True):
+                    keep=None, from_last=None, cut=CUT_TOP_K):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         if from_last is not None:        # rows whose token the host has not read yet

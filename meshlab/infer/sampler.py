@@ -12,7 +12,8 @@ that on the host (`all_greedy`) and compile a greedy program; `sample(..., greed
 device with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every step (a sync).
 A sampled row draws by Gumbel max over its logits over the temperature (0.13-0.17 / 0.07-0.10 /
 0.05-0.06 ms, no sort). top_k and top_p are two thresholds found by radix select (`filtered`: 1.4 /
-0.77 / 0.38 ms), which programs run only with their static `cut` (some row in the step sets one);
+0.77 / 0.38 ms, half of it each), which programs run only as their static `cut` says (CUT_TOP_P:
+some row in the step sets top_p, none top_k; CUT_TOP_K: some row sets top_k);
 the [b, V] key-value sort they replace took 2.0 / 1.7 / 0.56 ms for every sampled step.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ import numpy as np
 
 
 MAX_LOGIT_BIAS = 300       # tokens a request may bias (OpenAI's logit_bias)
+# A sampling program's static `cut`: what its draw cuts the vocabulary to (`cuts`). OpenAI's API has
+# no top_k, so its clients' steps skip that search.
+CUT_NONE, CUT_TOP_P, CUT_TOP_K = 0, 1, 2       # nothing; top_p; top_k, then top_p
 
 
 @dataclasses.dataclass
@@ -153,17 +157,20 @@ def _threshold(key, weight, target, digits: int = 4):
     return t
 
 
-def filtered(logits, rows):
+def filtered(logits, rows, top_k: bool = True):
     """logits [b, V] fp32 over the temperature, with -inf outside each row's top_k best and its top_p
     nucleus (the fewest best tokens whose probability after top_k reaches top_p). Both cuts are
     thresholds found by radix select (`_threshold`: no sort); tokens tied at a cut are all kept,
-    where a sort would keep the first in its order."""
+    where a sort would keep the first in its order. top_k False: a static promise that no row sets
+    top_k (its search, half the cost, skipped)."""
     v = logits.shape[-1]
     scaled = logits / jnp.maximum(rows["temperature"], 1e-6)[:, None]             # [b, V]
-    key = jax.lax.optimization_barrier(_order_key(scaled))                        # made once, read by each pass
-    k = jnp.where(rows["top_k"] > 0, jnp.minimum(rows["top_k"], v), v)
-    kept = key >= _threshold(key, None, k)[:, None]                                # [b, V] the k best
-    scaled = jnp.where(kept, scaled, -jnp.inf)
+    kept = jnp.ones(scaled.shape, bool)
+    if top_k:
+        key = jax.lax.optimization_barrier(_order_key(scaled))                    # made once, read by each pass
+        k = jnp.where(rows["top_k"] > 0, jnp.minimum(rows["top_k"], v), v)
+        kept = key >= _threshold(key, None, k)[:, None]                            # [b, V] the k best
+        scaled = jnp.where(kept, scaled, -jnp.inf)
     probs = jax.lax.optimization_barrier(jax.nn.softmax(scaled, axis=-1))         # [b, V] over the k best
     pkey = _order_key(probs)
     nucleus = pkey >= _threshold(pkey, probs, rows["top_p"])[:, None]             # the top_p nucleus
@@ -171,12 +178,13 @@ def filtered(logits, rows):
     return jnp.where(kept, scaled, -jnp.inf)
 
 
-def _draw(logits, rows, counters, cut: bool = True):
+def _draw(logits, rows, counters, cut: int = CUT_TOP_K):
     """One categorical draw per row (Gumbel max: no sort) over its logits over the temperature, cut
-    to its top_k and top_p (`filtered`) when `cut`, a static promise otherwise that no row sets
-    either; keyed by fold_in(key(seed), counter)."""
+    as the static `cut` promises (CUT_NONE: no row sets top_k or top_p; CUT_TOP_P: none top_k);
+    keyed by fold_in(key(seed), counter)."""
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(rows["seed"], counters)
-    scaled = filtered(logits, rows) if cut else logits / jnp.maximum(rows["temperature"], 1e-6)[:, None]
+    scaled = (filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut else
+              logits / jnp.maximum(rows["temperature"], 1e-6)[:, None])
     return jax.vmap(jax.random.categorical)(keys, scaled)                                 # [b]
 
 
@@ -186,9 +194,12 @@ def all_greedy(rows: dict) -> bool:
                 or np.any(np.asarray(rows["presence"]) != 0) or np.any(np.asarray(rows["frequency"]) != 0))
 
 
-def cuts(p: SamplingParams) -> bool:
-    """Whether a request's draw is cut to its top_k or top_p (a program without `cut` ignores both)."""
-    return p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)
+def cuts(p: SamplingParams) -> int:
+    """What a request's draw is cut to: CUT_NONE, CUT_TOP_P or CUT_TOP_K (a step's programs take the
+    largest of its rows')."""
+    if p.temperature <= 0:
+        return CUT_NONE
+    return CUT_TOP_K if p.top_k > 0 else (CUT_TOP_P if p.top_p < 1.0 else CUT_NONE)
 
 
 def penalised_row(p: SamplingParams) -> bool:
@@ -205,15 +216,15 @@ def allowed_bits(allowed, vocab: int):
 
 
 def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None, bias=None, allowed=None,
-           cut: bool = True):
+           cut: int = CUT_TOP_K):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
     seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
     the presence and frequency penalties), or None (no row has them); bias: (ids, biases) [b,
     MAX_LOGIT_BIAS] (bias_row's), or None; allowed: [b, ceil(V / 32)] int32 bitmasks of the tokens a
     row may take (a grammar's, meshlab.infer.guided; all bits set: free), or None. Returns tokens [b]
     int32. greedy: a static promise that `all_greedy(rows)` (True) or not (False) with no row biased
-    or held to a grammar; None decides on device (no bias or grammar then). cut: False is a static
-    promise that no row sets top_k or top_p (`cuts`): the draw skips finding them."""
+    or held to a grammar; None decides on device (no bias or grammar then). cut: a static promise of
+    the cuts the rows set (`cuts`): the draw skips finding the others."""
     def full(_):
         pen = logits
         if allowed is not None:

@@ -13,13 +13,15 @@ import numpy as np
 
 from meshlab.infer import calls
 from meshlab.infer.programs import TOP_LOGPROBS, placement
+from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P
 
 # What a server compiles before it listens, or after while idle (scripts/serve.py --warmup-kinds,
 # --warmup-idle-kinds): each kind is one set of the programs' static flags (greedy, logprobs,
 # prompt-logprob score), every bucket compiled for it.
 WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature 0, no penalties
                 "sampled": dict(greedy=False),                     # temperature, penalties, logit_bias, grammars
-                "top_p": dict(greedy=False, cut=True),             # the same with top_k or top_p
+                "top_p": dict(greedy=False, cut=CUT_TOP_P),        # the same with top_p (OpenAI's)
+                "top_k": dict(greedy=False, cut=CUT_TOP_K),        # the same with top_k (and top_p)
                 "logprobs": dict(greedy=True, logprobs=TOP_LOGPROBS),
                 "scoring": dict(greedy=True, logprobs=TOP_LOGPROBS, score=1)}   # an evaluation harness's
 
@@ -28,7 +30,7 @@ class Warmup:
     """`warmup` for an `Engine`: its buckets' programs called through its own calls (compiles counted)."""
 
     def warmup(self, greedy: bool = True, logprobs=None, report: Callable | None = None, score=None,
-               limit: int | None = None, cut: bool = False) -> int:
+               limit: int | None = None, cut: int = CUT_NONE) -> int:
         """Compile every bucket's program now for these static flags (decode calls of steps_per_call
         steps and of one, which runs when pages for more are short or a request is held to a grammar;
         first-token and head calls; every packed shape) by calling each on padding only: nothing is
@@ -37,9 +39,9 @@ class Warmup:
         (scoring._score_flag). report(key, seconds) after each program compiled. limit: compile at
         most this many (a server's engine thread warms while idle, one program at a time). Returns the
         number of programs compiled (those compiled before are skipped). cut: the sampled programs that
-        cut draws to top_k / top_p (Engine._flags)."""
+        cut draws to top_p (CUT_TOP_P) or top_k (CUT_TOP_K; Engine._flags)."""
         s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
-        cut = cut and not greedy
+        cut = CUT_NONE if greedy else cut
         flags = dict(greedy=greedy, logprobs=logprobs, cut=cut)
 
         def run(key, call, buf, **kw):

@@ -135,18 +135,21 @@ def test_continuous_batching_equals_alone(tiny, engine):
 
 
 def test_a_draw_without_cuts_is_the_same_in_a_program_that_finds_them(engine, monkeypatch):
-    """A request sampled at a temperature alone runs programs that skip the top_k / top_p search (cut
-    False); beside one with top_p and top_k it runs those that find them (cut True), and draws the
-    same tokens: the cuts of a row that sets neither keep its whole vocabulary."""
+    """A request sampled at a temperature alone runs programs that skip the top_k / top_p searches
+    (cut CUT_NONE); beside one with top_p it runs those that find top_p's cut, beside one with top_k
+    those that find both, and draws the same tokens: cuts a row does not set keep its vocabulary."""
+    from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P
     keys, launch = [], engine._launch
     monkeypatch.setattr(engine, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
     warm = SamplingParams(max_tokens=14, temperature=1.1, seed=11)
-    cut = SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, top_k=30, seed=2)
     alone = engine.generate([[9, 8, 7, 6]], warm)[0].output
-    assert keys and not any(k[-1] for k in keys)                       # the flag ends every key
+    for other, flag in ((SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, seed=2), CUT_TOP_P),
+                        (SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, top_k=30, seed=2), CUT_TOP_K)):
+        keys.clear()
+        both = engine.generate([[9, 8, 7, 6], [1, 2, 3]], [warm, other])
+        assert {k[-1] for k in keys} == {flag} and both[0].output == alone and len(both[1].output) == 14
     keys.clear()
-    both = engine.generate([[9, 8, 7, 6], [1, 2, 3]], [warm, cut])
-    assert any(k[-1] for k in keys) and both[0].output == alone and len(both[1].output) == 14
+    assert engine.generate([[9, 8, 7, 6]], warm)[0].output == alone and {k[-1] for k in keys} == {CUT_NONE}
 
 
 def test_stop_token_and_bad_requests(tiny, engine):
@@ -219,7 +222,8 @@ def test_sampled_benchmark_times_greedy_and_both_sampled_settings(engine):
     work = [(list(range(1 + i, 8 + 2 * i)), 6 + i) for i in range(4)]
     rows = sampled(engine, work)
     assert [r["setting"].split(" n=")[0] for r in rows] == [
-        "engine greedy", "engine temperature 1", "engine temperature 0.7, top_p 0.9, top_k 50"]
+        "engine greedy", "engine temperature 1", "engine temperature 0.7, top_p 0.9",
+        "engine temperature 0.7, top_p 0.9, top_k 50"]
     assert all(r["unit"] == "tok/s" and r["value"] > 0 and "decode steps per dispatch" in r["note"] for r in rows)
     assert all(f"{sum(m for _, m in work)} output tokens" in r["note"] and "x greedy" in r["note"] for r in rows[1:])
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlab.infer.sampler import SamplingParams, filtered, row_arrays, sample
+from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P, SamplingParams, filtered, row_arrays, sample
 
 V = 50
 
@@ -77,9 +77,12 @@ def test_thresholds_keep_exactly_the_sorted_nucleus(scale):
     v, cases = 777, [(t, k, p) for t in (0.5, 1.0, 1.7) for k in (0, 1, 9, 776) for p in (1.0, 1e-6, 0.5, 0.97)]
     rows = rng.normal(size=(len(cases), v)).astype(np.float32) * scale
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in cases]
-    got = np.isfinite(np.asarray(jax.jit(filtered)(jnp.asarray(rows), {
-        k: jnp.asarray(x) for k, x in row_arrays(params).items()})))
+    rows_in = {k: jnp.asarray(x) for k, x in row_arrays(params).items()}
+    got = np.isfinite(np.asarray(jax.jit(filtered)(jnp.asarray(rows), rows_in)))
+    no_k = np.isfinite(np.asarray(jax.jit(filtered, static_argnames="top_k")(jnp.asarray(rows), rows_in, top_k=False)))
     for i, (t, k, p) in enumerate(cases):
+        if k == 0:                                       # top_k's search skipped: the same cut
+            np.testing.assert_array_equal(no_k[i], got[i])
         want, unsure = sorted_nucleus(rows[i], t, k, p)
         differ = set(np.flatnonzero(got[i]).tolist()) ^ want
         assert differ <= unsure and len(want - unsure) > 0, (scale, t, k, p, differ - unsure)
@@ -122,14 +125,14 @@ def test_bad_values_are_one_clear_error(kw, words):
         SamplingParams(**kw).validate()
 
 
-@pytest.mark.parametrize("cut", [False, True])
-def test_sampled_programs_sort_nothing(logits, cut):
-    """Neither sampled program sorts the vocabulary (a [b, V] sort cost 2.0 ms a step at 128 rows on the
-    H200, the Gumbel draw 0.15 and the radix-select cuts 1.4): the compiled HLO has no sort, and only
-    the cut program has the cuts' reductions, one 15-wide variadic reduction a pass."""
+@pytest.mark.parametrize("cut,passes", [(CUT_NONE, 0), (CUT_TOP_P, 8), (CUT_TOP_K, 16)])
+def test_sampled_programs_sort_nothing(logits, cut, passes):
+    """No sampled program sorts the vocabulary (a [b, V] sort cost 2.0 ms a step at 128 rows on the
+    H200, the Gumbel draw 0.15 and the radix-select cuts 1.4): the compiled HLO has no sort, and the
+    cuts' passes (one 15-wide variadic reduction each, 8 a cut) are there as `cut` says."""
     rows = {k: jnp.asarray(x) for k, x in row_arrays([SamplingParams(temperature=1.0, top_p=0.9)] * 4).items()}
     fn = jax.jit(lambda l, r, c, s: sample(l, r, c, s, greedy=False, cut=cut))
     hlo = fn.lower(logits, rows, jnp.zeros(4, jnp.int32), jnp.zeros((4, V), bool)).compile().as_text()
     assert " sort(" not in hlo and " reduce(" in hlo
     wide = [line for line in hlo.splitlines() if " reduce(" in line and "/*index=10*/" in line]   # 15 sums a pass
-    assert len(wide) == (16 if cut else 0), len(wide)                       # 8 passes for each cut
+    assert len(wide) == passes, len(wide)
