@@ -59,6 +59,8 @@ sys.path.insert(0, str(ROOT))
 from meshlab.bench import DEFAULT_PRESET, preset_arg  # noqa: E402
 
 DEFAULT_PROMPTS, DEFAULT_OUTPUTS = (128, 1024), (64, 256)
+# jobs of meshlab/bench/serve_kinds.py over the offline engine: job -> its function there
+KIND_JOBS = {"score": "scoring", "guided": "guided", "shared": "shared_prefix", "sampled": "sampled"}
 
 
 def shape(args):
@@ -122,7 +124,7 @@ def child(args):
         return peers.peer_static_b1(preset=preset)
     if args.job == "peer_loop":
         return peers.peer_compiled_loop_b1(preset=preset)
-    if args.job in ("offline", "overlap_ab", "score", "guided", "shared", "sampled"):
+    if args.job in ("offline", "overlap_ab", *KIND_JOBS):
         import dataclasses
         import models
         from meshlab.infer.engine import Engine
@@ -148,10 +150,9 @@ def child(args):
                                       f"x chunk rows in {eng.PREFILL_ROWS} x widths {eng.WIDTHS}"})
         if args.job == "overlap_ab":
             return bs.overlap_ab(eng, work, cfg.vocab_size)
-        if args.job in ("score", "guided", "shared", "sampled"):
+        if args.job in KIND_JOBS:
             from meshlab.bench import serve_kinds
-            return {"score": serve_kinds.scoring, "guided": serve_kinds.guided,
-                    "shared": serve_kinds.shared_prefix, "sampled": serve_kinds.sampled}[args.job](eng, work)
+            return getattr(serve_kinds, KIND_JOBS[args.job])(eng, work)
         row, reqs = bs.offline(eng, work, "engine")
         bs.match_rate(eng, work[:args.match], reqs[:args.match])
         return row

@@ -320,7 +320,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         0 (only the chosen tokens') or TOP_LOGPROBS (some row wants alternatives); the cuts its rows'
         draws need, sampler.CUT_* (finding top_k and top_p costs ~1.4 ms a step at 128 rows on the
         H200, top_p alone half of it; a draw without them ~0.15)."""
-        most = self.slot_logprobs[slots].max()           # numpy reductions: ~3.5 us each
+        most = self.slot_logprobs[slots].max()           # three numpy reductions (two were ~7 us)
         logprobs = None if most < 0 else (TOP_LOGPROBS if most > 0 else 0)
         greedy = not self.slot_sampled[slots].any()
         return greedy, logprobs, 0 if greedy else int(self.slot_cut[slots].max())
@@ -497,8 +497,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
             r.pending -= kept
             if r.finish_reason is not None:
                 continue
-            row = toks[:kept, i] if r.guide is not None else toks[:, i]   # a guided row's later steps ran unfed
-            if self._emit(r, row, lps[i] if lps else None) or not prompt_end:
+            if self._emit(r, toks[:kept, i], lps[i] if lps else None) or not prompt_end:
                 continue
             self.sched.register(r)
 

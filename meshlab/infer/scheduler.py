@@ -239,7 +239,7 @@ class Scheduler:
             if n <= 0:
                 return []
         if req.keys:                          # keys known (a preempted request): no hashing
-            return self.pool.lookup(page_keys(req.token_ids(n * self.page_size), self.page_size, req.keys, n)[:n])
+            return self.pool.lookup(self.prompt_keys(req, n))
         return self.pool.longest(req.token_ids(n * self.page_size), self.page_size, n, req.keys)
 
     @staticmethod
@@ -247,7 +247,7 @@ class Scheduler:
         return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
 
     def prompt_keys(self, req: Request, pages: int) -> list:
-        """The prefix keys of req's first `pages` full pages (computed once, kept in req.keys)."""
+        """The prefix keys of req's first `pages` full pages of its tokens (computed once, kept in req.keys)."""
         return page_keys(req.token_ids(pages * self.page_size), self.page_size, req.keys, pages)[:pages]
 
     def _stored_pages(self, req: Request) -> int:
@@ -328,7 +328,7 @@ class Scheduler:
         full = min(req.cached, req.n_tokens, len(req.pages) * self.page_size) // self.page_size
         if full <= req.registered:
             return
-        keys = page_keys(req.token_ids(full * self.page_size), self.page_size, req.keys, full)
+        keys = self.prompt_keys(req, full)
         self.pool.register(req.pages[req.registered:full], keys[req.registered:full],
                            keys[req.registered - 1] if req.registered else ROOT_KEY)
         if self.computing:

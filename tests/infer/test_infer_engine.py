@@ -215,7 +215,7 @@ def test_guided_benchmark_times_both_runs_and_its_outputs_parse(engine, monkeypa
     assert "2 of 2 guided outputs parse" in held["note"] and f"{sum(m for _, m in work)} output tokens" in held["note"]
 
 
-def test_sampled_benchmark_times_greedy_and_both_sampled_settings(engine):
+def test_sampled_benchmark_times_greedy_and_each_sampled_setting(engine):
     """bench_serve's sampled job on the tiny engine: the workload greedy, at temperature 1 and with a
     chat client's filters, each with its output tokens/s and the engine's counters."""
     from meshlab.bench.serve_kinds import sampled
