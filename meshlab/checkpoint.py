@@ -20,7 +20,9 @@ Asking for a specific step that is missing or damaged is an error naming what ex
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -237,8 +239,9 @@ def restore_params(directory: str | os.PathLike, abstract_params, step: Optional
         steps = [step]
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {directory}")
-    mgr = ocp.CheckpointManager(directory, item_names=("state", "meta"),
-                                options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    with _absl_errors_only():      # orbax warns that a read-only manager saves nothing: true, and not news to a reader
+        mgr = ocp.CheckpointManager(directory, item_names=("state", "meta"),
+                                    options=ocp.CheckpointManagerOptions(create=False, read_only=True))
     errors = []
     try:
         for s in reversed(steps):
@@ -250,6 +253,17 @@ def restore_params(directory: str | os.PathLike, abstract_params, step: Optional
     finally:
         mgr.close()
     raise CheckpointError(f"no checkpoint in {directory} could be restored: {'; '.join(errors)}")
+
+
+@contextlib.contextmanager
+def _absl_errors_only():
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _restore_params_one(mgr, step: int, abstract_params):

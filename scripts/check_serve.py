@@ -25,7 +25,8 @@ def metrics(port: int) -> dict:
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line)}
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+            if "{" not in k}                                 # plain samples; histogram buckets carry labels
 
 
 def post(port: int, body: dict):

@@ -84,7 +84,7 @@ class Call:
                 self.server.engine.abort(r)
                 self.server.counts["aborted"] += 1
             else:
-                self.server.finished.append(r.metrics)
+                self.server.metrics.observe(r.metrics)
             # the request's callback held this call, and the call its requests: without the cycle, both
             # (and every token's logprobs) go at once instead of waiting for a full collection
             r.on_event = _ignore

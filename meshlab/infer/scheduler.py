@@ -159,7 +159,8 @@ class Request:
         ttft = self.t_first - self.t_arrival if self.t_first else None
         n = len(self.output)
         tpot = (self.t_done - self.t_first) / (n - 1) if self.t_done and n > 1 else None
-        return {"ttft_s": ttft, "tpot_s": tpot, "output_tokens": n, "prompt_tokens": len(self.prompt),
+        return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": self.t_done - self.t_arrival if self.t_done else None,
+                "output_tokens": n, "prompt_tokens": len(self.prompt),
                 "preemptions": self.preemptions, "prefix_hit_tokens": self.prefix_hit_tokens}
 
 

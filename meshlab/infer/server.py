@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine (Starlette on uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with `"stream": true` for server-sent
-events), GET /v1/models, /health, /metrics (Prometheus text). The request schemas are in
+events), GET /v1/models, /health, /metrics (Prometheus text: meshlab/infer/metrics.py). The request schemas are in
 meshlab/infer/api.py; one request's choices and their answer (whole or streamed) are
 meshlab/infer/http_call.py's `Call`. One engine thread runs `Engine.step` while there is work, so
 concurrent requests share decode steps; the HTTP side is one asyncio loop, so a slow client holds no
@@ -16,7 +16,6 @@ freed at the next step). Every error is JSON {"error": {"message", "type", "para
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import gc
 import json
@@ -29,6 +28,7 @@ from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
 from meshlab.infer.http_call import Call
+from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics
 
 
 class Server:
@@ -57,7 +57,7 @@ class Server:
         self.calls: set = set()               # their Call objects (event loop only)
         self.loop = None                      # the event loop, once a request came
         self.counts = {"rejected": 0, "aborted": 0}
-        self.finished = collections.deque(maxlen=1000)   # metrics of the last finished requests (ttft, tpot)
+        self.metrics = ServerMetrics(self)    # /metrics (meshlab/infer/metrics.py)
         self.pending: list = []               # (call, choice, done) events of the engine step running now
         self.deliveries = 0                   # hand-overs of events from the engine thread to the loop
         # Held by the engine thread while it works on the host (between its waits for the device), and by
@@ -184,7 +184,7 @@ class Server:
             return JSONResponse({"status": "ok", "warming": bool(self.idle_warmup)})
 
         async def metrics(_):
-            return PlainTextResponse(self.metrics_text(), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(self.metrics.text(), media_type=CONTENT_TYPE)
 
         async def models(_):
             return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
@@ -268,32 +268,6 @@ class Server:
             return Response(status_code=499)                       # nobody reads it
         with self.host_lock:
             return JSONResponse(call.whole())
-
-    def metrics_text(self) -> str:
-        s, sched = self.engine.stats, self.engine.sched
-        done = list(self.finished)
-        ttft = [m["ttft_s"] for m in done if m["ttft_s"] is not None]
-        tpot = [m["tpot_s"] for m in done if m["tpot_s"] is not None]
-        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-        rows = [("requests_finished_total", s["requests_finished"]), ("prompt_tokens_total", s["prompt_tokens"]),
-                ("generated_tokens_total", s["generated_tokens"]), ("engine_steps_total", s["steps"]),
-                ("device_calls_total", s["device_calls"]), ("preemptions_total", s["preemptions"]),
-                # calls dispatched before the one before was read back: chained decode calls, overlapped steps
-                ("chained_calls_total", s["chained_calls"]), ("overlapped_calls_total", s["overlapped_calls"]),
-                ("requests_running", len(sched.running())), ("requests_waiting", len(sched.waiting)),
-                ("free_cache_pages", len(sched.pool.free)), ("http_requests_inflight", self.inflight),
-                ("http_requests_rejected_total", self.counts["rejected"]),
-                ("requests_aborted_total", self.counts["aborted"]), ("ttft_seconds_mean", mean(ttft)),
-                ("tpot_seconds_mean", mean(tpot)),
-                # prompt positions whose logprobs were computed (echo with logprobs), requests held to a grammar
-                ("prompt_tokens_scored_total", s.get("scored_tokens", 0)),
-                ("guided_requests_total", s.get("guided_requests", 0)),
-                # prompt positions whose scores came from the score store; admissions put off while the
-                # next prompt page was in flight (computed or scored by a running request)
-                ("prompt_tokens_score_cached_total", sched.counts["stored_scores"]),
-                ("prefix_waits_total", sched.counts["prefix_waits"]),
-                ("generation_tokens_per_second", s["generated_tokens"] / s["busy_s"] if s["busy_s"] else 0.0)]
-        return "".join(f"meshlab_{k} {v}\n" for k, v in rows)
 
 
 def _put_events(events):

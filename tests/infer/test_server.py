@@ -17,6 +17,7 @@ from flax import nnx
 
 import models
 from meshlab.infer.engine import Engine
+from meshlab.infer.metrics import TOKEN_BUCKETS
 from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
@@ -83,13 +84,46 @@ def sse_text(payload: str, chat: bool):
     return "".join(key(c) for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
 
 
+def scrape(srv) -> dict:
+    """GET /metrics parsed as Prometheus text: {sample name: value} (histogram buckets keyed by their `le`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    status, text = call(srv, "GET", "/metrics")
+    assert status == 200
+    return {s.name + (f"[{s.labels['le']}]" if "le" in s.labels else ""): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_health_models_metrics(server):
     assert call(server, "GET", "/health") == (200, {"status": "ok", "warming": False})
     status, body = call(server, "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny"
-    status, text = call(server, "GET", "/metrics")
-    assert status == 200 and "meshlab_requests_finished_total" in text and "meshlab_ttft_seconds_mean" in text
-    assert "meshlab_overlapped_calls_total" in text and "meshlab_chained_calls_total" in text
+    _, text = call(server, "GET", "/metrics")
+    assert "# TYPE meshlab_time_to_first_token_seconds histogram" in text
+    assert "# TYPE meshlab_requests_finished_total counter" in text and "# TYPE meshlab_requests_running gauge" in text
+    before = scrape(server)
+    prompt = "metrics: one request of eight tokens"
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 8})
+    n = resp["usage"]["completion_tokens"]
+    assert status == 200 and n >= 1
+    after = scrape(server)
+    grew = lambda name: after[name] - before.get(name, 0.0)  # noqa: E731
+    # one request observed by each histogram, with its own sizes; latencies are positive and ordered
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert grew(f"meshlab_{hist}_count") == 1, hist
+    assert grew("meshlab_request_generation_tokens_sum") == n
+    assert grew("meshlab_request_prompt_tokens_sum") == len(prompt.encode())
+    upper = min(b for b in TOKEN_BUCKETS if b >= n)          # the request lands in its bucket and every one above
+    assert grew(f"meshlab_request_generation_tokens_bucket[{float(upper)}]") == 1
+    assert all(grew(f"meshlab_request_generation_tokens_bucket[{float(b)}]") == 0 for b in TOKEN_BUCKETS if b < n)
+    ttft, e2e = grew("meshlab_time_to_first_token_seconds_sum"), grew("meshlab_e2e_request_latency_seconds_sum")
+    assert 0 < ttft < e2e
+    assert grew("meshlab_requests_finished_total") == 1 and grew("meshlab_generated_tokens_total") == n
+    assert grew("meshlab_prompt_tokens_computed_total") + grew("meshlab_prefix_cache_hit_tokens_total") >= len(prompt)
+    assert after["meshlab_requests_running"] == 0 and after["meshlab_http_requests_inflight"] == 0
+    assert after["meshlab_free_cache_pages"] == after["meshlab_cache_pages"] == server.engine.sched.pool.total
+    assert after["meshlab_kv_cache_usage"] == 0 and after["meshlab_prefix_cache_pages"] >= 1
+    assert "meshlab_overlapped_calls_total" in after and "meshlab_chained_calls_total" in after
 
 
 def test_completion_stream_equals_whole(server):
@@ -300,8 +334,8 @@ def test_size_and_load_limits(server):
         finally:
             setattr(server, attr, old)
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
-    _, text = call(server, "GET", "/metrics")
-    assert "meshlab_http_requests_rejected_total" in text and "meshlab_http_requests_inflight 0" in text
+    m = scrape(server)
+    assert m["meshlab_http_requests_rejected_total"] >= 2 and m["meshlab_http_requests_inflight"] == 0
 
 
 def _idle(srv, pages_free, timeout=20.0):
@@ -388,8 +422,7 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-5)   # greedy
     plain = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 1})[1]["choices"][0]["text"]
     assert choice["text"] == ByteTokenizer().decode(ids) + plain      # the token the scoring pass answered with
-    stored = lambda: int(next(line.split()[1] for line in call(server, "GET", "/metrics")[1].splitlines()   # noqa: E731
-                              if line.startswith("meshlab_prompt_tokens_score_cached_total")))
+    stored = lambda: scrape(server)["meshlab_prompt_tokens_score_cached_total"]   # noqa: E731
     before = stored()
     again = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["logprobs"]["token_logprobs"]
     assert np.allclose(again[1:], lp["token_logprobs"][1:], atol=1e-6)
@@ -587,8 +620,7 @@ def test_response_format_holds_the_output_to_json(server):
                                                           "response_format": {"type": "json_object"}})
     content, finish = sse_text(text, chat=False)
     assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"
-    guided = [line for line in call(server, "GET", "/metrics")[1].splitlines() if "guided_requests_total" in line]
-    assert guided and int(guided[0].split()[1]) >= 2
+    assert scrape(server)["meshlab_guided_requests_total"] >= 2
 
 
 def test_response_format_with_a_tokenizer_json(server, templated_tokenizer):
