@@ -2,19 +2,20 @@
 
 --checkpoint: a Hugging Face directory, a meshlab run directory, or random:<preset> (tests).
 Continuous batching over a paged KV cache; see meshlab/infer/server.py for the endpoints.
-Needs the `serve` extra (pip install -e '.[serve]': Starlette, uvicorn, Jinja2).
+Needs the `serve` extra (pip install -e '.[serve]': Starlette, uvicorn, Jinja2, llguidance, prometheus-client).
 Serves on one device unless --rules (and --mesh) shard the weights over the devices present.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import threading
 
 
 def main(argv=None):
@@ -42,6 +43,11 @@ def main(argv=None):
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
+    ap.add_argument("--api-key", default=os.environ.get("MESHLAB_API_KEY"),
+                    help="clients must send `Authorization: Bearer KEY` to the /v1 routes (default: $MESHLAB_API_KEY; "
+                         "unset: no key)")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish (new ones: 503)")
     ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
@@ -86,17 +92,21 @@ def main(argv=None):
         server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
-                        tool_format=tool_fmt,
+                        tool_format=tool_fmt, api_key=args.api_key,
                         idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
     except ImportError as e:
         sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"serve: {e}")
     print(f"serving {args.model_name} on http://{args.host}:{server.port}", flush=True)
-    done = threading.Event()
+    done, now = threading.Event(), threading.Event()      # the first signal drains, a second stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, lambda *_: (now if done.is_set() else done).set())
     done.wait()
+    print(f"draining: new requests get 503, those in flight have {args.shutdown_timeout:g} s to finish "
+          "(signal again to stop now)", flush=True)
+    if not server.drain(args.shutdown_timeout, cancel=now):
+        print(f"stopping with {server.inflight} requests unfinished", flush=True)
     server.stop()
 
 

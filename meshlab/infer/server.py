@@ -10,14 +10,17 @@ thread.
 Limits, each answered at once: a body over `max_body_bytes` is 413; a body not received within
 `body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests
 in flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a
-Retry-After). A client that disconnects has its requests aborted (`Engine.abort`: slot and pages
-freed at the next step). Every error is JSON {"error": {"message", "type", "param"}}.
+Retry-After). With `api_key`, the /v1 routes want `Authorization: Bearer <key>` (else 401). `drain`
+refuses new requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that
+disconnects has its requests aborted (`Engine.abort`: slot and pages freed at the next step). Every
+error is JSON {"error": {"message", "type", "param"}}.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
+import hmac
 import json
 import sys
 import threading
@@ -37,7 +40,7 @@ class Server:
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
                  max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None,
-                 idle_warmup=()):
+                 idle_warmup=(), api_key: str | None = None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
         # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
@@ -52,6 +55,8 @@ class Server:
         self.token_text = api.TokenText(tokenizer)
         self.wake = threading.Event()
         self.running = True
+        self.draining = False                 # drain(): new requests refused, those in flight finish
+        self.api_key = api_key
         self.engine_error: str | None = None
         self.inflight = 0                     # HTTP generation requests being answered (event loop only)
         self.calls: set = set()               # their Call objects (event loop only)
@@ -165,6 +170,19 @@ class Server:
         self.port = self.uv.servers[0].sockets[0].getsockname()[1]
         return self
 
+    def drain(self, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Refuse new requests (503; /health answers 503 "draining", so a load balancer stops sending)
+        and let those in flight finish, for at most `timeout` seconds or until `cancel` is set; True when
+        all finished. What a server does on SIGTERM before it stops (scripts/serve.py): a rolling restart
+        loses no answer."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.inflight or self.engine.has_work():
+            if time.monotonic() > deadline or self.engine_error or (cancel is not None and cancel.is_set()):
+                return False
+            time.sleep(0.02)
+        return True
+
     def stop(self):
         self.running = False
         self.uv.should_exit = True
@@ -181,12 +199,18 @@ class Server:
         async def health(_):
             if self.engine_error:
                 return JSONResponse({"status": "engine failed"}, 503)
+            if self.draining:
+                return JSONResponse({"status": "draining"}, 503)
             return JSONResponse({"status": "ok", "warming": bool(self.idle_warmup)})
 
         async def metrics(_):
             return PlainTextResponse(self.metrics.text(), media_type=CONTENT_TYPE)
 
-        async def models(_):
+        async def models(request):
+            try:
+                self._authorize(request)
+            except BadRequest as e:
+                return error(e)
             return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                              "owned_by": "meshlab"}]})
 
@@ -205,6 +229,15 @@ class Server:
                                  Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"])],
                          exception_handlers={HTTPException: not_found})
+
+    def _authorize(self, request):
+        """With an API key set (serve.py --api-key), the /v1 routes want `Authorization: Bearer <key>`, as
+        OpenAI's clients send it; /health and /metrics stay open to probes and scrapers."""
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise BadRequest("missing or wrong API key: send the header `Authorization: Bearer <key>`", status=401)
 
     async def _body(self, request) -> dict:
         """The JSON body, read with a size limit and a timeout (never waits on a short body)."""
@@ -235,6 +268,9 @@ class Server:
     def _admit(self, n: int):
         if self.engine_error:
             raise BadRequest("the engine failed; restart the server (see its log)", status=503, retry_after=60)
+        if self.draining:
+            raise BadRequest("the server is shutting down; send the request to another replica or retry later",
+                             status=503, retry_after=5)
         if self.inflight >= self.max_concurrent:
             raise BadRequest(f"{self.inflight} requests in flight, the limit is {self.max_concurrent}; retry later",
                              status=429, retry_after=1)
@@ -247,6 +283,7 @@ class Server:
         from starlette.responses import JSONResponse, Response, StreamingResponse
         self.loop = asyncio.get_running_loop()
         try:
+            self._authorize(request)
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
                              self.stop_token_ids, self.max_n, self.tool_format)
@@ -287,7 +324,7 @@ class _Task:
 
 def error(e: BadRequest):
     from starlette.responses import JSONResponse
-    kind = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
             503: "server_overloaded"}.get(e.status, "invalid_request_error")
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param}}, e.status, headers=headers)

@@ -18,6 +18,7 @@ from flax import nnx
 import models
 from meshlab.infer.engine import Engine
 from meshlab.infer.metrics import TOKEN_BUCKETS
+from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
@@ -336,6 +337,72 @@ def test_size_and_load_limits(server):
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
     m = scrape(server)
     assert m["meshlab_http_requests_rejected_total"] >= 2 and m["meshlab_http_requests_inflight"] == 0
+
+
+@pytest.fixture(scope="module")
+def spare_engine(server):
+    """An engine for servers a test changes for good (an API key, a drain), compiled like the module's."""
+    return Engine(server.md, server.params, max_len=128, max_seqs=4, page_size=8, chunk=16, steps_per_call=4)
+
+
+def test_api_key_guards_the_v1_routes_only(spare_engine):
+    srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, api_key="sesame").start()
+    try:
+        body = json.dumps({"prompt": "x", "max_tokens": 2})
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+                conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+                conn.request(method, path, body=body if method == "POST" else None, headers=headers)
+                resp = conn.getresponse()
+                err = json.loads(resp.read())["error"]
+                assert resp.status == 401 and err["type"] == "authentication_error" and "Bearer" in err["message"]
+                conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers={"Authorization": "Bearer sesame"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] >= 1
+        conn.close()
+        assert call(srv, "GET", "/health")[0] == 200 and call(srv, "GET", "/metrics")[0] == 200   # probes need no key
+    finally:
+        srv.stop()
+
+
+def test_drain_finishes_the_requests_in_flight_and_refuses_new_ones(spare_engine):
+    """What serve.py does on SIGTERM: a stream started before the drain gets every token it asked for, the
+    drain returns only after it finished, and meanwhile new requests and /health get 503."""
+    srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "prompt": "drain me", "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True}}))
+        resp = conn.getresponse()
+        lines = [resp.readline().decode()]
+        while not lines[-1].startswith("data: "):            # the stream has begun: the request is in flight
+            lines.append(resp.readline().decode())
+        finished = srv.engine.stats["requests_finished"]
+        drained = {}
+        drainer = threading.Thread(target=lambda: drained.update(ok=srv.drain(60),
+                                                                 finished=srv.engine.stats["requests_finished"]))
+        drainer.start()
+        while not srv.draining:
+            time.sleep(0.001)
+        status, body = call(srv, "POST", "/v1/completions", {"prompt": "late", "max_tokens": 2})
+        assert status == 503 and "shutting down" in body["error"]["message"]
+        assert call(srv, "GET", "/health") == (503, {"status": "draining"})
+        rest = resp.read().decode()
+        events = [e[6:] for e in ("".join(lines) + rest).splitlines() if e.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 48
+        conn.close()
+        drainer.join(timeout=60)
+        assert drained == {"ok": True, "finished": finished + 1}      # it waited for the stream's request
+        # a drain cut short: a request still in the engine when the time is up, or when told to stop now
+        spare_engine.add_request(list(range(1, 9)), SamplingParams(max_tokens=100))
+        assert srv.drain(0.0) is False
+        stop_now = threading.Event()
+        stop_now.set()
+        assert srv.drain(60, cancel=stop_now) is False
+    finally:
+        srv.stop()
 
 
 def _idle(srv, pages_free, timeout=20.0):
