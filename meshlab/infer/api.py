@@ -2,8 +2,10 @@
 engine requests, and turning finished (or growing) requests into choices, chunks and logprobs.
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
-Behaviour follows OpenAI's API reference where meshlab can honour it, and refuses what it cannot
-(best_of, suffix) with a 400 that says so, rather than ignoring it.
+Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's sampling extras
+(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids), and refuses what would change the
+answer and is not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's min_tokens and guided_*) with a
+400 that says so, rather than ignoring it.
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -67,8 +69,22 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
     return v
 
 
-# Fields of OpenAI's API that would change the answer and that this server does not implement.
-UNSUPPORTED = {"best_of": lambda v, b: v != b.get("n", 1), "suffix": lambda v, b: bool(v)}
+# Fields that would change the answer and that this server does not implement: OpenAI's, and vLLM's
+# extras that its clients send (a server that ignored them would answer another question). Each:
+# (whether the value asks for something, what to send instead).
+_RESPONSE_FORMAT = "send `response_format` with a JSON schema instead"
+UNSUPPORTED = {
+    "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
+    "suffix": (lambda v, b: bool(v), "leave it out"),
+    "min_tokens": (lambda v, b: bool(v), "leave it out"),
+    "use_beam_search": (lambda v, b: bool(v), "leave it out"),
+    "include_stop_str_in_output": (lambda v, b: bool(v), "leave it out"),
+    "truncate_prompt_tokens": (lambda v, b: True, "shorten the prompt"),
+    "guided_json": (lambda v, b: True, _RESPONSE_FORMAT),
+    "guided_regex": (lambda v, b: True, _RESPONSE_FORMAT),
+    "guided_choice": (lambda v, b: True, _RESPONSE_FORMAT),
+    "guided_grammar": (lambda v, b: True, _RESPONSE_FORMAT),
+}
 
 
 def chat_messages(messages) -> list:
@@ -112,9 +128,9 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     if body.get("model") not in (None, model_name):
         raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {model_name!r}",
                          status=404, param="model")
-    for name, used in UNSUPPORTED.items():
+    for name, (used, instead) in UNSUPPORTED.items():
         if body.get(name) is not None and used(body[name], body):
-            raise BadRequest(f"`{name}` is not supported by this server; leave it out", param=name)
+            raise BadRequest(f"`{name}` is not supported by this server; {instead}", param=name)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise BadRequest("`tools` belong to /v1/chat/completions", param="tools")
     texts, prompts, choice = _chat_prompt(body, tok) if chat else (*_completion_prompts(body.get("prompt"), tok), None)
@@ -202,13 +218,18 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
     seed = _typed(body, "seed", int, 0, 0, 2 ** 31 - n)
     kw = {"temperature": _typed(body, "temperature", float, 0.0), "top_p": _typed(body, "top_p", float, 1.0),
-          "top_k": _typed(body, "top_k", int, 0), "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
+          "top_k": _typed(body, "top_k", int, 0), "min_p": _typed(body, "min_p", float, 0.0, 0.0, 1.0),
+          "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
     kw["grammar"] = grammar or response_grammar(body.get("response_format"))
+    extra = body.get("stop_token_ids") or []            # vLLM's: more stop tokens; ignore_eos: not the model's own
+    if not isinstance(extra, list) or any(type(t) is not int for t in extra):
+        raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")
+    stop_ids = tuple(extra) + (() if _typed(body, "ignore_eos", bool, False) else tuple(stop_ids))
     try:
-        return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+        return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()
                 for i in range(n)]
     except ValueError as e:

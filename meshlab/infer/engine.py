@@ -295,7 +295,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                     req.on_event(req, [], True)
         for r in self.sched.admit():
             p = r.params
-            for key, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
+            for key, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p), ("min_p", p.min_p),
                                ("penalty", p.repetition_penalty), ("seed", p.seed),
                                ("presence", p.presence_penalty), ("frequency", p.frequency_penalty)):
                 self.slot_rows[key][r.slot] = value

@@ -1,4 +1,4 @@
-"""Sampling on device: greedy, temperature, top-k, top-p, the repetition, presence and frequency
+"""Sampling on device: greedy, temperature, min-p, top-k, top-p, the repetition, presence and frequency
 penalties and a per-token logit bias, seeded per request.
 
 Every row carries its own settings (arrays [b]), so one compiled program serves a batch that mixes
@@ -11,7 +11,7 @@ What each part costs (one H200, 128 / 64 / 16 rows of a 128,256-token vocabulary
 that on the host (`all_greedy`) and compile a greedy program; `sample(..., greedy=None)` decides on
 device with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every step (a sync).
 A sampled row draws by Gumbel max over its logits over the temperature (0.12-0.17 / 0.07-0.10 /
-0.05-0.06 ms, no sort). top_k and top_p are two thresholds found by radix select (`filtered`, both:
+0.05-0.06 ms, no sort; timed without min_p's floor, one more pass over the rows for their maxima). top_k and top_p are two thresholds found by radix select (`filtered`, both:
 1.4 / 0.77 / 0.38 ms; each search is 8 of its 16 passes), which programs run only as their static
 `cut` says (CUT_TOP_P: some row in the step sets top_p, none top_k; CUT_TOP_K: some row sets top_k);
 the [b, V] key-value sort they replace took 2.0 / 1.7 / 0.56 ms for every sampled step.
@@ -38,6 +38,9 @@ class SamplingParams:
     temperature: float = 0.0            # 0 = greedy
     top_k: int = 0                      # 0 = whole vocabulary
     top_p: float = 1.0
+    # vLLM's and llama.cpp's min_p: keep the tokens whose probability (after the temperature) is at
+    # least min_p times the best one's; 0 = off
+    min_p: float = 0.0
     repetition_penalty: float = 1.0     # > 1 discourages tokens already in prompt or output (CTRL rule)
     # OpenAI's: logits - presence * [token generated before] - frequency * (times generated before),
     # over this request's output tokens only (as OpenAI and vLLM count them), in [-2, 2]
@@ -70,6 +73,8 @@ class SamplingParams:
             bad(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p={self.min_p!r} must be a number in [0, 1] (0 = off)")
         if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
             bad(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 10]")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -118,6 +123,7 @@ def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
     return {"temperature": np.array([q.temperature for q in p], np.float32),
             "top_k": np.array([q.top_k for q in p], np.int32),
             "top_p": np.array([q.top_p for q in p], np.float32),
+            "min_p": np.array([q.min_p for q in p], np.float32),
             "penalty": np.array([q.repetition_penalty for q in p], np.float32),
             "presence": np.array([q.presence_penalty for q in p], np.float32),
             "frequency": np.array([q.frequency_penalty for q in p], np.float32),
@@ -157,14 +163,25 @@ def _threshold(key, weight, target, digits: int = 4):
     return t
 
 
+def scaled_logits(logits, rows):
+    """logits [b, V] over each row's temperature, -inf below its min_p: a token is kept when its
+    probability is at least min_p times the best's, i.e. its scaled logit at least the best's +
+    log(min_p) (min_p 0: log 0 = -inf keeps all). One more pass over the rows for their maxima; no
+    static flag (a program per setting) gates it."""
+    scaled = logits / jnp.maximum(rows["temperature"], 1e-6)[:, None]             # [b, V]
+    floor = jnp.max(scaled, axis=-1) + jnp.log(rows["min_p"])                       # [b]
+    return jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
+
+
 def filtered(logits, rows, top_k: bool = True):
-    """logits [b, V] fp32 over the temperature, with -inf outside each row's top_k best and its top_p
-    nucleus (the fewest best tokens whose probability after top_k reaches top_p). Both cuts are
+    """logits [b, V] fp32 over the temperature, with -inf below each row's min_p (scaled_logits),
+    outside its top_k best and outside its top_p nucleus (the fewest best tokens whose probability
+    after min_p and top_k reaches top_p; min_p first, as vLLM orders them). Both cuts are
     thresholds found by radix select (`_threshold`: no sort); tokens tied at a cut are all kept,
     where a sort would keep the first in its order. top_k False: a static promise that no row sets
     top_k (its search, half the cost, skipped)."""
     v = logits.shape[-1]
-    scaled = logits / jnp.maximum(rows["temperature"], 1e-6)[:, None]             # [b, V]
+    scaled = scaled_logits(logits, rows)                                            # [b, V]
     kept = jnp.ones(scaled.shape, bool)
     if top_k:
         key = jax.lax.optimization_barrier(_order_key(scaled))                    # made once, read by each pass
@@ -183,8 +200,7 @@ def _draw(logits, rows, counters, cut: int = CUT_TOP_K):
     as the static `cut` promises (CUT_NONE: no row sets top_k or top_p; CUT_TOP_P: none top_k);
     keyed by fold_in(key(seed), counter)."""
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(rows["seed"], counters)
-    scaled = (filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut else
-              logits / jnp.maximum(rows["temperature"], 1e-6)[:, None])
+    scaled = filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut else scaled_logits(logits, rows)
     return jax.vmap(jax.random.categorical)(keys, scaled)                                 # [b]
 
 

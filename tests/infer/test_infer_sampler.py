@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P, SamplingParams, filtered, row_arrays, sample
+from meshlab.infer.sampler import (CUT_NONE, CUT_TOP_K, CUT_TOP_P, SamplingParams, filtered, row_arrays, sample,
+                                   scaled_logits)
 
 V = 50
 
@@ -108,6 +109,47 @@ def test_draws_follow_the_filtered_probabilities():
     assert np.abs(freq - want).max() < 0.03, freq
 
 
+@pytest.mark.parametrize("temperature", [0.4, 1.0, 2.5])
+def test_min_p_keeps_the_tokens_within_its_fraction_of_the_best(temperature):
+    """min_p keeps exactly the tokens whose probability after the temperature is at least min_p times
+    the best's (float64 reference; ties with the floor kept), 0 keeps all, 1 only the best; top_k and
+    top_p then cut what min_p kept."""
+    rng = np.random.default_rng(7)
+    rows = rng.normal(size=(5, 300)).astype(np.float32) * 3
+    mins = [0.0, 1e-4, 0.05, 0.5, 1.0]
+    params = [SamplingParams(temperature=temperature, min_p=m) for m in mins]
+    got = np.isfinite(np.asarray(jax.jit(scaled_logits)(jnp.asarray(rows), _device_rows(params))))
+    for i, m in enumerate(mins):
+        p = np.exp((rows[i].astype(np.float64) - rows[i].max()) / temperature)     # relative to the best
+        want = p >= m * (1 - 1e-6) if m else np.ones_like(p, bool)
+        sure = np.abs(p - m) > 1e-5 * max(m, 1e-30)                                 # off fp32's boundary
+        np.testing.assert_array_equal(got[i][sure], want[sure])
+    assert got[0].all() and got[-1].sum() == 1 and got[-1][rows[-1].argmax()]
+    both = [SamplingParams(temperature=temperature, min_p=0.05, top_k=3, top_p=0.9)] * 5
+    cut = np.isfinite(np.asarray(jax.jit(filtered)(jnp.asarray(rows), _device_rows(both))))
+    by_min_p = np.isfinite(np.asarray(scaled_logits(jnp.asarray(rows), _device_rows(both))))
+    assert (cut <= by_min_p).all() and (cut.sum(-1) <= 3).all() and (cut.sum(-1) >= 1).all()
+
+
+def test_min_p_draws_stay_inside_and_min_p_one_is_greedy(logits):
+    row = jnp.broadcast_to(logits[:1], (4, V))
+    best = float(jax.nn.softmax(logits[0] / 1.5).max())
+    allowed = set(np.flatnonzero(np.asarray(jax.nn.softmax(logits[0] / 1.5)) >= 0.2 * best).tolist())
+    got = set()
+    for c in range(40):
+        got |= set(draw(row, [SamplingParams(temperature=1.5, min_p=0.2, seed=s) for s in range(4)], [c] * 4).tolist())
+    assert got <= allowed and len(got) > 1
+    am = np.asarray(logits).argmax(-1)
+    assert (draw(logits, [SamplingParams(temperature=1.0, min_p=1.0, seed=s) for s in range(4)]) == am).all()
+    plain = [SamplingParams(temperature=1.0, seed=s) for s in range(4)]
+    zero = [SamplingParams(temperature=1.0, min_p=0.0, seed=s) for s in range(4)]
+    assert (draw(logits, plain, [3] * 4) == draw(logits, zero, [3] * 4)).all()
+
+
+def _device_rows(params):
+    return {k: jnp.asarray(x) for k, x in row_arrays(params).items()}
+
+
 def test_repetition_penalty_moves_off_seen_token(logits):
     am = int(np.asarray(logits[0]).argmax())
     seen = jnp.zeros((1, V), bool).at[0, am].set(True)
@@ -119,6 +161,7 @@ def test_repetition_penalty_moves_off_seen_token(logits):
 @pytest.mark.parametrize("kw,words", [({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"),
                                       ({"top_p": 1.5}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                                       ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"),
+                                      ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
                                       ({"stop": [""]}, "stop")])
 def test_bad_values_are_one_clear_error(kw, words):
     with pytest.raises(ValueError, match=words):

@@ -164,6 +164,11 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, None, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, None, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 5}}, None, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, None, 400, "logit_bias"),
@@ -515,6 +520,27 @@ def test_logit_bias_and_penalties_reach_the_sampler(server):
     status, resp = call(server, "POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4,
                                                             "presence_penalty": 1.0, "frequency_penalty": 0.5})
     assert status == 200 and resp["usage"]["completion_tokens"] >= 1
+
+
+def test_vllm_sampling_extras(server):
+    """min_p, ignore_eos and stop_token_ids (vLLM's extras, which its clients send) change the answer as
+    they say: min_p 1 keeps only the best token, so a draw at temperature 1 answers as greedy; a token
+    forced by logit_bias stops the answer when it is the model's end token or in stop_token_ids, and
+    not when ignore_eos drops the end token."""
+    body = {"prompt": "def f(x):", "max_tokens": 8}
+    greedy = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    for seed in (1, 2):
+        drawn = call(server, "POST", "/v1/completions", dict(body, temperature=1.0, min_p=1.0, seed=seed))[1]
+        assert drawn["choices"][0]["text"] == greedy
+    eos = dict(body, logit_bias={"256": 100})                # the server's end token (stop_token_ids=[256])
+    stopped = call(server, "POST", "/v1/completions", eos)[1]
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    ignored = call(server, "POST", "/v1/completions", dict(eos, ignore_eos=True))[1]
+    assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 8
+    z = dict(body, logit_bias={str(ord("z")): 100})
+    assert call(server, "POST", "/v1/completions", z)[1]["choices"][0]["text"] == "z" * 8
+    got = call(server, "POST", "/v1/completions", dict(z, stop_token_ids=[ord("z")]))[1]["choices"][0]
+    assert got["text"] == "z" and got["finish_reason"] == "stop"
 
 
 def test_several_prompts_answer_in_prompt_order(server):
