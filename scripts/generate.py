@@ -20,6 +20,7 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0, help="keep tokens within this fraction of the best's probability")
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
@@ -31,8 +32,8 @@ def main(argv=None):
         ids = tok.encode(args.prompt)
         stop = stop_token_ids(tok)
         sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop_token_ids=stop).validate(cfg.vocab_size)
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop_token_ids=stop).validate(cfg.vocab_size)
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
