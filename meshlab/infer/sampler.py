@@ -11,8 +11,9 @@ What each part costs (one H200, 128 / 64 / 16 rows of a 128,256-token vocabulary
 that on the host (`all_greedy`) and compile a greedy program; `sample(..., greedy=None)` decides on
 device with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every step (a sync).
 A sampled row draws by Gumbel max over its logits over the temperature (0.12-0.17 / 0.07-0.10 /
-0.05-0.06 ms, no sort; timed without min_p's floor, one more pass over the rows for their maxima). top_k and top_p are two thresholds found by radix select (`filtered`, both:
-1.4 / 0.77 / 0.38 ms; each search is 8 of its 16 passes), which programs run only as their static
+0.05-0.06 ms, no sort; timed without min_p's floor, one more pass over the rows for their maxima).
+top_k and top_p are two thresholds found by radix select (`filtered`, both: 1.4 / 0.77 / 0.38 ms;
+each search is 8 of its 16 passes), which programs run only as their static
 `cut` says (CUT_TOP_P: some row in the step sets top_p, none top_k; CUT_TOP_K: some row sets top_k);
 the [b, V] key-value sort they replace took 2.0 / 1.7 / 0.56 ms for every sampled step.
 """
