@@ -285,6 +285,29 @@ def _completion_prompts(prompt, tok):
     return list(texts), list(ids)
 
 
+def tokenize(body, tok, max_len: int) -> dict:
+    """vLLM's /tokenize: a completions `prompt` (a string) or chat `messages` (through the chat template,
+    as /v1/chat/completions formats them) -> {"tokens", "count", "max_model_len"}: what a client needs to
+    fit a prompt and max_tokens in the context before it sends them."""
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        raise BadRequest("send {\"prompt\": text} or {\"messages\": [...]}", param="prompt")
+    if "messages" in body:
+        ids = _chat_prompt(body, tok)[1][0]
+    elif isinstance(body["prompt"], str):
+        ids = tok.encode(body["prompt"])
+    else:
+        raise BadRequest("`prompt` must be a string", param="prompt")
+    return {"tokens": list(ids), "count": len(ids), "max_model_len": max_len}
+
+
+def detokenize(body, tok) -> dict:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < tok.vocab_size for t in ids):
+        raise BadRequest(f"`tokens` must be a list of token ids in [0, {tok.vocab_size})", param="tokens")
+    return {"prompt": tok.decode(ids)}
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 def visible(req, final: bool) -> str:

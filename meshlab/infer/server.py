@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine (Starlette on uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with `"stream": true` for server-sent
-events), GET /v1/models, /health, /metrics (Prometheus text: meshlab/infer/metrics.py). The request schemas are in
+events), GET /v1/models, /health, /metrics (Prometheus text: meshlab/infer/metrics.py), and vLLM's
+POST /tokenize and /detokenize (a prompt's token count against the context). The request schemas are in
 meshlab/infer/api.py; one request's choices and their answer (whole or streamed) are
 meshlab/infer/http_call.py's `Call`. One engine thread runs `Engine.step` while there is work, so
 concurrent requests share decode steps; the HTTP side is one asyncio loop, so a slow client holds no
@@ -211,8 +212,18 @@ class Server:
                 self._authorize(request)
             except BadRequest as e:
                 return error(e)
-            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                             "owned_by": "meshlab"}]})
+            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "meshlab",
+                                                             "max_model_len": self.engine.sched.max_len}]})
+
+        async def tokens(request):
+            try:
+                self._authorize(request)
+                body = await self._body(request)
+                if request.url.path == "/tokenize":
+                    return JSONResponse(api.tokenize(body, self.tok, self.engine.sched.max_len))
+                return JSONResponse(api.detokenize(body, self.tok))
+            except BadRequest as e:
+                return error(e)
 
         async def completions(request):
             return await self._generate(request, chat=False)
@@ -224,14 +235,16 @@ class Server:
             if exc.status_code == 405:
                 return error(BadRequest(f"{request.method} {request.url.path} is not allowed", status=405))
             return error(BadRequest(f"no route {request.method} {request.url.path}; try /v1/completions, "
-                                    "/v1/chat/completions, /v1/models, /health or /metrics", status=404))
+                                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health or /metrics",
+                                    status=404))
         return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
                                  Route("/v1/completions", completions, methods=["POST"]),
-                                 Route("/v1/chat/completions", chat, methods=["POST"])],
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/tokenize", tokens, methods=["POST"]), Route("/detokenize", tokens, methods=["POST"])],
                          exception_handlers={HTTPException: not_found})
 
     def _authorize(self, request):
-        """With an API key set (serve.py --api-key), the /v1 routes want `Authorization: Bearer <key>`, as
+        """With an API key set (serve.py --api-key), the /v1 and token routes want `Authorization: Bearer <key>`, as
         OpenAI's clients send it; /health and /metrics stay open to probes and scrapers."""
         if self.api_key is None:
             return

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import models
+from meshlab.infer import api
 from meshlab.infer.engine import Engine
 from meshlab.infer.metrics import TOKEN_BUCKETS
 from meshlab.infer.sampler import SamplingParams
@@ -97,7 +98,7 @@ def scrape(srv) -> dict:
 def test_health_models_metrics(server):
     assert call(server, "GET", "/health") == (200, {"status": "ok", "warming": False})
     status, body = call(server, "GET", "/v1/models")
-    assert status == 200 and body["data"][0]["id"] == "tiny"
+    assert status == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == 128
     _, text = call(server, "GET", "/metrics")
     assert "# TYPE meshlab_time_to_first_token_seconds histogram" in text
     assert "# TYPE meshlab_requests_finished_total counter" in text and "# TYPE meshlab_requests_running gauge" in text
@@ -125,6 +126,26 @@ def test_health_models_metrics(server):
     assert after["meshlab_free_cache_pages"] == after["meshlab_cache_pages"] == server.engine.sched.pool.total
     assert after["meshlab_kv_cache_usage"] == 0 and after["meshlab_prefix_cache_pages"] >= 1
     assert "meshlab_overlapped_calls_total" in after and "meshlab_chained_calls_total" in after
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's token routes: a prompt's ids and count against the context, chat messages as the chat route
+    formats them, and the ids back to text."""
+    text = "héllo, tokens"
+    status, got = call(server, "POST", "/tokenize", {"prompt": text})
+    assert status == 200 and got == {"tokens": ByteTokenizer().encode(text), "count": len(text.encode()),
+                                     "max_model_len": 128}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = call(server, "POST", "/tokenize", {"messages": messages})[1]
+    assert chat["tokens"] == ByteTokenizer().encode(api.plain_chat_prompt(messages))
+    echoed = call(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1})[1]
+    assert echoed["usage"]["prompt_tokens"] == chat["count"]
+    assert call(server, "POST", "/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": text})
+    for path, body, words in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": [1, 2]}, "string"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens")):
+        status, resp = call(server, "POST", path, body)
+        assert status == 400 and words in resp["error"]["message"], (path, body, resp)
 
 
 def test_completion_stream_equals_whole(server):
@@ -355,7 +376,7 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
     try:
         body = json.dumps({"prompt": "x", "max_tokens": 2})
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
-            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize")):
                 conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
                 conn.request(method, path, body=body if method == "POST" else None, headers=headers)
                 resp = conn.getresponse()
@@ -688,7 +709,6 @@ def test_streams_wake_the_event_loop_at_most_once_per_engine_step(server, monkey
 def test_covered_tokens_decode_once_when_the_text_shows_them_all():
     """The tokens a streamed chunk's logprobs cover: one decoding when the shown text holds all of
     them (the usual case), not one per new token; a held-back tail still bounds them."""
-    from meshlab.infer import api
     tok, lengths = ByteTokenizer(), []
     decode = lambda ids: lengths.append(len(ids)) or tok.decode(ids)   # noqa: E731
     out = list(b"hello world")
@@ -789,7 +809,6 @@ def _tool_calls_of(server):
 
 def test_tools_reach_the_prompt_through_the_chat_template():
     """The chat template renders the request's tools (its `tools` variable); without one, a tools line."""
-    from meshlab.infer import api
     from meshlab.infer.loading import ChatTemplate
     tok = ByteTokenizer()
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required"}
