@@ -1,113 +1,30 @@
 """OpenAI-compatible HTTP server: python scripts/serve.py --checkpoint PATH --port P.
 
 --checkpoint: a Hugging Face directory, a meshlab run directory, or random:<preset> (tests).
-Continuous batching over a paged KV cache; see meshlab/infer/server.py for the endpoints.
+Continuous batching over a paged KV cache; see meshlab/infer/server.py for the endpoints and
+meshlab/infer/serve_cli.py for what the options build.
 Needs the `serve` extra (pip install -e '.[serve]': Starlette, uvicorn, Jinja2, llguidance, prometheus-client).
 Serves on one device unless --rules (and --mesh) shard the weights over the devices present.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
-    from meshlab.infer.loading import add_checkpoint_args, open_checkpoint, stop_token_ids
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(ap)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    ap.add_argument("--model-name", default="meshlab")
-    ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
-    ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
-    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
-    ap.add_argument("--max-step-tokens", type=int, default=None,
-                    help="tokens one step may feed, decodes and prompt chunks together (default: max-seqs + 4 chunks)")
-    ap.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
-                    help="paged decode attention (auto: the Pallas kernel on one GPU, else XLA)")
-    ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
-                    help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
-                         "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1; "
-                         "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
-    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
-    ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
-    ap.add_argument("--api-key", default=os.environ.get("MESHLAB_API_KEY"),
-                    help="clients must send `Authorization: Bearer KEY` to the /v1 routes (default: $MESHLAB_API_KEY; "
-                         "unset: no key)")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
-                    help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish (new ones: 503)")
-    ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
-    ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
-                    help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
-                         "bucket first met under load compiles then, stalling every request for seconds")
-    ap.add_argument("--warmup-kinds", default="greedy",
-                    help="the requests whose programs --warmup compiles before listening, comma-separated: greedy, "
-                         "sampled (temperature, penalties, response_format), top_p (sampled with top_p), top_k "
-                         "(with top_k), logprobs, scoring (echo with logprobs, as evaluation harnesses score); a "
-                         "step mixing kinds runs a program of its own, compiled at its first use")
-    ap.add_argument("--warmup-idle-kinds", default="sampled,top_p,top_k",
-                    help="kinds whose programs --warmup compiles after listening, while the engine has no work, "
-                         "one program at a time (a request meanwhile waits at most for the one compiling; /health "
-                         "says warming: true until done); empty: none")
-    ap.add_argument("--tool-call-parser", default="auto", choices=("auto", "json", "hermes", "mistral"),
-                    help='how tool_choice "auto" reads calls out of a reply: json (bare JSON calls, Llama 3\'s '
-                         "too), hermes (<tool_call> blocks: Hermes, Qwen), mistral ([TOOL_CALLS]); auto: the one "
-                         "the checkpoint's chat template writes, else json")
-    args = ap.parse_args(argv)
-    from meshlab.infer.warmup import WARMUP_KINDS
-    kinds, idle = ([k for k in value.split(",") if k] for value in (args.warmup_kinds, args.warmup_idle_kinds))
-    for flag, value, named in (("--warmup-kinds", args.warmup_kinds, kinds),
-                               ("--warmup-idle-kinds", args.warmup_idle_kinds, idle)):
-        if any(k not in WARMUP_KINDS for k in named):
-            sys.exit(f"serve: {flag} {value}: each must be one of {', '.join(WARMUP_KINDS)}")
-    import jax
-    from meshlab.infer.engine import Engine
-    from meshlab.infer.server import Server
-    from meshlab.infer.tools import tool_format
+    from meshlab.infer.serve_cli import serve_parser, serve_until_signalled, start_server
+    args = serve_parser(__doc__.splitlines()[0]).parse_args(argv)
     try:
-        rules, mesh, cfg, md, params, tok = open_checkpoint(args)
-        engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
-                        num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
-                        max_step_tokens=args.max_step_tokens,
-                        impl=args.attention, layers=args.layers, rules=rules, mesh=mesh)
-        warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
-        if warm:
-            t = time.perf_counter()
-            k = sum(engine.warmup(**WARMUP_KINDS[kind]) for kind in kinds)
-            print(f"compiled {k} programs ({', '.join(kinds)}) in {time.perf_counter() - t:.0f} s", file=sys.stderr,
-                  flush=True)
-        tool_fmt = tool_format(args.tool_call_parser, getattr(tok, "chat_template", None))
-        server = Server(engine, tok, args.model_name, args.host, args.port, stop_token_ids=stop_token_ids(tok),
-                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                        max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
-                        tool_format=tool_fmt, api_key=args.api_key,
-                        idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
+        server = start_server(args)
     except ImportError as e:
         sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"serve: {e}")
     print(f"serving {args.model_name} on http://{args.host}:{server.port}", flush=True)
-    done, now = threading.Event(), threading.Event()      # the first signal drains, a second stops at once
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: (now if done.is_set() else done).set())
-    done.wait()
-    print(f"draining: new requests get 503, those in flight have {args.shutdown_timeout:g} s to finish "
-          "(signal again to stop now)", flush=True)
-    if not server.drain(args.shutdown_timeout, cancel=now):
-        print(f"stopping with {server.inflight} requests unfinished", flush=True)
-    server.stop()
+    serve_until_signalled(server, args.shutdown_timeout)
 
 
 if __name__ == "__main__":

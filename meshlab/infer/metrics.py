@@ -108,3 +108,34 @@ class _EngineCollector:
              stats["generated_tokens"] / stats["busy_s"] if stats["busy_s"] else 0.0)]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"meshlab_{name}", doc, value=value)
+
+
+class StatsLog:
+    """A line every `interval` seconds while the server works (vLLM's periodic stats): prompt and
+    generation throughput since the last line, requests running and waiting, the KV pages in use and
+    the prefix cache's share of the prompt tokens. Called from the engine thread between steps; quiet
+    while nothing happens."""
+
+    def __init__(self, engine, interval: float, write):
+        self.engine, self.interval, self.write = engine, interval, write
+        self.t, self.last = None, None
+
+    def maybe_log(self, now: float) -> None:
+        if self.interval <= 0 or (self.t is not None and now - self.t < self.interval):
+            return
+        st = {k: self.engine.stats[k] for k in ("prompt_tokens", "generated_tokens", "prefill_tokens",
+                                                  "prefix_hit_tokens", "preemptions")}
+        if self.t is not None and st != self.last:
+            self.write(stats_line(st, self.last, now - self.t, self.engine.sched))
+        self.t, self.last = now, st
+
+
+def stats_line(st: dict, before: dict, seconds: float, sched) -> str:
+    """One StatsLog line from two snapshots of the engine's counters `seconds` apart."""
+    grew = {k: st[k] - before[k] for k in st}
+    hits, fed = grew["prefix_hit_tokens"], grew["prefill_tokens"]
+    pool = sched.pool
+    return (f"meshlab: prompt {grew['prompt_tokens'] / seconds:,.1f} tok/s (computed {fed / seconds:,.1f}), generation "
+            f"{grew['generated_tokens'] / seconds:,.1f} tok/s; {len(sched.running())} running, {len(sched.waiting)} "
+            f"waiting, {grew['preemptions']} preempted; KV cache {1 - pool.available / pool.total:.0%} used; prefix "
+            f"cache {hits / (hits + fed) if hits + fed else 0:.0%} of prompt tokens")

@@ -32,7 +32,7 @@ from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
 from meshlab.infer.http_call import Call
-from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics
+from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics, StatsLog
 
 
 class Server:
@@ -41,7 +41,7 @@ class Server:
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
                  max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None,
-                 idle_warmup=(), api_key: str | None = None):
+                 idle_warmup=(), api_key: str | None = None, stats_interval: float = 0.0, log=None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
         # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
@@ -64,6 +64,8 @@ class Server:
         self.loop = None                      # the event loop, once a request came
         self.counts = {"rejected": 0, "aborted": 0}
         self.metrics = ServerMetrics(self)    # /metrics (meshlab/infer/metrics.py)
+        # a throughput line every stats_interval seconds of work (0: none), to `log` (default: stderr)
+        self.stats_log = StatsLog(engine, stats_interval, log or (lambda line: print(line, file=sys.stderr, flush=True)))
         self.pending: list = []               # (call, choice, done) events of the engine step running now
         self.deliveries = 0                   # hand-overs of events from the engine thread to the loop
         # Held by the engine thread while it works on the host (between its waits for the device), and by
@@ -95,6 +97,7 @@ class Server:
                     self.idle_warmup = []
                 continue
             if not self.engine.has_work():
+                self.stats_log.maybe_log(time.monotonic())      # the last busy interval's line
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -102,6 +105,7 @@ class Server:
                 with self.host_lock:
                     self.engine.step()
                     self._deliver_events()
+                    self.stats_log.maybe_log(time.monotonic())
             except Exception:  # noqa: BLE001 - reported to every request and on /health, not swallowed
                 self.engine_error = traceback.format_exc()
                 print(f"meshlab serve: the engine failed:\n{self.engine_error}", file=sys.stderr, flush=True)

@@ -91,11 +91,25 @@ def test_serve_readme_command(run, clean):
         body = json.loads(resp.read())
         assert resp.status == 200 and body["usage"]["completion_tokens"] >= 1
         conn.request("GET", "/health")
-        assert conn.getresponse().status == 200
-        conn.close()
-    finally:
+        health = conn.getresponse()
+        assert health.status == 200 and json.loads(health.read())["status"] == "ok"
+        # SIGTERM while a stream runs: it gets every token it asked for, then the server exits
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def ", "max_tokens": 40, "ignore_eos": True,
+                                                                  "stream": True, "stream_options": {"include_usage": True}}))
+        resp = conn.getresponse()
+        first = resp.readline()
+        while not first.startswith(b"data: "):
+            first = resp.readline()
         proc.send_signal(signal.SIGTERM)
+        events = [e[6:] for e in (first + resp.read()).decode().splitlines() if e.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 40
+        conn.close()
         assert proc.wait(timeout=60) == 0
+        assert "draining" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
     assert list(clean.iterdir()) == [] and tree(run.parent.parent) == before
 
 

@@ -393,6 +393,37 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
         srv.stop()
 
 
+def test_stats_lines_while_working_and_quiet_when_idle(spare_engine):
+    lines = []
+    srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, stats_interval=0.05, log=lines.append).start()
+    try:
+        time.sleep(0.3)
+        assert lines == []                                         # nothing happened: nothing said
+        assert call(srv, "POST", "/v1/completions", {"prompt": "stats", "max_tokens": 6})[0] == 200
+        deadline = time.monotonic() + 10
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lines and lines[0].startswith("meshlab: prompt ") and "generation" in lines[0], lines
+        time.sleep(0.3)
+        said = len(lines)
+        time.sleep(0.3)
+        assert len(lines) == said                                  # idle again: quiet
+    finally:
+        srv.stop()
+
+
+def test_stats_line_reads_the_counters_growth():
+    from types import SimpleNamespace
+    from meshlab.infer.metrics import stats_line
+    sched = SimpleNamespace(pool=SimpleNamespace(available=75, total=100), running=lambda: [1, 2], waiting=[3])
+    before = {"prompt_tokens": 0, "generated_tokens": 10, "prefill_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}
+    after = {"prompt_tokens": 200, "generated_tokens": 110, "prefill_tokens": 50, "prefix_hit_tokens": 150,
+             "preemptions": 1}
+    assert stats_line(after, before, 2.0, sched) == (
+        "meshlab: prompt 100.0 tok/s (computed 25.0), generation 50.0 tok/s; 2 running, 1 waiting, 1 preempted; "
+        "KV cache 25% used; prefix cache 75% of prompt tokens")
+
+
 def test_drain_finishes_the_requests_in_flight_and_refuses_new_ones(spare_engine):
     """What serve.py does on SIGTERM: a stream started before the drain gets every token it asked for, the
     drain returns only after it finished, and meanwhile new requests and /health get 503."""
