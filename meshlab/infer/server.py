@@ -11,7 +11,7 @@ thread.
 Limits, each answered at once: a body over `max_body_bytes` is 413; a body not received within
 `body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests
 in flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a
-Retry-After). With `api_key`, the /v1 routes want `Authorization: Bearer <key>` (else 401). `drain`
+Retry-After). With `api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). `drain`
 refuses new requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that
 disconnects has its requests aborted (`Engine.abort`: slot and pages freed at the next step). Every
 error is JSON {"error": {"message", "type", "param"}}.
