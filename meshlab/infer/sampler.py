@@ -53,6 +53,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()            # stop strings, checked on the detokenized output
+    include_stop_str_in_output: bool = False   # vLLM's: the text ends after the stop string, not before it
     # None: off; k in [0, 20]: each output token's log-softmax (of the raw logits, before temperature
     # and filters, as OpenAI reports it) and its k most likely alternatives (Request.logprobs)
     logprobs: Optional[int] = None
@@ -97,6 +98,8 @@ class SamplingParams:
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad(f"stop={list(self.stop)!r} must be a list of non-empty strings")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be true or false")
         return self
 
 

@@ -49,7 +49,7 @@ class Request:
     finish_reason: Optional[str] = None   # stop | length | abort
     on_event: Optional[Callable] = None   # on_event(request, new_tokens: list[int], finished: bool)
     detokenize: Optional[Callable] = dataclasses.field(default=None, repr=False)   # the engine's
-    text_stop: Optional[str] = None       # the text cut before a stop string that matched
+    text_stop: Optional[str] = None       # the text cut at a stop string that matched (before it, or after it)
     # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
@@ -131,9 +131,11 @@ class Request:
                 self.finish_reason = "stop"
             elif self.detokenize and p.stop:
                 text = self.detokenize(out)
-                hits = [text.index(s) for s in p.stop if s in text]
+                hits = [(text.index(s), s) for s in p.stop if s in text]
                 if hits:
-                    self.text_stop, self.finish_reason = text[:min(hits)], "stop"
+                    at, s = min(hits, key=lambda hit: hit[0])          # the earliest; ties: the first listed
+                    self.text_stop = text[:at + len(s) if p.include_stop_str_in_output else at]
+                    self.finish_reason = "stop"
             if not self.finish_reason and len(out) >= p.max_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:

@@ -265,6 +265,8 @@ def test_stop_string_truncates(server):
     stop = text[i]
     got = call(server, "POST", "/v1/completions", dict(body, stop=[stop]))[1]["choices"][0]
     assert got["text"] == text[:text.index(stop)] and got["finish_reason"] == "stop"
+    kept = call(server, "POST", "/v1/completions", dict(body, stop=[stop], include_stop_str_in_output=True))[1]
+    assert kept["choices"][0]["text"] == text[:text.index(stop) + 1]          # vLLM's: the stop string kept
     _, payload = call(server, "POST", "/v1/completions", dict(body, stop=stop, stream=True))
     assert sse_text(payload, chat=False) == (got["text"], "stop")
 
