@@ -3,9 +3,9 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's sampling extras
-(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output), and
-refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's
-min_tokens and guided_*) with a 400 that says so, rather than ignoring it.
+(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
+min_tokens), and refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of,
+suffix, vLLM's guided_* and beam search) with a 400 that says so, rather than ignoring it.
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -76,7 +76,6 @@ _RESPONSE_FORMAT = "send `response_format` with a JSON schema instead"
 UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
-    "min_tokens": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
     "truncate_prompt_tokens": (lambda v, b: True, "shorten the prompt"),
     "guided_json": (lambda v, b: True, _RESPONSE_FORMAT),
@@ -220,6 +219,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "top_k": _typed(body, "top_k", int, 0), "min_p": _typed(body, "min_p", float, 0.0, 0.0, 1.0),
           "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
           "include_stop_str_in_output": _typed(body, "include_stop_str_in_output", bool, False),
+          "min_tokens": _typed(body, "min_tokens", int, 0, 0),
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))

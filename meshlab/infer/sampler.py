@@ -28,6 +28,8 @@ import numpy as np
 
 
 MAX_LOGIT_BIAS = 300       # tokens a request may bias (OpenAI's logit_bias)
+MAX_HELD_STOPS = 16        # stop tokens a request with min_tokens may hold back (its bias rows' extra entries)
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_HELD_STOPS
 # A sampling program's static `cut`: what its draw cuts the vocabulary to (`cuts`). OpenAI's API has
 # no top_k, so its clients' steps skip that search.
 CUT_NONE, CUT_TOP_P, CUT_TOP_K = 0, 1, 2       # nothing; top_p; top_k, then top_p
@@ -52,6 +54,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
+    # vLLM's min_tokens: the stop tokens cannot be sampled, and no stop ends the request, before this many
+    # tokens (the stop tokens ride in the request's logit-bias rows at -inf while its counter is below it)
+    min_tokens: int = 0
     stop: Sequence[str] = ()            # stop strings, checked on the detokenized output
     include_stop_str_in_output: bool = False   # vLLM's: the text ends after the stop string, not before it
     # None: off; k in [0, 20]: each output token's log-softmax (of the raw logits, before temperature
@@ -85,6 +90,14 @@ class SamplingParams:
                 bad(f"{name}={v!r} must be a number in [-2, 2] (0 = off)")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
             bad(f"seed={self.seed!r} must be an integer in [0, 2**31)")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_HELD_STOPS:
+            bad(f"min_tokens holds back at most {MAX_HELD_STOPS} stop tokens, not {len(self.stop_token_ids)}")
+        if self.min_tokens and self.grammar is not None:
+            bad("min_tokens with a grammar (response_format, a required tool call): the grammar decides where the "
+                "reply ends; send one of them")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
@@ -113,12 +126,19 @@ def _check_bias(bias, vocab_size, bad) -> None:
             bad(f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
 
 
-def bias_row(bias: Mapping[int, float], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [MAX_LOGIT_BIAS] int32, padded with vocab_size: dropped; biases float32) of a logit_bias."""
-    ids = np.full(MAX_LOGIT_BIAS, vocab_size, np.int32)
-    vals = np.zeros(MAX_LOGIT_BIAS, np.float32)
-    ids[:len(bias)], vals[:len(bias)] = list(bias), list(bias.values())
-    return ids, vals
+def bias_row(p: SamplingParams, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A request's logit-bias rows [BIAS_WIDTH]: token ids (int32, padded with vocab_size: dropped), biases
+    (float32) and the counter each entry holds until (int32): its logit_bias for good, then, with
+    min_tokens, its stop tokens at -inf until that many tokens are out."""
+    ids = np.full(BIAS_WIDTH, vocab_size, np.int32)
+    vals = np.zeros(BIAS_WIDTH, np.float32)
+    until = np.full(BIAS_WIDTH, np.iinfo(np.int32).max, np.int32)
+    n = len(p.logit_bias)
+    ids[:n], vals[:n] = list(p.logit_bias), list(p.logit_bias.values())
+    if p.min_tokens:
+        stops = list(dict.fromkeys(p.stop_token_ids))
+        ids[n:n + len(stops)], vals[n:n + len(stops)], until[n:n + len(stops)] = stops, -np.inf, p.min_tokens
+    return ids, vals, until
 
 
 def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
@@ -224,9 +244,9 @@ def cuts(p: SamplingParams) -> int:
 
 def penalised_row(p: SamplingParams) -> bool:
     """Whether a request's logits are changed before its draw (so argmax over the raw ones is not its
-    greedy choice): the repetition, presence or frequency penalty, a logit bias, or a grammar."""
+    greedy choice): the repetition, presence or frequency penalty, a logit bias, a grammar, or min_tokens."""
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
-            or p.grammar is not None)
+            or p.grammar is not None or p.min_tokens > 0)
 
 
 def allowed_bits(allowed, vocab: int):
@@ -239,18 +259,20 @@ def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, count
            cut: int = CUT_TOP_K):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
     seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
-    the presence and frequency penalties), or None (no row has them); bias: (ids, biases) [b,
-    MAX_LOGIT_BIAS] (bias_row's), or None; allowed: [b, ceil(V / 32)] int32 bitmasks of the tokens a
-    row may take (a grammar's, meshlab.infer.guided; all bits set: free), or None. Returns tokens [b]
-    int32. greedy: a static promise that `all_greedy(rows)` (True) or not (False) with no row biased
-    or held to a grammar; None decides on device (no bias or grammar then). cut: a static promise of
-    the cuts the rows set (`cuts`): the draw skips finding the others."""
+    the presence and frequency penalties), or None (no row has them); bias: (ids, biases, until) [b,
+    BIAS_WIDTH] (bias_row's: an entry applies while the row's counter is below its until), or None;
+    allowed: [b, ceil(V / 32)] int32 bitmasks of the tokens a row may take (a grammar's,
+    meshlab.infer.guided; all bits set: free), or None. Returns tokens [b] int32. greedy: a static
+    promise that `all_greedy(rows)` (True) or not (False) with no row biased or held to a grammar;
+    None decides on device (no bias or grammar then). cut: a static promise of the cuts the rows set
+    (`cuts`): the draw skips finding the others."""
     def full(_):
         pen = logits
         if allowed is not None:
             pen = jnp.where(allowed_bits(allowed, logits.shape[-1]), pen, -jnp.inf)
         if bias is not None:
-            ids, values = bias
+            ids, values, until = bias
+            values = jnp.where(counters[:, None] < until, values, 0.0)                  # [b, BIAS_WIDTH]
             pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")
         pen = _penalise(pen, seen, rows["penalty"])
         if counts is not None:

@@ -127,9 +127,10 @@ class Request:
             if k is not None and logprobs is not None:
                 lp, ids, vals = logprobs[i]                 # Python numbers (calls.logprob_rows)
                 self.logprobs.append((lp, dict(zip(ids[:k], vals[:k])) if k else {}))
+            early = len(out) < p.min_tokens                   # nothing stops it yet (the device holds its stop tokens)
             if t in p.stop_token_ids or (self.guide is not None and self.guide.consume(t)):
-                self.finish_reason = "stop"
-            elif self.detokenize and p.stop:
+                self.finish_reason = None if early else "stop"
+            elif self.detokenize and p.stop and not early:
                 text = self.detokenize(out)
                 hits = [(text.index(s), s) for s in p.stop if s in text]
                 if hits:

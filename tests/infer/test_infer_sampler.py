@@ -146,6 +146,24 @@ def test_min_p_draws_stay_inside_and_min_p_one_is_greedy(logits):
     assert (draw(logits, plain, [3] * 4) == draw(logits, zero, [3] * 4)).all()
 
 
+def test_min_tokens_holds_the_stop_tokens_until_its_counter():
+    """The bias rows' held stop tokens are -inf while a row's counter is below min_tokens, and gone from
+    then on; the request's own logit_bias applies throughout."""
+    from meshlab.infer.sampler import bias_row
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(1, V)), jnp.float32)
+    stop = int(np.asarray(logits).argmax())
+    p = SamplingParams(min_tokens=3, stop_token_ids=(stop, stop), logit_bias={7: 50.0})
+    bias = tuple(jnp.asarray(x)[None] for x in bias_row(p, V))
+    rows = _device_rows([p])
+    fn = jax.jit(lambda c: sample(logits, rows, c, jnp.zeros((1, V), bool), greedy=False, bias=bias))
+    assert [int(fn(jnp.asarray([c], jnp.int32))[0]) for c in range(5)] == [7, 7, 7, 7, 7]    # the +50 wins
+    p = SamplingParams(min_tokens=3, stop_token_ids=(stop,))
+    bias = tuple(jnp.asarray(x)[None] for x in bias_row(p, V))
+    fn = jax.jit(lambda c: sample(logits, rows, c, jnp.zeros((1, V), bool), greedy=False, bias=bias))
+    second = int(np.argsort(-np.asarray(logits[0]))[1])
+    assert [int(fn(jnp.asarray([c], jnp.int32))[0]) for c in range(5)] == [second] * 3 + [stop] * 2
+
+
 def _device_rows(params):
     return {k: jnp.asarray(x) for k, x in row_arrays(params).items()}
 
@@ -162,6 +180,8 @@ def test_repetition_penalty_moves_off_seen_token(logits):
                                       ({"top_p": 1.5}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                                       ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"),
                                       ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+                                      ({"min_tokens": 20}, "min_tokens"),
+                                      ({"min_tokens": 1, "stop_token_ids": tuple(range(17))}, "at most 16"),
                                       ({"stop": [""]}, "stop")])
 def test_bad_values_are_one_clear_error(kw, words):
     with pytest.raises(ValueError, match=words):

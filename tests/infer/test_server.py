@@ -186,7 +186,10 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "n": 99}, None, 400, "`n`"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, None, 400, "min_p"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, None, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 40, "max_tokens": 8}, None, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, None, 400,
+     "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
@@ -577,10 +580,10 @@ def test_logit_bias_and_penalties_reach_the_sampler(server):
 
 
 def test_vllm_sampling_extras(server):
-    """min_p, ignore_eos and stop_token_ids (vLLM's extras, which its clients send) change the answer as
-    they say: min_p 1 keeps only the best token, so a draw at temperature 1 answers as greedy; a token
-    forced by logit_bias stops the answer when it is the model's end token or in stop_token_ids, and
-    not when ignore_eos drops the end token."""
+    """min_p, ignore_eos, stop_token_ids and min_tokens (vLLM's extras, which its clients send) change the
+    answer as they say: min_p 1 keeps only the best token, so a draw at temperature 1 answers as greedy;
+    a token forced by logit_bias stops the answer when it is the model's end token or in stop_token_ids,
+    not when ignore_eos drops the end token, and only after min_tokens others."""
     body = {"prompt": "def f(x):", "max_tokens": 8}
     greedy = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
     for seed in (1, 2):
@@ -591,6 +594,10 @@ def test_vllm_sampling_extras(server):
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
     ignored = call(server, "POST", "/v1/completions", dict(eos, ignore_eos=True))[1]
     assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 8
+    held = call(server, "POST", "/v1/completions", dict(eos, min_tokens=5))[1]         # the end token held back 5
+    assert held["choices"][0]["finish_reason"] == "stop" and held["usage"]["completion_tokens"] == 6
+    again = call(server, "POST", "/v1/completions", eos)[1]                          # the slot's held stops cleared
+    assert again["usage"]["completion_tokens"] == 1
     z = dict(body, logit_bias={str(ord("z")): 100})
     assert call(server, "POST", "/v1/completions", z)[1]["choices"][0]["text"] == "z" * 8
     got = call(server, "POST", "/v1/completions", dict(z, stop_token_ids=[ord("z")]))[1]["choices"][0]
