@@ -34,11 +34,11 @@ from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
-from meshlab.infer.programs import (BIAS_IDS, BIAS_UNTIL, BIAS_VALUES, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
+from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
-from meshlab.infer.sampler import BIAS_WIDTH, SamplingParams, bias_row, cuts, penalised_row, row_arrays
+from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler
 from meshlab.infer.scoring import ScoreStore, Scoring
 from meshlab.infer.warmup import Warmup
@@ -148,9 +148,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
             self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
             self.cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
-            self.cache[BIAS_IDS] = jnp.full((max_seqs, BIAS_WIDTH), md.cfg.vocab_size, jnp.int32)
-            self.cache[BIAS_VALUES] = jnp.zeros((max_seqs, BIAS_WIDTH), jnp.float32)
-            self.cache[BIAS_UNTIL] = jnp.zeros((max_seqs, BIAS_WIDTH), jnp.int32)
+            free = bias_row(SamplingParams(), md.cfg.vocab_size)                         # [3, BIAS_WIDTH]: no entry
+            self.cache[BIAS] = jnp.asarray(np.broadcast_to(free, (max_seqs, *free.shape)))
             self._mask_width = mask_words(md.cfg.vocab_size)
             self.cache[MASK] = jnp.full((max_seqs, self._mask_width), -1, jnp.int32)     # every token allowed
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
@@ -311,8 +310,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                 self.cache[COUNTS] = self._recount(self.cache[COUNTS], r.slot, ids)
             biased = bool(p.logit_bias) or p.min_tokens > 0
             if biased or self.slot_biased[r.slot]:               # set, or cleared of the slot's last request's
-                for name, row in zip((BIAS_IDS, BIAS_VALUES, BIAS_UNTIL), bias_row(p, self.md.cfg.vocab_size)):
-                    self.cache[name] = self._set_rows(self.cache[name], np.array([r.slot], np.int32), row[None])
+                self.cache[BIAS] = self._set_rows(self.cache[BIAS], np.array([r.slot], np.int32),
+                                                  bias_row(p, self.md.cfg.vocab_size)[None])
                 self.slot_biased[r.slot] = biased
             self.stats["prompt_tokens"] += 0 if r.preemptions else len(r.prompt)
             self.stats["prefix_hit_tokens"] += r.prefix_hit_tokens

@@ -61,15 +61,15 @@ LAST = "last"
 # presence and frequency penalties): every program that samples without the greedy promise adds its
 # kept samples; the engine sets a slot's row when a request with those penalties is admitted.
 COUNTS = "counts"
-# The cache entries [max_seqs, BIAS_WIDTH] (token ids, int32; biases, float32; the counter each holds
-# until, int32) of each slot's logit_bias and min_tokens' held stop tokens (sampler.bias_row), set by
-# the engine at admission; read by the programs that sample without the greedy promise.
-BIAS_IDS, BIAS_VALUES, BIAS_UNTIL = "bias_ids", "bias_values", "bias_until"
+# The cache entry [max_seqs, 3, BIAS_WIDTH] int32 of each slot's logit_bias and min_tokens' held stop
+# tokens (sampler.bias_row: ids, the biases' float32 bits, the counter each holds until), set by the
+# engine at admission; read by the programs that sample without the greedy promise.
+BIAS = "bias"
 # The cache entry [max_seqs, ceil(V / 32)] int32: each slot's allowed-token bitmask (all bits set: free),
 # set by the engine before each step of a request held to a grammar (meshlab.infer.guided); read by
 # the programs that sample without the greedy promise.
 MASK = "mask"
-OWN = (HIDDEN, LAST, COUNTS, BIAS_IDS, BIAS_VALUES, BIAS_UNTIL, MASK)    # the engine's entries of the cache dict, beside K and V
+OWN = (HIDDEN, LAST, COUNTS, BIAS, MASK)    # the engine's entries of the cache dict, beside K and V
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
@@ -223,7 +223,7 @@ def _head(model, h, vocab, rows, counters, seen_rows, greedy, logprobs, own=None
     if not greedy and own:
         pick = lambda name: own[name][jnp.minimum(slots, own[name].shape[0] - 1)]   # noqa: E731 - [R, ...]
         counts = pick(COUNTS) if COUNTS in own else None
-        bias = (pick(BIAS_IDS), pick(BIAS_VALUES), pick(BIAS_UNTIL)) if BIAS_IDS in own else None
+        bias = pick(BIAS) if BIAS in own else None                                   # [R, 3, BIAS_WIDTH]
         allowed = pick(MASK) if MASK in own else None                               # [R, V / 32]
     tok = sample(logits, rows, counters, seen_rows, greedy, counts, bias, allowed, cut)
     out = {"tokens": tok}

@@ -126,10 +126,11 @@ def _check_bias(bias, vocab_size, bad) -> None:
             bad(f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
 
 
-def bias_row(p: SamplingParams, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A request's logit-bias rows [BIAS_WIDTH]: token ids (int32, padded with vocab_size: dropped), biases
-    (float32) and the counter each entry holds until (int32): its logit_bias for good, then, with
-    min_tokens, its stop tokens at -inf until that many tokens are out."""
+def bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
+    """A request's logit-bias rows as one [3, BIAS_WIDTH] int32 array (one cache entry: each argument
+    buffer costs every call's dispatch): token ids (padded with vocab_size: dropped), the biases' float32
+    bits, and the counter each entry holds until. Its logit_bias holds for good; with min_tokens, its
+    stop tokens follow at -inf until that many tokens are out (`bias_entries` reads them back)."""
     ids = np.full(BIAS_WIDTH, vocab_size, np.int32)
     vals = np.zeros(BIAS_WIDTH, np.float32)
     until = np.full(BIAS_WIDTH, np.iinfo(np.int32).max, np.int32)
@@ -138,7 +139,12 @@ def bias_row(p: SamplingParams, vocab_size: int) -> tuple[np.ndarray, np.ndarray
     if p.min_tokens:
         stops = list(dict.fromkeys(p.stop_token_ids))
         ids[n:n + len(stops)], vals[n:n + len(stops)], until[n:n + len(stops)] = stops, -np.inf, p.min_tokens
-    return ids, vals, until
+    return np.stack([ids, vals.view(np.int32), until])
+
+
+def bias_entries(rows):
+    """[..., 3, BIAS_WIDTH] int32 (bias_row's) -> (ids, biases float32, until), each [..., BIAS_WIDTH]."""
+    return rows[..., 0, :], jax.lax.bitcast_convert_type(rows[..., 1, :], jnp.float32), rows[..., 2, :]
 
 
 def row_arrays(params: Sequence[SamplingParams | None]) -> dict:
@@ -259,8 +265,8 @@ def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, count
            cut: int = CUT_TOP_K):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
     seen [b, V] bool (prompt and output tokens); counts [b, V] int32 (times each token was generated:
-    the presence and frequency penalties), or None (no row has them); bias: (ids, biases, until) [b,
-    BIAS_WIDTH] (bias_row's: an entry applies while the row's counter is below its until), or None;
+    the presence and frequency penalties), or None (no row has them); bias: [b, 3, BIAS_WIDTH] int32
+    (bias_row's: an entry applies while the row's counter is below its until), or None;
     allowed: [b, ceil(V / 32)] int32 bitmasks of the tokens a row may take (a grammar's,
     meshlab.infer.guided; all bits set: free), or None. Returns tokens [b] int32. greedy: a static
     promise that `all_greedy(rows)` (True) or not (False) with no row biased or held to a grammar;
@@ -271,7 +277,7 @@ def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, count
         if allowed is not None:
             pen = jnp.where(allowed_bits(allowed, logits.shape[-1]), pen, -jnp.inf)
         if bias is not None:
-            ids, values, until = bias
+            ids, values, until = bias_entries(bias)
             values = jnp.where(counters[:, None] < until, values, 0.0)                  # [b, BIAS_WIDTH]
             pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")
         pen = _penalise(pen, seen, rows["penalty"])

@@ -153,12 +153,12 @@ def test_min_tokens_holds_the_stop_tokens_until_its_counter():
     logits = jnp.asarray(np.random.default_rng(3).normal(size=(1, V)), jnp.float32)
     stop = int(np.asarray(logits).argmax())
     p = SamplingParams(min_tokens=3, stop_token_ids=(stop, stop), logit_bias={7: 50.0})
-    bias = tuple(jnp.asarray(x)[None] for x in bias_row(p, V))
+    bias = jnp.asarray(bias_row(p, V))[None]
     rows = _device_rows([p])
     fn = jax.jit(lambda c: sample(logits, rows, c, jnp.zeros((1, V), bool), greedy=False, bias=bias))
     assert [int(fn(jnp.asarray([c], jnp.int32))[0]) for c in range(5)] == [7, 7, 7, 7, 7]    # the +50 wins
     p = SamplingParams(min_tokens=3, stop_token_ids=(stop,))
-    bias = tuple(jnp.asarray(x)[None] for x in bias_row(p, V))
+    bias = jnp.asarray(bias_row(p, V))[None]
     fn = jax.jit(lambda c: sample(logits, rows, c, jnp.zeros((1, V), bool), greedy=False, bias=bias))
     second = int(np.argsort(-np.asarray(logits[0]))[1])
     assert [int(fn(jnp.asarray([c], jnp.int32))[0]) for c in range(5)] == [second] * 3 + [stop] * 2
