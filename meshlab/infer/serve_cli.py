@@ -35,6 +35,7 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
+    ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
     ap.add_argument("--api-key", default=os.environ.get("MESHLAB_API_KEY"),
                     help="clients must send `Authorization: Bearer KEY` to the /v1 and token routes (default: "
                          "$MESHLAB_API_KEY; unset: no key)")
@@ -43,7 +44,6 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                          "requests running and waiting, KV cache use, prefix-cache hits); 0: none")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish (new ones: 503)")
-    ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
                          "bucket first met under load compiles then, stalling every request for seconds")
