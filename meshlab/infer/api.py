@@ -5,7 +5,8 @@ No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadReq
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's sampling extras
 (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
 min_tokens), and refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of,
-suffix, vLLM's guided_* and beam search) with a 400 that says so, rather than ignoring it.
+suffix, vLLM's guided_*, beam search, prompt_logprobs and chat-template options) with a 400 that says
+so, rather than ignoring it.
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -82,6 +83,12 @@ UNSUPPORTED = {
     "guided_regex": (lambda v, b: True, _RESPONSE_FORMAT),
     "guided_choice": (lambda v, b: True, _RESPONSE_FORMAT),
     "guided_grammar": (lambda v, b: True, _RESPONSE_FORMAT),
+    "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
+    "skip_special_tokens": (lambda v, b: v is False, "special tokens are always left out of the text"),
+    "add_generation_prompt": (lambda v, b: v is False, "the chat template always opens the assistant's turn"),
+    "continue_final_message": (lambda v, b: bool(v), "leave it out"),
+    "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
+    "chat_template_kwargs": (lambda v, b: bool(v), "leave it out"),
 }
 
 

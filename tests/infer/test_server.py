@@ -190,6 +190,10 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, None, 400,
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, None, 400, "`echo: true`"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, None, 400, "skip_special_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
+        "enable_thinking": True}}, None, 400, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
