@@ -137,5 +137,5 @@ def stats_line(st: dict, before: dict, seconds: float, sched) -> str:
     pool = sched.pool
     return (f"meshlab: prompt {grew['prompt_tokens'] / seconds:,.1f} tok/s (computed {fed / seconds:,.1f}), generation "
             f"{grew['generated_tokens'] / seconds:,.1f} tok/s; {len(sched.running())} running, {len(sched.waiting)} "
-            f"waiting, {grew['preemptions']} preempted; KV cache {1 - pool.available / pool.total:.0%} used; prefix "
+            f"waiting, {grew['preemptions']} preempted; KV cache {1 - pool.available / pool.total:.1%} used; prefix "
             f"cache {hits / (hits + fed) if hits + fed else 0:.0%} of prompt tokens")

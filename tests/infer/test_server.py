@@ -430,7 +430,7 @@ def test_stats_line_reads_the_counters_growth():
              "preemptions": 1}
     assert stats_line(after, before, 2.0, sched) == (
         "meshlab: prompt 100.0 tok/s (computed 25.0), generation 50.0 tok/s; 2 running, 1 waiting, 1 preempted; "
-        "KV cache 25% used; prefix cache 75% of prompt tokens")
+        "KV cache 25.0% used; prefix cache 75% of prompt tokens")
 
 
 def test_drain_finishes_the_requests_in_flight_and_refuses_new_ones(spare_engine):
