@@ -462,11 +462,13 @@ def test_drain_finishes_the_requests_in_flight_and_refuses_new_ones(spare_engine
         drainer.join(timeout=60)
         assert drained == {"ok": True, "finished": finished + 1}      # it waited for the stream's request
         # a drain cut short: a request still in the engine when the time is up, or when told to stop now
-        spare_engine.add_request(list(range(1, 9)), SamplingParams(max_tokens=100))
+        left = spare_engine.add_request(list(range(1, 9)), SamplingParams(max_tokens=100))
         assert srv.drain(0.0) is False
         stop_now = threading.Event()
         stop_now.set()
         assert srv.drain(60, cancel=stop_now) is False
+        spare_engine.abort(left)                                    # the engine left idle for the next test
+        assert srv.drain(60) is True
     finally:
         srv.stop()
 
