@@ -11,11 +11,11 @@ What each part costs (one H200, 128 / 64 / 16 rows of a 128,256-token vocabulary
 that on the host (`all_greedy`) and compile a greedy program; `sample(..., greedy=None)` decides on
 device with `lax.cond` instead, whose predicate XLA:GPU reads back to the host every step (a sync).
 A sampled row draws by Gumbel max over its logits over the temperature (0.12-0.17 / 0.07-0.10 /
-0.05-0.06 ms, no sort; timed without min_p's floor, one more pass over the rows for their maxima).
-top_k and top_p are two thresholds found by radix select (`filtered`, both: 1.4 / 0.77 / 0.38 ms;
-each search is 8 of its 16 passes), which programs run only as their static
-`cut` says (CUT_TOP_P: some row in the step sets top_p, none top_k; CUT_TOP_K: some row sets top_k);
-the [b, V] key-value sort they replace took 2.0 / 1.7 / 0.56 ms for every sampled step.
+0.05-0.06 ms, no sort). min_p's floor is one more pass over the rows (their maxima; not timed), top_k
+and top_p two thresholds found by radix select (`filtered`, both: 1.4 / 0.77 / 0.38 ms; each search is
+8 of its 16 passes); programs run them only as their static `cut` says (CUT_MIN_P: some row in the
+step sets min_p, none top_p or top_k; CUT_TOP_P: some row sets top_p, none top_k; CUT_TOP_K: some row
+sets top_k). The [b, V] key-value sort they replace took 2.0 / 1.7 / 0.56 ms for every sampled step.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import numpy as np
 MAX_LOGIT_BIAS = 300       # tokens a request may bias (OpenAI's logit_bias)
 MAX_HELD_STOPS = 16        # stop tokens a request with min_tokens may hold back (its bias rows' extra entries)
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_HELD_STOPS
-# A sampling program's static `cut`: what its draw cuts the vocabulary to (`cuts`). OpenAI's API has
-# no top_k, so its clients' steps skip that search.
-CUT_NONE, CUT_TOP_P, CUT_TOP_K = 0, 1, 2       # nothing; top_p; top_k, then top_p
+# A sampling program's static `cut`: what its draw cuts the vocabulary to (`cuts`); each level does what
+# the ones below it do. OpenAI's API has no top_k (nor min_p), so its clients' steps skip those.
+CUT_NONE, CUT_MIN_P, CUT_TOP_P, CUT_TOP_K = 0, 1, 2, 3     # nothing; min_p's floor; + top_p; + top_k
 
 
 @dataclasses.dataclass
@@ -193,12 +193,14 @@ def _threshold(key, weight, target, digits: int = 4):
     return t
 
 
-def scaled_logits(logits, rows):
+def scaled_logits(logits, rows, min_p: bool = True):
     """logits [b, V] over each row's temperature, -inf below its min_p: a token is kept when its
     probability is at least min_p times the best's, i.e. its scaled logit at least the best's +
-    log(min_p) (min_p 0: log 0 = -inf keeps all). One more pass over the rows for their maxima; no
-    static flag (a program per setting) gates it."""
+    log(min_p) (min_p 0: log 0 = -inf keeps all). The floor is one more pass over the rows (their
+    maxima); min_p False: a static promise that no row sets min_p, and that pass is skipped."""
     scaled = logits / jnp.maximum(rows["temperature"], 1e-6)[:, None]             # [b, V]
+    if not min_p:
+        return scaled
     floor = jnp.max(scaled, axis=-1) + jnp.log(rows["min_p"])                       # [b]
     return jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
 
@@ -227,10 +229,11 @@ def filtered(logits, rows, top_k: bool = True):
 
 def _draw(logits, rows, counters, cut: int = CUT_TOP_K):
     """One categorical draw per row (Gumbel max: no sort) over its logits over the temperature, cut
-    as the static `cut` promises (CUT_NONE: no row sets top_k or top_p; CUT_TOP_P: none top_k);
-    keyed by fold_in(key(seed), counter)."""
+    as the static `cut` promises (CUT_NONE: no row sets min_p, top_p or top_k; CUT_MIN_P: none top_p
+    or top_k; CUT_TOP_P: none top_k); keyed by fold_in(key(seed), counter)."""
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(rows["seed"], counters)
-    scaled = filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut else scaled_logits(logits, rows)
+    scaled = (filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut >= CUT_TOP_P else
+              scaled_logits(logits, rows, min_p=cut >= CUT_MIN_P))
     return jax.vmap(jax.random.categorical)(keys, scaled)                                 # [b]
 
 
@@ -241,11 +244,13 @@ def all_greedy(rows: dict) -> bool:
 
 
 def cuts(p: SamplingParams) -> int:
-    """What a request's draw is cut to: CUT_NONE, CUT_TOP_P or CUT_TOP_K (a step's programs take the
-    largest of its rows')."""
+    """What a request's draw is cut to: CUT_NONE, CUT_MIN_P, CUT_TOP_P or CUT_TOP_K (a step's programs
+    take the largest of its rows')."""
     if p.temperature <= 0:
         return CUT_NONE
-    return CUT_TOP_K if p.top_k > 0 else (CUT_TOP_P if p.top_p < 1.0 else CUT_NONE)
+    if p.top_k > 0:
+        return CUT_TOP_K
+    return CUT_TOP_P if p.top_p < 1.0 else (CUT_MIN_P if p.min_p > 0 else CUT_NONE)
 
 
 def penalised_row(p: SamplingParams) -> bool:

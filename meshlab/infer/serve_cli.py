@@ -50,9 +50,9 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
     ap.add_argument("--warmup-kinds", default="greedy",
                     help="the requests whose programs --warmup compiles before listening, comma-separated: greedy, "
                          "sampled (temperature, penalties, response_format), top_p (sampled with top_p), top_k "
-                         "(with top_k), logprobs, scoring (echo with logprobs, as evaluation harnesses score); a "
+                         "(with top_k), min_p (with min_p), logprobs, scoring (echo with logprobs, as evaluation harnesses score); a "
                          "step mixing kinds runs a program of its own, compiled at its first use")
-    ap.add_argument("--warmup-idle-kinds", default="sampled,top_p,top_k",
+    ap.add_argument("--warmup-idle-kinds", default="sampled,top_p,top_k,min_p",
                     help="kinds whose programs --warmup compiles after listening, while the engine has no work, "
                          "one program at a time (a request meanwhile waits at most for the one compiling; /health "
                          "says warming: true until done); empty: none")

@@ -13,13 +13,14 @@ import numpy as np
 
 from meshlab.infer import calls
 from meshlab.infer.programs import TOP_LOGPROBS, placement
-from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P
+from meshlab.infer.sampler import CUT_MIN_P, CUT_NONE, CUT_TOP_K, CUT_TOP_P
 
 # What a server compiles before it listens, or after while idle (scripts/serve.py --warmup-kinds,
 # --warmup-idle-kinds): each kind is one set of the programs' static flags (greedy, logprobs,
 # prompt-logprob score), every bucket compiled for it.
 WARMUP_KINDS = {"greedy": dict(greedy=True),                       # temperature 0, no penalties
                 "sampled": dict(greedy=False),                     # temperature, penalties, logit_bias, grammars
+                "min_p": dict(greedy=False, cut=CUT_MIN_P),        # the same with min_p (vLLM's)
                 "top_p": dict(greedy=False, cut=CUT_TOP_P),        # the same with top_p (OpenAI's)
                 "top_k": dict(greedy=False, cut=CUT_TOP_K),        # the same with top_k (and top_p)
                 "logprobs": dict(greedy=True, logprobs=TOP_LOGPROBS),
@@ -39,7 +40,7 @@ class Warmup:
         (scoring._score_flag). report(key, seconds) after each program compiled. limit: compile at
         most this many (a server's engine thread warms while idle, one program at a time). Returns the
         number of programs compiled (those compiled before are skipped). cut: the sampled programs that
-        cut draws to top_p (CUT_TOP_P) or top_k (CUT_TOP_K; Engine._flags)."""
+        cut draws to min_p (CUT_MIN_P), top_p (CUT_TOP_P) or top_k (CUT_TOP_K; Engine._flags)."""
         s, b_max, before = self.sched, self.sched.max_seqs, self.stats["compiles"]
         cut = CUT_NONE if greedy else cut
         flags = dict(greedy=greedy, logprobs=logprobs, cut=cut)

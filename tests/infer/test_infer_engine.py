@@ -135,15 +135,17 @@ def test_continuous_batching_equals_alone(tiny, engine):
 
 
 def test_a_draw_without_cuts_is_the_same_in_a_program_that_finds_them(engine, monkeypatch):
-    """A request sampled at a temperature alone runs programs that skip the top_k / top_p searches
-    (cut CUT_NONE); beside one with top_p it runs those that find top_p's cut, beside one with top_k
-    those that find both, and draws the same tokens: cuts a row does not set keep its vocabulary."""
-    from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, CUT_TOP_P
+    """A request sampled at a temperature alone runs programs that skip min_p's floor and the top_k /
+    top_p searches (cut CUT_NONE); beside one with min_p it runs those with the floor, beside one with
+    top_p those that find top_p's cut, beside one with top_k those that find both, and draws the same
+    tokens: cuts a row does not set keep its vocabulary."""
+    from meshlab.infer.sampler import CUT_MIN_P, CUT_NONE, CUT_TOP_K, CUT_TOP_P
     keys, launch = [], engine._launch
     monkeypatch.setattr(engine, "_launch", lambda key, *a, **kw: keys.append(key) or launch(key, *a, **kw))
     warm = SamplingParams(max_tokens=14, temperature=1.1, seed=11)
     alone = engine.generate([[9, 8, 7, 6]], warm)[0].output
-    for other, flag in ((SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, seed=2), CUT_TOP_P),
+    for other, flag in ((SamplingParams(max_tokens=14, temperature=0.8, min_p=0.2, seed=2), CUT_MIN_P),
+                        (SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, seed=2), CUT_TOP_P),
                         (SamplingParams(max_tokens=14, temperature=0.8, top_p=0.5, top_k=30, seed=2), CUT_TOP_K)):
         keys.clear()
         both = engine.generate([[9, 8, 7, 6], [1, 2, 3]], [warm, other])
