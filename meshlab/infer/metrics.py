@@ -47,7 +47,6 @@ class ServerMetrics:
     answer is done, `text()` for GET /metrics."""
 
     def __init__(self, server):
-        self.server = server
         self.registry = CollectorRegistry(auto_describe=True)
         hist = lambda name, doc, buckets: Histogram(f"meshlab_{name}", doc, buckets=buckets,  # noqa: E731
                                                     registry=self.registry)
@@ -85,7 +84,7 @@ class _EngineCollector:
 
     def collect(self):
         srv, stats, sched = self.server, self.server.engine.stats, self.server.engine.sched
-        counters = [(name, doc, stats.get(key, 0)) for name, doc, key in ENGINE_COUNTERS] + [
+        counters = [(name, doc, stats[key]) for name, doc, key in ENGINE_COUNTERS] + [
             ("http_requests_rejected", "HTTP requests refused with 429 or 503 (limits).", srv.counts["rejected"]),
             ("requests_aborted", "Requests aborted by a client that went away.", srv.counts["aborted"]),
             ("prompt_tokens_score_cached", "Prompt positions whose scores came from the score store.",
@@ -101,7 +100,7 @@ class _EngineCollector:
             ("requests_waiting", "Requests queued for a row or pages.", len(sched.waiting)),
             ("free_cache_pages", "KV pages no request holds (fresh, or cached and evictable).", pool.available),
             ("cache_pages", "KV pages in the pool.", pool.total),
-            ("kv_cache_usage", "Fraction of the KV pages held by requests.", 1 - pool.available / pool.total),
+            ("kv_cache_usage", "Fraction of the KV pages held by requests.", pool.held),
             ("prefix_cache_pages", "KV pages holding prompt content the prefix cache can hand out.", len(pool.key_of)),
             ("http_requests_inflight", "HTTP generation requests being answered.", srv.inflight),
             ("generation_tokens_per_second", "Generated tokens over the engine's busy time.",
@@ -134,8 +133,7 @@ def stats_line(st: dict, before: dict, seconds: float, sched) -> str:
     """One StatsLog line from two snapshots of the engine's counters `seconds` apart."""
     grew = {k: st[k] - before[k] for k in st}
     hits, fed = grew["prefix_hit_tokens"], grew["prefill_tokens"]
-    pool = sched.pool
     return (f"meshlab: prompt {grew['prompt_tokens'] / seconds:,.1f} tok/s (computed {fed / seconds:,.1f}), generation "
             f"{grew['generated_tokens'] / seconds:,.1f} tok/s; {len(sched.running())} running, {len(sched.waiting)} "
-            f"waiting, {grew['preemptions']} preempted; KV cache {1 - pool.available / pool.total:.1%} used; prefix "
+            f"waiting, {grew['preemptions']} preempted; KV cache {sched.pool.held:.1%} used; prefix "
             f"cache {hits / (hits + fed) if hits + fed else 0:.0%} of prompt tokens")

@@ -94,6 +94,11 @@ class PagePool:
         """Pages a `take` can hand out (fresh ones, then cached ones evicted oldest first)."""
         return len(self.fresh) + self._cached_free
 
+    @property
+    def held(self) -> float:
+        """The fraction of the pages requests hold (the rest fresh, or cached and evictable)."""
+        return 1 - self.available / self.total
+
     def _live(self, page: int, stamp: int) -> bool:
         return self.ref[page] == 0 and self.keyed[page] and self.stamp[page] == stamp
 

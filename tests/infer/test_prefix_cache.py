@@ -30,10 +30,10 @@ def test_pool_refcounts_and_lru_eviction():
     pages = pool.take(4)
     keys = [bytes([i]) * 32 for i in range(4)]
     pool.register(pages, keys)
-    assert pool.lookup(keys) == pages and pool.available == 1
+    assert pool.lookup(keys) == pages and pool.available == 1 and pool.held == 0.8
     pool.acquire(pages[:2])                          # a second holder of the first two
     pool.give(pages)                                 # first holder leaves: pages 3, 4 free but cached
-    assert pool.available == 3 and pool.lookup(keys) == pages
+    assert pool.available == 3 and pool.lookup(keys) == pages and pool.held == pytest.approx(0.4)
     pool.give(pages[:2])
     assert pool.available == 5
     got = pool.take(2)                               # the fresh page, then the least recently freed cached one

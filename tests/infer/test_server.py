@@ -424,7 +424,7 @@ def test_stats_lines_while_working_and_quiet_when_idle(spare_engine):
 def test_stats_line_reads_the_counters_growth():
     from types import SimpleNamespace
     from meshlab.infer.metrics import stats_line
-    sched = SimpleNamespace(pool=SimpleNamespace(available=75, total=100), running=lambda: [1, 2], waiting=[3])
+    sched = SimpleNamespace(pool=SimpleNamespace(held=0.25), running=lambda: [1, 2], waiting=[3])
     before = {"prompt_tokens": 0, "generated_tokens": 10, "prefill_tokens": 0, "prefix_hit_tokens": 0, "preemptions": 0}
     after = {"prompt_tokens": 200, "generated_tokens": 110, "prefill_tokens": 50, "prefix_hit_tokens": 150,
              "preemptions": 1}
