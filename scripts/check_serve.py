@@ -1,11 +1,13 @@
 """Check scripts/serve.py end to end as a client sees it: python scripts/check_serve.py [SERVE ARGS...].
 
 Starts the server (default: --checkpoint random:llama3_1b --dtype bfloat16), then checks that a
-streamed completion arrives as server-sent events ending in [DONE]; that a streaming client which
-disconnects after a few chunks has its request aborted (requests_running back to 0 and every cache
-page free within seconds, far fewer tokens generated than it asked for); that n=2 with logprobs
-answers. Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the
-CPU tests cover the same behaviours on a tiny model: tests/infer/test_server.py).
+streamed completion arrives as server-sent events ending in [DONE] with every token counted; that a
+streaming client which disconnects after a few chunks has its request aborted (requests_running back
+to 0 and every cache page free within seconds, far fewer tokens generated than it asked for); that
+n=2 with logprobs answers. Random weights with a byte tokenizer sample mostly ids past its 256 bytes,
+which have no text: the checks count tokens (usage in every chunk, logprobs by token id), not text.
+Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the CPU tests
+cover the same behaviours on a tiny model: tests/infer/test_server.py).
 """
 from __future__ import annotations
 
@@ -37,18 +39,24 @@ def post(port: int, body: dict):
 
 
 def check_stream(port: int) -> str:
+    """Usage in every chunk (vLLM's continuous_usage_stats): a random model's tokens are mostly ids
+    without text under the byte tokenizer, and a chunk without new text is not sent otherwise."""
     t0 = time.perf_counter()
-    status, payload = post(port, {"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": True})
+    status, payload = post(port, {"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": True,
+                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     events = [e[6:] for e in payload.splitlines() if e.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]", (status, payload[:300])
     chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
-    return f"{len(chunks)} chunks in {time.perf_counter() - t0:.2f} s"
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    made = chunks[-1]["usage"]["completion_tokens"]
+    assert finish[-1] in ("length", "stop") and (made == 64 or finish[-1] == "stop"), (finish[-1], made)
+    return f"{len(chunks)} chunks, {made} tokens in {time.perf_counter() - t0:.2f} s"
 
 
 def check_disconnect(port: int, max_tokens: int = 1500) -> str:
     base = metrics(port)
-    body = json.dumps({"prompt": "x" * 100, "max_tokens": max_tokens, "temperature": 0.7, "stream": True}).encode()
+    body = json.dumps({"prompt": "x" * 100, "max_tokens": max_tokens, "temperature": 0.7, "stream": True,
+                       "ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=600)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -66,16 +74,19 @@ def check_disconnect(port: int, max_tokens: int = 1500) -> str:
         time.sleep(0.05)
     after = m["meshlab_generated_tokens_total"] - gen0
     assert after < max_tokens // 2, f"{after} tokens generated after the disconnect"
-    assert m["meshlab_requests_aborted_total"] >= 1
+    assert m["meshlab_requests_aborted_total"] >= 1, m
     return f"idle {time.perf_counter() - t0:.3f} s after the disconnect, {after:.0f} tokens generated after it"
 
 
 def check_n_logprobs(port: int) -> str:
-    status, payload = post(port, {"prompt": "import ", "max_tokens": 8, "n": 2, "logprobs": 2, "temperature": 1.0})
+    """Tokens named by id (vLLM's return_tokens_as_token_ids): ids without text would share one
+    top_logprobs key."""
+    status, payload = post(port, {"prompt": "import ", "max_tokens": 8, "n": 2, "logprobs": 2, "temperature": 1.0,
+                                  "ignore_eos": True, "return_tokens_as_token_ids": True})
     body = json.loads(payload)
     assert status == 200 and len(body["choices"]) == 2, payload[:300]
     lp = body["choices"][0]["logprobs"]
-    assert len(lp["token_logprobs"]) == len(lp["tokens"]) >= 1 and len(lp["top_logprobs"][0]) == 2
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == 8 and len(lp["top_logprobs"][0]) == 2, lp
     return f"2 choices, logprobs of {len(lp['tokens'])} tokens"
 
 

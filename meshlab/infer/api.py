@@ -3,8 +3,8 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's sampling extras
-(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
-min_tokens), and refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of,
+(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
+return_tokens_as_token_ids), and refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of,
 suffix, vLLM's guided_*, beam search, prompt_logprobs and chat-template options) with a 400 that says
 so, rather than ignoring it.
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
@@ -46,6 +46,7 @@ class Plan:
     tool_call: bool = False            # each reply is held to a tool call (sent whole when it ends)
     tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
+    token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
     @property
     def submits(self) -> bool:
@@ -155,6 +156,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo else None
+    token_ids = _typed(body, "return_tokens_as_token_ids", bool, False)
     tool_call = choice is not None and choice.call is not None
     if choice is not None and choice.auto and tool_format is None:
         from meshlab.infer.tools import tool_format as format_named
@@ -170,7 +172,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
-                tool_names=frozenset(choice.names) if choice is not None else frozenset())
+                tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids)
 
 
 def _chat_prompt(body, tok):
@@ -373,6 +375,16 @@ class TokenText:
             shown = "bytes:" + "".join(f"\\x{b:02x}" for b in raw) if "\ufffd" in s else s
             got = self.known[t] = (s, shown, tuple(raw))
         return got
+
+
+def token_id_text(text: TokenText):
+    """`text` with each token shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids): a client
+    told apart tokens whose texts are equal, or not text at all (two ids of one byte tokenizer that
+    both decode to "" would share one top_logprobs key)."""
+    def shown_as_id(t: int) -> tuple:
+        piece, _, raw = text(t)
+        return piece, f"token_id:{t}", raw
+    return shown_as_id
 
 
 def completion_logprobs(text: TokenText, output, entries, offset: int, before: dict | None = None) -> dict:

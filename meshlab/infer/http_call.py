@@ -127,10 +127,13 @@ class Call:
     def _logprobs(self, i: int, start: int, end: int, offset: int, before=None):
         if self.plan.logprobs is None:
             return None
-        r, text = self.reqs[i], self.server.token_text
+        r, text = self.reqs[i], self._token_text()
         toks, entries = (r.output[start:end], r.logprobs[start:end]) if self.plan.generate else ([], [])
         return (api.chat_logprobs(text, toks, entries) if self.plan.chat
                 else api.completion_logprobs(text, toks, entries, offset, before))
+
+    def _token_text(self):
+        return api.token_id_text(self.server.token_text) if self.plan.token_ids else self.server.token_text
 
     def _echoed(self, i: int) -> str:
         return self.plan.prompt_texts[i // self.n] if self.plan.echo else ""
@@ -139,7 +142,7 @@ class Call:
         """Choice i's echoed prompt's logprobs: the prompt's first copy's, put together at its first
         token (the other copies are submitted after it: _on_event)."""
         first = self.reqs[i - i % self.n]
-        return api.completion_logprobs(self.server.token_text, self.plan.prompts[i // self.n],
+        return api.completion_logprobs(self._token_text(), self.plan.prompts[i // self.n],
                                        first.prompt_logprobs or [], 0)
 
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:

@@ -534,6 +534,31 @@ def test_completion_logprobs_match_the_model(server):
     assert np.allclose(streamed, lp["token_logprobs"], atol=1e-6)
 
 
+def test_logprobs_name_token_ids_when_asked(server):
+    """vLLM's return_tokens_as_token_ids: tokens and their alternatives as "token_id:<id>", so ids whose
+    texts are equal stay apart (ids >= 256 all decode to "" under the byte tokenizer: as text they
+    would share one top_logprobs key); each named id's logprob is the model's at that id."""
+    prompt = ByteTokenizer().encode("def g(")
+    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3, "return_tokens_as_token_ids": True}
+    status, resp = call(server, "POST", "/v1/completions", body)
+    lp = resp["choices"][0]["logprobs"]
+    assert status == 200 and all(t.startswith("token_id:") for t in lp["tokens"])
+    out = [int(t[len("token_id:"):]) for t in lp["tokens"]]
+    assert ByteTokenizer().decode(out) == resp["choices"][0]["text"]
+    for k, row in enumerate(_reference_logprobs(server, prompt, out)):
+        assert abs(lp["token_logprobs"][k] - row[out[k]]) < 1e-4
+        alts = {int(key[len("token_id:"):]): v for key, v in lp["top_logprobs"][k].items()}
+        assert sorted(alts) == sorted(np.argsort(row)[-3:].tolist())
+        assert all(abs(v - row[i]) < 1e-4 for i, v in alts.items())
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    content = call(server, "POST", "/v1/chat/completions", chat)[1]["choices"][0]["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") and all(a["token"].startswith("token_id:") for a in e["top_logprobs"])
+               for e in content)
+    status, err = call(server, "POST", "/v1/completions", dict(body, return_tokens_as_token_ids="yes"))
+    assert status == 400 and err["error"]["param"] == "return_tokens_as_token_ids"
+
+
 def test_echo_with_logprobs_scores_the_prompt(server):
     """What evaluation harnesses send to score a continuation (lm-evaluation-harness's local-completions:
     the prompt as one list of ids, echo, logprobs 1, max_tokens 1): every prompt token's logprob given
