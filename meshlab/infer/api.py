@@ -378,9 +378,9 @@ class TokenText:
 
 
 def token_id_text(text: TokenText):
-    """`text` with each token shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids): a client
-    told apart tokens whose texts are equal, or not text at all (two ids of one byte tokenizer that
-    both decode to "" would share one top_logprobs key)."""
+    """`text` with each token shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids), so that a
+    client can tell apart tokens whose texts are equal or empty (two ids of the byte tokenizer that
+    both decode to "" would otherwise share one top_logprobs key)."""
     def shown_as_id(t: int) -> tuple:
         piece, _, raw = text(t)
         return piece, f"token_id:{t}", raw
