@@ -2,11 +2,11 @@
 engine requests, and turning finished (or growing) requests into choices, chunks and logprobs.
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
-Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's sampling extras
-(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
-return_tokens_as_token_ids), and refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of,
-suffix, vLLM's guided_*, beam search, prompt_logprobs and chat-template options) with a 400 that says
-so, rather than ignoring it.
+Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
+min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
+return_tokens_as_token_ids, truncate_prompt_tokens), and refuses what would change the answer and is
+not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's guided_*, beam search, prompt_logprobs and
+chat-template options) with a 400 that says so, rather than ignoring it.
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -79,7 +79,6 @@ UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
-    "truncate_prompt_tokens": (lambda v, b: True, "shorten the prompt"),
     "guided_json": (lambda v, b: True, _RESPONSE_FORMAT),
     "guided_regex": (lambda v, b: True, _RESPONSE_FORMAT),
     "guided_choice": (lambda v, b: True, _RESPONSE_FORMAT),
@@ -145,6 +144,14 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     n = _typed(body, "n", int, 1, 1, max_n)
     stream = _typed(body, "stream", bool, False)
     echo = False if chat else _typed(body, "echo", bool, False)
+    keep = _typed(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens; -1: the context
+    if keep == 0:
+        raise BadRequest("`truncate_prompt_tokens` must be >= 1 (the prompt's last tokens kept), or -1 (the context)",
+                         param="truncate_prompt_tokens")
+    if keep is not None:
+        keep = max_len if keep == -1 else keep
+        texts = [t if len(p) <= keep else None for t, p in zip(texts, prompts)]   # a cut prompt's echo: its ids decoded
+        prompts = [p[-keep:] for p in prompts]
     # token ids are decoded only for echo (~0.1 ms per 1k ids)
     texts = [(tok.decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
     logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)

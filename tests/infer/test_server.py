@@ -559,6 +559,24 @@ def test_logprobs_name_token_ids_when_asked(server):
     assert status == 400 and err["error"]["param"] == "return_tokens_as_token_ids"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    """vLLM's truncate_prompt_tokens k: the prompt's last k tokens only (left truncation), as if sent
+    alone (usage, greedy answer, echo); -1 keeps as many as the context holds; a prompt already short is kept."""
+    ids = ByteTokenizer().encode("the first part is dropped; the end is kept")
+    body = {"prompt": "the first part is dropped; the end is kept", "max_tokens": 6, "temperature": 0}
+    status, cut = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=10, echo=True))
+    alone = call(server, "POST", "/v1/completions", dict(body, prompt=ids[-10:]))[1]
+    assert status == 200 and cut["usage"]["prompt_tokens"] == 10
+    assert cut["choices"][0]["text"] == ByteTokenizer().decode(ids[-10:]) + alone["choices"][0]["text"]
+    full = call(server, "POST", "/v1/completions", body)[1]
+    for keep in (-1, len(ids), 100):
+        same = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=keep))[1]
+        assert same["usage"] == full["usage"] and same["choices"][0]["text"] == full["choices"][0]["text"]
+    for bad in (0, -2, "10"):
+        status, err = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=bad))
+        assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
+
+
 def test_echo_with_logprobs_scores_the_prompt(server):
     """What evaluation harnesses send to score a continuation (lm-evaluation-harness's local-completions:
     the prompt as one list of ids, echo, logprobs 1, max_tokens 1): every prompt token's logprob given
