@@ -5,8 +5,9 @@ No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadReq
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
 return_tokens_as_token_ids, truncate_prompt_tokens), and refuses what would change the answer and is
-not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's guided_*, beam search, prompt_logprobs and
-chat-template options) with a 400 that says so, rather than ignoring it.
+not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's guided_*, beam search, prompt_logprobs,
+chat_template and its kwargs) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
+add_generation_prompt and continue_final_message (a reply prefilled by its last assistant message).
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -85,8 +86,6 @@ UNSUPPORTED = {
     "guided_grammar": (lambda v, b: True, _RESPONSE_FORMAT),
     "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
     "skip_special_tokens": (lambda v, b: v is False, "special tokens are always left out of the text"),
-    "add_generation_prompt": (lambda v, b: v is False, "the chat template always opens the assistant's turn"),
-    "continue_final_message": (lambda v, b: bool(v), "leave it out"),
     "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
     "chat_template_kwargs": (lambda v, b: bool(v), "leave it out"),
 }
@@ -116,13 +115,15 @@ def chat_messages(messages) -> list:
     return out
 
 
-def plain_chat_prompt(messages: list, tools: Optional[list] = None) -> str:
+def plain_chat_prompt(messages: list, tools: Optional[list] = None, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> str:
     """The format for tokenizers without a chat template: 'role: content' lines (an assistant's tool
-    calls as their JSON; the tools first, as one line), then 'assistant:'."""
+    calls as their JSON; the tools first, as one line), then 'assistant:' (not with
+    add_generation_prompt False, nor with continue_final_message: the last line is continued)."""
     from meshlab.infer.tools import plain_tools_line
     lines = [plain_tools_line(tools)] if tools else []
     lines += [f"{m['role']}: {json.dumps(m['tool_calls']) if m.get('tool_calls') else m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt and not continue_final_message else "")
 
 
 def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int, tool_format=None) -> Plan:
@@ -192,9 +193,15 @@ def _chat_prompt(body, tok):
     except ToolError as e:
         raise BadRequest(str(e), param=e.param) from None
     tools = choice.tools if choice else None
+    # vLLM's prefill of the assistant's reply: continue_final_message (with add_generation_prompt false)
+    cont = _typed(body, "continue_final_message", bool, False)
+    gen = _typed(body, "add_generation_prompt", bool, not cont)
+    if cont and gen:
+        raise BadRequest("`continue_final_message` continues the last message, `add_generation_prompt` opens a new "
+                         "one: set add_generation_prompt to false", param="add_generation_prompt")
     template = getattr(tok, "chat_template", None)
     try:
-        text = template(messages, tools) if template else plain_chat_prompt(messages, tools)
+        text = (template if template else plain_chat_prompt)(messages, tools, gen, cont)
     except ValueError as e:
         raise BadRequest(str(e), param="messages") from None
     return [text], [tok.encode(text)], choice

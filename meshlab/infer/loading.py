@@ -58,12 +58,24 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         self.template, self.special, self.source = env.from_string(source), special, source
 
-    def __call__(self, messages: list, tools: list | None = None) -> str:
+    def __call__(self, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> str:
+        """The prompt text; continue_final_message: cut right after the last message's content (no
+        end-of-turn after it), so the model continues that message, as transformers does."""
         from jinja2.exceptions import TemplateError
         try:
-            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
+            text = self.template.render(messages=messages, tools=tools, **self.special,
+                                        add_generation_prompt=add_generation_prompt and not continue_final_message)
         except TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
+        if continue_final_message:
+            final = (messages[-1].get("content") or "").strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not write the last message's "
+                                 "content as sent, so there is no end of it to continue from")
+            text = text[:at + len(final)]
+        return text
 
 
 def _chat_template(directory: Path):

@@ -724,6 +724,30 @@ def test_chat_uses_the_tokenizers_template(server, templated_tokenizer):
     assert status == 200 and resp["usage"]["prompt_tokens"] == len(tok.encode(text))
 
 
+def test_chat_prefill_continues_the_last_message(server, templated_tokenizer):
+    """vLLM's continue_final_message (add_generation_prompt false): the prompt ends right after the last
+    (assistant) message's content, with no end-of-turn, and the reply continues it, as the same text
+    sent as a completion would; add_generation_prompt false alone leaves the assistant's turn unopened.
+    Through the checkpoint's template and the plain format."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello wor"}]
+    tok = templated_tokenizer
+    assert tok.chat_template(messages, None, False, True) == "[B]<user>hi<|eot|><assistant>hello wor"
+    assert tok.chat_template(messages[:1], None, False) == "[B]<user>hi<|eot|>"
+    assert api.plain_chat_prompt(messages, None, False, True) == "user: hi\nassistant: hello wor"
+    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    status, chat = call(server, "POST", "/v1/chat/completions", body)
+    text = "user: hi\nassistant: hello wor"
+    done = call(server, "POST", "/v1/completions", {"prompt": text, "max_tokens": 5, "temperature": 0})[1]
+    assert status == 200 and chat["usage"]["prompt_tokens"] == len(ByteTokenizer().encode(text))
+    assert chat["choices"][0]["message"]["content"] == done["choices"][0]["text"]
+    for bad in ({"continue_final_message": True, "add_generation_prompt": True}, {"add_generation_prompt": "no"}):
+        status, err = call(server, "POST", "/v1/chat/completions", dict(body, **bad))
+        assert status == 400 and err["error"]["param"] == "add_generation_prompt", err
+    status, err = call(server, "POST", "/v1/chat/completions", dict(body, add_generation_prompt=None))
+    assert status == 200                       # continue_final_message alone: no new turn opened
+
+
 class _BrokenEngine:
     """Enough of Engine for the server, whose step fails: requests in flight must not hang."""
 
