@@ -6,8 +6,9 @@ Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM'
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
 return_tokens_as_token_ids, truncate_prompt_tokens), and refuses what would change the answer and is
 not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's guided_*, beam search, prompt_logprobs,
-chat_template and its kwargs) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
-add_generation_prompt and continue_final_message (a reply prefilled by its last assistant message).
+chat_template) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
+add_generation_prompt, continue_final_message (a reply prefilled by its last assistant message) and
+chat_template_kwargs (variables for the checkpoint's template).
 `response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
 `tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
 (the default) calls are read back out of the model's reply (meshlab.infer.tools).
@@ -87,7 +88,6 @@ UNSUPPORTED = {
     "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
     "skip_special_tokens": (lambda v, b: v is False, "special tokens are always left out of the text"),
     "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
-    "chat_template_kwargs": (lambda v, b: bool(v), "leave it out"),
 }
 
 
@@ -199,9 +199,19 @@ def _chat_prompt(body, tok):
     if cont and gen:
         raise BadRequest("`continue_final_message` continues the last message, `add_generation_prompt` opens a new "
                          "one: set add_generation_prompt to false", param="add_generation_prompt")
-    template = getattr(tok, "chat_template", None)
+    template, extra = getattr(tok, "chat_template", None), body.get("chat_template_kwargs")
+    if extra is not None and not (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)):
+        raise BadRequest("`chat_template_kwargs` must be an object of template variables", param="chat_template_kwargs")
+    reserved = sorted(set(extra or ()) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                                 "pad_token", "unk_token"})
+    if reserved:
+        raise BadRequest(f"`chat_template_kwargs` may not set {reserved}: send them as the request's own fields",
+                         param="chat_template_kwargs")
+    if extra and template is None:
+        raise BadRequest("`chat_template_kwargs`: this checkpoint has no chat template to pass them to (its prompts "
+                         "are 'role: content' lines); leave them out", param="chat_template_kwargs")
     try:
-        text = (template if template else plain_chat_prompt)(messages, tools, gen, cont)
+        text = template(messages, tools, gen, cont, extra) if template else plain_chat_prompt(messages, tools, gen, cont)
     except ValueError as e:
         raise BadRequest(str(e), param="messages") from None
     return [text], [tok.encode(text)], choice

@@ -59,13 +59,14 @@ class ChatTemplate:
         self.template, self.special, self.source = env.from_string(source), special, source
 
     def __call__(self, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False) -> str:
+                 continue_final_message: bool = False, kwargs: dict | None = None) -> str:
         """The prompt text; continue_final_message: cut right after the last message's content (no
-        end-of-turn after it), so the model continues that message, as transformers does."""
+        end-of-turn after it), so the model continues that message, as transformers does. kwargs: more
+        variables for the template (a request's chat_template_kwargs, e.g. enable_thinking)."""
         from jinja2.exceptions import TemplateError
         try:
-            text = self.template.render(messages=messages, tools=tools, **self.special,
-                                        add_generation_prompt=add_generation_prompt and not continue_final_message)
+            text = self.template.render({**(kwargs or {}), **self.special, "messages": messages, "tools": tools,
+                                         "add_generation_prompt": add_generation_prompt and not continue_final_message})
         except TemplateError as e:
             raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
         if continue_final_message:

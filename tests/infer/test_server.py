@@ -192,8 +192,6 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, None, 400, "`echo: true`"),
     ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, None, 400, "skip_special_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
-        "enable_thinking": True}}, None, 400, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
@@ -746,6 +744,35 @@ def test_chat_prefill_continues_the_last_message(server, templated_tokenizer):
         assert status == 400 and err["error"]["param"] == "add_generation_prompt", err
     status, err = call(server, "POST", "/v1/chat/completions", dict(body, add_generation_prompt=None))
     assert status == 200                       # continue_final_message alone: no new turn opened
+
+
+def test_chat_template_kwargs_reach_the_template(server, templated_tokenizer):
+    """vLLM's chat_template_kwargs are the template's variables (as Qwen3's enable_thinking is): a
+    template that reads one renders it; one that would replace messages or the special tokens, or a
+    checkpoint without a template (the plain format has no variables), is a 400 naming the field."""
+    from meshlab.infer.loading import ChatTemplate
+    thinking = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}", {})
+    messages = [{"role": "user", "content": "hi"}]
+    assert thinking(messages, None, True, False, {"enable_thinking": False}) == "hi<no_think>"
+    assert thinking(messages) == thinking(messages, None, True, False, {"enable_thinking": True}) == "hi"
+    old = server.tok, server.engine.detokenize, templated_tokenizer.chat_template
+    server.tok, server.engine.detokenize = templated_tokenizer, templated_tokenizer.decode
+    try:
+        body = {"messages": messages, "max_tokens": 2}
+        assert call(server, "POST", "/v1/chat/completions", dict(body, chat_template_kwargs={"x": 1}))[0] == 200
+        templated_tokenizer.chat_template = thinking
+        count = lambda **kw: call(server, "POST", "/tokenize", dict(messages=messages, **kw))[1]["count"]  # noqa: E731
+        assert count() == len(templated_tokenizer.encode("hi"))
+        assert count(chat_template_kwargs={"enable_thinking": False}) == len(templated_tokenizer.encode("hi<no_think>"))
+        templated_tokenizer.chat_template = old[2]
+        for bad in ({"messages": []}, {"eos_token": "!"}, ["x"]):
+            status, err = call(server, "POST", "/v1/chat/completions", dict(body, chat_template_kwargs=bad))
+            assert status == 400 and err["error"]["param"] == "chat_template_kwargs", err
+    finally:
+        server.tok, server.engine.detokenize, templated_tokenizer.chat_template = old
+    status, err = call(server, "POST", "/v1/chat/completions", dict(body, chat_template_kwargs={"x": 1}))
+    assert status == 400 and "no chat template" in err["error"]["message"]
 
 
 class _BrokenEngine:
