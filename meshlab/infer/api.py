@@ -202,14 +202,13 @@ def _chat_prompt(body, tok):
     template, extra = getattr(tok, "chat_template", None), body.get("chat_template_kwargs")
     if extra is not None and not (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)):
         raise BadRequest("`chat_template_kwargs` must be an object of template variables", param="chat_template_kwargs")
-    reserved = sorted(set(extra or ()) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                                                 "pad_token", "unk_token"})
-    if reserved:
-        raise BadRequest(f"`chat_template_kwargs` may not set {reserved}: send them as the request's own fields",
-                         param="chat_template_kwargs")
     if extra and template is None:
         raise BadRequest("`chat_template_kwargs`: this checkpoint has no chat template to pass them to (its prompts "
                          "are 'role: content' lines); leave them out", param="chat_template_kwargs")
+    taken = sorted(set(extra) & template.variables) if extra else []
+    if taken:
+        raise BadRequest(f"`chat_template_kwargs` may not set {taken}: the messages, tools and the tokenizer's own",
+                         param="chat_template_kwargs")
     try:
         text = template(messages, tools, gen, cont, extra) if template else plain_chat_prompt(messages, tools, gen, cont)
     except ValueError as e:

@@ -57,6 +57,8 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         self.template, self.special, self.source = env.from_string(source), special, source
+        # what __call__ sets itself: a request's template variables may not replace these
+        self.variables = frozenset({"messages", "tools", "add_generation_prompt", *special})
 
     def __call__(self, messages: list, tools: list | None = None, add_generation_prompt: bool = True,
                  continue_final_message: bool = False, kwargs: dict | None = None) -> str:
