@@ -5,13 +5,14 @@ No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadReq
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
 return_tokens_as_token_ids, truncate_prompt_tokens), and refuses what would change the answer and is
-not implemented (`UNSUPPORTED`: best_of, suffix, vLLM's guided_*, beam search, prompt_logprobs,
-chat_template) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
-add_generation_prompt, continue_final_message (a reply prefilled by its last assistant message) and
-chat_template_kwargs (variables for the checkpoint's template).
-`response_format` json_object / json_schema holds the output to JSON (meshlab.infer.guided); chat
-`tools` with tool_choice "required" or a named function make the reply a tool call, and with "auto"
-(the default) calls are read back out of the model's reply (meshlab.infer.tools).
+not implemented (`UNSUPPORTED`: best_of, suffix, beam search, prompt_logprobs, chat_template) with a
+400 that says so, rather than ignoring it. Chat requests take vLLM's add_generation_prompt,
+continue_final_message (a reply prefilled by its last assistant message) and chat_template_kwargs
+(variables for the checkpoint's template). `response_format` json_object / json_schema holds the
+output to JSON, and vLLM's `structured_outputs` (or its older guided_* fields) to a JSON schema, a
+regex, a list of choices or a grammar (meshlab.infer.guided); chat `tools` with tool_choice
+"required" or a named function make the reply a tool call, and with "auto" (the default) calls are
+read back out of the model's reply (meshlab.infer.tools).
 """
 from __future__ import annotations
 
@@ -76,15 +77,10 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 # Fields that would change the answer and that this server does not implement: OpenAI's, and vLLM's
 # extras that its clients send (a server that ignored them would answer another question). Each:
 # (whether the value asks for something, what to send instead).
-_RESPONSE_FORMAT = "send `response_format` with a JSON schema instead"
 UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
-    "guided_json": (lambda v, b: True, _RESPONSE_FORMAT),
-    "guided_regex": (lambda v, b: True, _RESPONSE_FORMAT),
-    "guided_choice": (lambda v, b: True, _RESPONSE_FORMAT),
-    "guided_grammar": (lambda v, b: True, _RESPONSE_FORMAT),
     "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
     "skip_special_tokens": (lambda v, b: v is False, "special tokens are always left out of the text"),
     "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
@@ -172,11 +168,11 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     elif tool_call:                            # the grammar's JSON call, read back as bare JSON
         from meshlab.infer.tools import TOOL_FORMATS
         tool_format = TOOL_FORMATS["json"]
-    if tool_call and body.get("response_format") is not None:
-        raise BadRequest("`response_format` and a required tool call both fix the reply's form; send one",
-                         param="response_format")
+    asked, grammar = request_grammar(body)
+    if tool_call and asked:
+        raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs,
-                       choice.grammar() if tool_call else None)
+                       choice.grammar() if tool_call else grammar)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
@@ -255,7 +251,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
-    kw["grammar"] = grammar or response_grammar(body.get("response_format"))
+    kw["grammar"] = grammar
     extra = body.get("stop_token_ids") or []            # vLLM's: more stop tokens; ignore_eos: not the model's own
     if not isinstance(extra, list) or any(type(t) is not int for t in extra):
         raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")
@@ -266,6 +262,56 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
                 for i in range(n)]
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+# vLLM's structured output: `structured_outputs` {kind: value}, and the guided_<kind> fields its
+# versions before 0.12 read (clients written for them still send them)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_grammar(body) -> tuple[Optional[str], Optional[str]]:
+    """(the field that asks, its llguidance grammar) for the one output form a request asks for:
+    OpenAI's response_format, vLLM's structured_outputs (json, regex, choice, grammar, json_object;
+    whitespace_pattern between a JSON schema's tokens) or its older guided_json / guided_regex /
+    guided_choice / guided_grammar; (None, None) for free text. Two forms at once are a 400."""
+    asked, spacing = [], body.get("guided_whitespace_pattern")          # (field, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        asked.append(("response_format", None, fmt))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise BadRequest('`structured_outputs` must be an object such as {"choice": ["yes", "no"]}',
+                             param="structured_outputs")
+        other = sorted(k for k, v in outputs.items()
+                       if k not in STRUCTURED_KINDS + ("whitespace_pattern",) and v not in (None, False))
+        if other:
+            raise BadRequest(f"`structured_outputs.{other[0]}` is not supported by this server; it reads "
+                             f"{', '.join(STRUCTURED_KINDS)} and whitespace_pattern", param="structured_outputs")
+        asked += [(f"structured_outputs.{k}", k, outputs[k]) for k in STRUCTURED_KINDS
+                  if outputs.get(k) not in (None, False)]
+        spacing = outputs.get("whitespace_pattern", spacing)
+    asked += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in STRUCTURED_KINDS[:4] if body.get(f"guided_{k}") is not None]
+    if len(asked) > 1:
+        names = " and ".join(f"`{a[0]}`" for a in asked)
+        raise BadRequest(f"{names} each fix the output's form; send one", param=asked[1][0])
+    if not asked:
+        return None, None
+    name, kind, value = asked[0]
+    if kind is None:
+        return name, response_grammar(value)
+    from meshlab.infer import guided
+    if spacing is not None and not isinstance(spacing, str):
+        raise BadRequest("`whitespace_pattern` must be a regex string", param="whitespace_pattern")
+    try:
+        if kind in ("json", "json_object"):
+            if kind == "json_object" and value is not True:
+                raise ValueError("must be true")
+            schema = True if kind == "json_object" else json.loads(value) if isinstance(value, str) else value
+            return name, guided.json_grammar(schema, spacing)
+        return name, {"regex": guided.regex_grammar, "choice": guided.choice_grammar, "grammar": guided.cfg_grammar}[kind](value)
+    except ValueError as e:                                       # json.JSONDecodeError included
+        raise BadRequest(f"`{name}`: {e}", param=name) from None
 
 
 def response_grammar(fmt) -> Optional[str]:

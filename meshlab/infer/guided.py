@@ -1,6 +1,6 @@
 """Structured output: a request's tokens held to a grammar (OpenAI's `response_format` json_object and
-json_schema), by llguidance's token matcher (the library vLLM and SGLang offer for it; the `serve`
-extra installs it).
+json_schema; vLLM's `structured_outputs` json, regex, choice and grammar), by llguidance's token
+matcher (the library vLLM and SGLang offer for it; the `serve` extra installs it).
 
 A request carries its grammar (SamplingParams.grammar, llguidance's text: `json_grammar` makes one
 from a JSON schema); the engine makes its matcher at admission (`Guide`) from a tokenizer view built
@@ -35,19 +35,51 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise ValueError("structured output (response_format json_object / json_schema) needs llguidance: "
+        raise ValueError("structured output (response_format, structured_outputs) needs llguidance: "
                          "pip install 'meshlab[serve]'") from None
     return llguidance
 
 
-def json_grammar(schema) -> str:
-    """The llguidance grammar of a JSON schema (a dict, or True: any JSON object)."""
+def json_grammar(schema, whitespace_pattern=None) -> str:
+    """The llguidance grammar of a JSON schema (a dict, or True: any JSON object); whitespace_pattern,
+    a regex, is the whitespace allowed between its tokens (none by default)."""
     llg = _llguidance()
     if schema is True:
         schema = {"type": "object"}
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
-    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+    defaults = JSON_DEFAULTS if whitespace_pattern is None else dict(JSON_DEFAULTS, whitespace_pattern=whitespace_pattern)
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+
+
+def regex_grammar(pattern: str) -> str:
+    """The grammar of a regular expression (Rust's regex syntax) that the whole output matches."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError("a regex must be a non-empty string")
+    return _checked(_llguidance().LLMatcher.grammar_from_regex(pattern), "regex")
+
+
+def choice_grammar(choices) -> str:
+    """The grammar whose outputs are exactly the given strings."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("choices must be a non-empty list of non-empty strings")
+    return _checked(_llguidance().grammar_from("choice", choices), "choice")
+
+
+def cfg_grammar(text: str) -> str:
+    """The grammar of a context-free grammar's text: llguidance's Lark (a `start` rule) or GBNF as
+    llama.cpp writes it (a `root` rule), as vLLM's guidance backend reads `grammar`."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a grammar must be non-empty text")
+    return _checked(_llguidance().grammar_from("grammar", text), "grammar")   # ValueError: GBNF that does not convert
+
+
+def _checked(grammar: str, what: str) -> str:
+    """The grammar, or ValueError with llguidance's message (the grammar_from_* makers do not check)."""
+    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"the {what} was refused: {error.strip()}")
+    return grammar
 
 
 class _ByteTokens:

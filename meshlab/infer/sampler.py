@@ -96,8 +96,8 @@ class SamplingParams:
         if self.min_tokens and len(self.stop_token_ids) > MAX_HELD_STOPS:
             bad(f"min_tokens holds back at most {MAX_HELD_STOPS} stop tokens, not {len(self.stop_token_ids)}")
         if self.min_tokens and self.grammar is not None:
-            bad("min_tokens with a grammar (response_format, a required tool call): the grammar decides where the "
-                "reply ends; send one of them")
+            bad("min_tokens with a grammar (response_format, structured_outputs, a required tool call): the grammar "
+                "decides where the reply ends; send one of them")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):

@@ -3,6 +3,7 @@ limits, disconnects, n, echo, logprobs, chat templates."""
 import dataclasses
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -192,7 +193,17 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, None, 400, "`echo: true`"),
     ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, None, 400, "skip_special_tokens"),
-    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, "`structured_outputs.choice`"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": "yes"}, None, 400, "must be an object"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, None, 400, "structural_tag"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": "{not json"}}, None, 400,
+     "`structured_outputs.json`"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json_object": "yes"}}, None, 400, "must be true"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= nothing"}}, None, 400, "nothing"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[a-"}, None, 400, "regex was refused"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "response_format": {"type": "json_object"}}, None, 400,
+     "send one"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400, "send one"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
@@ -874,6 +885,71 @@ def test_response_format_holds_the_output_to_json(server):
     content, finish = sse_text(text, chat=False)
     assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"
     assert scrape(server)["meshlab_guided_requests_total"] >= 2
+
+
+GBNF_LET = 'root ::= "let " [a-z] " = " [0-9]'
+LARK_PAREN = 'start: "(" NUM ")"\nNUM: /[0-9]{1,3}/'
+
+
+@pytest.mark.parametrize("fields,form", [
+    ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, "red|green|blue"),
+    ({"guided_choice": ["yes", "no"]}, "yes|no"),
+    ({"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}, "[a-c]{3}-[0-9]{2}"),
+    ({"guided_regex": "x[0-9]{4}"}, "x[0-9]{4}"),
+    ({"structured_outputs": {"grammar": GBNF_LET}}, "let [a-z] = [0-9]"),
+    ({"guided_grammar": LARK_PAREN}, r"\([0-9]{1,3}\)"),
+    ({"guided_json": json.dumps({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2})},
+     r"\[(true|false)(,(true|false))?\]"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                                      "additionalProperties": False}, "whitespace_pattern": " "}},
+     r'\{ ?"a" ?: ?(true|false) ?\}'),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_structured_outputs_hold_the_output_to_their_form(server, fields, form, chat):
+    """vLLM's structured_outputs (choice, regex, a GBNF grammar, a schema with whitespace between its
+    tokens) and its older guided_* fields (choice, regex, a Lark grammar, a JSON schema as text): the tiny random model's sampled
+    output takes the form whole (it never does free), completions and chat, ending with "stop"."""
+    body = dict(fields, max_tokens=24, temperature=0.9, seed=3)
+    if chat:
+        status, resp = call(server, "POST", "/v1/chat/completions", dict(body, messages=[{"role": "user", "content": "?"}]))
+        text = resp["choices"][0]["message"]["content"] if status == 200 else None
+    else:
+        status, resp = call(server, "POST", "/v1/completions", dict(body, prompt="answer: "))
+        text = resp["choices"][0]["text"] if status == 200 else None
+    assert status == 200, resp
+    assert re.fullmatch(form, text, re.S) and resp["choices"][0]["finish_reason"] == "stop", text
+    if "json" in str(fields):
+        json.loads(text)
+
+
+def test_grammar_makers_accept_and_refuse_what_their_form_says():
+    """The matchers of guided.py's grammars over the byte tokenizer: which whole texts each accepts."""
+    import llguidance
+    from meshlab.infer import guided
+    tk = guided.matcher_tokenizer(ByteTokenizer(), 260)
+
+    def accepts(grammar, text):
+        m = llguidance.LLMatcher(tk, grammar, log_level=0)
+        return m.consume_tokens(list(text.encode())) and m.is_accepting()
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    assert accepts(guided.json_grammar(schema), '{"a":true}') and not accepts(guided.json_grammar(schema), '{ "a":true}')
+    assert accepts(guided.json_grammar(schema, " "), '{ "a" : true }')
+    assert accepts(guided.choice_grammar(["café", 'say "hi"']), 'say "hi"') and accepts(guided.choice_grammar(["café"]), "café")
+    assert not accepts(guided.choice_grammar(["red", "green"]), "gre")
+    assert accepts(guided.regex_grammar("[a-c]{2}[0-9]"), "ab7") and not accepts(guided.regex_grammar("[a-c]{2}[0-9]"), "ab")
+    assert accepts(guided.cfg_grammar(GBNF_LET), "let q = 4") and accepts(guided.cfg_grammar(LARK_PAREN), "(123)")
+    assert not accepts(guided.cfg_grammar(LARK_PAREN), "(1234)")
+    for make, bad in ((guided.regex_grammar, "(a"), (guided.cfg_grammar, "start: missing"), (guided.choice_grammar, [""]),
+                      (guided.cfg_grammar, "")):
+        with pytest.raises(ValueError):
+            make(bad)
+
+
+def test_a_structured_output_and_a_required_tool_call_conflict(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    status, resp = call(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and "`guided_choice` and a required tool call" in resp["error"]["message"], resp
 
 
 def test_response_format_with_a_tokenizer_json(server, templated_tokenizer):
