@@ -4,7 +4,7 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
-return_tokens_as_token_ids, truncate_prompt_tokens), and refuses what would change the answer and is
+return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens), and refuses what would change the answer and is
 not implemented (`UNSUPPORTED`: best_of, suffix, beam search, prompt_logprobs, chat_template) with a
 400 that says so, rather than ignoring it. Chat requests take vLLM's add_generation_prompt,
 continue_final_message (a reply prefilled by its last assistant message) and chat_template_kwargs
@@ -50,6 +50,7 @@ class Plan:
     tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    special_tokens: bool = False       # vLLM's skip_special_tokens false: texts show the special tokens
 
     @property
     def submits(self) -> bool:
@@ -82,7 +83,6 @@ UNSUPPORTED = {
     "suffix": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
     "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
-    "skip_special_tokens": (lambda v, b: v is False, "special tokens are always left out of the text"),
     "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
 }
 
@@ -149,8 +149,10 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         keep = max_len if keep == -1 else keep
         texts = [t if len(p) <= keep else None for t, p in zip(texts, prompts)]   # a cut prompt's echo: its ids decoded
         prompts = [p[-keep:] for p in prompts]
+    skip = _typed(body, "skip_special_tokens", bool, True)
     # token ids are decoded only for echo (~0.1 ms per 1k ids)
-    texts = [(tok.decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
+    decode = tok.decode if skip else (lambda ids: tok.decode(ids, skip_special_tokens=False))
+    texts = [(decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
     logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
@@ -176,7 +178,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
-                tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids)
+                tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
+                special_tokens=not skip)
 
 
 def _chat_prompt(body, tok):
@@ -247,6 +250,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "top_k": _typed(body, "top_k", int, 0), "min_p": _typed(body, "min_p", float, 0.0, 0.0, 1.0),
           "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
           "include_stop_str_in_output": _typed(body, "include_stop_str_in_output", bool, False),
+          "skip_special_tokens": _typed(body, "skip_special_tokens", bool, True),
           "min_tokens": _typed(body, "min_tokens", int, 0, 0),
           "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
           "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
@@ -428,17 +432,18 @@ class TokenText:
     """Each token id's text alone, as OpenAI's logprobs show it, worked out once per id: (its decoded
     text, its display string, its UTF-8 bytes). A streamed chunk's logprobs name every new token and
     its alternatives; decoding and formatting them per chunk cost the event loop ~40% of its time
-    under load. At most `limit` ids are kept (then the cache starts again)."""
+    under load. At most `limit` ids are kept (then the cache starts again); skip_special_tokens=False:
+    special tokens show their text."""
 
-    def __init__(self, tok, limit: int = 1 << 18):
-        self.tok, self.limit, self.known = tok, limit, {}
+    def __init__(self, tok, limit: int = 1 << 18, skip_special_tokens: bool = True):
+        self.tok, self.limit, self.known, self.skip = tok, limit, {}, skip_special_tokens
 
     def __call__(self, t: int) -> tuple:
         got = self.known.get(t)
         if got is None:
             if len(self.known) >= self.limit:
                 self.known.clear()
-            s = self.tok.decode([t])
+            s = self.tok.decode([t]) if self.skip else self.tok.decode([t], skip_special_tokens=False)
             raw = _token_bytes(self.tok, t, s)
             # a part of a UTF-8 character: OpenAI's bytes: form
             shown = "bytes:" + "".join(f"\\x{b:02x}" for b in raw) if "\ufffd" in s else s

@@ -133,7 +133,8 @@ class Call:
                 else api.completion_logprobs(text, toks, entries, offset, before))
 
     def _token_text(self):
-        return api.token_id_text(self.server.token_text) if self.plan.token_ids else self.server.token_text
+        text = self.server.special_token_text if self.plan.special_tokens else self.server.token_text
+        return api.token_id_text(text) if self.plan.token_ids else text
 
     def _echoed(self, i: int) -> str:
         return self.plan.prompt_texts[i // self.n] if self.plan.echo else ""

@@ -41,8 +41,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        return self.tk.decode(list(ids))
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class ChatTemplate:

@@ -65,6 +65,9 @@ class SamplingParams:
     # None: off; k in [0, 20]: each prompt token's logprob given the tokens before it and its k most
     # likely alternatives (Request.prompt_logprobs; computed by the packed steps: meshlab/infer/scoring.py)
     prompt_logprobs: Optional[int] = None
+    # vLLM's: False shows special tokens in the text (a stop token that ends the output still only with
+    # include_stop_str_in_output)
+    skip_special_tokens: bool = True
     # None: free; else llguidance's grammar text (meshlab.infer.guided.json_grammar): every token is
     # sampled among those the grammar allows next, and a complete grammar ends the request ("stop")
     grammar: Optional[str] = None

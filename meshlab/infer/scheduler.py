@@ -37,6 +37,17 @@ class AdmissionError(ValueError):
     """A request that this engine can never serve (too long for the context or the cache)."""
 
 
+def with_special_tokens(decode, params) -> Callable:
+    """`decode` showing special tokens (vLLM's skip_special_tokens false); the stop token that ends an
+    output stays out of its text, as a stop string does, unless include_stop_str_in_output (the
+    stop tokens cannot come earlier: min_tokens holds them back on the device)."""
+    stops, keep = frozenset(params.stop_token_ids), params.include_stop_str_in_output
+
+    def decode_with_specials(ids):
+        return decode(ids[:-1] if len(ids) and ids[-1] in stops and not keep else ids, skip_special_tokens=False)
+    return decode_with_specials
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     prompt: list

@@ -54,6 +54,7 @@ class Server:
         engine.detokenize = tokenizer.decode
         engine.grammars = Grammars(tokenizer, engine.md.cfg.vocab_size)     # response_format's matchers
         self.token_text = api.TokenText(tokenizer)
+        self.special_token_text = api.TokenText(tokenizer, skip_special_tokens=False)
         self.wake = threading.Event()
         self.running = True
         self.draining = False                 # drain(): new requests refused, those in flight finish

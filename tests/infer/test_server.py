@@ -192,7 +192,6 @@ def test_chat_stream_equals_whole(server):
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, None, 400, "`echo: true`"),
-    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, None, 400, "skip_special_tokens"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, "`structured_outputs.choice`"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": "yes"}, None, 400, "must be an object"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, None, 400, "structural_tag"),
@@ -731,6 +730,37 @@ def test_chat_uses_the_tokenizers_template(server, templated_tokenizer):
     finally:
         server.tok, server.engine.detokenize = old
     assert status == 200 and resp["usage"]["prompt_tokens"] == len(tok.encode(text))
+
+
+def test_skip_special_tokens_false_shows_them(server, templated_tokenizer):
+    """vLLM's skip_special_tokens false: special tokens (a logit bias makes the model say <|eot|>) show
+    in the text, whole and streamed, in the logprobs' tokens and offsets, and in an echoed prompt of
+    token ids; a stop token that ends the output stays out unless include_stop_str_in_output."""
+    tok = templated_tokenizer
+    eot = tok.stop_token_ids[0]
+    old = server.tok, server.engine.detokenize, server.token_text, server.special_token_text
+    server.tok, server.engine.detokenize = tok, tok.decode
+    server.token_text, server.special_token_text = api.TokenText(tok), api.TokenText(tok, skip_special_tokens=False)
+    body = {"prompt": "hello", "max_tokens": 3, "logit_bias": {str(eot): 100}, "logprobs": 1}
+    try:
+        texts = {skip: call(server, "POST", "/v1/completions", dict(body, skip_special_tokens=skip))[1]["choices"][0]
+                 for skip in (True, False)}
+        status, streamed = call(server, "POST", "/v1/completions", dict(body, skip_special_tokens=False, stream=True))
+        ended = {keep: call(server, "POST", "/v1/completions", dict(
+            body, skip_special_tokens=False, stop_token_ids=[eot], include_stop_str_in_output=keep))[1]["choices"][0]
+            for keep in (False, True)}
+        echo = call(server, "POST", "/v1/completions", {"prompt": [eot] + tok.encode("hi"), "max_tokens": 0, "echo": True,
+                                                        "skip_special_tokens": False})[1]["choices"][0]["text"]
+        bad = call(server, "POST", "/v1/completions", dict(body, skip_special_tokens="no"))
+    finally:
+        server.tok, server.engine.detokenize, server.token_text, server.special_token_text = old
+    assert texts[True]["text"] == "" and texts[False]["text"] == "<|eot|>" * 3
+    assert texts[False]["logprobs"]["tokens"] == ["<|eot|>"] * 3 and texts[False]["logprobs"]["text_offset"] == [0, 7, 14]
+    assert status == 200 and sse_text(streamed, chat=False)[0] == "<|eot|>" * 3
+    assert ended[False]["text"] == "" and ended[True]["text"] == "<|eot|>"
+    assert ended[False]["finish_reason"] == ended[True]["finish_reason"] == "stop"
+    assert echo == "<|eot|>hi"
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "skip_special_tokens"
 
 
 def test_chat_prefill_continues_the_last_message(server, templated_tokenizer):
