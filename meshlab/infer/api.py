@@ -4,8 +4,8 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
-return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens), and refuses what would change the answer and is
-not implemented (`UNSUPPORTED`: best_of, suffix, beam search, prompt_logprobs, chat_template) with a
+return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and refuses what would change the answer and is
+not implemented (`UNSUPPORTED`: best_of, suffix, beam search, chat_template) with a
 400 that says so, rather than ignoring it. Chat requests take vLLM's add_generation_prompt,
 continue_final_message (a reply prefilled by its last assistant message) and chat_template_kwargs
 (variables for the checkpoint's template). `response_format` json_object / json_schema holds the
@@ -46,6 +46,7 @@ class Plan:
     continuous_usage: bool = False     # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     generate: bool = True              # False: max_tokens=0 with echo (the prompt back, nothing generated)
     prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
+    prompt_scores: Optional[int] = None     # vLLM's prompt_logprobs: a prompt_logprobs list beside the choices
     tool_call: bool = False            # each reply is held to a tool call (sent whole when it ends)
     tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
@@ -55,7 +56,7 @@ class Plan:
     @property
     def submits(self) -> bool:
         """Whether the engine runs it: to generate, or (max_tokens=0) only to score the prompt."""
-        return self.generate or self.prompt_logprobs is not None
+        return self.generate or self.prompt_logprobs is not None or self.prompt_scores is not None
 
     @property
     def choices(self) -> int:
@@ -82,7 +83,6 @@ UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
-    "prompt_logprobs": (lambda v, b: True, "send `echo: true` with `logprobs` to /v1/completions for the prompt's"),
     "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
 }
 
@@ -162,6 +162,10 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo else None
+    scores = _typed(body, "prompt_logprobs", int, None, 0, MAX_TOP_LOGPROBS)    # vLLM's
+    if scores is not None and stream:
+        raise BadRequest("`prompt_logprobs` are not available with `stream: true` (as in vLLM); send them unstreamed",
+                         param="prompt_logprobs")
     token_ids = _typed(body, "return_tokens_as_token_ids", bool, False)
     tool_call = choice is not None and choice.call is not None
     if choice is not None and choice.auto and tool_format is None:
@@ -173,13 +177,13 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     asked, grammar = request_grammar(body)
     if tool_call and asked:
         raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
-    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, prompt_logprobs,
-                       choice.grammar() if tool_call else grammar)
+    scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
+    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
-                special_tokens=not skip)
+                special_tokens=not skip, prompt_scores=scores)
 
 
 def _chat_prompt(body, tok):
@@ -482,6 +486,24 @@ def chat_logprobs(text: TokenText, output, entries) -> dict:
         return {"token": shown, "logprob": float(lp), "bytes": raw}
     return {"content": [dict(one(t, lp), top_logprobs=[one(a, v) for a, v in top.items()])
                         for t, (lp, top) in zip(output, entries)]}
+
+
+def prompt_logprobs_list(text: TokenText, prompt, entries, top: int, by_id: bool = False) -> list:
+    """vLLM's prompt_logprobs: per prompt token (the first null) {"<id>": {logprob, rank, decoded_token}}
+    for the token itself and its `top` most likely alternatives (ranks 1..top), from Request.prompt_logprobs
+    entries (logprob, {id: logprob} best first, rank); by_id: decoded_token as "token_id:<id>"."""
+    def one(t, lp, rank):
+        return {"logprob": float(lp), "rank": int(rank), "decoded_token": text(t)[1] if by_id else text(t)[0]}
+    out = []
+    for t, entry in zip(prompt, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        lp, alternatives, rank = entry
+        shown = {str(a): one(a, v, j + 1) for j, (a, v) in enumerate(list(alternatives.items())[:top])}
+        shown.setdefault(str(t), one(t, lp, rank))
+        out.append(shown)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -171,9 +171,20 @@ class Call:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = self._echoed(i) + text
+            if p.prompt_scores is not None and not p.chat:
+                choice["prompt_logprobs"] = self._prompt_scores(i)
             choices.append(choice)
-        return {"id": self.id, "object": "chat.completion" if p.chat else "text_completion", "created": self.created,
+        body = {"id": self.id, "object": "chat.completion" if p.chat else "text_completion", "created": self.created,
                 "model": self.server.model_name, "choices": choices, "usage": self._usage()}
+        if p.prompt_scores is not None and p.chat:           # vLLM's chat: one list, beside the choices
+            body["prompt_logprobs"] = self._prompt_scores(0)
+        return body
+
+    def _prompt_scores(self, i: int) -> list:
+        """Choice i's prompt in vLLM's prompt_logprobs form, from its prompt's first copy's scores."""
+        first = self.reqs[i - i % self.n]
+        return api.prompt_logprobs_list(self._token_text(), self.plan.prompts[i // self.n], first.prompt_logprobs,
+                                        self.plan.prompt_scores, self.plan.token_ids)
 
     def _usage(self) -> dict:
         made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0

@@ -244,18 +244,23 @@ def _logprobs(logits, ids, top: int):
 
 def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
     """The prompt logprobs of a packed step's k chunk rows: h [k c, d] their final-normed hidden states,
-    targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob" [k c],
-    "prompt_top_logprob", "prompt_top_id" [k c, min(top, V)]}, the log-softmax of
-    the raw logits as _head reports it. One row at a time (lax.map): the fp32 logits are [c, V] at
-    once (263 MB at c = 512 for llama3's vocabulary), not [k c, V]."""
+    targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob",
+    "prompt_rank" [k c], "prompt_top_logprob", "prompt_top_id" [k c, min(top, V)]}, the log-softmax
+    of the raw logits as _head reports it, and the target's rank (1 + the tokens more likely: vLLM's).
+    One row at a time (lax.map): the fp32 logits are [c, V] at once (263 MB at c = 512 for llama3's
+    vocabulary), not [k c, V]."""
     d = h.shape[-1]
 
     def row(args):
         h_row, t_row = args                                                             # [c, d], [c]
-        return _logprobs(model.logits(h_row[None])[0, :, :vocab], t_row, top)           # [c], [c, top] x2
-    lp, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
-    return {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
-            "prompt_top_id": top_id.reshape(lp.size, -1)}
+        logits = model.logits(h_row[None])[0, :, :vocab]                                # [c, V]
+        lp, top_lp, top_id = _logprobs(logits, t_row, top)                              # [c], [c, top] x2
+        # one compare-and-count pass over the row's log-softmax (XLA shares it with _logprobs')
+        rank = 1 + jnp.sum(jax.nn.log_softmax(logits, axis=-1) > lp[:, None], axis=-1, dtype=jnp.int32)   # [c]
+        return lp, rank, top_lp, top_id
+    lp, rank, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
+    return {"prompt_logprob": lp.reshape(-1), "prompt_rank": rank.reshape(-1),
+            "prompt_top_logprob": top_lp.reshape(lp.size, -1), "prompt_top_id": top_id.reshape(lp.size, -1)}
 
 
 def _mark(seen, slots, tokens, valid):

@@ -64,8 +64,8 @@ class Request:
     # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
-    # with params.prompt_logprobs: [None, then (logprob, {token: logprob}) per prompt token after the
-    # first], put together when its first token is emitted (meshlab.infer.scoring)
+    # with params.prompt_logprobs: [None, then (logprob, {token: logprob}, rank) per prompt token after
+    # the first], put together when its first token is emitted (meshlab.infer.scoring)
     prompt_logprobs: Optional[list] = dataclasses.field(default=None, repr=False)
     # until then, the packed steps that scored its positions and the stored pages it was served:
     # (scoring.StepScores or StoredScores, row offset in their outputs, first position, positions)

@@ -31,7 +31,7 @@ import numpy as np
 from meshlab.infer.programs import TOP_LOGPROBS
 from meshlab.infer.sampler import SamplingParams
 
-SCORE_KEYS = ("prompt_logprob", "prompt_top_logprob", "prompt_top_id")   # a scoring packed step's extra outputs
+SCORE_KEYS = ("prompt_logprob", "prompt_rank", "prompt_top_logprob", "prompt_top_id")   # a scoring packed step's extra outputs
 
 
 class StepScores:
@@ -52,8 +52,8 @@ class StoredScores:
     """A stored page's scores as a score part (StepScores' interface): host arrays at hand."""
     __slots__ = ("_host",)
 
-    def __init__(self, lp, ids, vals):
-        self._host = {"prompt_logprob": lp, "prompt_top_id": ids, "prompt_top_logprob": vals}
+    def __init__(self, lp, ids, vals, rank):
+        self._host = {"prompt_logprob": lp, "prompt_top_id": ids, "prompt_top_logprob": vals, "prompt_rank": rank}
 
     def host(self) -> dict:
         return self._host
@@ -62,7 +62,8 @@ class StoredScores:
 class ScoreStore:
     """Prompt scores of full pages by page key (pages.page_keys), least recently used dropped past
     `capacity` pages. An entry: (its token's logprob [page_size], the best alternatives' ids and
-    logprobs [page_size, k]) for the page's tokens, k the alternatives the scoring request asked for."""
+    logprobs [page_size, k], its token's rank [page_size]) for the page's tokens, k the alternatives
+    the scoring request asked for."""
 
     def __init__(self, page_size: int, capacity: int):
         self.page_size, self.capacity = page_size, capacity
@@ -84,13 +85,13 @@ class ScoreStore:
             out.append((StoredScores(*self.pages[key]), base, q * ps - 1 + base, ps - base))
         return out
 
-    def put(self, keys: list, lp, ids, vals) -> None:
-        """Store each full page q of keys from a prompt's scores by position (lp [n], ids / vals [n, k])."""
+    def put(self, keys: list, lp, ids, vals, rank) -> None:
+        """Store each full page q of keys from a prompt's scores by position (lp, rank [n]; ids / vals [n, k])."""
         ps = self.page_size
         for q, key in enumerate(keys):
             lo = q * ps - 1                              # position of the page's first token's score
             page = [np.concatenate([np.zeros_like(x[:1]), x[:ps - 1]]) if q == 0 else x[lo:lo + ps].copy()
-                    for x in (lp, ids, vals)]
+                    for x in (lp, ids, vals, rank)]
             if key in self.pages and self.pages[key][1].shape[1] >= page[1].shape[1]:
                 self.pages.move_to_end(key)
                 continue
@@ -106,8 +107,8 @@ class Scoring:
 
     def prompt_logprobs(self, prompt, top: int = 0) -> list:
         """Each prompt token's logprob given the ones before it and its `top` best alternatives
-        ([None, (logprob, {id: logprob}), ...]; the first token has no context, as OpenAI reports
-        it): a one-token request through the engine (generate: call it from the thread that runs
+        ([None, (logprob, {id: logprob}, rank), ...]; the first token has no context, as OpenAI
+        reports it; rank: 1 + the tokens more likely): a one-token request through the engine (generate: call it from the thread that runs
         the engine; other queued requests run too)."""
         return self.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=top))[0].prompt_logprobs
 
@@ -152,10 +153,11 @@ class Scoring:
         page fed again) takes its last scores (the same weights and tokens)."""
         n, top = len(req.prompt) - 1, req.params.prompt_logprobs
         lp, ids, vals = np.zeros(n, np.float32), np.zeros((n, top), np.int32), np.zeros((n, top), np.float32)
-        have = np.zeros(n, bool)
+        rank, have = np.zeros(n, np.int32), np.zeros(n, bool)
         for step, base, start, m in req.score_parts:
             h = step.host()
             lp[start:start + m] = h["prompt_logprob"][base:base + m]
+            rank[start:start + m] = h["prompt_rank"][base:base + m]
             ids[start:start + m] = h["prompt_top_id"][base:base + m, :top]
             vals[start:start + m] = h["prompt_top_logprob"][base:base + m, :top]
             have[start:start + m] = True
@@ -166,6 +168,7 @@ class Scoring:
         if store is not None:
             full = len(req.prompt) // store.page_size
             keys = self.sched.prompt_keys(req, full)
-            store.put(keys, lp, ids, vals)
+            store.put(keys, lp, ids, vals, rank)
             self.sched.landed(req, self.sched.scoring, keys)
-        return [None] + [(x, dict(zip(i, v))) for x, i, v in zip(lp.tolist(), ids.tolist(), vals.tolist())]
+        return [None] + [(x, dict(zip(i, v)), r) for x, i, v, r in zip(lp.tolist(), ids.tolist(), vals.tolist(),
+                                                                       rank.tolist())]

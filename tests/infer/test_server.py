@@ -191,7 +191,6 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, None, 400,
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, None, 400, "`echo: true`"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, "`structured_outputs.choice`"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": "yes"}, None, 400, "must be an object"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, None, 400, "structural_tag"),
@@ -519,6 +518,36 @@ def _reference_logprobs(srv, prompt_ids, output_ids):
     logits = srv.md.bind(srv.params)(ids)[0, :, :srv.md.cfg.vocab_size]
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     return [lp[len(prompt_ids) - 1 + k] for k in range(len(output_ids))]
+
+
+def test_prompt_logprobs_list_each_prompt_tokens_rank_and_alternatives(server):
+    """vLLM's prompt_logprobs k: per prompt token (the first null) the token's logprob and rank and its k
+    most likely alternatives with ranks 1..k, as the model computes them in fp32; in every completion
+    choice (n = 2 shares the first copy's scores), once beside a chat reply; with stream a 400."""
+    tok = ByteTokenizer()
+    ids = tok.encode("def f(x): return x  # twenty-five")                              # crosses chunks of 16
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 2, "prompt_logprobs": 2,
+                                                            "temperature": 0.7, "n": 2})
+    assert status == 200, resp
+    ref = _reference_logprobs(server, ids[:1], ids[1:])                                  # row k - 1: before ids[k]
+    assert resp["choices"][0]["prompt_logprobs"] == resp["choices"][1]["prompt_logprobs"]
+    listed = resp["choices"][0]["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for k in range(1, len(ids)):
+        row, entry, t = ref[k - 1], listed[k], ids[k]
+        best = np.argsort(-row)[:2].tolist()
+        assert [int(a) for a in entry][:2] == best and set(entry) == {str(a) for a in best + [t]}
+        assert [entry[str(a)]["rank"] for a in best] == [1, 2]
+        assert entry[str(t)]["logprob"] == pytest.approx(row[t], abs=1e-4)
+        assert 1 + np.sum(row > row[t] + 1e-4) <= entry[str(t)]["rank"] <= 1 + np.sum(row > row[t] - 1e-4)   # ties
+        assert entry[str(t)]["decoded_token"] == tok.decode([t])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}
+    status, resp = call(server, "POST", "/v1/chat/completions", chat)
+    assert status == 200 and len(resp["prompt_logprobs"]) == resp["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in resp["prompt_logprobs"][1:])
+    for bad in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        status, err = call(server, "POST", "/v1/chat/completions", dict(chat, **bad))
+        assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
 
 
 def test_completion_logprobs_match_the_model(server):
