@@ -4,15 +4,16 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
-return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and refuses what would change the answer and is
-not implemented (`UNSUPPORTED`: best_of, suffix, beam search, chat_template) with a
-400 that says so, rather than ignoring it. Chat requests take vLLM's add_generation_prompt,
-continue_final_message (a reply prefilled by its last assistant message) and chat_template_kwargs
-(variables for the checkpoint's template). `response_format` json_object / json_schema holds the
-output to JSON, and vLLM's `structured_outputs` (or its older guided_* fields) to a JSON schema, a
-regex, a list of choices or a grammar (meshlab.infer.guided); chat `tools` with tool_choice
-"required" or a named function make the reply a tool call, and with "auto" (the default) calls are
-read back out of the model's reply (meshlab.infer.tools).
+return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and
+refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix, beam
+search) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
+add_generation_prompt, continue_final_message (a reply prefilled by its last assistant message),
+chat_template_kwargs (variables for the template) and, from a server that trusts them, a request's
+own chat_template. `response_format` json_object / json_schema holds the output to JSON, and vLLM's
+`structured_outputs` (or its older guided_* fields) to a JSON schema, a regex, a list of choices or
+a grammar (meshlab.infer.guided); chat `tools` with tool_choice "required" or a named function make
+the reply a tool call, and with "auto" (the default) calls are read back out of the model's reply
+(meshlab.infer.tools).
 """
 from __future__ import annotations
 
@@ -83,7 +84,6 @@ UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
     "use_beam_search": (lambda v, b: bool(v), "leave it out"),
-    "chat_template": (lambda v, b: bool(v), "the checkpoint's own template formats the messages"),
 }
 
 
@@ -122,9 +122,11 @@ def plain_chat_prompt(messages: list, tools: Optional[list] = None, add_generati
     return "\n".join(lines) + ("\nassistant:" if add_generation_prompt and not continue_final_message else "")
 
 
-def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int, tool_format=None) -> Plan:
+def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int, tool_format=None,
+          trust_templates: bool = False) -> Plan:
     """Validate a request body into a Plan (raises BadRequest). tool_format: the tools.ToolFormat of
-    tool_choice "auto" (None: the one the tokenizer's chat template writes)."""
+    tool_choice "auto" (None: the one the tokenizer's chat template writes); trust_templates: a chat
+    request's own `chat_template` formats its messages (else it is a 400)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if body.get("model") not in (None, model_name):
@@ -135,7 +137,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
             raise BadRequest(f"`{name}` is not supported by this server; {instead}", param=name)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise BadRequest("`tools` belong to /v1/chat/completions", param="tools")
-    texts, prompts, choice = _chat_prompt(body, tok) if chat else (*_completion_prompts(body.get("prompt"), tok), None)
+    texts, prompts, choice = (_chat_prompt(body, tok, trust_templates) if chat
+                              else (*_completion_prompts(body.get("prompt"), tok), None))
     if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = _typed(body, "n", int, 1, 1, max_n)
@@ -186,9 +189,9 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                 special_tokens=not skip, prompt_scores=scores)
 
 
-def _chat_prompt(body, tok):
-    """([text], [ids], tools.ToolChoice or None): the messages (and tools) through the tokenizer's chat
-    template, else the plain format."""
+def _chat_prompt(body, tok, trust_templates: bool = False):
+    """([text], [ids], tools.ToolChoice or None): the messages (and tools) through the request's own
+    chat_template (trust_templates), else the tokenizer's, else the plain format."""
     from meshlab.infer.tools import ToolError, parse_tools
     messages = chat_messages(body.get("messages"))
     try:
@@ -202,7 +205,7 @@ def _chat_prompt(body, tok):
     if cont and gen:
         raise BadRequest("`continue_final_message` continues the last message, `add_generation_prompt` opens a new "
                          "one: set add_generation_prompt to false", param="add_generation_prompt")
-    template, extra = getattr(tok, "chat_template", None), body.get("chat_template_kwargs")
+    template, extra = _template(body, tok, trust_templates), body.get("chat_template_kwargs")
     if extra is not None and not (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)):
         raise BadRequest("`chat_template_kwargs` must be an object of template variables", param="chat_template_kwargs")
     if extra and template is None:
@@ -214,9 +217,27 @@ def _chat_prompt(body, tok):
                          param="chat_template_kwargs")
     try:
         text = template(messages, tools, gen, cont, extra) if template else plain_chat_prompt(messages, tools, gen, cont)
-    except ValueError as e:
-        raise BadRequest(str(e), param="messages") from None
+    except ValueError as e:          # the template raised: its own words, on the template a request sent
+        raise BadRequest(str(e), param="messages" if body.get("chat_template") is None else "chat_template") from None
     return [text], [tok.encode(text)], choice
+
+
+def _template(body, tok, trust: bool):
+    """The ChatTemplate that formats a chat request: its own `chat_template` (vLLM's; Jinja run in the
+    same sandbox as the checkpoint's, compiled once per source), else the tokenizer's, else None."""
+    own, theirs = getattr(tok, "chat_template", None), body.get("chat_template")
+    if theirs is None:
+        return own
+    if not isinstance(theirs, str) or not theirs.strip():
+        raise BadRequest("`chat_template` must be a Jinja template string", param="chat_template")
+    if not trust:
+        raise BadRequest("`chat_template`: this server formats messages with the checkpoint's own template; start "
+                         "it with --trust-request-chat-template to take a request's", param="chat_template")
+    from meshlab.infer.loading import request_template
+    try:
+        return request_template(theirs, tuple(sorted(own.special.items())) if own is not None else ())
+    except ValueError as e:
+        raise BadRequest(f"`chat_template`: {e}", param="chat_template") from None
 
 
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
@@ -371,14 +392,14 @@ def _completion_prompts(prompt, tok):
     return list(texts), list(ids)
 
 
-def tokenize(body, tok, max_len: int) -> dict:
+def tokenize(body, tok, max_len: int, trust_templates: bool = False) -> dict:
     """vLLM's /tokenize: a completions `prompt` (a string) or chat `messages` (through the chat template,
     as /v1/chat/completions formats them) -> {"tokens", "count", "max_model_len"}: what a client needs to
     fit a prompt and max_tokens in the context before it sends them."""
     if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
         raise BadRequest("send {\"prompt\": text} or {\"messages\": [...]}", param="prompt")
     if "messages" in body:
-        ids = _chat_prompt(body, tok)[1][0]
+        ids = _chat_prompt(body, tok, trust_templates)[1][0]
     elif isinstance(body["prompt"], str):
         ids = tok.encode(body["prompt"])
     else:

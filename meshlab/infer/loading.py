@@ -13,6 +13,7 @@ training wrote beside them (`meshlab.checkpoint.write_run_tokenizer`). Nothing i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -48,7 +49,7 @@ class HFTokenizer:
 class ChatTemplate:
     """A Hugging Face chat template (Jinja) rendered in a sandbox, as transformers does."""
 
-    def __init__(self, source: str, special: dict):
+    def __init__(self, source: str, special: dict, owner: str = "the checkpoint's"):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -56,7 +57,11 @@ class ChatTemplate:
             raise TemplateError(message)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self.template, self.special, self.source = env.from_string(source), special, source
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:                       # a syntax error: ValueError, as a render's
+            raise ValueError(f"{owner} chat template does not compile: {e}") from None
+        self.special, self.source, self.owner = special, source, owner
         # what __call__ sets itself: a request's template variables may not replace these
         self.variables = frozenset({"messages", "tools", "add_generation_prompt", *special})
 
@@ -70,7 +75,7 @@ class ChatTemplate:
             text = self.template.render({**(kwargs or {}), **self.special, "messages": messages, "tools": tools,
                                          "add_generation_prompt": add_generation_prompt and not continue_final_message})
         except TemplateError as e:
-            raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
+            raise ValueError(f"{self.owner} chat template refused these messages: {e}") from None
         if continue_final_message:
             final = (messages[-1].get("content") or "").strip()
             at = text.rfind(final) if final else -1
@@ -79,6 +84,13 @@ class ChatTemplate:
                                  "content as sent, so there is no end of it to continue from")
             text = text[:at + len(final)]
         return text
+
+
+@functools.lru_cache(maxsize=32)
+def request_template(source: str, special: tuple) -> ChatTemplate:
+    """A request's own chat template (vLLM's `chat_template`), with the checkpoint's special tokens
+    ((name, text) pairs); compiled once per source, as clients send the same one again."""
+    return ChatTemplate(source, dict(special), owner="the request's")
 
 
 def _chat_template(directory: Path):

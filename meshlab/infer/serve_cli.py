@@ -60,6 +60,9 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                     help='how tool_choice "auto" reads calls out of a reply: json (bare JSON calls, Llama 3\'s '
                          "too), hermes (<tool_call> blocks: Hermes, Qwen), mistral ([TOOL_CALLS]); auto: the one "
                          "the checkpoint's chat template writes, else json")
+    ap.add_argument("--trust-request-chat-template", action="store_true",
+                    help="a chat request's own `chat_template` (Jinja, run in a sandbox) formats its messages "
+                         "instead of the checkpoint's; off: such a request gets 400 (vLLM's flag)")
     return ap
 
 
@@ -101,6 +104,7 @@ def start_server(args):
                   max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
                   tool_format=tool_format(args.tool_call_parser, getattr(tok, "chat_template", None)),
                   api_key=args.api_key, stats_interval=args.stats_interval,
+                  trust_request_chat_template=args.trust_request_chat_template,
                   idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
 
 

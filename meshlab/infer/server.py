@@ -41,9 +41,11 @@ class Server:
     def __init__(self, engine, tokenizer, model_name: str = "meshlab", host: str = "127.0.0.1", port: int = 8000,
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
                  max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None,
-                 idle_warmup=(), api_key: str | None = None, stats_interval: float = 0.0, log=None):
+                 idle_warmup=(), api_key: str | None = None, stats_interval: float = 0.0, log=None,
+                 trust_request_chat_template: bool = False):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
+        self.trust_templates = trust_request_chat_template   # a chat request's own chat_template formats it
         # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
         # program at a time (a request then waits at most for the one being compiled)
         self.idle_warmup = list(idle_warmup)
@@ -225,7 +227,7 @@ class Server:
                 self._authorize(request)
                 body = await self._body(request)
                 if request.url.path == "/tokenize":
-                    return JSONResponse(api.tokenize(body, self.tok, self.engine.sched.max_len))
+                    return JSONResponse(api.tokenize(body, self.tok, self.engine.sched.max_len, self.trust_templates))
                 return JSONResponse(api.detokenize(body, self.tok))
             except BadRequest as e:
                 return error(e)
@@ -304,7 +306,7 @@ class Server:
             self._authorize(request)
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
-                             self.stop_token_ids, self.max_n, self.tool_format)
+                             self.stop_token_ids, self.max_n, self.tool_format, self.trust_templates)
             self._admit(plan.choices)
             call = Call(self, plan)
         except BadRequest as e:

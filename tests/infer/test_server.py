@@ -409,6 +409,31 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
         srv.stop()
 
 
+def test_a_requests_own_chat_template_needs_the_servers_trust(server, spare_engine):
+    """vLLM's chat_template: a 400 naming --trust-request-chat-template from a server without it; from one
+    with it, the request's template formats the messages (the prompt /tokenize counts and the one the
+    reply is generated from), a template that does not compile or raises is a 400, and a request
+    without one keeps the checkpoint's format."""
+    messages = [{"role": "user", "content": "hi"}]
+    mine = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[bot]{% endif %}"
+    status, err = call(server, "POST", "/v1/chat/completions", {"messages": messages, "chat_template": mine})
+    assert status == 400 and "--trust-request-chat-template" in err["error"]["message"], err
+    srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, trust_request_chat_template=True).start()
+    try:
+        count = lambda **kw: call(srv, "POST", "/tokenize", dict(messages=messages, **kw))[1]["count"]  # noqa: E731
+        assert count(chat_template=mine) == len("[user]hi[bot]") and count() == len(api.plain_chat_prompt(messages))
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0, "chat_template": mine}
+        status, chat = call(srv, "POST", "/v1/chat/completions", body)
+        done = call(srv, "POST", "/v1/completions", {"prompt": "[user]hi[bot]", "max_tokens": 4, "temperature": 0})[1]
+        assert status == 200 and chat["choices"][0]["message"]["content"] == done["choices"][0]["text"]
+        for bad, words in (("{% for m in messages %}", "does not compile"), ("{{ raise_exception('no') }}", "refused"),
+                           (7, "Jinja template string")):
+            status, err = call(srv, "POST", "/v1/chat/completions", dict(body, chat_template=bad))
+            assert status == 400 and words in err["error"]["message"] and err["error"]["param"] == "chat_template", err
+    finally:
+        srv.stop()
+
+
 def test_stats_lines_while_working_and_quiet_when_idle(spare_engine):
     lines = []
     srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, stats_interval=0.05, log=lines.append).start()
