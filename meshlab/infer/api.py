@@ -5,8 +5,8 @@ No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadReq
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
 return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and
-refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix, beam
-search) with a 400 that says so, rather than ignoring it. Chat requests take vLLM's
+refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix) with a
+400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam. Chat requests take vLLM's
 add_generation_prompt, continue_final_message (a reply prefilled by its last assistant message),
 chat_template_kwargs (variables for the template) and, from a server that trusts them, a request's
 own chat_template. `response_format` json_object / json_schema holds the output to JSON, and vLLM's
@@ -53,6 +53,7 @@ class Plan:
     tool_names: frozenset = frozenset()   # ... and the functions offered
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     special_tokens: bool = False       # vLLM's skip_special_tokens false: texts show the special tokens
+    beam: Optional[float] = None       # vLLM's use_beam_search (width n): its length_penalty; None: sampled choices
 
     @property
     def submits(self) -> bool:
@@ -83,7 +84,6 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
-    "use_beam_search": (lambda v, b: bool(v), "leave it out"),
 }
 
 
@@ -182,11 +182,41 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar)
+    beam = _beam_penalty(body, params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
-                special_tokens=not skip, prompt_scores=scores)
+                special_tokens=not skip, prompt_scores=scores, beam=beam)
+
+
+# SamplingParams that beam search (meshlab.infer.beam) leaves at their defaults: it ranks beams by the
+# raw logits' logprobs alone -> the request fields that set them
+_NOT_BEAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+               "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+               "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
+               "stop": "stop", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs / echo's logprobs",
+               "grammar": "response_format / structured_outputs / tools"}
+
+
+def _beam_penalty(body, p: SamplingParams, n: int, streamed_or_tools: bool) -> Optional[float]:
+    """None without vLLM's use_beam_search; else its length_penalty (1.0 by default), once the request
+    asks nothing beam search here does not do (a 400 names it)."""
+    if not _typed(body, "use_beam_search", bool, False):
+        return None
+    penalty = _typed(body, "length_penalty", float, 1.0)
+    if n > MAX_TOP_LOGPROBS // 2:
+        raise BadRequest(f"`n`={n} is the beam width with use_beam_search, at most {MAX_TOP_LOGPROBS // 2} (each "
+                         f"round ranks 2n candidates a beam)", param="n")
+    if streamed_or_tools:
+        raise BadRequest("`use_beam_search` answers when the search ends: send it without stream, max_tokens 0 or "
+                         "tools", param="use_beam_search")
+    plain = SamplingParams()
+    asked = [name for field, name in _NOT_BEAMED.items() if getattr(p, field) != getattr(plain, field)]
+    if asked:
+        raise BadRequest(f"`use_beam_search` ranks beams by the model's logprobs alone; leave out {', '.join(asked)}",
+                         param="use_beam_search")
+    return penalty
 
 
 def _chat_prompt(body, tok, trust_templates: bool = False):

@@ -31,6 +31,7 @@ import traceback
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
+from meshlab.infer.beam import BeamCall
 from meshlab.infer.http_call import Call
 from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics, StatsLog
 
@@ -308,7 +309,7 @@ class Server:
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
                              self.stop_token_ids, self.max_n, self.tool_format, self.trust_templates)
             self._admit(plan.choices)
-            call = Call(self, plan)
+            call = Call(self, plan) if plan.beam is None else BeamCall(self, plan)
         except BadRequest as e:
             self.counts["rejected"] += e.status in (413, 429, 503)
             return error(e)

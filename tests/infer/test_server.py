@@ -190,7 +190,6 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "min_tokens": 40, "max_tokens": 8}, None, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 2, "response_format": {"type": "json_object"}}, None, 400,
      "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, None, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, "`structured_outputs.choice`"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": "yes"}, None, 400, "must be an object"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, None, 400, "structural_tag"),
@@ -573,6 +572,63 @@ def test_prompt_logprobs_list_each_prompt_tokens_rank_and_alternatives(server):
     for bad in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
         status, err = call(server, "POST", "/v1/chat/completions", dict(chat, **bad))
         assert status == 400 and err["error"]["param"] == "prompt_logprobs", err
+
+
+def _reference_beam_search(srv, prompt, width, steps, stops, penalty):
+    """Beam search over the model's fp32 log-softmax, written out: each live beam's 2 x width best next
+    tokens, a stop token finishing its beam, the width best live ones kept; ranked by summed logprob /
+    (prompt + output length) ** penalty. [(output, finish_reason)] best first."""
+    live, done = [([], 0.0)], []
+    for _ in range(steps):
+        grown = []
+        for out, total in live:
+            row = _reference_logprobs(srv, prompt + out, [0])[0]
+            for t in np.argsort(-row, kind="stable")[:2 * width].tolist():
+                (done if t in stops else grown).append((out if t in stops else out + [t], total + float(row[t])))
+        live = sorted(grown, key=lambda b: -b[1])[:width]
+    ranked = [(o, lp, "stop") for o, lp in done] + [(o, lp, "length") for o, lp in live]
+    ranked.sort(key=lambda b: -b[1] / (len(prompt) + len(b[0])) ** penalty)
+    return [(o, reason) for o, _, reason in ranked[:width]]
+
+
+def test_beam_ranking_divides_by_the_length_to_the_penalty():
+    """best_beams and next_beams as vLLM ranks: summed logprob / (prompt + output) ** length_penalty over
+    finished and live beams (a kept stop token not counted); a round keeps the width best live beams
+    and finishes those a stop token extends."""
+    from meshlab.infer.beam import Beam, best_beams, next_beams
+    short, long = Beam([1], -2.0, "stop"), Beam([1, 2, 3], -2.5)           # lengths 5 and 7 after 4 prompt tokens
+    assert [b.output for b in best_beams([short], [long], 2, 4, 1.0)] == [[1, 2, 3], [1]]      # -0.357 > -0.4
+    assert [b.output for b in best_beams([Beam([1], -2.0, "stop")], [Beam([1, 2, 3], -2.5)], 2, 4, 0.0)] == \
+        [[1], [1, 2, 3]]                                                   # no penalty: the summed logprob
+    assert Beam([1, 9], -2.0, "stop", kept_stop=True).score(4, 1.0) == short.score(4, 1.0)
+    live, done = next_beams([Beam([5], -1.0), Beam([6], -1.5)], [{7: -0.1, 9: -0.2}, {8: -0.05, 9: -3.0}], 2, {9}, False)
+    assert [(b.output, b.logprob) for b in live] == [([5, 7], -1.1), ([6, 8], -1.55)]
+    assert [(b.output, b.finish_reason) for b in done] == [([5], "stop"), ([6], "stop")]
+
+
+@pytest.mark.parametrize("width,penalty", [(3, 1.0), (2, 0.5)])
+def test_beam_search_equals_the_reference(server, width, penalty):
+    """vLLM's use_beam_search (width n, length_penalty): the choices are the reference search's beams in
+    its order, with their finish reasons (a stop token among the candidates ends a beam); usage counts
+    every beam's tokens; the engine holds nothing afterwards."""
+    tok = ByteTokenizer()
+    prompt = tok.encode("def beam(")
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5, "n": width,
+                                                            "use_beam_search": True, "length_penalty": penalty})
+    assert status == 200, resp
+    want = _reference_beam_search(server, prompt, width, 5, {256}, penalty)
+    got = [(c["text"], c["finish_reason"]) for c in resp["choices"]]
+    assert got == [(tok.decode(o), reason) for o, reason in want]
+    assert resp["usage"]["completion_tokens"] == sum(len(o) for o, _ in want)
+    assert not server.engine.has_work()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "use_beam_search": True}
+    status, resp = call(server, "POST", "/v1/chat/completions", chat)
+    assert status == 200 and len(resp["choices"]) == 2 and resp["choices"][0]["message"]["content"] != \
+        resp["choices"][1]["message"]["content"]
+    for bad, param in (({"temperature": 0.7}, "use_beam_search"), ({"stream": True}, "use_beam_search"),
+                       ({"n": 11}, "n"), ({"logprobs": True}, "use_beam_search"), ({"stop": ["x"]}, "use_beam_search")):
+        status, err = call(server, "POST", "/v1/chat/completions", dict(chat, **bad))
+        assert status == 400 and err["error"]["param"] == param, err
 
 
 def test_completion_logprobs_match_the_model(server):
