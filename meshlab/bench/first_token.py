@@ -65,11 +65,11 @@ def _timed(fn, reps: int, before=None) -> float:
 
 
 def dispatch_variants(engine, key, reps: int = 10) -> dict:
-    """The packed program of `key` ("packed", n_dec, k, width, greedy, logprobs, score, cut) called alone in the
+    """The packed program of `key` ("packed", n_dec, k, width, greedy, logprobs, score, ranks, cut) called alone in the
     variants of the module doc; us (medians of reps) keyed "{variant}_dispatch_{numpy|device|reuse|same}_us"
     and "{variant}_call_us" (numpy input, to the tokens on the host), plus "put_us", "args_*_us" and
     the compile seconds of the ahead-of-time variants."""
-    _, nd, k, c, greedy, logprobs, _, cut = key        # a tail never scores
+    _, nd, k, c, greedy, logprobs, _, _, cut = key     # a tail never scores
     slots = engine._packed_slots(nd, k, c)
     slots.fill()                                          # padding only: no cache write, no request
     static = dict(layout=slots.layout, greedy=greedy, logprobs=logprobs, cut=cut)

@@ -263,7 +263,7 @@ class SimulatedDevice:
         b = dict((name, shape) for name, shape, _ in layout)["pos"][0]
         return cache, seen, self._outputs((n, b), n * (self.step_s + self.row_s * b), logprobs)[0]
 
-    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=None):
+    def packed(self, weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=None, ranks=False):
         shapes = dict((name, shape) for name, shape, _ in layout)
         nd, t = shapes["p.dec_len"][0], shapes["p.tokens"][0]
         cost = self.packed_s + self.row_s * nd + self.token_s * (t - nd)

@@ -177,11 +177,16 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     elif tool_call:                            # the grammar's JSON call, read back as bare JSON
         from meshlab.infer.tools import TOOL_FORMATS
         tool_format = TOOL_FORMATS["json"]
-    asked, grammar = request_grammar(body)
+    from meshlab.infer.guided import FormError, request_grammar
+    try:
+        asked, grammar = request_grammar(body)
+    except FormError as e:
+        raise BadRequest(str(e), param=e.param) from None
     if tool_call and asked:
         raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
-    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar)
+    params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
+                       ranks=scores is not None)
     beam = _beam_penalty(body, params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
@@ -293,9 +298,10 @@ def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len:
     return logprobs, max_tokens
 
 
-def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None) -> list:
+def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None,
+              ranks: bool = False) -> list:
     """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
-    when prompt_logprobs is set (every choice shares its prompt)."""
+    when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks."""
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
@@ -317,81 +323,11 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     stop_ids = tuple(extra) + (() if _typed(body, "ignore_eos", bool, False) else tuple(stop_ids))
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
-                               logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs, **kw).validate()
+                               logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs,
+                               prompt_ranks=ranks and not i, **kw).validate()
                 for i in range(n)]
     except ValueError as e:
         raise BadRequest(str(e)) from None
-
-
-# vLLM's structured output: `structured_outputs` {kind: value}, and the guided_<kind> fields its
-# versions before 0.12 read (clients written for them still send them)
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def request_grammar(body) -> tuple[Optional[str], Optional[str]]:
-    """(the field that asks, its llguidance grammar) for the one output form a request asks for:
-    OpenAI's response_format, vLLM's structured_outputs (json, regex, choice, grammar, json_object;
-    whitespace_pattern between a JSON schema's tokens) or its older guided_json / guided_regex /
-    guided_choice / guided_grammar; (None, None) for free text. Two forms at once are a 400."""
-    asked, spacing = [], body.get("guided_whitespace_pattern")          # (field, kind, value)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        asked.append(("response_format", None, fmt))
-    outputs = body.get("structured_outputs")
-    if outputs is not None:
-        if not isinstance(outputs, dict):
-            raise BadRequest('`structured_outputs` must be an object such as {"choice": ["yes", "no"]}',
-                             param="structured_outputs")
-        other = sorted(k for k, v in outputs.items()
-                       if k not in STRUCTURED_KINDS + ("whitespace_pattern",) and v not in (None, False))
-        if other:
-            raise BadRequest(f"`structured_outputs.{other[0]}` is not supported by this server; it reads "
-                             f"{', '.join(STRUCTURED_KINDS)} and whitespace_pattern", param="structured_outputs")
-        asked += [(f"structured_outputs.{k}", k, outputs[k]) for k in STRUCTURED_KINDS
-                  if outputs.get(k) not in (None, False)]
-        spacing = outputs.get("whitespace_pattern", spacing)
-    asked += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in STRUCTURED_KINDS[:4] if body.get(f"guided_{k}") is not None]
-    if len(asked) > 1:
-        names = " and ".join(f"`{a[0]}`" for a in asked)
-        raise BadRequest(f"{names} each fix the output's form; send one", param=asked[1][0])
-    if not asked:
-        return None, None
-    name, kind, value = asked[0]
-    if kind is None:
-        return name, response_grammar(value)
-    from meshlab.infer import guided
-    if spacing is not None and not isinstance(spacing, str):
-        raise BadRequest("`whitespace_pattern` must be a regex string", param="whitespace_pattern")
-    try:
-        if kind in ("json", "json_object"):
-            if kind == "json_object" and value is not True:
-                raise ValueError("must be true")
-            schema = True if kind == "json_object" else json.loads(value) if isinstance(value, str) else value
-            return name, guided.json_grammar(schema, spacing)
-        return name, {"regex": guided.regex_grammar, "choice": guided.choice_grammar, "grammar": guided.cfg_grammar}[kind](value)
-    except ValueError as e:                                       # json.JSONDecodeError included
-        raise BadRequest(f"`{name}`: {e}", param=name) from None
-
-
-def response_grammar(fmt) -> Optional[str]:
-    """The grammar of OpenAI's `response_format`: None for text; JSON for {"type": "json_object"} (any
-    object) and {"type": "json_schema", "json_schema": {"schema": {...}}} (that schema)."""
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    from meshlab.infer.guided import json_grammar
-    try:
-        if kind == "json_object":
-            return json_grammar(True)
-        spec = fmt.get("json_schema")
-        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
-            return json_grammar(spec.get("schema", {}))
-    except ValueError as e:
-        raise BadRequest(f"`response_format`: {e}", param="response_format") from None
-    raise BadRequest('`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                     '"json_schema": {"name": ..., "schema": {...}}}', param="response_format")
 
 
 def _logit_bias(bias) -> dict:

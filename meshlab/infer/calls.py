@@ -264,13 +264,13 @@ def packed_program(packed_step, treedef, compiler_options: dict | None = None, o
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
     compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
     the buffer comes in pinned host memory and the program copies it to this sharding first."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=CUT_TOP_K):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=CUT_TOP_K, ranks=False):
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(packed_step(params, cache, seen, a["p"], a["rows"], a["counters"], a["out_slot"],
-                                       greedy=greedy, logprobs=logprobs, score=score, cut=cut))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "score", "cut"),
+                                       greedy=greedy, logprobs=logprobs, score=score, cut=cut, ranks=ranks))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "greedy", "logprobs", "score", "cut", "ranks"),
                    compiler_options=compiler_options)
 
 

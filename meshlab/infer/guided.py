@@ -1,6 +1,7 @@
 """Structured output: a request's tokens held to a grammar (OpenAI's `response_format` json_object and
 json_schema; vLLM's `structured_outputs` json, regex, choice and grammar), by llguidance's token
-matcher (the library vLLM and SGLang offer for it; the `serve` extra installs it).
+matcher (the library vLLM and SGLang offer for it; the `serve` extra installs it). request_grammar
+reads a request's fields into its one grammar.
 
 A request carries its grammar (SamplingParams.grammar, llguidance's text: `json_grammar` makes one
 from a JSON schema); the engine makes its matcher at admission (`Guide`) from a tokenizer view built
@@ -21,6 +22,7 @@ mask and take their non-greedy path (penalties and a draw per row) for guided ro
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 
@@ -80,6 +82,84 @@ def _checked(grammar: str, what: str) -> str:
     if error and not error.startswith("WARNING"):
         raise ValueError(f"the {what} was refused: {error.strip()}")
     return grammar
+
+
+class FormError(ValueError):
+    """A request's output form that cannot be served; `param` names its field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+# vLLM's structured output: `structured_outputs` {kind: value}, and the guided_<kind> fields its
+# versions before 0.12 read (clients written for them still send them)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_grammar(body) -> tuple[Optional[str], Optional[str]]:
+    """(the field that asks, its llguidance grammar) for the one output form a request asks for:
+    OpenAI's response_format, vLLM's structured_outputs (json, regex, choice, grammar, json_object;
+    whitespace_pattern between a JSON schema's tokens) or its older guided_json / guided_regex /
+    guided_choice / guided_grammar; (None, None) for free text. FormError (the server's 400) names the
+    field that is wrong, or the two that each ask for a form."""
+    asked, spacing = [], body.get("guided_whitespace_pattern")          # (field, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        asked.append(("response_format", None, fmt))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise FormError('`structured_outputs` must be an object such as {"choice": ["yes", "no"]}',
+                            param="structured_outputs")
+        other = sorted(k for k, v in outputs.items()
+                       if k not in STRUCTURED_KINDS + ("whitespace_pattern",) and v not in (None, False))
+        if other:
+            raise FormError(f"`structured_outputs.{other[0]}` is not supported by this server; it reads "
+                            f"{', '.join(STRUCTURED_KINDS)} and whitespace_pattern", param="structured_outputs")
+        asked += [(f"structured_outputs.{k}", k, outputs[k]) for k in STRUCTURED_KINDS
+                  if outputs.get(k) not in (None, False)]
+        spacing = outputs.get("whitespace_pattern", spacing)
+    asked += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in STRUCTURED_KINDS[:4] if body.get(f"guided_{k}") is not None]
+    if len(asked) > 1:
+        names = " and ".join(f"`{a[0]}`" for a in asked)
+        raise FormError(f"{names} each fix the output's form; send one", param=asked[1][0])
+    if not asked:
+        return None, None
+    name, kind, value = asked[0]
+    if kind is None:
+        return name, response_grammar(value)
+    if spacing is not None and not isinstance(spacing, str):
+        raise FormError("`whitespace_pattern` must be a regex string", param="whitespace_pattern")
+    try:
+        if kind in ("json", "json_object"):
+            if kind == "json_object" and value is not True:
+                raise ValueError("must be true")
+            schema = True if kind == "json_object" else json.loads(value) if isinstance(value, str) else value
+            return name, json_grammar(schema, spacing)
+        return name, {"regex": regex_grammar, "choice": choice_grammar, "grammar": cfg_grammar}[kind](value)
+    except ValueError as e:                                       # json.JSONDecodeError included
+        raise FormError(f"`{name}`: {e}", param=name) from None
+
+
+def response_grammar(fmt) -> Optional[str]:
+    """The grammar of OpenAI's `response_format`: None for text; JSON for {"type": "json_object"} (any
+    object) and {"type": "json_schema", "json_schema": {"schema": {...}}} (that schema)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return json_grammar(True)
+        spec = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return json_grammar(spec.get("schema", {}))
+    except ValueError as e:
+        raise FormError(f"`response_format`: {e}", param="response_format") from None
+    raise FormError('`response_format` must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                    '"json_schema": {"name": ..., "schema": {...}}}', param="response_format")
 
 
 class _ByteTokens:

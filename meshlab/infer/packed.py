@@ -64,7 +64,7 @@ class PackedSteps:
         nd = next(x for x in self.MIXED_DECODE if x >= m)
         k = next(x for x in self.PREFILL_ROWS if x >= len(prefills))
         scored = self._scored_rows(prefills)            # chunk rows computing prompt logprobs (scoring.py)
-        score = self._score_flag(scored)
+        score, ranks = self._score_flag(scored), self._rank_flag(scored)
         slots = self._packed_slots(nd, k, c, score is not None)
         real = calls.fill_packed(slots.fill(), decodes, prefills, s.table, s.page_size, self.slot_rows)
         if scored:
@@ -74,9 +74,9 @@ class PackedSteps:
                                  len(s.hidden_ok), xp=np)
             s.hidden_ok[ends[ends < len(s.hidden_ok)]] = True
         greedy, logprobs, cut = self._flags(real)
-        out = self._launch(("packed", nd, k, c, greedy, logprobs, score, cut), self.packed_call,
+        out = self._launch(("packed", nd, k, c, greedy, logprobs, score, ranks, cut), self.packed_call,
                            self._packed_input(slots), layout=slots.layout, greedy=greedy, logprobs=logprobs, score=score,
-                           cut=cut)
+                           cut=cut, ranks=ranks)
         self._keep_scores(out, scored, c)
         self.stats["steps"] += 1
         self.stats["packed_calls"] += 1

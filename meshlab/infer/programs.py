@@ -242,25 +242,28 @@ def _logprobs(logits, ids, top: int):
     return at, lp[:, :0], ids[:, None][:, :0]
 
 
-def _prompt_scores(model, h, targets, k: int, vocab: int, top: int) -> dict:
+def _prompt_scores(model, h, targets, k: int, vocab: int, top: int, ranks: bool = False) -> dict:
     """The prompt logprobs of a packed step's k chunk rows: h [k c, d] their final-normed hidden states,
-    targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob",
-    "prompt_rank" [k c], "prompt_top_logprob", "prompt_top_id" [k c, min(top, V)]}, the log-softmax
-    of the raw logits as _head reports it, and the target's rank (1 + the tokens more likely: vLLM's).
-    One row at a time (lax.map): the fp32 logits are [c, V] at once (263 MB at c = 512 for llama3's
-    vocabulary), not [k c, V]."""
+    targets [k c] the token after each (any id where none is asked) -> {"prompt_logprob" [k c],
+    "prompt_top_logprob", "prompt_top_id" [k c, min(top, V)]}, the log-softmax of the raw logits as
+    _head reports it; with ranks also "prompt_rank" [k c], the target's rank (1 + the tokens more
+    likely: vLLM's), one more pass over the vocabulary. One row at a time (lax.map): the fp32 logits
+    are [c, V] at once (263 MB at c = 512 for llama3's vocabulary), not [k c, V]."""
     d = h.shape[-1]
 
     def row(args):
         h_row, t_row = args                                                             # [c, d], [c]
         logits = model.logits(h_row[None])[0, :, :vocab]                                # [c, V]
         lp, top_lp, top_id = _logprobs(logits, t_row, top)                              # [c], [c, top] x2
-        # one compare-and-count pass over the row's log-softmax (XLA shares it with _logprobs')
+        if not ranks:
+            return lp, lp[:, None][:, :0], top_lp, top_id
+        # a compare-and-count pass over the row's log-softmax (XLA shares the log-softmax with _logprobs')
         rank = 1 + jnp.sum(jax.nn.log_softmax(logits, axis=-1) > lp[:, None], axis=-1, dtype=jnp.int32)   # [c]
-        return lp, rank, top_lp, top_id
+        return lp, rank[:, None], top_lp, top_id
     lp, rank, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
-    return {"prompt_logprob": lp.reshape(-1), "prompt_rank": rank.reshape(-1),
-            "prompt_top_logprob": top_lp.reshape(lp.size, -1), "prompt_top_id": top_id.reshape(lp.size, -1)}
+    out = {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
+           "prompt_top_id": top_id.reshape(lp.size, -1)}
+    return dict(out, prompt_rank=rank.reshape(-1)) if ranks else out
 
 
 def _mark(seen, slots, tokens, valid):
@@ -335,7 +338,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
       max_seqs; last_slot [R]: the slot whose LAST entry takes the row's sampled token, or max_seqs);
       rows/counters/out_slot describe the R = n_dec + k output rows. score (static): None, or the
       chunk rows' prompt logprobs are computed too (_prompt_scores: at p["targets"] [k chunk], the
-      token after each position, and their `score` best).
+      token after each position, and their `score` best; with ranks, each target's rank).
     decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy,
       logprobs, keep=None): rows [b] at positions pos, each fed while pos < limit; returns outputs
       [n, b]. keep [b]: positions below it lie in shared prefix pages (a fully cached prompt's
@@ -352,7 +355,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
     unroll, kernels = layers == "unroll", layers == "kernels"
 
     def packed_step(params, cache, seen, p, rows, counters, out_slot, greedy, logprobs, score=None,
-                    cut=CUT_TOP_K):
+                    cut=CUT_TOP_K, ranks=False):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         nd = p["from_last"].shape[0]
@@ -369,7 +372,7 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         _count(own, greedy, p["last_slot"], out["tokens"])
         own[LAST] = own[LAST].at[p["last_slot"]].set(out["tokens"], mode="drop")
         if score is not None:
-            out.update(_prompt_scores(model, h[0, nd:], p["targets"], p["pre_table"].shape[0], vocab, score))
+            out.update(_prompt_scores(model, h[0, nd:], p["targets"], p["pre_table"].shape[0], vocab, score, ranks))
         return out, dict(cache, **own), seen
 
     def decode_loop(params, cache, seen, tok, pos, limit, table, slots, rows, counters, n, greedy, logprobs,
@@ -402,5 +405,5 @@ def make_engine_programs(md, impl: str = "xla", interpret: bool = False, layers:
         own[LAST] = own[LAST].at[slots].set(last, mode="drop")
         return outs, dict(cache, **own), seen                                                      # outs: [n, b, ...]
 
-    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs", "score", "cut")),
+    return (jax.jit(packed_step, donate_argnums=(1, 2), static_argnames=("greedy", "logprobs", "score", "cut", "ranks")),
             jax.jit(decode_loop, donate_argnums=(1, 2), static_argnames=("n", "greedy", "logprobs", "cut")))

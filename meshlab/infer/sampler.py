@@ -65,6 +65,7 @@ class SamplingParams:
     # None: off; k in [0, 20]: each prompt token's logprob given the tokens before it and its k most
     # likely alternatives (Request.prompt_logprobs; computed by the packed steps: meshlab/infer/scoring.py)
     prompt_logprobs: Optional[int] = None
+    prompt_ranks: bool = False          # ... and each prompt token's rank (vLLM's prompt_logprobs reports it)
     # vLLM's: False shows special tokens in the text (a stop token that ends the output still only with
     # include_stop_str_in_output)
     skip_special_tokens: bool = True

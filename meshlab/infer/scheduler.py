@@ -64,8 +64,8 @@ class Request:
     # per output token when params.logprobs is set: (log-softmax of the chosen token, {token: logprob}
     # of the params.logprobs most likely ones), both from the model's raw logits (no temperature)
     logprobs: list = dataclasses.field(default_factory=list)
-    # with params.prompt_logprobs: [None, then (logprob, {token: logprob}, rank) per prompt token after
-    # the first], put together when its first token is emitted (meshlab.infer.scoring)
+    # with params.prompt_logprobs: [None, then (logprob, {token: logprob}, rank or None) per prompt token
+    # after the first], put together when its first token is emitted (meshlab.infer.scoring)
     prompt_logprobs: Optional[list] = dataclasses.field(default=None, repr=False)
     # until then, the packed steps that scored its positions and the stored pages it was served:
     # (scoring.StepScores or StoredScores, row offset in their outputs, first position, positions)
@@ -270,7 +270,7 @@ class Scheduler:
         if self.scores is None:
             return 0
         return self.scores.leading(self.prompt_keys(req, len(req.prompt) // self.page_size),
-                                   req.params.prompt_logprobs)
+                                   req.params.prompt_logprobs, req.params.prompt_ranks)
 
     def _in_flight(self, req: Request, hit: int) -> bool:
         """Whether the next page req could take (after its `hit` pages, or its stored scores' pages when it

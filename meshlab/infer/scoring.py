@@ -31,7 +31,8 @@ import numpy as np
 from meshlab.infer.programs import TOP_LOGPROBS
 from meshlab.infer.sampler import SamplingParams
 
-SCORE_KEYS = ("prompt_logprob", "prompt_rank", "prompt_top_logprob", "prompt_top_id")   # a scoring packed step's extra outputs
+# a scoring packed step's extra outputs ("prompt_rank" only from a step with the ranks flag)
+SCORE_KEYS = ("prompt_logprob", "prompt_rank", "prompt_top_logprob", "prompt_top_id")
 
 
 class StepScores:
@@ -62,19 +63,24 @@ class StoredScores:
 class ScoreStore:
     """Prompt scores of full pages by page key (pages.page_keys), least recently used dropped past
     `capacity` pages. An entry: (its token's logprob [page_size], the best alternatives' ids and
-    logprobs [page_size, k], its token's rank [page_size]) for the page's tokens, k the alternatives
-    the scoring request asked for."""
+    logprobs [page_size, k], its token's rank [page_size] or None) for the page's tokens, k the
+    alternatives the scoring request asked for, the ranks if it asked for them."""
 
     def __init__(self, page_size: int, capacity: int):
         self.page_size, self.capacity = page_size, capacity
         self.pages: collections.OrderedDict = collections.OrderedDict()
 
-    def leading(self, keys: list, top: int) -> int:
-        """How many of `keys` (a prompt's full pages, in order) have scores with >= top alternatives."""
+    def leading(self, keys: list, top: int, ranks: bool = False) -> int:
+        """How many of `keys` (a prompt's full pages, in order) have scores with >= top alternatives
+        (and ranks, if asked)."""
         n = 0
-        while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]][1].shape[1] >= top:
+        while n < len(keys) and self._covers(self.pages.get(keys[n]), top, ranks):
             n += 1
         return n
+
+    @staticmethod
+    def _covers(entry, top: int, ranks: bool) -> bool:
+        return entry is not None and entry[1].shape[1] >= top and (entry[3] is not None or not ranks)
 
     def parts(self, keys: list) -> list:
         """Score parts (Request.score_parts) of the pages `keys`, the first page at position 0."""
@@ -85,14 +91,15 @@ class ScoreStore:
             out.append((StoredScores(*self.pages[key]), base, q * ps - 1 + base, ps - base))
         return out
 
-    def put(self, keys: list, lp, ids, vals, rank) -> None:
-        """Store each full page q of keys from a prompt's scores by position (lp, rank [n]; ids / vals [n, k])."""
+    def put(self, keys: list, lp, ids, vals, rank=None) -> None:
+        """Store each full page q of keys from a prompt's scores by position (lp, rank [n] or None; ids /
+        vals [n, k]); a page stored before stays unless these scores carry more."""
         ps = self.page_size
         for q, key in enumerate(keys):
             lo = q * ps - 1                              # position of the page's first token's score
-            page = [np.concatenate([np.zeros_like(x[:1]), x[:ps - 1]]) if q == 0 else x[lo:lo + ps].copy()
-                    for x in (lp, ids, vals, rank)]
-            if key in self.pages and self.pages[key][1].shape[1] >= page[1].shape[1]:
+            page = [None if x is None else np.concatenate([np.zeros_like(x[:1]), x[:ps - 1]]) if q == 0
+                    else x[lo:lo + ps].copy() for x in (lp, ids, vals, rank)]
+            if self._covers(self.pages.get(key), page[1].shape[1], rank is not None):
                 self.pages.move_to_end(key)
                 continue
             self.pages[key] = tuple(page)
@@ -105,12 +112,14 @@ class Scoring:
     """Engine's prompt logprobs (a mixin, as meshlab.infer.packed's PackedSteps is): which chunk rows
     of a packed step score, their targets, and each request's logprobs put together."""
 
-    def prompt_logprobs(self, prompt, top: int = 0) -> list:
+    def prompt_logprobs(self, prompt, top: int = 0, ranks: bool = False) -> list:
         """Each prompt token's logprob given the ones before it and its `top` best alternatives
         ([None, (logprob, {id: logprob}, rank), ...]; the first token has no context, as OpenAI
-        reports it; rank: 1 + the tokens more likely): a one-token request through the engine (generate: call it from the thread that runs
-        the engine; other queued requests run too)."""
-        return self.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=top))[0].prompt_logprobs
+        reports it; rank: 1 + the tokens more likely, with ranks, else None): a one-token request
+        through the engine (generate: call it from the thread that runs the engine; other queued
+        requests run too)."""
+        return self.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=top,
+                                                      prompt_ranks=ranks))[0].prompt_logprobs
 
     @staticmethod
     def _scored_rows(prefills) -> list:
@@ -131,6 +140,11 @@ class Scoring:
         return most if most <= 1 else TOP_LOGPROBS
 
     @staticmethod
+    def _rank_flag(scored) -> bool:
+        """The packed step's static ranks: whether a scored row asks for its tokens' ranks."""
+        return any(r.params.prompt_ranks for _, r, _, _ in scored)
+
+    @staticmethod
     def _fill_targets(targets: np.ndarray, scored, c: int) -> None:
         """targets [k c] (the step's p.targets): at each scored position, the prompt token after it."""
         for j, r, start, m in scored:
@@ -141,7 +155,7 @@ class Scoring:
         requests of its scored rows (Request.score_parts)."""
         if not scored:
             return
-        step = StepScores({k: out.pop(k) for k in SCORE_KEYS})
+        step = StepScores({k: out.pop(k) for k in SCORE_KEYS if k in out})
         for j, r, start, m in scored:
             r.score_parts.append((step, j * c, start, m))
             self.stats["scored_tokens"] += m
@@ -153,22 +167,26 @@ class Scoring:
         page fed again) takes its last scores (the same weights and tokens)."""
         n, top = len(req.prompt) - 1, req.params.prompt_logprobs
         lp, ids, vals = np.zeros(n, np.float32), np.zeros((n, top), np.int32), np.zeros((n, top), np.float32)
-        rank, have = np.zeros(n, np.int32), np.zeros(n, bool)
+        rank, have, ranked = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
         for step, base, start, m in req.score_parts:
             h = step.host()
             lp[start:start + m] = h["prompt_logprob"][base:base + m]
-            rank[start:start + m] = h["prompt_rank"][base:base + m]
+            if h.get("prompt_rank") is not None:
+                rank[start:start + m] = h["prompt_rank"][base:base + m]
+                ranked[start:start + m] = True
             ids[start:start + m] = h["prompt_top_id"][base:base + m, :top]
             vals[start:start + m] = h["prompt_top_logprob"][base:base + m, :top]
             have[start:start + m] = True
-        if not have.all():
-            raise RuntimeError(f"prompt positions {np.flatnonzero(~have)[:8].tolist()} were never scored")
+        if not have.all() or (req.params.prompt_ranks and not ranked.all()):
+            missing = ~have | (~ranked if req.params.prompt_ranks else False)
+            raise RuntimeError(f"prompt positions {np.flatnonzero(missing)[:8].tolist()} were never scored")
+        ranked = ranked.all()
         req.score_parts = []
         store = self.sched.scores
         if store is not None:
             full = len(req.prompt) // store.page_size
             keys = self.sched.prompt_keys(req, full)
-            store.put(keys, lp, ids, vals, rank)
+            store.put(keys, lp, ids, vals, rank if ranked else None)
             self.sched.landed(req, self.sched.scoring, keys)
-        return [None] + [(x, dict(zip(i, v)), r) for x, i, v, r in zip(lp.tolist(), ids.tolist(), vals.tolist(),
-                                                                       rank.tolist())]
+        ranks = rank.tolist() if ranked else [None] * n
+        return [None] + [(x, dict(zip(i, v)), r) for x, i, v, r in zip(lp.tolist(), ids.tolist(), vals.tolist(), ranks)]

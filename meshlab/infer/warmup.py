@@ -70,6 +70,6 @@ class Warmup:
             for nd, k, w in shapes:
                 slots = self._packed_slots(nd, k, w, score is not None)
                 slots.fill()                                          # padding only
-                run(("packed", nd, k, w, greedy, logprobs, score, cut), self.packed_call, self._packed_input(slots),
+                run(("packed", nd, k, w, greedy, logprobs, score, False, cut), self.packed_call, self._packed_input(slots),
                     layout=slots.layout, score=score)
         return self.stats["compiles"] - before

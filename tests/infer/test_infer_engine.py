@@ -431,16 +431,19 @@ def test_logit_bias_moves_greedy_choices_and_leaves_the_slot(tiny, engine):
         ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
 
 
-def _check_prompt_logprobs(got, prompt, ref, top):
-    """got (Request.prompt_logprobs) against ref [n, V], the no-cache forward's log-softmax; the rank
-    within one of the reference's (a token within fp32 rounding of another may swap with it)."""
+def _check_prompt_logprobs(got, prompt, ref, top, ranked=False):
+    """got (Request.prompt_logprobs) against ref [n, V], the no-cache forward's log-softmax; a rank,
+    present when asked for (ranked), within one of the reference's (a token within fp32 rounding of
+    another may swap with it)."""
     assert len(got) == len(prompt) and got[0] is None
     for k in range(1, len(prompt)):
         value, alternatives, rank = got[k]
+        assert rank is not None or not ranked
         best = np.argsort(-ref[k - 1])[:top].tolist()
         np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
-        above = ref[k - 1] - ref[k - 1, prompt[k]]
-        assert 1 + np.sum(above > 1e-4) <= rank <= 1 + np.sum(above > -1e-4)
+        if rank is not None:                   # asked for (SamplingParams.prompt_ranks)
+            above = ref[k - 1] - ref[k - 1, prompt[k]]
+            assert 1 + np.sum(above > 1e-4) <= rank <= 1 + np.sum(above > -1e-4)
         assert list(alternatives) == best
         np.testing.assert_allclose(list(alternatives.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
 
@@ -456,7 +459,8 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
     rng = np.random.default_rng(3)
     for n in (1, 2, 8, 9, 17, 51):       # 51 and its one token: the whole cache (13 pages of 4)
         prompt = rng.integers(0, md.cfg.vocab_size, n).tolist()
-        _check_prompt_logprobs(engine.prompt_logprobs(prompt, top=2), prompt, ref_of(prompt), 2)
+        _check_prompt_logprobs(engine.prompt_logprobs(prompt, top=2, ranks=n % 2 == 1), prompt, ref_of(prompt), 2,
+                               ranked=n % 2 == 1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.prompt_logprobs([1, 2], top=21)
     with pytest.raises(AdmissionError):
@@ -491,6 +495,13 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
     again = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=1))[0]
     assert again.prefix_hit_tokens == 16 and engine.stats["prefill_tokens"] - fed == len(prompt) - 16
     _check_prompt_logprobs(again.prompt_logprobs, prompt, ref_of(prompt), 1)
+    # Asking for ranks, it is served no stored page without them: every position computed, then stored
+    # with ranks, which the next such request is served.
+    for served in (0, 16):
+        fed = engine.stats["prefill_tokens"]
+        ranked = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_ranks=True))[0]
+        assert engine.stats["prefill_tokens"] - fed == len(prompt) - served
+        _check_prompt_logprobs(ranked.prompt_logprobs, prompt, ref_of(prompt), 1, ranked=True)
     ref = ref_of(prompt)[-1]
     best = np.argsort(-ref)[:2].tolist()
     assert again.output == reqs[0].output[:1] and again.finish_reason == "length"
