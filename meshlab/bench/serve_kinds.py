@@ -13,14 +13,16 @@ from meshlab.bench.decode import emit
 def scoring(engine, work, label: str = "engine") -> list[dict]:
     """An evaluation harness's loglikelihood load: every prompt of `work` sent at once as a greedy
     one-token request with prompt logprobs (what lm-evaluation-harness's local-completions sends with
-    echo), against the same prompts as plain one-token requests (prefill through the packed steps) in
-    the same engine: prompt tokens/s of each, and the scored values' agreement (first token's)."""
+    echo), and with each token's rank too (vLLM's prompt_logprobs), against the same prompts as plain
+    one-token requests (prefill through the packed steps) in the same engine: prompt tokens/s of each,
+    and the scored requests' tokens against the plain ones'."""
     from meshlab.infer.sampler import SamplingParams
     prompts, rows, outputs, tokens = [p for p, _ in work], [], [], sum(len(p) for p, _ in work)
     vocab = engine.md.cfg.vocab_size
     warm = [[(t + 1) % vocab for t in p] for p in prompts]   # the same lengths (every program), none cached
     for name, sp in (("plain one-token", SamplingParams(max_tokens=1)),
-                     ("scored (prompt logprobs 1)", SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))):
+                     ("scored (prompt logprobs 1)", SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)),
+                     ("scored with ranks", SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1, prompt_ranks=True))):
         engine.generate(warm, sp)
         t = time.perf_counter()
         outputs.append([r.output for r in engine.generate(prompts, sp)])
@@ -28,8 +30,9 @@ def scoring(engine, work, label: str = "engine") -> list[dict]:
         rows.append({"section": "score", "setting": f"{label} {name} n={len(prompts)}", "value": tokens / wall,
                      "unit": "prompt tok/s", "requests_per_s": len(prompts) / wall,
                      "note": f"{len(prompts)} requests, {tokens} prompt tokens in {wall:.2f} s"})
-    same = sum(a == b for a, b in zip(*outputs))
-    rows[-1]["note"] += f"; its tokens equal the plain requests' in {same} of {len(prompts)}"
+    for row, got in zip(rows[1:], outputs[1:]):
+        same = sum(a == b for a, b in zip(outputs[0], got))
+        row["note"] += f"; its tokens equal the plain requests' in {same} of {len(prompts)}"
     return [emit(r) for r in rows] + multiple_choice(engine, work, label=label)
 
 

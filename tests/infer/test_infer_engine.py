@@ -190,17 +190,19 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
 
 
 def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
-    """bench_serve's score job on the tiny engine: plain one-token requests and scored ones over the
-    same prompts, each with its prompt tokens/s, and the scored requests' tokens equal the plain ones';
+    """bench_serve's score job on the tiny engine: plain one-token requests and scored ones (with and
+    without ranks) over the same prompts, each with its prompt tokens/s, and the scored requests'
+    tokens equal the plain ones';
     then a multiple-choice load without and with the score store: the store computes fewer tokens and
     gives the same logprobs."""
     import re
 
     from meshlab.bench.serve_kinds import scoring
     work = [(list(range(1 + i, 12 + 3 * i)), 1) for i in range(4)]
-    plain, scored, without, with_store = scoring(engine, work)
-    assert plain["unit"] == scored["unit"] == "prompt tok/s" and plain["value"] > 0 and scored["value"] > 0
-    assert "in 4 of 4" in scored["note"]
+    plain, scored, ranked, without, with_store = scoring(engine, work)
+    assert plain["unit"] == scored["unit"] == ranked["unit"] == "prompt tok/s" and min(
+        r["value"] for r in (plain, scored, ranked)) > 0
+    assert "in 4 of 4" in scored["note"] and "in 4 of 4" in ranked["note"] and "ranks" in ranked["setting"]
     computed = [int(re.search(r"(\d+) computed", r["note"]).group(1)) for r in (without, with_store)]
     assert "without the score store" in without["setting"] and computed[1] < computed[0], computed
     assert float(re.search(r"at most ([0-9.e+-]+)", with_store["note"]).group(1)) < 1e-5
