@@ -120,7 +120,7 @@ class BeamCall(Call):
             if not self.search.done():
                 self.search.cancel()
                 return False
-            if self.search.exception() is not None:
+            if self.search.cancelled() or self.search.exception() is not None:
                 self.failed = True
             return True
         finally:

@@ -536,6 +536,23 @@ def test_disconnect_aborts_and_frees_the_slot(server, stream):
     assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
 
 
+def test_disconnect_ends_a_beam_search(server):
+    """A client that goes away during a beam search: its round is aborted and no round follows (not
+    the ~100 rounds left), and the pages are freed."""
+    free = len(server.engine.sched.pool.free)
+    body = json.dumps({"prompt": "x", "max_tokens": 120, "n": 3, "use_beam_search": True}).encode()
+    s = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body, read=False)
+    deadline = time.perf_counter() + 20
+    while server.engine.stats["generated_tokens"] < 12 and time.perf_counter() < deadline:   # a few rounds ran
+        time.sleep(0.01)
+    generated = server.engine.stats["generated_tokens"]
+    s.close()
+    _idle(server, free)
+    assert server.engine.stats["generated_tokens"] - generated < 3 * 100
+    assert call(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+
+
 def _reference_logprobs(srv, prompt_ids, output_ids):
     """log_softmax of the model's fp32 logits over the real vocabulary, position by position."""
     ids = np.array([prompt_ids + output_ids], np.int32)
