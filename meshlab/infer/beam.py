@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 
 from meshlab.infer.api import MAX_TOP_LOGPROBS
-from meshlab.infer.http_call import Call, _disconnected, _ignore
+from meshlab.infer.http_call import Call, _disconnected
 from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import Request, with_special_tokens
 
@@ -62,6 +62,11 @@ class BeamCall(Call):
     rounds run on the event loop as one task; the choices are put together as finished Requests, so
     whole() answers as for sampled choices. Streaming is refused at parse (the beams are only known
     at the end)."""
+
+    observes = False                          # a round's one-token requests are not the server's requests
+
+    def _owned(self) -> list:
+        return self.round                     # close() aborts the round running (the client is gone)
 
     def __init__(self, server, plan):
         self.length_penalty = plan.beam
@@ -125,17 +130,3 @@ class BeamCall(Call):
             return True
         finally:
             gone.cancel()
-
-    def close(self):
-        """Abort the round running (the client is gone, or the search ended), once."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        self.server.inflight -= 1
-        self.server.calls.discard(self)
-        for r in self.round:
-            if r.finish_reason is None:
-                self.server.engine.abort(r)
-            r.on_event = _ignore
-        self.server.wake.set()

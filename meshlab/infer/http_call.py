@@ -69,6 +69,12 @@ class Call:
                     self.plan.prompts[first // self.n], self.plan.params[j], on_event=self._on_event(first + j))
         self.server.wake.set()
 
+    observes = True                           # the finished requests' metrics go to the server's histograms
+
+    def _owned(self) -> list:
+        """The engine requests this call submitted that may still run."""
+        return [r for r in self.reqs if r is not None]
+
     def close(self):
         """Abort what is still running (the client is gone), once; record the finished ones' metrics."""
         with self.lock:
@@ -77,13 +83,11 @@ class Call:
             self.closed = True
         self.server.inflight -= 1
         self.server.calls.discard(self)
-        for r in self.reqs:
-            if r is None:
-                continue
+        for r in self._owned():
             if r.finish_reason is None:
                 self.server.engine.abort(r)
                 self.server.counts["aborted"] += 1
-            else:
+            elif self.observes:
                 self.server.metrics.observe(r.metrics)
             # the request's callback held this call, and the call its requests: without the cycle, both
             # (and every token's logprobs) go at once instead of waiting for a full collection
