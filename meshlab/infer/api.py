@@ -5,15 +5,16 @@ No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadReq
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
 return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and
-refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix) with a
-400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam. Chat requests take vLLM's
-add_generation_prompt, continue_final_message (a reply prefilled by its last assistant message),
-chat_template_kwargs (variables for the template) and, from a server that trusts them, a request's
-own chat_template. `response_format` json_object / json_schema holds the output to JSON, and vLLM's
-`structured_outputs` (or its older guided_* fields) to a JSON schema, a regex, a list of choices or
-a grammar (meshlab.infer.guided); chat `tools` with tool_choice "required" or a named function make
-the reply a tool call, and with "auto" (the default) calls are read back out of the model's reply
-(meshlab.infer.tools).
+refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix,
+allowed_token_ids, bad_words, logits_processors, prompt_embeds, the deprecated functions) with a
+400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam. Chat
+requests take vLLM's add_generation_prompt, continue_final_message (a reply prefilled by its last
+assistant message; echo: the reply begins with it), chat_template_kwargs (variables for the
+template) and, from a server that trusts them, a request's own chat_template. `response_format`
+json_object / json_schema holds the output to JSON, and vLLM's `structured_outputs` (or its older
+guided_* fields) to a JSON schema, a regex, a list of choices or a grammar (meshlab.infer.guided);
+chat `tools` with tool_choice "required" or a named function make the reply a tool call, and with
+"auto" (the default) calls are read back out of the model's reply (meshlab.infer.tools).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Plan:
     """One HTTP request as the engine sees it: its prompts, and one SamplingParams per copy of each.
     Choice i answers prompt i // n (OpenAI's order: a prompt's n choices together)."""
     prompts: list                      # token ids per prompt (a chat request, or most completions: one)
-    prompt_texts: list                 # what echo shows ("" for token ids without echo: never decoded then)
+    prompt_texts: list                 # what echo shows ("" for token ids without echo: never decoded then); chat: the prompts
     params: list                       # [SamplingParams] * n (seeds seed + i)
     chat: bool
     stream: bool
@@ -54,6 +55,7 @@ class Plan:
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     special_tokens: bool = False       # vLLM's skip_special_tokens false: texts show the special tokens
     beam: Optional[float] = None       # vLLM's use_beam_search (width n): its length_penalty; None: sampled choices
+    reply_prefix: str = ""             # vLLM's chat echo: what each reply begins with (the last message's content)
 
     @property
     def submits(self) -> bool:
@@ -84,6 +86,12 @@ def _typed(body, name, typ, default=None, lo=None, hi=None):
 UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
+    "allowed_token_ids": (lambda v, b: v is not None, "send `logit_bias` (up to 300 tokens) or `structured_outputs`"),
+    "bad_words": (lambda v, b: bool(v), "send `logit_bias` against their tokens"),
+    "logits_processors": (lambda v, b: bool(v), "leave it out"),
+    "prompt_embeds": (lambda v, b: v is not None, "send the prompt's tokens or text"),
+    "functions": (lambda v, b: bool(v), "send `tools` (OpenAI's replacement for functions)"),
+    "function_call": (lambda v, b: v is not None, "send `tool_choice` (OpenAI's replacement for function_call)"),
 }
 
 
@@ -143,7 +151,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = _typed(body, "n", int, 1, 1, max_n)
     stream = _typed(body, "stream", bool, False)
-    echo = False if chat else _typed(body, "echo", bool, False)
+    echo = _typed(body, "echo", bool, False)
     keep = _typed(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens; -1: the context
     if keep == 0:
         raise BadRequest("`truncate_prompt_tokens` must be >= 1 (the prompt's last tokens kept), or -1 (the context)",
@@ -156,6 +164,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     # token ids are decoded only for echo (~0.1 ms per 1k ids)
     decode = tok.decode if skip else (lambda ids: tok.decode(ids, skip_special_tokens=False))
     texts = [(decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
+    reply_prefix = _chat_echo(body, choice) if chat and echo else ""
     logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
@@ -164,7 +173,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     for key in ("include_usage", "continuous_usage_stats"):
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
-    prompt_logprobs = logprobs if echo else None
+    prompt_logprobs = logprobs if echo and not chat else None
     scores = _typed(body, "prompt_logprobs", int, None, 0, MAX_TOP_LOGPROBS)    # vLLM's
     if scores is not None and stream:
         raise BadRequest("`prompt_logprobs` are not available with `stream: true` (as in vLLM); send them unstreamed",
@@ -192,7 +201,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
-                special_tokens=not skip, prompt_scores=scores, beam=beam)
+                special_tokens=not skip, prompt_scores=scores, beam=beam, reply_prefix=reply_prefix)
 
 
 # SamplingParams that beam search (meshlab.infer.beam) leaves at their defaults: it ranks beams by the
@@ -273,6 +282,17 @@ def _template(body, tok, trust: bool):
         return request_template(theirs, tuple(sorted(own.special.items())) if own is not None else ())
     except ValueError as e:
         raise BadRequest(f"`chat_template`: {e}", param="chat_template") from None
+
+
+def _chat_echo(body, choice) -> str:
+    """vLLM's chat echo: the reply begins with the last message's content when that message is in the
+    reply's role (assistant, or the last message's own without add_generation_prompt), else nothing."""
+    if choice is not None:
+        raise BadRequest("`echo` with `tools`: send one of them", param="echo")
+    last = chat_messages(body.get("messages"))[-1]
+    role = "assistant" if _typed(body, "add_generation_prompt", bool, not body.get("continue_final_message")) \
+        else last["role"]
+    return (last.get("content") or "") if last["role"] == role else ""
 
 
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):

@@ -141,6 +141,8 @@ class Call:
         return api.token_id_text(text) if self.plan.token_ids else text
 
     def _echoed(self, i: int) -> str:
+        if self.plan.chat:
+            return self.plan.reply_prefix
         return self.plan.prompt_texts[i // self.n] if self.plan.echo else ""
 
     def _prompt_logprobs(self, i: int) -> dict:
@@ -172,7 +174,7 @@ class Call:
                 choice.update(message={"role": "assistant", "content": content, "tool_calls": calls},
                               finish_reason="tool_calls")
             elif p.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": self._echoed(i) + text}
             else:
                 choice["text"] = self._echoed(i) + text
             if p.prompt_scores is not None and not p.chat:
@@ -269,7 +271,7 @@ class Call:
         try:
             for i in range(self.plan.choices):
                 if self.plan.chat:
-                    yield self._chunk(i, "", None, None, role=True)
+                    yield self._chunk(i, self._echoed(i), None, None, role=True)
                 elif self.plan.echo and self.plan.prompt_logprobs is None:
                     yield self._chunk(i, self._echoed(i), None, None)
             for i in range(self.plan.choices):

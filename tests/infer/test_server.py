@@ -201,6 +201,10 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "response_format": {"type": "json_object"}}, None, 400,
      "send one"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400, "send one"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, None, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["no"]}, None, 400, "bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, None, 400,
+     "`tools`"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, None, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
@@ -912,6 +916,26 @@ def test_chat_prefill_continues_the_last_message(server, templated_tokenizer):
         assert status == 400 and err["error"]["param"] == "add_generation_prompt", err
     status, err = call(server, "POST", "/v1/chat/completions", dict(body, add_generation_prompt=None))
     assert status == 200                       # continue_final_message alone: no new turn opened
+
+
+def test_chat_echo_prepends_the_last_message_in_the_replys_role(server):
+    """vLLM's chat echo: continuing a prefilled assistant message, the reply (whole and streamed) begins
+    with that message's content; after a user message (a new assistant turn) nothing is prepended;
+    with tools a 400."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello wor"}]
+    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    plain = call(server, "POST", "/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    status, echoed = call(server, "POST", "/v1/chat/completions", dict(body, echo=True))
+    assert status == 200 and echoed["choices"][0]["message"]["content"] == "hello wor" + plain
+    status, payload = call(server, "POST", "/v1/chat/completions", dict(body, echo=True, stream=True))
+    assert status == 200 and sse_text(payload, chat=True)[0] == "hello wor" + plain
+    turn = {"messages": messages[:1], "max_tokens": 4, "temperature": 0}
+    assert call(server, "POST", "/v1/chat/completions", dict(turn, echo=True))[1]["choices"][0]["message"] == \
+        call(server, "POST", "/v1/chat/completions", turn)[1]["choices"][0]["message"]
+    status, err = call(server, "POST", "/v1/chat/completions", dict(turn, echo=True, tools=[
+        {"type": "function", "function": {"name": "f"}}]))
+    assert status == 400 and err["error"]["param"] == "echo", err
 
 
 def test_chat_template_kwargs_reach_the_template(server, templated_tokenizer):
