@@ -67,7 +67,8 @@ class Plan:
         return len(self.prompts) * len(self.params)
 
 
-def _typed(body, name, typ, default=None, lo=None, hi=None):
+def body_field(body, name, typ, default=None, lo=None, hi=None):
+    """body[name] as typ (default when absent or null), within [lo, hi]; else a BadRequest naming it."""
     v = body.get(name)
     if v is None:
         return default
@@ -149,10 +150,10 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                               else (*_completion_prompts(body.get("prompt"), tok), None))
     if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
-    n = _typed(body, "n", int, 1, 1, max_n)
-    stream = _typed(body, "stream", bool, False)
-    echo = _typed(body, "echo", bool, False)
-    keep = _typed(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens; -1: the context
+    n = body_field(body, "n", int, 1, 1, max_n)
+    stream = body_field(body, "stream", bool, False)
+    echo = body_field(body, "echo", bool, False)
+    keep = body_field(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens; -1: the context
     if keep == 0:
         raise BadRequest("`truncate_prompt_tokens` must be >= 1 (the prompt's last tokens kept), or -1 (the context)",
                          param="truncate_prompt_tokens")
@@ -160,7 +161,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         keep = max_len if keep == -1 else keep
         texts = [t if len(p) <= keep else None for t, p in zip(texts, prompts)]   # a cut prompt's echo: its ids decoded
         prompts = [p[-keep:] for p in prompts]
-    skip = _typed(body, "skip_special_tokens", bool, True)
+    skip = body_field(body, "skip_special_tokens", bool, True)
     # token ids are decoded only for echo (~0.1 ms per 1k ids)
     decode = tok.decode if skip else (lambda ids: tok.decode(ids, skip_special_tokens=False))
     texts = [(decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
@@ -174,11 +175,11 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         if not isinstance(opts.get(key, False), bool):
             raise BadRequest(f"`stream_options.{key}` must be true or false", param="stream_options")
     prompt_logprobs = logprobs if echo and not chat else None
-    scores = _typed(body, "prompt_logprobs", int, None, 0, MAX_TOP_LOGPROBS)    # vLLM's
+    scores = body_field(body, "prompt_logprobs", int, None, 0, MAX_TOP_LOGPROBS)    # vLLM's
     if scores is not None and stream:
         raise BadRequest("`prompt_logprobs` are not available with `stream: true` (as in vLLM); send them unstreamed",
                          param="prompt_logprobs")
-    token_ids = _typed(body, "return_tokens_as_token_ids", bool, False)
+    token_ids = body_field(body, "return_tokens_as_token_ids", bool, False)
     tool_call = choice is not None and choice.call is not None
     if choice is not None and choice.auto and tool_format is None:
         from meshlab.infer.tools import tool_format as format_named
@@ -196,41 +197,13 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
                        ranks=scores is not None)
-    beam = _beam_penalty(body, params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
+    from meshlab.infer.beam import beam_penalty
+    beam = beam_penalty(body, params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
                 special_tokens=not skip, prompt_scores=scores, beam=beam, reply_prefix=reply_prefix)
-
-
-# SamplingParams that beam search (meshlab.infer.beam) leaves at their defaults: it ranks beams by the
-# raw logits' logprobs alone -> the request fields that set them
-_NOT_BEAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-               "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-               "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
-               "stop": "stop", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs / echo's logprobs",
-               "grammar": "response_format / structured_outputs / tools"}
-
-
-def _beam_penalty(body, p: SamplingParams, n: int, streamed_or_tools: bool) -> Optional[float]:
-    """None without vLLM's use_beam_search; else its length_penalty (1.0 by default), once the request
-    asks nothing beam search here does not do (a 400 names it)."""
-    if not _typed(body, "use_beam_search", bool, False):
-        return None
-    penalty = _typed(body, "length_penalty", float, 1.0)
-    if n > MAX_TOP_LOGPROBS // 2:
-        raise BadRequest(f"`n`={n} is the beam width with use_beam_search, at most {MAX_TOP_LOGPROBS // 2} (each "
-                         f"round ranks 2n candidates a beam)", param="n")
-    if streamed_or_tools:
-        raise BadRequest("`use_beam_search` answers when the search ends: send it without stream, max_tokens 0 or "
-                         "tools", param="use_beam_search")
-    plain = SamplingParams()
-    asked = [name for field, name in _NOT_BEAMED.items() if getattr(p, field) != getattr(plain, field)]
-    if asked:
-        raise BadRequest(f"`use_beam_search` ranks beams by the model's logprobs alone; leave out {', '.join(asked)}",
-                         param="use_beam_search")
-    return penalty
 
 
 def _chat_prompt(body, tok, trust_templates: bool = False):
@@ -244,8 +217,8 @@ def _chat_prompt(body, tok, trust_templates: bool = False):
         raise BadRequest(str(e), param=e.param) from None
     tools = choice.tools if choice else None
     # vLLM's prefill of the assistant's reply: continue_final_message (with add_generation_prompt false)
-    cont = _typed(body, "continue_final_message", bool, False)
-    gen = _typed(body, "add_generation_prompt", bool, not cont)
+    cont = body_field(body, "continue_final_message", bool, False)
+    gen = body_field(body, "add_generation_prompt", bool, not cont)
     if cont and gen:
         raise BadRequest("`continue_final_message` continues the last message, `add_generation_prompt` opens a new "
                          "one: set add_generation_prompt to false", param="add_generation_prompt")
@@ -290,7 +263,7 @@ def _chat_echo(body, choice) -> str:
     if choice is not None:
         raise BadRequest("`echo` with `tools`: send one of them", param="echo")
     last = chat_messages(body.get("messages"))[-1]
-    role = "assistant" if _typed(body, "add_generation_prompt", bool, not body.get("continue_final_message")) \
+    role = "assistant" if body_field(body, "add_generation_prompt", bool, not body.get("continue_final_message")) \
         else last["role"]
     return (last.get("content") or "") if last["role"] == role else ""
 
@@ -298,18 +271,18 @@ def _chat_echo(body, choice) -> str:
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
     """(top logprobs per token or None, max_tokens), with OpenAI's defaults and bounds."""
     if chat:
-        want = _typed(body, "logprobs", bool, False)
-        top = _typed(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        want = body_field(body, "logprobs", bool, False)
+        top = body_field(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not want:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         logprobs = (top or 0) if want else None
-        max_tokens = _typed(body, "max_completion_tokens", int, None, 1)
-        max_tokens = _typed(body, "max_tokens", int, max_tokens, 1)
+        max_tokens = body_field(body, "max_completion_tokens", int, None, 1)
+        max_tokens = body_field(body, "max_tokens", int, max_tokens, 1)
         if max_tokens is None:                 # chat default: the rest of the context
             max_tokens = max(max_len - prompt_len, 1)
     else:
-        logprobs = _typed(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
-        max_tokens = _typed(body, "max_tokens", int, 16, 0)
+        logprobs = body_field(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+        max_tokens = body_field(body, "max_tokens", int, 16, 0)
         if max_tokens == 0 and not echo:
             raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
     if prompt_len + max_tokens > max_len:
@@ -326,21 +299,21 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
-    seed = _typed(body, "seed", int, 0, 0, 2 ** 31 - n)
-    kw = {"temperature": _typed(body, "temperature", float, 0.0), "top_p": _typed(body, "top_p", float, 1.0),
-          "top_k": _typed(body, "top_k", int, 0), "min_p": _typed(body, "min_p", float, 0.0, 0.0, 1.0),
-          "repetition_penalty": _typed(body, "repetition_penalty", float, 1.0),
-          "include_stop_str_in_output": _typed(body, "include_stop_str_in_output", bool, False),
-          "skip_special_tokens": _typed(body, "skip_special_tokens", bool, True),
-          "min_tokens": _typed(body, "min_tokens", int, 0, 0),
-          "presence_penalty": _typed(body, "presence_penalty", float, 0.0, -2.0, 2.0),
-          "frequency_penalty": _typed(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
+    seed = body_field(body, "seed", int, 0, 0, 2 ** 31 - n)
+    kw = {"temperature": body_field(body, "temperature", float, 0.0), "top_p": body_field(body, "top_p", float, 1.0),
+          "top_k": body_field(body, "top_k", int, 0), "min_p": body_field(body, "min_p", float, 0.0, 0.0, 1.0),
+          "repetition_penalty": body_field(body, "repetition_penalty", float, 1.0),
+          "include_stop_str_in_output": body_field(body, "include_stop_str_in_output", bool, False),
+          "skip_special_tokens": body_field(body, "skip_special_tokens", bool, True),
+          "min_tokens": body_field(body, "min_tokens", int, 0, 0),
+          "presence_penalty": body_field(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+          "frequency_penalty": body_field(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
     kw["grammar"] = grammar
     extra = body.get("stop_token_ids") or []            # vLLM's: more stop tokens; ignore_eos: not the model's own
     if not isinstance(extra, list) or any(type(t) is not int for t in extra):
         raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")
-    stop_ids = tuple(extra) + (() if _typed(body, "ignore_eos", bool, False) else tuple(stop_ids))
+    stop_ids = tuple(extra) + (() if body_field(body, "ignore_eos", bool, False) else tuple(stop_ids))
     try:
         return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
                                logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs,

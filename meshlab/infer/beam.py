@@ -16,11 +16,41 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Optional
 
-from meshlab.infer.api import MAX_TOP_LOGPROBS
+from meshlab.infer.api import MAX_TOP_LOGPROBS, BadRequest, body_field
 from meshlab.infer.http_call import Call, _disconnected
 from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import Request, with_special_tokens
+
+
+# SamplingParams that beam search leaves at their defaults: it ranks beams by the
+# raw logits' logprobs alone -> the request fields that set them
+_NOT_BEAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+               "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+               "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
+               "stop": "stop", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs / echo's logprobs",
+               "grammar": "response_format / structured_outputs / tools"}
+
+
+def beam_penalty(body, p: SamplingParams, n: int, streamed_or_tools: bool) -> Optional[float]:
+    """None without vLLM's use_beam_search; else its length_penalty (1.0 by default), once the request
+    asks nothing beam search here does not do (a 400 names it)."""
+    if not body_field(body, "use_beam_search", bool, False):
+        return None
+    penalty = body_field(body, "length_penalty", float, 1.0)
+    if n > MAX_TOP_LOGPROBS // 2:
+        raise BadRequest(f"`n`={n} is the beam width with use_beam_search, at most {MAX_TOP_LOGPROBS // 2} (each "
+                         f"round ranks 2n candidates a beam)", param="n")
+    if streamed_or_tools:
+        raise BadRequest("`use_beam_search` answers when the search ends: send it without stream, max_tokens 0 or "
+                         "tools", param="use_beam_search")
+    plain = SamplingParams()
+    asked = [name for field, name in _NOT_BEAMED.items() if getattr(p, field) != getattr(plain, field)]
+    if asked:
+        raise BadRequest(f"`use_beam_search` ranks beams by the model's logprobs alone; leave out {', '.join(asked)}",
+                         param="use_beam_search")
+    return penalty
 
 
 @dataclasses.dataclass
