@@ -4,7 +4,8 @@ Starts the server (default: --checkpoint random:llama3_1b --dtype bfloat16), the
 streamed completion arrives as server-sent events ending in [DONE] with every token counted; that a
 streaming client which disconnects after a few chunks has its request aborted (requests_running back
 to 0 and every cache page free within seconds, far fewer tokens generated than it asked for); that
-n=2 with logprobs answers. Random weights with a byte tokenizer sample mostly ids past its 256 bytes,
+n=2 with logprobs answers; that a `structured_outputs` choice, a beam search and vLLM's
+`prompt_logprobs` (with ranks) answer in their forms. Random weights with a byte tokenizer sample mostly ids past its 256 bytes,
 which have no text: the checks count tokens (usage in every chunk, logprobs by token id), not text.
 Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the CPU tests
 cover the same behaviours on a tiny model: tests/infer/test_server.py).
@@ -90,6 +91,23 @@ def check_n_logprobs(port: int) -> str:
     return f"2 choices, logprobs of {len(lp['tokens'])} tokens"
 
 
+def check_forms(port: int) -> str:
+    """A choice held by the grammar (greedy over the allowed bytes), a beam search of width 2, and each
+    prompt token's logprob and rank."""
+    status, payload = post(port, {"prompt": "colour: ", "max_tokens": 8, "structured_outputs": {"choice": ["red", "green"]}})
+    choice = json.loads(payload)["choices"][0] if status == 200 else None
+    assert choice is not None and choice["text"] in ("red", "green") and choice["finish_reason"] == "stop", payload[:300]
+    status, payload = post(port, {"prompt": "def ", "max_tokens": 4, "n": 2, "use_beam_search": True})
+    beams = json.loads(payload) if status == 200 else None
+    assert beams is not None and len(beams["choices"]) == 2 and beams["usage"]["completion_tokens"] >= 2, payload[:300]
+    status, payload = post(port, {"prompt": "def f(x):", "max_tokens": 1, "prompt_logprobs": 1})
+    body = json.loads(payload) if status == 200 else None
+    listed = body["choices"][0]["prompt_logprobs"] if body else None
+    assert listed and len(listed) == body["usage"]["prompt_tokens"] and listed[0] is None and all(
+        min(e["rank"] for e in entry.values()) >= 1 for entry in listed[1:]), payload[:300]
+    return f"choice {choice['text']!r}, {len(beams['choices'])} beams, {len(listed)} prompt logprobs"
+
+
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if "--checkpoint" not in args:
@@ -104,7 +122,7 @@ def main(argv=None):
         port = int(line.rsplit(":", 1)[1])
         post(port, {"prompt": "warm up", "max_tokens": 16})          # compiles before the timed checks
         for name, check in (("stream", check_stream), ("disconnect", check_disconnect),
-                            ("n=2 logprobs", check_n_logprobs)):
+                            ("n=2 logprobs", check_n_logprobs), ("output forms", check_forms)):
             try:
                 print(f"PASS {name}: {check(port)}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every check, then fail
