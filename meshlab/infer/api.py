@@ -7,7 +7,7 @@ min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_outpu
 return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and
 refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix,
 allowed_token_ids, bad_words, logits_processors, prompt_embeds, the deprecated functions) with a
-400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam. Chat
+400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam_call. Chat
 requests take vLLM's add_generation_prompt, continue_final_message (a reply prefilled by its last
 assistant message; echo: the reply begins with it), chat_template_kwargs (variables for the
 template) and, from a server that trusts them, a request's own chat_template. `response_format`
@@ -197,8 +197,14 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
                        ranks=scores is not None)
-    from meshlab.infer.beam import beam_penalty
-    beam = beam_penalty(body, params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
+    beam = None                                # vLLM's use_beam_search: its length_penalty (meshlab.infer.beam)
+    if body_field(body, "use_beam_search", bool, False):
+        from meshlab.infer.beam import BeamError, check_beam
+        try:
+            check_beam(params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
+        except BeamError as e:
+            raise BadRequest(str(e), param=e.param) from None
+        beam = body_field(body, "length_penalty", float, 1.0)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,

@@ -31,7 +31,7 @@ import traceback
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
-from meshlab.infer.beam import BeamCall
+from meshlab.infer.beam_call import BeamCall
 from meshlab.infer.http_call import Call
 from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics, StatsLog
 
