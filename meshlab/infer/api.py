@@ -53,7 +53,6 @@ class Plan:
     tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
-    special_tokens: bool = False       # vLLM's skip_special_tokens false: texts show the special tokens
     beam: Optional[float] = None       # vLLM's use_beam_search (width n): its length_penalty; None: sampled choices
     reply_prefix: str = ""             # vLLM's chat echo: what each reply begins with (the last message's content)
 
@@ -61,6 +60,11 @@ class Plan:
     def submits(self) -> bool:
         """Whether the engine runs it: to generate, or (max_tokens=0) only to score the prompt."""
         return self.generate or self.prompt_logprobs is not None or self.prompt_scores is not None
+
+    @property
+    def special_tokens(self) -> bool:
+        """vLLM's skip_special_tokens false: texts and logprobs show the special tokens."""
+        return not self.params[0].skip_special_tokens
 
     @property
     def choices(self) -> int:
@@ -146,8 +150,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
             raise BadRequest(f"`{name}` is not supported by this server; {instead}", param=name)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise BadRequest("`tools` belong to /v1/chat/completions", param="tools")
-    texts, prompts, choice = (_chat_prompt(body, tok, trust_templates) if chat
-                              else (*_completion_prompts(body.get("prompt"), tok), None))
+    texts, prompts, choice, last = (_chat_prompt(body, tok, trust_templates) if chat
+                                    else (*_completion_prompts(body.get("prompt"), tok), None, ""))
     if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
     n = body_field(body, "n", int, 1, 1, max_n)
@@ -165,7 +169,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     # token ids are decoded only for echo (~0.1 ms per 1k ids)
     decode = tok.decode if skip else (lambda ids: tok.decode(ids, skip_special_tokens=False))
     texts = [(decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
-    reply_prefix = _chat_echo(body, choice) if chat and echo else ""
+    if chat and echo and choice is not None:
+        raise BadRequest("`echo` with `tools`: send one of them", param="echo")
     logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
@@ -209,12 +214,14 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
-                special_tokens=not skip, prompt_scores=scores, beam=beam, reply_prefix=reply_prefix)
+                prompt_scores=scores, beam=beam, reply_prefix=last if echo else "")
 
 
 def _chat_prompt(body, tok, trust_templates: bool = False):
-    """([text], [ids], tools.ToolChoice or None): the messages (and tools) through the request's own
-    chat_template (trust_templates), else the tokenizer's, else the plain format."""
+    """([text], [ids], tools.ToolChoice or None, what vLLM's chat echo puts before the reply): the
+    messages (and tools) through the request's own chat_template (trust_templates), else the
+    tokenizer's, else the plain format. The echo is the last message's content when that message is
+    in the reply's role: an assistant's, or any without add_generation_prompt (the reply continues it)."""
     from meshlab.infer.tools import ToolError, parse_tools
     messages = chat_messages(body.get("messages"))
     try:
@@ -242,7 +249,9 @@ def _chat_prompt(body, tok, trust_templates: bool = False):
         text = template(messages, tools, gen, cont, extra) if template else plain_chat_prompt(messages, tools, gen, cont)
     except ValueError as e:          # the template raised: its own words, on the template a request sent
         raise BadRequest(str(e), param="messages" if body.get("chat_template") is None else "chat_template") from None
-    return [text], [tok.encode(text)], choice
+    last = messages[-1]
+    echo = (last.get("content") or "") if not gen or last["role"] == "assistant" else ""
+    return [text], [tok.encode(text)], choice, echo
 
 
 def _template(body, tok, trust: bool):
@@ -261,17 +270,6 @@ def _template(body, tok, trust: bool):
         return request_template(theirs, tuple(sorted(own.special.items())) if own is not None else ())
     except ValueError as e:
         raise BadRequest(f"`chat_template`: {e}", param="chat_template") from None
-
-
-def _chat_echo(body, choice) -> str:
-    """vLLM's chat echo: the reply begins with the last message's content when that message is in the
-    reply's role (assistant, or the last message's own without add_generation_prompt), else nothing."""
-    if choice is not None:
-        raise BadRequest("`echo` with `tools`: send one of them", param="echo")
-    last = chat_messages(body.get("messages"))[-1]
-    role = "assistant" if body_field(body, "add_generation_prompt", bool, not body.get("continue_final_message")) \
-        else last["role"]
-    return (last.get("content") or "") if last["role"] == role else ""
 
 
 def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):

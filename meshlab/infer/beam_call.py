@@ -8,7 +8,7 @@ import dataclasses
 from meshlab.infer.beam import Beam, best_beams, next_beams
 from meshlab.infer.http_call import Call, _disconnected
 from meshlab.infer.sampler import SamplingParams
-from meshlab.infer.scheduler import Request, with_special_tokens
+from meshlab.infer.scheduler import Request, output_decoder
 
 
 class BeamCall(Call):
@@ -64,12 +64,12 @@ class BeamCall(Call):
 
     async def _search_all(self) -> None:
         """The prompts one after another (a round's beams already fill a step), each beam a choice."""
-        p, decode = self.plan.params[0], self.server.engine.detokenize
+        p = self.plan.params[0]
+        decode = output_decoder(self.server.engine.detokenize, p)
         for i, prompt in enumerate(self.plan.prompts):
             for j, beam in enumerate(await self._search(prompt)):
-                r = Request(prompt, p, output=beam.output, finish_reason=beam.finish_reason)
-                r.detokenize = decode if p.skip_special_tokens else with_special_tokens(decode, p)
-                self.reqs[i * self.n + j] = r
+                self.reqs[i * self.n + j] = Request(prompt, p, output=beam.output, finish_reason=beam.finish_reason,
+                                                    detokenize=decode)
         self.done = [True] * self.plan.choices
 
     async def wait_all(self, request) -> bool:

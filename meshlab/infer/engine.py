@@ -39,7 +39,7 @@ from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, L
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
-from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, with_special_tokens
+from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
 from meshlab.infer.scoring import ScoreStore, Scoring
 from meshlab.infer.warmup import Warmup
 
@@ -266,8 +266,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     def _emit(self, req, tokens, logprobs=None) -> bool:
         """Append sampled tokens until a stop (Request.append); True when the request finished."""
         if req.detokenize is None and self.detokenize is not None:
-            req.detokenize = self.detokenize if req.params.skip_special_tokens else with_special_tokens(
-                self.detokenize, req.params)
+            req.detokenize = output_decoder(self.detokenize, req.params)
         if not req.output:
             req.t_first = time.perf_counter()
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:

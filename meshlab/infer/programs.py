@@ -256,14 +256,14 @@ def _prompt_scores(model, h, targets, k: int, vocab: int, top: int, ranks: bool 
         logits = model.logits(h_row[None])[0, :, :vocab]                                # [c, V]
         lp, top_lp, top_id = _logprobs(logits, t_row, top)                              # [c], [c, top] x2
         if not ranks:
-            return lp, lp[:, None][:, :0], top_lp, top_id
+            return lp, top_lp, top_id
         # a compare-and-count pass over the row's log-softmax (XLA shares the log-softmax with _logprobs')
-        rank = 1 + jnp.sum(jax.nn.log_softmax(logits, axis=-1) > lp[:, None], axis=-1, dtype=jnp.int32)   # [c]
-        return lp, rank[:, None], top_lp, top_id
-    lp, rank, top_lp, top_id = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
+        return lp, top_lp, top_id, 1 + jnp.sum(jax.nn.log_softmax(logits, axis=-1) > lp[:, None], axis=-1,
+                                               dtype=jnp.int32)                         # ..., [c]
+    lp, top_lp, top_id, *rank = jax.lax.map(row, (h.reshape(k, -1, d), targets.reshape(k, -1)))   # [k, c, ...]
     out = {"prompt_logprob": lp.reshape(-1), "prompt_top_logprob": top_lp.reshape(lp.size, -1),
            "prompt_top_id": top_id.reshape(lp.size, -1)}
-    return dict(out, prompt_rank=rank.reshape(-1)) if ranks else out
+    return dict(out, prompt_rank=rank[0].reshape(-1)) if ranks else out
 
 
 def _mark(seen, slots, tokens, valid):

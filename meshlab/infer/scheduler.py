@@ -37,10 +37,13 @@ class AdmissionError(ValueError):
     """A request that this engine can never serve (too long for the context or the cache)."""
 
 
-def with_special_tokens(decode, params) -> Callable:
-    """`decode` showing special tokens (vLLM's skip_special_tokens false); the stop token that ends an
-    output stays out of its text, as a stop string does, unless include_stop_str_in_output (the
-    stop tokens cannot come earlier: min_tokens holds them back on the device)."""
+def output_decoder(decode, params) -> Callable:
+    """How a request's output reads as text: `decode` itself, or with params.skip_special_tokens False
+    (vLLM's) `decode` showing special tokens, where the stop token that ends an output stays out of
+    its text, as a stop string does, unless include_stop_str_in_output (the stop tokens cannot come
+    earlier: min_tokens holds them back on the device)."""
+    if params.skip_special_tokens:
+        return decode
     stops, keep = frozenset(params.stop_token_ids), params.include_stop_str_in_output
 
     def decode_with_specials(ids):

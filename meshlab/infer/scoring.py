@@ -177,9 +177,9 @@ class Scoring:
             ids[start:start + m] = h["prompt_top_id"][base:base + m, :top]
             vals[start:start + m] = h["prompt_top_logprob"][base:base + m, :top]
             have[start:start + m] = True
-        if not have.all() or (req.params.prompt_ranks and not ranked.all()):
-            missing = ~have | (~ranked if req.params.prompt_ranks else False)
-            raise RuntimeError(f"prompt positions {np.flatnonzero(missing)[:8].tolist()} were never scored")
+        done = have & ranked if req.params.prompt_ranks else have
+        if not done.all():
+            raise RuntimeError(f"prompt positions {np.flatnonzero(~done)[:8].tolist()} were never scored")
         ranked = ranked.all()
         req.score_parts = []
         store = self.sched.scores

@@ -433,14 +433,15 @@ def test_logit_bias_moves_greedy_choices_and_leaves_the_slot(tiny, engine):
         ContiguousGenerator(md, params, batch=1, max_len=32, chunk=8).generate([[1]], SamplingParams(frequency_penalty=1))
 
 
-def _check_prompt_logprobs(got, prompt, ref, top, ranked=False):
+def _check_prompt_logprobs(got, prompt, ref, top, ranked=None):
     """got (Request.prompt_logprobs) against ref [n, V], the no-cache forward's log-softmax; a rank,
-    present when asked for (ranked), within one of the reference's (a token within fp32 rounding of
-    another may swap with it)."""
+    present when asked for (ranked True), absent when its steps computed none (ranked False; None:
+    either, as for a request sharing its steps with one that asked), within one of the reference's
+    (a token within fp32 rounding of another may swap with it)."""
     assert len(got) == len(prompt) and got[0] is None
     for k in range(1, len(prompt)):
         value, alternatives, rank = got[k]
-        assert rank is not None or not ranked
+        assert ranked is None or (rank is not None) == ranked
         best = np.argsort(-ref[k - 1])[:top].tolist()
         np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
         if rank is not None:                   # asked for (SamplingParams.prompt_ranks)
