@@ -5,8 +5,9 @@ streamed completion arrives as server-sent events ending in [DONE] with every to
 streaming client which disconnects after a few chunks has its request aborted (requests_running back
 to 0 and every cache page free within seconds, far fewer tokens generated than it asked for); that
 n=2 with logprobs answers; that a `structured_outputs` choice, a beam search and vLLM's
-`prompt_logprobs` (with ranks) answer in their forms. Random weights with a byte tokenizer sample mostly ids past its 256 bytes,
-which have no text: the checks count tokens (usage in every chunk, logprobs by token id), not text.
+`prompt_logprobs` (with ranks) answer in their forms. Random weights with a byte tokenizer sample
+mostly ids past its 256 bytes, which have no text: the checks count tokens (usage in every chunk,
+logprobs by token id), not text.
 Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the CPU tests
 cover the same behaviours on a tiny model: tests/infer/test_server.py).
 """
