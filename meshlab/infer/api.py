@@ -4,9 +4,9 @@ engine requests, and turning finished (or growing) requests into choices, chunks
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output, min_tokens,
-return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs), and
-refuses what would change the answer and is not implemented (`UNSUPPORTED`: best_of, suffix,
-allowed_token_ids, bad_words, logits_processors, prompt_embeds, the deprecated functions) with a
+return_tokens_as_token_ids, truncate_prompt_tokens, skip_special_tokens, prompt_logprobs,
+allowed_token_ids, bad_words), and refuses what would change the answer and is not implemented
+(`UNSUPPORTED`: best_of, suffix, logits_processors, prompt_embeds, the deprecated functions) with a
 400 that says so, rather than ignoring it; use_beam_search (width n) runs meshlab.infer.beam_call. Chat
 requests take vLLM's add_generation_prompt, continue_final_message (a reply prefilled by its last
 assistant message; echo: the reply begins with it), chat_template_kwargs (variables for the
@@ -91,8 +91,6 @@ def body_field(body, name, typ, default=None, lo=None, hi=None):
 UNSUPPORTED = {
     "best_of": (lambda v, b: v != b.get("n", 1), "leave it out"),
     "suffix": (lambda v, b: bool(v), "leave it out"),
-    "allowed_token_ids": (lambda v, b: v is not None, "send `logit_bias` (up to 300 tokens) or `structured_outputs`"),
-    "bad_words": (lambda v, b: bool(v), "send `logit_bias` against their tokens"),
     "logits_processors": (lambda v, b: bool(v), "leave it out"),
     "prompt_embeds": (lambda v, b: v is not None, "send the prompt's tokens or text"),
     "functions": (lambda v, b: bool(v), "send `tools` (OpenAI's replacement for functions)"),
@@ -192,16 +190,17 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     elif tool_call:                            # the grammar's JSON call, read back as bare JSON
         from meshlab.infer.tools import TOOL_FORMATS
         tool_format = TOOL_FORMATS["json"]
-    from meshlab.infer.guided import FormError, request_grammar
+    from meshlab.infer.guided import FormError, bad_words_ids, request_grammar
     try:
         asked, grammar = request_grammar(body)
+        bad_words = bad_words_ids(body.get("bad_words"), tok)
     except FormError as e:
         raise BadRequest(str(e), param=e.param) from None
     if tool_call and asked:
         raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
-                       ranks=scores is not None)
+                       ranks=scores is not None, bad_words=bad_words)
     beam = None                                # vLLM's use_beam_search: its length_penalty (meshlab.infer.beam)
     if body_field(body, "use_beam_search", bool, False):
         from meshlab.infer.beam import BeamError, check_beam
@@ -296,9 +295,12 @@ def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len:
 
 
 def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None,
-              ranks: bool = False) -> list:
+              ranks: bool = False, bad_words=()) -> list:
     """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
     when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks."""
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and not (isinstance(allowed, list) and allowed and all(type(t) is int for t in allowed)):
+        raise BadRequest("`allowed_token_ids` must be a non-empty list of token ids", param="allowed_token_ids")
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
@@ -314,6 +316,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
           "frequency_penalty": body_field(body, "frequency_penalty", float, 0.0, -2.0, 2.0)}
     kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
     kw["grammar"] = grammar
+    kw["allowed_token_ids"], kw["bad_words_ids"] = allowed, bad_words
     extra = body.get("stop_token_ids") or []            # vLLM's: more stop tokens; ignore_eos: not the model's own
     if not isinstance(extra, list) or any(type(t) is not int for t in extra):
         raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")

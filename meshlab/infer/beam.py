@@ -29,7 +29,8 @@ _NOT_BEAMED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "min_tokens": "min_tokens",
                "stop": "stop", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs / echo's logprobs",
-               "grammar": "response_format / structured_outputs / tools"}
+               "grammar": "response_format / structured_outputs / tools", "allowed_token_ids": "allowed_token_ids",
+               "bad_words_ids": "bad_words"}
 
 
 class BeamError(ValueError):

@@ -33,7 +33,7 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
-from meshlab.infer.guided import Guided, mask_words
+from meshlab.infer.guided import Guide, Guided, TokenRules, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
@@ -177,7 +177,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias or held stops
         self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
         self._mask_executor = None                               # llguidance's, made at the first guided step
-        self.guided: set = set()                                 # requests held to a grammar, queued or running
+        self.masked: set = set()            # requests with a token mask (a grammar, allowed or banned tokens), queued or running
+        self.guided: set = set()            # those whose mask follows each token (Guide.per_step)
         # meshlab.infer.guided.Grammars of the served tokenizer (the server sets it): requests with a
         # grammar (SamplingParams.grammar) are refused without one
         self.grammars = None
@@ -236,12 +237,13 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         need = len(prompt) + params.max_tokens
         if need > s.max_len or -(-need // s.page_size) > s.pool.total:
             s.add(Request(prompt, params))            # raises the precise AdmissionError
-        guide = None
+        rules = TokenRules.of(params, self.md.cfg.vocab_size)
+        guide = None if rules is None else Guide(None, rules)
         if params.grammar is not None:
             if self.grammars is None:
                 raise AdmissionError("a grammar needs the engine's tokenizer: set engine.grammars = "
                                      "meshlab.infer.guided.Grammars(tokenizer, vocab_size)")
-            guide = self.grammars.guide(params.grammar)
+            guide = self.grammars.guide(params.grammar, rules)
         req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32),
                       guide=guide)
         self.inbox.put(req)
@@ -262,6 +264,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.stats["requests_finished"] += 1
         self.stats["preemptions"] += req.preemptions
         self.guided.discard(req)
+        self.masked.discard(req)
 
     def _emit(self, req, tokens, logprobs=None) -> bool:
         """Append sampled tokens until a stop (Request.append); True when the request finished."""
@@ -284,8 +287,11 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         while not self.inbox.empty():
             req = self.sched.add(self.inbox.get_nowait())
             if req.guide is not None:
-                self.guided.add(req)
-                self.stats["guided_requests"] += 1
+                self.masked.add(req)
+                if req.guide.per_step:
+                    self.guided.add(req)
+                if req.guide.matcher is not None:
+                    self.stats["guided_requests"] += 1
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):
@@ -447,7 +453,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         tok, from_last = np.zeros(b, np.int32), np.full(b, s.max_seqs, np.int32)
         calls.feed_decodes(decodes, tok, from_last)
         pos[:m] = [r.cached for r in decodes]
-        steps = [1 if r.guide is not None else n for r in decodes]       # a guided row's next mask needs its token
+        steps = [1 if r.guide is not None and r.guide.per_step else n for r in decodes]   # its next mask needs its token
         limit[:m] = [min(r.end, r.cached + k) for r, k in zip(decodes, steps)]
         counters[:m] = [len(r.output) + r.pending for r in decodes]
         greedy, logprobs, cut = self._flags(slots[:m])

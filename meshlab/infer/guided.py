@@ -18,9 +18,16 @@ Engine.guided_steps steps (default 1), of which a guided row takes the first. A 
 computed in parallel across its guided rows (llguidance's executor; ~2-100 us each, the grammar's)
 and written in one device call; the sampling programs read a [rows, V / 32]
 mask and take their non-greedy path (penalties and a draw per row) for guided rows.
+
+vLLM's allowed_token_ids and bad_words (`TokenRules`) ride in the same MASK rows, alone or over a
+grammar's mask. Allowed tokens and one-token bad words are a fixed mask, written once when the request
+takes a slot: no step rule, its decode calls chain and run steps_per_call steps. A bad word of several
+tokens bans its last one after the rest, so its mask follows each token, as a grammar's does, at the
+same cost.
 """
 from __future__ import annotations
 
+import collections
 import json
 from typing import Optional
 
@@ -142,6 +149,21 @@ def request_grammar(body) -> tuple[Optional[str], Optional[str]]:
         raise FormError(f"`{name}`: {e}", param=name) from None
 
 
+def bad_words_ids(words, tok) -> list:
+    """vLLM's bad_words as token ids (SamplingParams.bad_words_ids): each word (leading blanks dropped) as
+    the tokenizer encodes it, and with one space before it where that is another word's tokens of the
+    same length (the word met mid-text)."""
+    if not words:
+        return []
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise FormError("`bad_words` must be a list of non-empty strings", param="bad_words")
+    out = []
+    for word in words:
+        plain, spaced = tok.encode(word.lstrip()), tok.encode(" " + word.lstrip())
+        out += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
+    return out
+
+
 def response_grammar(fmt) -> Optional[str]:
     """The grammar of OpenAI's `response_format`: None for text; JSON for {"type": "json_object"} (any
     object) and {"type": "json_schema", "json_schema": {"schema": {...}}} (that schema)."""
@@ -192,28 +214,100 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class Guide:
-    """One request's matcher: its allowed-token mask now, and the tokens sampled under it."""
-    __slots__ = ("matcher", "fed", "written")
+def _bits(words: np.ndarray, ids, value: bool) -> None:
+    """Set (value) or clear the bits of token ids in a mask row of int32 words (bit t % 32 of word t // 32)."""
+    ids = np.asarray(ids, np.int64)
+    if not ids.size:
+        return
+    bit = (np.uint32(1) << (ids % 32).astype(np.uint32))
+    view = words.view(np.uint32)
+    if value:
+        np.bitwise_or.at(view, ids // 32, bit)
+    else:
+        np.bitwise_and.at(view, ids // 32, ~bit)
 
-    def __init__(self, tokenizer, grammar: str):
-        llg = _llguidance()
-        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"the grammar was refused: {self.matcher.get_error()}")
+
+class TokenRules:
+    """vLLM's allowed_token_ids and bad_words of one request, as masks: `base` allows the listed ids (all
+    when none are listed) less the one-token bad words; a longer bad word bans its last token while the
+    output ends with the tokens before it (vLLM checks the output only, not the prompt)."""
+    __slots__ = ("base", "after", "lengths")
+
+    def __init__(self, vocab_size: int, allowed=None, bad_words=()):
+        self.base = np.full(mask_words(vocab_size), 0 if allowed is not None else -1, np.int32)
+        if allowed is not None:
+            _bits(self.base, list(allowed), True)
+        _bits(self.base, [w[0] for w in bad_words if len(w) == 1], False)
+        self.after: dict = {}                            # tokens before a bad word's last -> the last ones
+        for w in bad_words:
+            if len(w) > 1:
+                self.after.setdefault(tuple(w[:-1]), []).append(w[-1])
+        self.lengths = sorted({len(k) for k in self.after})
+
+    @classmethod
+    def of(cls, params, vocab_size: int) -> Optional["TokenRules"]:
+        if params.allowed_token_ids is None and not params.bad_words_ids:
+            return None
+        return cls(vocab_size, params.allowed_token_ids, params.bad_words_ids)
+
+    def restrict(self, out: np.ndarray, tail) -> None:
+        """out [mask_words(V)] &= the rules after output tokens ending with `tail`. A ban that would leave
+        nothing to sample (the grammar's or allowed tokens all banned here) is not applied."""
+        out &= self.base
+        for n in self.lengths:
+            last = self.after.get(tuple(tail)[-n:]) if len(tail) >= n else None
+            if last:
+                kept = out.copy()
+                _bits(out, last, False)
+                if not out.any():
+                    out[:] = kept
+
+
+class Guide:
+    """One request's allowed tokens: its grammar's matcher (llguidance), its TokenRules, or both; the
+    mask now, and the tokens sampled under it. per_step: the mask may change with each token (a
+    grammar, or a bad word of several tokens), so its row needs its last token on the host."""
+    __slots__ = ("matcher", "rules", "tail", "fed", "written")
+
+    def __init__(self, matcher=None, rules: Optional[TokenRules] = None):
+        self.matcher, self.rules = matcher, rules
+        self.tail = collections.deque(maxlen=rules.lengths[-1]) if rules is not None and rules.lengths else None
         self.fed = 0                   # output tokens consumed
-        self.written = None            # (slot, fed) of the mask in the engine's MASK entry
+        self.written = None            # (slot, version) of the mask in the engine's MASK entry
+
+    @property
+    def per_step(self) -> bool:
+        return self.matcher is not None or self.tail is not None
+
+    @property
+    def version(self) -> int:
+        """What the mask follows from: the tokens consumed, or nothing (a fixed mask)."""
+        return self.fed if self.per_step else 0
 
     def mask(self, out: np.ndarray) -> None:
         """Write the allowed tokens into out [mask_words(V)] int32 (bit t % 32 of word t // 32)."""
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.matcher is not None:
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        else:
+            out[:] = -1
+        self.restrict(out)
+
+    def restrict(self, out: np.ndarray) -> None:
+        """The rules' bans applied to a grammar's mask already in out."""
+        if self.rules is not None:
+            self.rules.restrict(out, self.tail or ())
 
     def consume(self, token: int) -> bool:
         """Advance past a sampled token; True when the grammar is complete (nothing may follow)."""
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} was sampled outside the grammar: {self.matcher.get_error()}")
+        stopped = False
+        if self.matcher is not None:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} was sampled outside the grammar: {self.matcher.get_error()}")
+            stopped = self.matcher.is_stopped()
+        if self.tail is not None:
+            self.tail.append(token)
         self.fed += 1
-        return self.matcher.is_stopped()
+        return stopped
 
 
 class Grammars:
@@ -223,36 +317,41 @@ class Grammars:
     def __init__(self, tok, vocab_size: int):
         self.tok, self.vocab_size, self._tokenizer = tok, vocab_size, None
 
-    def guide(self, grammar: str) -> Guide:
+    def guide(self, grammar: str, rules: Optional[TokenRules] = None) -> Guide:
         if self._tokenizer is None:
             self._tokenizer = matcher_tokenizer(self.tok, self.vocab_size)
-        return Guide(self._tokenizer, grammar)
+        matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the grammar was refused: {matcher.get_error()}")
+        return Guide(matcher, rules)
 
 
 class Guided:
-    """Engine's grammar masks (a mixin, as meshlab.infer.scoring's Scoring is): each guided row's MASK
-    entry kept equal to its matcher's next allowed tokens, and the step rules those rows need."""
+    """Engine's token masks (a mixin, as meshlab.infer.scoring's Scoring is): each masked row's MASK entry
+    kept equal to its Guide's next allowed tokens, and the step rules the per-step ones need. The engine
+    holds `masked` (requests with a Guide, queued or running) and `guided` (those whose mask is per_step)."""
 
     def _guides_running(self) -> bool:
-        """Whether a running request is held to a grammar: decode calls then run one step and do not
-        chain, so that a guided row whose last token is read back joins the next call."""
+        """Whether a running request's mask follows its tokens: decode calls then run one step and do not
+        chain, so that such a row whose last token is read back joins the next call."""
         return any(r.slot >= 0 for r in self.guided)
 
     def _refresh_masks(self) -> None:
-        """Write each running guided row's allowed tokens into its slot's MASK row where its matcher moved
-        (or the request moved slot) since the last write, and all bits into the rows of slots a guided
-        request left: the masks computed in parallel (llguidance's executor), one device call for all.
-        Nothing to do, and no row looked at, while no request is held to a grammar and no slot holds a mask."""
-        if not self.guided and not self.slot_guided.any():
+        """Write each running masked row's allowed tokens into its slot's MASK row where its matcher moved
+        (or the request moved slot) since the last write, and all bits into the rows of slots a masked
+        request left: the grammars' masks computed in parallel (llguidance's executor), the token rules
+        applied over them, one device call for all. Nothing to do, and no row looked at, while no request
+        has a mask and no slot holds one."""
+        if not self.masked and not self.slot_guided.any():
             return
         rows = [r for r in self.sched.running() if (r.guide is None and self.slot_guided[r.slot])
-                or (r.guide is not None and r.guide.written != (r.slot, r.guide.fed))]
+                or (r.guide is not None and r.guide.written != (r.slot, r.guide.version))]
         if not rows:
             return
         b = next(x for x in self.DECODE if x >= len(rows))
         slots = np.full(b, self.sched.max_seqs, np.int32)                 # padding rows: dropped
         masks = np.full((b, self._mask_width), -1, np.int32)               # [b, V / 32]; free rows: every token
-        guided = [(r.guide.matcher, i) for i, r in enumerate(rows) if r.guide is not None]
+        guided = [(r.guide.matcher, i) for i, r in enumerate(rows) if r.guide is not None and r.guide.matcher is not None]
         if guided:
             if self._mask_executor is None:
                 self._mask_executor = _llguidance().LLExecutor()
@@ -261,5 +360,6 @@ class Guided:
             slots[i] = r.slot
             self.slot_guided[r.slot] = r.guide is not None
             if r.guide is not None:
-                r.guide.written = (r.slot, r.guide.fed)
+                r.guide.restrict(masks[i])
+                r.guide.written = (r.slot, r.guide.version)
         self.cache[MASK] = self._set_rows(self.cache[MASK], slots, masks)

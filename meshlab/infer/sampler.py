@@ -72,6 +72,11 @@ class SamplingParams:
     # None: free; else llguidance's grammar text (meshlab.infer.guided.json_grammar): every token is
     # sampled among those the grammar allows next, and a complete grammar ends the request ("stop")
     grammar: Optional[str] = None
+    # vLLM's allowed_token_ids: None, or the only ids the output may hold (a fixed mask: no step rule)
+    allowed_token_ids: Optional[Sequence[int]] = None
+    # vLLM's bad_words as token ids (api tokenizes the words): a one-token word is never sampled; a longer
+    # one's last token not after the output's tokens that begin it (meshlab.infer.guided.TokenRules)
+    bad_words_ids: Sequence[Sequence[int]] = ()
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
@@ -111,6 +116,7 @@ class SamplingParams:
         _check_bias(self.logit_bias, vocab_size, bad)
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             bad("grammar must be None or llguidance's grammar text (meshlab.infer.guided.json_grammar)")
+        _check_token_rules(self, vocab_size, bad)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -128,6 +134,23 @@ def _check_bias(bias, vocab_size, bad) -> None:
             bad(f"logit_bias: token {t!r} must be an id in [0, {vocab_size})")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
             bad(f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
+
+
+def _is_id(t, vocab_size) -> bool:
+    return type(t) is int and t >= 0 and (vocab_size is None or t < vocab_size)
+
+
+def _check_token_rules(p: SamplingParams, vocab_size, bad) -> None:
+    allowed = p.allowed_token_ids
+    if allowed is not None and (isinstance(allowed, (str, bytes)) or not allowed
+                                or not all(_is_id(t, vocab_size) for t in allowed)):
+        bad(f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size})")
+    words = p.bad_words_ids
+    if isinstance(words, (str, bytes)) or not all(not isinstance(w, (str, bytes)) and len(w) and
+                                                  all(_is_id(t, vocab_size) for t in w) for w in words):
+        bad(f"bad_words_ids must be a list of non-empty lists of token ids in [0, {vocab_size})")
+    if allowed is not None and set(allowed) <= {w[0] for w in words if len(w) == 1}:
+        bad("bad_words bans every one of allowed_token_ids: nothing could be sampled")
 
 
 def bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
@@ -266,9 +289,10 @@ def cuts(p: SamplingParams) -> int:
 
 def penalised_row(p: SamplingParams) -> bool:
     """Whether a request's logits are changed before its draw (so argmax over the raw ones is not its
-    greedy choice): the repetition, presence or frequency penalty, a logit bias, a grammar, or min_tokens."""
+    greedy choice): the repetition, presence or frequency penalty, a logit bias, a grammar, allowed or
+    banned tokens, or min_tokens."""
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or bool(p.logit_bias)
-            or p.grammar is not None or p.min_tokens > 0)
+            or p.grammar is not None or p.allowed_token_ids is not None or bool(p.bad_words_ids) or p.min_tokens > 0)
 
 
 def allowed_bits(allowed, vocab: int):

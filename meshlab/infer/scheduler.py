@@ -83,7 +83,7 @@ class Request:
     keys: list = dataclasses.field(default_factory=list)   # prefix keys of its full pages (pages.page_keys)
     registered: int = 0                   # its pages already offered to the prefix cache (pages[:registered])
     ids: Optional[np.ndarray] = dataclasses.field(default=None, repr=False)   # the prompt as int32 (hashed)
-    # its grammar's matcher (meshlab.infer.guided.Guide) when params.grammar is set
+    # its token mask (meshlab.infer.guided.Guide) when params has a grammar, allowed or banned tokens
     guide: Optional[object] = dataclasses.field(default=None, repr=False)
     # tokens sampled by device calls not read back yet (the engine's overlapped packed steps): fed
     # already from the device (their positions counted in `cached`), not yet in `output`
@@ -427,11 +427,11 @@ class Scheduler:
         row or, when every prompt row of the step has one token left, in one decode step), and a
         position its own (a fully cached prompt's last token lies in a shared page, left unchanged).
         Tokens still on the device (req.pending) count as its own: the last of them is the one to
-        feed, unless they bring the output to max_tokens; a request held to a grammar waits for them
-        (its next allowed tokens follow from its last: meshlab.infer.guided)."""
+        feed, unless they bring the output to max_tokens; a request whose mask follows its tokens (a
+        grammar, a bad word of several tokens) waits for them (meshlab.infer.guided)."""
         out = len(req.output) + req.pending
         return (req.n_tokens + req.pending - req.cached == 1 and out > 0 and req.cached >= req.prefix_hit_tokens
-                and out < req.params.max_tokens and not (req.pending and req.guide is not None))
+                and out < req.params.max_tokens and not (req.pending and req.guide is not None and req.guide.per_step))
 
     def prompts_left(self) -> bool:
         """Whether the next step is likely to feed prompt tokens: a request waits while a row is free,

@@ -757,3 +757,73 @@ def test_gpu_engine_scores_and_guides_on_its_shipped_paths(tiny):
               "additionalProperties": False}
     (req,) = eng.generate([prompt[:20]], SamplingParams(max_tokens=20, grammar=json_grammar(schema)))
     assert req.finish_reason == "stop" and isinstance(json.loads(bytes(req.output).decode())["ok"], bool)
+
+
+def test_allowed_and_banned_tokens_hold_every_token(tiny, engine, monkeypatch):
+    """vLLM's allowed_token_ids and bad_words (as ids): greedy output is the full forward's argmax over the
+    tokens the rules leave at each point, sampled output stays inside them, and a request with a fixed
+    mask (no bad word of several tokens) keeps the decode calls' several steps, beside free rows that
+    are the plain greedy ones; the slot's mask is cleared for the request after it."""
+    md, params, fwd = tiny
+    vocab = md.cfg.vocab_size
+    prompts = [list(range(3, 20)), list(range(40, 52)), list(range(60, 81))]
+    free = engine.generate(prompts, SamplingParams(max_tokens=12))
+    allowed = sorted(set(free[0].output[:3]) | {1, 2, 5, 9, 30})             # the free argmax leaves it early
+    first, second = free[1].output[:2]
+    singles = [[t] for t in free[1].output[2:4] if t != first]
+    sp = [SamplingParams(max_tokens=12, allowed_token_ids=allowed),
+          SamplingParams(max_tokens=12, bad_words_ids=[[first, second]] + singles),
+          SamplingParams(max_tokens=12, temperature=1.0, seed=3, allowed_token_ids=allowed)]
+    launches, launch = [], engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda key, *a, **kw: launches.append(key) or launch(key, *a, **kw))
+    reqs = engine.generate(prompts, sp)
+    assert any(k[0] == "decode" and k[2] == engine.steps_per_call for k in launches)   # fixed masks: no step rule
+    assert set(reqs[2].output) <= set(allowed)
+    for r, p in zip(reqs[:2], sp[:2]):
+        seq = list(r.prompt) + r.output
+        logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0]
+        for i, t in enumerate(r.output):
+            ok = np.zeros(vocab, bool)
+            ok[p.allowed_token_ids if p.allowed_token_ids is not None else slice(None)] = True
+            for w in p.bad_words_ids:
+                if len(w) == 1 or r.output[max(0, i - len(w) + 1):i] == w[:-1] and i >= len(w) - 1:
+                    ok[w[-1]] = False
+            assert t == np.where(ok, logits[len(r.prompt) - 1 + i], -np.inf).argmax()
+    assert reqs[0].output != free[0].output and reqs[1].output[0] == first and reqs[1].output[1] != second
+    assert not {t for (t,) in singles} & set(reqs[1].output)
+    for r in engine.generate(prompts, SamplingParams(max_tokens=12)):
+        assert_greedy_matches(fwd, params, r.prompt, r.output)
+
+
+def test_token_rules_ban_a_words_last_token_only_after_the_rest():
+    from meshlab.infer.guided import Guide, TokenRules
+    from meshlab.infer.sampler import allowed_bits
+    vocab = 70
+    with pytest.raises(ValueError, match="bans every one of allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[4], bad_words_ids=[[4]]).validate(vocab)
+    with pytest.raises(ValueError, match="allowed_token_ids must be"):
+        SamplingParams(allowed_token_ids=[70]).validate(vocab)
+    with pytest.raises(ValueError, match="bad_words_ids must be"):
+        SamplingParams(bad_words_ids=[[]]).validate(vocab)
+    guide = Guide(None, TokenRules(vocab, allowed=None, bad_words=[[3], [5, 6, 7], [8, 7]]))
+    out = np.empty((vocab + 31) // 32, np.int32)
+
+    def banned():
+        guide.mask(out)
+        return set(np.flatnonzero(~np.asarray(allowed_bits(jnp.asarray(out[None]), vocab))[0]).tolist())
+    assert guide.per_step and banned() == {3}
+    for t in (5, 6):
+        guide.consume(t)
+    assert banned() == {3, 7}
+    guide.consume(8)
+    assert banned() == {3, 7}
+    guide.consume(9)
+    assert banned() == {3}
+    fixed = Guide(None, TokenRules(vocab, allowed=[31, 32, 33, 69], bad_words=[[32]]))
+    fixed.mask(out)
+    assert not fixed.per_step and fixed.version == 0
+    assert np.flatnonzero(np.asarray(allowed_bits(jnp.asarray(out[None]), vocab))[0]).tolist() == [31, 33, 69]
+    only = Guide(None, TokenRules(vocab, allowed=[31], bad_words=[[30, 31]]))
+    only.consume(30)
+    only.mask(out)                          # the ban would leave nothing: not applied
+    assert np.flatnonzero(np.asarray(allowed_bits(jnp.asarray(out[None]), vocab))[0]).tolist() == [31]

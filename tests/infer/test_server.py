@@ -201,8 +201,11 @@ def test_chat_stream_equals_whole(server):
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "response_format": {"type": "json_object"}}, None, 400,
      "send one"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400, "send one"),
-    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, None, 400, "allowed_token_ids"),
-    ("/v1/completions", {"prompt": "x", "bad_words": ["no"]}, None, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": "7"}, None, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10 ** 6]}, None, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [97], "bad_words": ["a"]}, None, 400, "bans every one"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, None, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["no"], "use_beam_search": True}, None, 400, "bad_words"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, None, 400,
      "`tools`"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, None, 400, "stop_token_ids"),
@@ -765,6 +768,26 @@ def test_logit_bias_and_penalties_reach_the_sampler(server):
     status, resp = call(server, "POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4,
                                                             "presence_penalty": 1.0, "frequency_penalty": 0.5})
     assert status == 200 and resp["usage"]["completion_tokens"] >= 1
+
+
+def test_allowed_token_ids_and_bad_words_hold_the_output(server):
+    """vLLM's allowed_token_ids keeps every output token among them, greedy and drawn; its bad_words keeps
+    a one-token word out of the output, and a longer word's last token out after the rest of it (the
+    greedy answer's first two tokens as the word: the answer begins with the first, then turns away)."""
+    body = {"prompt": "def f(x):", "max_tokens": 8, "logprobs": 0, "return_tokens_as_token_ids": True}
+
+    def ids(extra):
+        status, resp = call(server, "POST", "/v1/completions", dict(body, **extra))
+        assert status == 200, resp
+        return [int(t[len("token_id:"):]) for t in resp["choices"][0]["logprobs"]["tokens"]]
+    greedy = ids({})
+    for extra in ({}, {"temperature": 1.0, "seed": 5}):
+        assert set(ids(dict(extra, allowed_token_ids=[97, 98]))) <= {97, 98}
+    text = ByteTokenizer().decode(greedy[:2])
+    assert len(greedy) == 8 and max(greedy[:2]) < 128 and len(text) == 2            # two ASCII bytes: one word
+    turned = ids({"bad_words": [text]})
+    assert turned[0] == greedy[0] and turned[1] != greedy[1]
+    assert greedy[0] not in ids({"bad_words": [text[0]]})
 
 
 def test_vllm_sampling_extras(server):
