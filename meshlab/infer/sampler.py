@@ -117,6 +117,7 @@ class SamplingParams:
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             bad("grammar must be None or llguidance's grammar text (meshlab.infer.guided.json_grammar)")
         _check_token_rules(self, vocab_size, bad)
+        self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):

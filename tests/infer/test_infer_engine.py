@@ -786,7 +786,7 @@ def test_allowed_and_banned_tokens_hold_every_token(tiny, engine, monkeypatch):
             ok = np.zeros(vocab, bool)
             ok[p.allowed_token_ids if p.allowed_token_ids is not None else slice(None)] = True
             for w in p.bad_words_ids:
-                if len(w) == 1 or r.output[max(0, i - len(w) + 1):i] == w[:-1] and i >= len(w) - 1:
+                if len(w) == 1 or tuple(r.output[max(0, i - len(w) + 1):i]) == tuple(w[:-1]) and i >= len(w) - 1:
                     ok[w[-1]] = False
             assert t == np.where(ok, logits[len(r.prompt) - 1 + i], -np.inf).argmax()
     assert reqs[0].output != free[0].output and reqs[1].output[0] == first and reqs[1].output[1] != second
