@@ -28,8 +28,8 @@ never share one), printing `ROW {json}` lines:
            (greedy, one token, prompt logprobs: scored in the packed steps) against the same prompts as
            plain one-token requests, in the offline engine: prompt tokens/s of each
   guided   (not by default) the offline workload free, then with 1 request in 8 held to a JSON schema
-           of its length (response_format's path: meshlab/infer/guided.py), in the offline engine:
-           output tokens/s of each
+           of its length (response_format's path: meshlab/infer/guided.py), to allowed_token_ids, and
+           away from a bad word of 2 tokens, in the offline engine: output tokens/s of each
   sampled  (not by default) the offline workload greedy, at temperature 1, at temperature 0.7 with
            top_p 0.9, and with top_k 50 too, in the offline engine: output tokens/s of each
   shared   (not by default) the offline workload behind one 1,024-token system prompt, all sent at once,

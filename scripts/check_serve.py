@@ -4,10 +4,10 @@ Starts the server (default: --checkpoint random:llama3_1b --dtype bfloat16), the
 streamed completion arrives as server-sent events ending in [DONE] with every token counted; that a
 streaming client which disconnects after a few chunks has its request aborted (requests_running back
 to 0 and every cache page free within seconds, far fewer tokens generated than it asked for); that
-n=2 with logprobs answers; that a `structured_outputs` choice, a beam search and vLLM's
-`prompt_logprobs` (with ranks) answer in their forms. Random weights with a byte tokenizer sample
-mostly ids past its 256 bytes, which have no text: the checks count tokens (usage in every chunk,
-logprobs by token id), not text.
+n=2 with logprobs answers; that a `structured_outputs` choice, a beam search, vLLM's
+`prompt_logprobs` (with ranks), and its allowed_token_ids with bad_words answer in their forms.
+Random weights with a byte tokenizer sample mostly ids past its 256 bytes, which have no text: the
+checks count tokens (usage in every chunk, logprobs by token id), not text.
 Prints one line per check and exits non-zero if any fails. Meant for the GPU machine (the CPU tests
 cover the same behaviours on a tiny model: tests/infer/test_server.py).
 """
@@ -106,7 +106,13 @@ def check_forms(port: int) -> str:
     listed = body["choices"][0]["prompt_logprobs"] if body else None
     assert listed and len(listed) == body["usage"]["prompt_tokens"] and listed[0] is None and all(
         min(e["rank"] for e in entry.values()) >= 1 for entry in listed[1:]), payload[:300]
-    return f"choice {choice['text']!r}, {len(beams['choices'])} beams, {len(listed)} prompt logprobs"
+    status, payload = post(port, {"prompt": "def ", "max_tokens": 8, "allowed_token_ids": [97, 98, 99], "logprobs": 0,
+                                  "return_tokens_as_token_ids": True, "bad_words": ["ab"]})
+    tokens = json.loads(payload)["choices"][0]["logprobs"]["tokens"] if status == 200 else None
+    ids = [int(t[len("token_id:"):]) for t in tokens or []]
+    assert len(ids) == 8 and set(ids) <= {97, 98, 99} and [97, 98] not in [ids[i:i + 2] for i in range(7)], payload[:300]
+    return (f"choice {choice['text']!r}, {len(beams['choices'])} beams, {len(listed)} prompt logprobs, "
+            f"{bytes(ids).decode()!r} from 3 allowed tokens without 'ab'")
 
 
 def main(argv=None):

@@ -112,26 +112,36 @@ def sampled(engine, work, label: str = "engine") -> list[dict]:
 def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
     """The offline workload free, then with every `share`-th request held to a JSON schema that fixes
     its length (a string of max_tokens - 2 lowercase letters: as many tokens as the free request, one
-    byte token each), in the same engine over the model's vocabulary read as bytes: output tokens/s of
-    each, and how many guided outputs parse as the schema asks. What it costs the other rows: guided
-    rows sit out the steps planned while their last token is on the device, and decode calls run
-    one step while one runs (meshlab.infer.guided)."""
+    byte token each), then with those requests kept to the lowercase letters by allowed_token_ids (a
+    fixed mask), then with a two-letter bad word each (a mask that follows each token), in the same
+    engine over the model's vocabulary read as bytes: output tokens/s of each, and whether the held
+    outputs keep their form. What it costs the other rows: rows whose mask follows their tokens sit
+    out the steps planned while their last token is on the device, and decode calls run one step
+    while one runs; a fixed mask only takes the row off the greedy programs (meshlab.infer.guided)."""
     from meshlab.infer.guided import Grammars, json_grammar
     from meshlab.infer.sampler import SamplingParams
     from meshlab.tokenizer import ByteTokenizer
     engine.grammars = Grammars(ByteTokenizer(), engine.md.cfg.vocab_size)
-    engine.warmup(greedy=False)        # guided rows sample through the programs without the greedy promise
+    engine.warmup(greedy=False)        # held rows sample through the programs without the greedy promise
+    letters, word = list(range(ord("a"), ord("z") + 1)), [ord("e"), ord("e")]
+    held_by = {"a JSON schema": lambda m: {"grammar": json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"})},
+               "allowed_token_ids (26 letters)": lambda m: {"allowed_token_ids": letters},
+               "a bad word of 2 tokens": lambda m: {"bad_words_ids": [word]}}
 
-    def params(held: bool):
-        return [SamplingParams(max_tokens=m, grammar=json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"}))
-                if held and i % share == 0 else SamplingParams(max_tokens=m) for i, (_, m) in enumerate(work)]
-    (free, _), (row, reqs) = _runs(engine, work, [("free", params(False)),
-                                                  (f"1 in {share} held to a JSON schema", params(True))], "guided", label)
-    held_reqs = reqs[::share]
-    valid = sum(len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2 for r in held_reqs)
-    row["note"] += f"; {valid} of {len(held_reqs)} guided outputs parse as their schema asks; " \
-                   f"{row['value'] / free['value']:.2f}x the free run"
-    return [emit(free), emit(row)]
+    def params(how):
+        return [SamplingParams(max_tokens=m, **(held_by[how](m) if how and i % share == 0 else {}))
+                for i, (_, m) in enumerate(work)]
+    runs = _runs(engine, work, [("free", params(None))] + [(f"1 in {share} held to {how}", params(how)) for how in held_by],
+                 "guided", label)
+    free = runs[0][0]
+    kept = [lambda r: len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2,
+            lambda r: set(r.output) <= set(letters),
+            lambda r: not any(r.output[i:i + 2] == word for i in range(len(r.output) - 1))]
+    for (row, reqs), keeps in zip(runs[1:], kept):
+        held = reqs[::share]
+        row["note"] += f"; {sum(map(keeps, held))} of {len(held)} held outputs keep their form; " \
+                       f"{row['value'] / free['value']:.2f}x the free run"
+    return [emit(row) for row, _ in runs]
 
 
 def shared_prefix(engine, work, system: int = 1024, label: str = "engine") -> list[dict]:

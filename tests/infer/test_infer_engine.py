@@ -208,15 +208,18 @@ def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
     assert float(re.search(r"at most ([0-9.e+-]+)", with_store["note"]).group(1)) < 1e-5
 
 
-def test_guided_benchmark_times_both_runs_and_its_outputs_parse(engine, monkeypatch):
+def test_guided_benchmark_times_each_run_and_its_outputs_keep_their_form(engine, monkeypatch):
     """bench_serve's guided job on the tiny engine: the workload free and with 1 in 2 requests held to a
-    JSON string of its length, each with its output tokens/s, every guided output parsing."""
+    JSON string of its length, to allowed tokens, away from a bad word, each with its output tokens/s,
+    every held output keeping its form."""
     from meshlab.bench.serve_kinds import guided
     monkeypatch.setattr(engine, "grammars", None)            # the job sets its own; the fixture's is left alone
     work = [(list(range(1 + i, 8 + 2 * i)), 6 + i) for i in range(4)]
-    free, held = guided(engine, work, share=2)
-    assert free["unit"] == held["unit"] == "tok/s" and free["value"] > 0 and held["value"] > 0
-    assert "2 of 2 guided outputs parse" in held["note"] and f"{sum(m for _, m in work)} output tokens" in held["note"]
+    free, *held = guided(engine, work, share=2)
+    assert len(held) == 3 and all(r["unit"] == "tok/s" and r["value"] > 0 for r in [free] + held)
+    assert ["JSON" in held[0]["setting"], "allowed" in held[1]["setting"], "bad word" in held[2]["setting"]] == [True] * 3
+    for row in held:
+        assert "2 of 2 held outputs keep their form" in row["note"] and f"{sum(m for _, m in work)} output tokens" in row["note"]
 
 
 def test_sampled_benchmark_times_greedy_and_each_sampled_setting(engine):
