@@ -175,7 +175,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         # rows [n, ...] of a per-slot cache entry set at slots [n] (slot max_seqs: padding, dropped)
         self._set_rows = jax.jit(lambda entry, slots, rows: entry.at[slots].set(rows, mode="drop"), donate_argnums=0)
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias or held stops
-        self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a grammar's mask
+        self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a request's mask
+        self.slot_guide = [None] * max_seqs                      # ... that request's Guide (meshlab.infer.guided)
         self._mask_executor = None                               # llguidance's, made at the first guided step
         self.masked: set = set()            # requests with a token mask (a grammar, allowed or banned tokens), queued or running
         self.guided: set = set()            # those whose mask follows each token (Guide.per_step)

@@ -273,7 +273,7 @@ class Guide:
         self.matcher, self.rules = matcher, rules
         self.tail = collections.deque(maxlen=rules.lengths[-1]) if rules is not None and rules.lengths else None
         self.fed = 0                   # output tokens consumed
-        self.written = None            # (slot, version) of the mask in the engine's MASK entry
+        self.written = None            # the version of its mask last written to the engine's MASK entry
 
     @property
     def per_step(self) -> bool:
@@ -329,7 +329,8 @@ class Grammars:
 class Guided:
     """Engine's token masks (a mixin, as meshlab.infer.scoring's Scoring is): each masked row's MASK entry
     kept equal to its Guide's next allowed tokens, and the step rules the per-step ones need. The engine
-    holds `masked` (requests with a Guide, queued or running) and `guided` (those whose mask is per_step)."""
+    holds `masked` (requests with a Guide, queued or running), `guided` (those whose mask is per_step),
+    and per slot the Guide whose mask its MASK row holds (`slot_guide`; `slot_guided`: not None)."""
 
     def _guides_running(self) -> bool:
         """Whether a running request's mask follows its tokens: decode calls then run one step and do not
@@ -344,8 +345,10 @@ class Guided:
         has a mask and no slot holds one."""
         if not self.masked and not self.slot_guided.any():
             return
+        # a row is rewritten unless it holds this guide's mask at its version: a preempted request may come
+        # back to a slot that another's mask (or all bits) took meanwhile
         rows = [r for r in self.sched.running() if (r.guide is None and self.slot_guided[r.slot])
-                or (r.guide is not None and r.guide.written != (r.slot, r.guide.version))]
+                or (r.guide is not None and (self.slot_guide[r.slot] is not r.guide or r.guide.written != r.guide.version))]
         if not rows:
             return
         b = next(x for x in self.DECODE if x >= len(rows))
@@ -358,8 +361,8 @@ class Guided:
             self._mask_executor.unsafe_compute_mask_ptr(guided, masks.ctypes.data, masks.strides[0], b)
         for i, r in enumerate(rows):
             slots[i] = r.slot
-            self.slot_guided[r.slot] = r.guide is not None
+            self.slot_guided[r.slot], self.slot_guide[r.slot] = r.guide is not None, r.guide
             if r.guide is not None:
                 r.guide.restrict(masks[i])
-                r.guide.written = (r.slot, r.guide.version)
+                r.guide.written = r.guide.version
         self.cache[MASK] = self._set_rows(self.cache[MASK], slots, masks)

@@ -830,3 +830,37 @@ def test_token_rules_ban_a_words_last_token_only_after_the_rest():
     only.consume(30)
     only.mask(out)                          # the ban would leave nothing: not applied
     assert np.flatnonzero(np.asarray(allowed_bits(jnp.asarray(out[None]), vocab))[0]).tolist() == [31]
+
+
+def test_a_masked_request_back_in_a_slot_another_used_gets_its_mask_again():
+    """A preempted request may be admitted again into a slot whose MASK row another request set (its own
+    mask, or all bits) meanwhile: its mask is written again though its version did not move."""
+    from types import SimpleNamespace
+
+    from meshlab.infer.guided import Guide, Guided, TokenRules
+    from meshlab.infer.programs import MASK
+
+    class Slots(Guided):                 # the engine's state that Guided reads, with numpy rows
+        DECODE = (1, 2, 4)
+
+        def __init__(self):
+            self.masked, self.guided, self._mask_width, self._mask_executor = set(), set(), 3, None
+            self.slot_guided, self.slot_guide = np.zeros(2, bool), [None, None]
+            self.cache, self.now = {MASK: np.full((2, 3), -1, np.int32)}, []
+            self.sched = SimpleNamespace(running=lambda: self.now, max_seqs=2)
+
+        def _set_rows(self, entry, slots, rows):
+            entry, real = entry.copy(), slots < 2
+            entry[slots[real]] = rows[real]
+            return entry
+    class Req:
+        def __init__(self, guide):
+            self.slot, self.guide = 0, guide
+    eng = Slots()
+    first, other = Req(Guide(None, TokenRules(70, allowed=[3, 40]))), Req(Guide(None, TokenRules(70, allowed=[5])))
+    eng.masked |= {first, other}
+    for now, row in ((first, [8, 256, 0]), (other, [32, 0, 0]), (first, [8, 256, 0]), (Req(None), [-1, -1, -1]),
+                     (first, [8, 256, 0])):
+        eng.now = [now]
+        eng._refresh_masks()
+        assert eng.cache[MASK][0].tolist() == row
