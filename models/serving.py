@@ -4,13 +4,15 @@ Training (models/llama.py, models/moe.py) runs whole sequences; serving runs onl
 tokens [b, t] and threads a KV cache through the layers. The cache's layout, contiguous or paged,
 belongs to meshlab/infer/kv_cache.py, which hands `forward` an `Attend`: the model projects each
 layer's q/k/v, the `Attend` writes k/v into the cache and attends over it. No remat (no backward)
-and no FP8: every GEMM is `_mm` in the compute dtype.
+and no FP8 training recipe: every GEMM runs in the compute dtype, over weights that serving may
+store in fp8 (below).
 
 Per-layer weights come in three forms (meshlab/infer/programs.py, serving_params): stacked (a
 layer scan), a list of per-layer dicts (a Python loop, so no weight slice is copied before its
 GEMM), or pairs (params, fused) with wq|wk|wv and w_gate|w_up concatenated once at load. Fused
 layers at a decode token take the one-kernel attention when the `Attend` offers it, and with
-kernels=True run each layer as five Pallas launches (`decode_step`).
+kernels=True run each layer as five Pallas launches (`decode_step`); those [n, k] matrices may be
+stored fp8 with a scale per output row (serving_params(quantize="fp8")), half a decode token's bytes.
 """
 from __future__ import annotations
 
@@ -134,25 +136,39 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
     return constrain(x, ACT), cache
 
 
+def _mm_nk(spec, x, w, name):
+    """_mm_decode over the [n, k] matrix w[name]; fp8 with its per-row scale w[name + "_scale"] (the
+    scale's dims end the output's): the GEMM on the weights widened to x's dtype (exact), its fp32
+    output times the scale, rounded once, as decode_gemv's fp8 form does."""
+    scale = w.get(name + "_scale")
+    if scale is None:
+        return _mm_decode(spec, x, w[name])
+    narrow = x.shape[0] * x.shape[1] == 1                   # _mm_decode's zero second row (its doc says why)
+    xin = _zero_row(x) if narrow else x
+    y = jnp.einsum(spec, xin, w[name].astype(x.dtype), preferred_element_type=F32) * scale
+    return (y[:, :1] if narrow else y).astype(x.dtype)
+
+
 def nk_step(block, x, positions, attend: Attend, layer, cache, w):
     """`block_step`'s math over w = the layer's matrices stored [n, k] (serving layers="kernels"):
     prompt chunks and decode batches past decode_step's rows, as XLA GEMMs on the transposed
     operands (cuBLAS and Triton read either layout at the same rate); decode rows take the
-    one-kernel attention when the `Attend` offers it, as fused layers do."""
+    one-kernel attention when the `Attend` offers it, as fused layers do. fp8 matrices (`_mm_nk`)
+    are widened before their GEMMs: a prompt chunk's GEMMs are compute-bound, not byte-bound."""
     cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
     b, t, _ = x.shape
     h = block.attn_norm(x)
-    qkv = _mm_decode("bsd,nd->bsn", h, w["wqkv_t"]).reshape(b, t, -1, cfg.head_dim)        # [b, t, h + 2 kvh, hd]
+    qkv = _mm_nk("bsd,nd->bsn", h, w, "wqkv_t").reshape(b, t, -1, cfg.head_dim)            # [b, t, h + 2 kvh, hd]
     if attend.fused is not None:           # decode rows past decode_step's: RoPE + cache write + attention in one kernel
         o, cache = _fused_attend(attend, cfg, layer, qkv, cache)                            # [b, t, h, hd]
     else:
         q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(layer, q, k, v, cache)                                             # [b, t, h, hd]
-    x = constrain(x + _mm_decode("bsn,dn->bsd", o.reshape(b, t, -1), w["wo_t"]), ACT)       # [b, t, d]
-    gu = _mm_decode("bsd,gfd->bsgf", block.mlp_norm(x), w["w_gate_up_t"])                    # [b, t, 2, f]
+    x = constrain(x + _mm_nk("bsn,dn->bsd", o.reshape(b, t, -1), w, "wo_t"), ACT)           # [b, t, d]
+    gu = _mm_nk("bsd,gfd->bsgf", block.mlp_norm(x), w, "w_gate_up_t")                        # [b, t, 2, f]
     act = (jax.nn.silu(gu[:, :, 0].astype(F32)) * gu[:, :, 1].astype(F32)).astype(dt)        # [b, t, f]
-    x = x + _mm_decode("bsf,df->bsd", act, w["w_down_t"])                                    # [b, t, d]
+    x = x + _mm_nk("bsf,df->bsd", act, w, "w_down_t")                                        # [b, t, d]
     return constrain(x, ACT), cache
 
 
@@ -167,11 +183,12 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     mv = functools.partial(decode_kernels.decode_gemv, eps=cfg.norm_eps, interpret=_interpret())
     x = x.reshape(b, d)                                                                   # [b, d]
     stored = lambda scale: _w(scale, scale[...].dtype)   # noqa: E731 - the kernel reads it in fp32 (no convert launch)
-    qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale))                    # [b, (h + 2 kvh) hd]
+    sc = lambda name: {"w_scale": w[name + "_scale"]} if name + "_scale" in w else {}   # noqa: E731 - fp8 matrices
+    qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale), **sc("wqkv_t"))    # [b, (h + 2 kvh) hd]
     o, cache = _fused_attend(attend, cfg, layer, qkv.reshape(b, 1, -1, cfg.head_dim), cache)   # [b, 1, h, hd]
-    x = mv(o.reshape(b, -1), w["wo_t"], residual=x)                                       # [b, h hd] . [d, h hd]^T -> [b, d]
-    h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True)     # [b, f]
-    x = mv(h, w["w_down_t"], residual=x)                                                  # [b, d]
+    x = mv(o.reshape(b, -1), w["wo_t"], residual=x, **sc("wo_t"))                         # [b, h hd] . [d, h hd]^T -> [b, d]
+    h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True, **sc("w_gate_up_t"))   # [b, f]
+    x = mv(h, w["w_down_t"], residual=x, **sc("w_down_t"))                                # [b, d]
     return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
 
 

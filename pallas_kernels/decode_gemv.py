@@ -18,6 +18,11 @@ Limits: at most MAX_ROWS rows (decode batch), n % block_n == 0 (k is split into 
 power-of-two chunks <= block_k that divide it), the Triton backend (GPU) or interpret=True.
 Numerics follow the model's XLA path (models/llama.py): fp32 products and sums, the normed x and
 the matmul output rounded to x's dtype before the epilogue.
+
+fp8 weights (w_scale=[n], or [2, f] with swiglu): w stored float8_e4m3fn with one fp32 scale per
+output row (`quantize_rows`: the row's largest |w| maps to e4m3's 448), half the bytes a decode token
+streams. The tile is widened to fp32 after its load and a column's sum multiplied by its scale before
+the rounding, so the sums are those of the dequantized weights (fp8 -> fp32 is exact). Needs sm89+.
 """
 from __future__ import annotations
 
@@ -100,17 +105,35 @@ def default_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
     return shape_block_sizes(n, k, swiglu)
 
 
-def decode_gemv_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, swiglu=False):
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0    # e4m3's largest finite value
+
+
+def quantize_rows(w):
+    """w [..., n, k] -> (float8_e4m3fn [..., n, k], fp32 scale [..., n]): each output row scaled so its
+    largest |w| is FP8_MAX (an all-zero row gets scale 1), w ~= q * scale[..., None]."""
+    wf = w.astype(F32)
+    amax = jnp.max(jnp.abs(wf), axis=-1)                                                       # [..., n]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (wf / scale[..., None]).astype(FP8), scale
+
+
+def decode_gemv_reference(x, w, *, norm_scale=None, eps=1e-5, residual=None, swiglu=False, w_scale=None):
     """Pure jnp, the model's op order and roundings (models/llama.py RMSNorm, _mm, MLP); w [n, k]
-    or, with swiglu, [2, f, k]."""
+    or, with swiglu, [2, f, k]; fp8 w with w_scale [n] (or [2, f]): the fp32 sums times the scale."""
     dt = x.dtype
     if norm_scale is not None:
         xf = x.astype(F32)
         x = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * norm_scale.astype(F32)).astype(dt)
+
+    def mm(w_rows, scale):                                                                      # [m, n] in dt
+        if scale is None:
+            return jnp.dot(x, w_rows.T, preferred_element_type=F32).astype(dt)
+        return (jnp.dot(x.astype(F32), w_rows.astype(F32).T, precision="highest") * scale).astype(dt)
     if swiglu:
-        gate, up = (jnp.dot(x, w[i].T, preferred_element_type=F32).astype(dt) for i in range(2))   # [m, f] x2
+        gate, up = (mm(w[i], None if w_scale is None else w_scale[i]) for i in range(2))        # [m, f] x2
         return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dt)
-    y = jnp.dot(x, w.T, preferred_element_type=F32).astype(dt)                                   # [m, n]
+    y = mm(w, w_scale)                                                                         # [m, n]
     if residual is not None:
         return (residual.astype(F32) + y.astype(F32)).astype(dt)
     return y
@@ -121,10 +144,11 @@ def _row_sums(w_tiles, xs):
     return [[jnp.sum(w.astype(F32) * x, axis=1) for x in xs] for w in w_tiles]
 
 
-def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual):
+def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual, fp8):
     """A program per `tpp` column blocks of `bn` outputs (per gate and up column block with swiglu);
     see the module doc and BlockSizes."""
     x_ref, w_ref, *refs = refs
+    wscale_ref = refs.pop(0) if fp8 else None
     scale_ref = refs.pop(0) if norm else None
     res_ref = refs.pop(0) if residual else None
     (o_ref,) = refs
@@ -163,6 +187,13 @@ def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual
         return [plgpu.load(w_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)])]                          # [bn, bk]
 
     def store(c0, accs):
+        if fp8:                                   # a column's sum times its row's scale, before the rounding
+            if swiglu:
+                sg, su = (plgpu.load(wscale_ref.at[pl.ds(g, 1), pl.ds(c0, bn)]).reshape(bn) for g in range(2))
+                accs = [a * (sg if i < m else su) for i, a in enumerate(accs)]
+            else:
+                sc = plgpu.load(wscale_ref.at[pl.ds(c0, bn)])                               # [bn]
+                accs = [a * sc for a in accs]
         for r in range(m):
             y = accs[r].astype(dt).astype(F32)                                              # the GEMM's rounding
             if swiglu:
@@ -207,19 +238,24 @@ def _kernel(*refs, m, k, bn, bk, tpp, ahead, rolled, eps, norm, swiglu, residual
 
 
 def decode_gemv(x, w, *, norm_scale=None, eps: float = 1e-5, residual=None, swiglu: bool = False,
-                block_sizes: BlockSizes | None = None, interpret: bool = False):
-    """See the module doc. x [m, k] (m <= MAX_ROWS), w [n, k] (or [2, f, k] with swiglu) in x's dtype."""
-    return _decode_gemv(x, w, norm_scale=norm_scale, eps=eps, residual=residual, swiglu=swiglu,
+                w_scale=None, block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """See the module doc. x [m, k] (m <= MAX_ROWS), w [n, k] (or [2, f, k] with swiglu) in x's dtype,
+    or float8_e4m3fn with w_scale [n] (or [2, f]) from quantize_rows."""
+    return _decode_gemv(x, w, norm_scale=norm_scale, eps=eps, residual=residual, swiglu=swiglu, w_scale=w_scale,
                         block_sizes=block_sizes or default_block_sizes(w.shape[-2], x.shape[-1], swiglu),
                         interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "block_sizes", "interpret"))
-def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interpret):
+def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, w_scale, block_sizes, interpret):
     (m, k), n = x.shape, w.shape[-2]
-    if w.shape[-1] != k or w.dtype != x.dtype or w.ndim != (3 if swiglu else 2) or (swiglu and w.shape[0] != 2):
-        raise ValueError(f"decode_gemv: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share k and dtype, "
-                         f"w [n, k] or with swiglu [2, f, k]")
+    if w.shape[-1] != k or w.dtype != (x.dtype if w_scale is None else FP8) or w.ndim != (3 if swiglu else 2) \
+            or (swiglu and w.shape[0] != 2):
+        raise ValueError(f"decode_gemv: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share k and dtype (or w "
+                         f"float8_e4m3fn with w_scale), w [n, k] or with swiglu [2, f, k]")
+    if w_scale is not None and (w_scale.shape != w.shape[:-1] or w_scale.dtype != F32):
+        raise ValueError(f"decode_gemv: w_scale {w_scale.shape} {w_scale.dtype} must be fp32 {w.shape[:-1]}, one per "
+                         f"output row (quantize_rows)")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"decode_gemv: {m=} rows must be in 1..{MAX_ROWS} (decode batch); use a GEMM for more")
     if norm_scale is not None and norm_scale.shape != (k,):
@@ -228,15 +264,16 @@ def _decode_gemv(x, w, *, norm_scale, eps, residual, swiglu, block_sizes, interp
         raise ValueError(f"decode_gemv: residual {residual.shape} must be [{m}, {n}], and not with swiglu")
     bs = block_sizes
     bk = bs.validate(n, k)
-    args = [x, w] + ([norm_scale] if norm_scale is not None else []) + ([residual] if residual is not None else [])
+    args = [x, w] + [a for a in (w_scale, norm_scale, residual) if a is not None]
     kernel = functools.partial(_kernel, m=m, k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch,
-                               rolled=bs.rolled,
-                               eps=eps, norm=norm_scale is not None, swiglu=swiglu, residual=residual is not None)
+                               rolled=bs.rolled, eps=eps, norm=norm_scale is not None, swiglu=swiglu,
+                               residual=residual is not None, fp8=w_scale is not None)
     whole = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
     return pl.pallas_call(
         kernel, grid=(n // bs.block_n // bs.tiles_per_program,), in_specs=[whole(a) for a in args],
         out_specs=pl.BlockSpec((m, n), lambda j: (0, 0)), out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         interpret=interpret, compiler_params=_CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         # one name per variant, so that profiles tell the layer's four launches apart
-        name="decode_gemv" + "_norm" * (norm_scale is not None) + "_swiglu" * swiglu + "_residual" * (residual is not None),
+        name="decode_gemv" + "_fp8" * (w_scale is not None) + "_norm" * (norm_scale is not None) + "_swiglu" * swiglu
+        + "_residual" * (residual is not None),
     )(*args)

@@ -85,6 +85,9 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 goes through pinned host memory (tagged [pinned input]), then through one that feeds a
                 prompt's one token left in a 16-wide packed row instead of a one-step decode call (tagged
                 [one token left: packed row]); ~1.5 min more
+  fp8           batch-1 decode and prefix-cache TTFT rows (engine_ab_job) through the kernels layers in bf16,
+                then with the layers' matrices in fp8 (Engine(quantize="fp8"): float8_e4m3fn and a scale per
+                output row), each against its own weights' roofline, and fp8's rate over bf16's
   prefill_ab    the prefix-cache TTFT rows through engines whose prompt rows take other paged_prefill tiles
                 (MESHLAB_BENCH_PREFILL: names of layer_chain.attention_variants, default the shipped; xla_merge:
                 the splits merged by XLA), alternated twice (first_token.prefill_tiles_ab)

@@ -50,6 +50,7 @@ JOBS = {
     "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
+    "fp8": ("", 200, ""),
 }
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 
@@ -269,13 +270,13 @@ def job_engine_gemv(c: Child):
     dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
-def engine_ab_job(c: Child, tag: str, layers: str = "fused"):
+def engine_ab_job(c: Child, tag: str, layers: str = "fused", **engine_kw):
     """The engine job's batch-1 decode (TPOT vs the roofline) and prefix-cache TTFT rows, tagged, plus
     the greedy tokens of one bf16 prompt (the parent's table compares them across the variants)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import serve as bs
     from meshlab.infer.sampler import SamplingParams
-    eng, sz, bw = c.engine(layers=layers), c.sz, c.bw
+    eng, sz, bw = c.engine(layers=layers, **engine_kw), c.sz, c.bw
     n, rates = min(2048, sz["lengths"][-1]), []
     for section, fn in (("decode", lambda: bs.engine_tpot(eng, bw, ctx=sz["ctx"], n=sz["tpot_n"], tag=tag)),
                         ("ttft", lambda: bs.prefix_ttft(eng, n=n, tag=tag)),
@@ -440,6 +441,27 @@ def job_engine_ab(c: Child):
     engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
 
 
+def job_fp8(c: Child):
+    """Batch-1 decode and prefix-cache TTFT through the shipped kernels layers in bf16, then with the
+    layers' matrices in fp8 (Engine(quantize="fp8")), each against its own roofline (its weights'
+    bytes), in one process; the greedy tokens of one prompt from each (random weights: how often
+    fp8 keeps the bf16 argmax, not a quality measure); then both at batch 16, where the rows go
+    through XLA's GEMMs, which read fp8 weights widened to bf16 first."""
+    from meshlab.bench import decode as bench
+    from meshlab.bench import serve as bs
+    rates = [engine_ab_job(c, " [kernels bf16]", layers="kernels"), engine_ab_job(c, " [fp8]", layers="kernels", quantize="fp8")]
+    if all(rates):
+        bench.emit({"section": "decode", "setting": "engine b=1 fp8 against bf16", "value": rates[1] / rates[0],
+                    "unit": "x", "note": f"{rates[1]:.1f} against {rates[0]:.1f} tok/s (means of each engine's two rows)"})
+    big = 4 if c.smoke else 16       # past the decode kernels' rows: XLA GEMMs over the widened fp8 weights
+    for tag, kw in ((" [kernels bf16]", {}), (" [fp8]", {"quantize": "fp8"})):
+        try:
+            bs.engine_sweep(c.engine(layers="kernels", max_seqs=big, **kw), c.bw, (big,), ctx=c.sz["ctx"],
+                            n=min(128, c.sz["tpot_n"]), tag=tag)
+        except Exception as e:  # noqa: BLE001
+            bench.fail_row("sweep", "engine" + tag, e)
+
+
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
     names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
@@ -467,7 +489,7 @@ CHILD_JOBS = {
                                                                    "splits_ab")},
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
-    "first_token_host": job_first_token_host,
+    "first_token_host": job_first_token_host, "fp8": job_fp8,
     **{name: job_engine_ab for name in ENGINE_AB},
 }
 

@@ -107,6 +107,12 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     its last token again). Its tokens are those of the call that computed the page; a recomputation
     through the decode kernels may round differently in bf16. False: such prompts feed their last
     token again (the benchmark's A/B).
+
+    quantize="fp8": the decoder layers' matrices stored float8_e4m3fn with an fp32 scale per output
+    row (weight-only: activations, the KV cache, the embedding and the tied LM head stay in the
+    compute dtype), through layers "kernels" on one device: a decode token reads about half the
+    bytes (pallas_kernels/decode_gemv.py's fp8 form; sm89+ on a GPU), prompt chunks widen them before
+    their GEMMs. The tokens are the dequantized model's, not the original's.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -115,7 +121,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                  detokenize: Callable[[list], str] | None = None, rules=None, mesh=None, layers: str = "auto",
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
-                 reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1):
+                 reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1,
+                 quantize: str | None = None):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -134,15 +141,18 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):
             raise ValueError(f"impl={impl!r} must be auto, xla or pallas")
-        layers = default_layers(md, impl, mesh) if layers == "auto" else layers
-        self.impl, self.layers = impl, layers
+        if quantize and ((mesh is not None and mesh.size > 1) or "mlp" not in md.abstract["layers"]):
+            raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
+                             "leave it out for a mixture of experts or a mesh of several devices")
+        layers = ("kernels" if quantize else default_layers(md, impl, mesh)) if layers == "auto" else layers
+        self.impl, self.layers, self.quantize = impl, layers, quantize
         if prefill not in ("auto", "paged", "flash", "xla"):
             raise ValueError(f"prefill={prefill!r} must be auto (the paged prompt kernel with impl=pallas), paged, "
                              "flash or xla")
         self.prefill = prefill
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
-            self.params = serving_params(md, params, layers)
+            self.params = serving_params(md, params, layers, quantize)
             self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
             if self.reuse_hidden:
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)

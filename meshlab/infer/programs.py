@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from meshlab.infer import kv_cache
 from meshlab.infer.sampler import CUT_TOP_K, count_sampled, sample
 from meshlab.rules import use_rules
+from pallas_kernels.decode_gemv import quantize_rows
 from models import serving
 
 TOP_LOGPROBS = 20       # the most alternatives a request may ask for (OpenAI's limit)
@@ -116,21 +117,26 @@ def placement(rules, mesh):
     return use_rules(rules, mesh) if rules is not None and mesh is not None else contextlib.nullcontext()
 
 
-def _fuse(layer: dict, decode: bool = False):
+def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
     """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer. decode: instead
     ({"decode": ...}, the layer's matrices stored [n, k], each output's weights contiguous, for
     pallas_kernels/decode_gemv.py; the prompt path reads them transposed): wqkv_t [(h + 2 kvh) hd, d],
-    wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too."""
+    wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too.
+    quantize="fp8": each of the four float8_e4m3fn, with its per-row fp32 scale beside it as
+    `<name>_scale` (decode_gemv.quantize_rows)."""
     drop = sum(FUSED.values(), ()) + (("wo", "w_down") if decode else ())
     rest = {k: ({n: w for n, w in v.items() if n not in drop} if isinstance(v, dict) else v) for k, v in layer.items()}
     fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
     if not decode:
         return rest, fused
     d = layer["attn"]["wo"].shape[-1]
-    return rest, {"decode": {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                          # [(h+2kvh) hd, d]
-                             "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                       # [d, h hd]
-                             "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),  # [2, f, d]
-                             "w_down_t": layer["mlp"]["w_down"].T}}                              # [d, f]
+    nk = {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                                              # [(h+2kvh) hd, d]
+          "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                                          # [d, h hd]
+          "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),          # [2, f, d]
+          "w_down_t": layer["mlp"]["w_down"].T}                                                 # [d, f]
+    if quantize == "fp8":
+        nk = {key: v for name, w in nk.items() for key, v in zip((name, name + "_scale"), quantize_rows(w))}
+    return rest, {"decode": nk}
 
 
 def _unfused_placeholders(md, rest: dict) -> dict:
@@ -139,16 +145,21 @@ def _unfused_placeholders(md, rest: dict) -> dict:
     return {k: ({**abstract[k], **v} if isinstance(v, dict) else v) for k, v in rest.items()}
 
 
-def serving_params(md, params, layers: str = "split"):
+def serving_params(md, params, layers: str = "split", quantize: str | None = None):
     """Params as the programs of `make_programs(..., layers=layers)` take them (see the module doc).
 
     Matrices (ndim >= 2) are cast to the compute dtype, which the model would do per step anyway:
     the tokens are the same. 1-D leaves (norm scales, read in fp32) stay as stored. Under a rule
     file, each slice keeps its weight's sharding (propagated from the stacked array). The caller
-    may drop its own `params` afterwards: split weights are new buffers.
+    may drop its own `params` afterwards: split weights are new buffers. quantize="fp8" (layers
+    "kernels" only): the layers' matrices in fp8 with a scale per output row, from the weights in the
+    compute dtype; the embedding (and the tied LM head) stays in the compute dtype.
     """
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
+    if quantize not in (None, "fp8") or (quantize and layers != "kernels"):
+        raise ValueError(f"quantize={quantize!r} must be None or 'fp8', and fp8 needs layers='kernels' "
+                         f"(got layers={layers!r}): the decode kernels and the prompt GEMMs read its [n, k] matrices")
     dt = jnp.dtype(md.cfg.dtype)
     cast = lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
 
@@ -157,7 +168,7 @@ def serving_params(md, params, layers: str = "split"):
         if layers in ("split",) + CONCATENATED:
             p = dict(p, layers=[jax.tree.map(lambda a: a[i], p["layers"]) for i in range(md.cfg.n_layers)])
         if layers in CONCATENATED:
-            p["layers"] = [_fuse(one, decode=layers == "kernels") for one in p["layers"]]
+            p["layers"] = [_fuse(one, decode=layers == "kernels", quantize=quantize) for one in p["layers"]]
         return p
     return jax.jit(prepare)(params)
 

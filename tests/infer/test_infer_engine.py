@@ -864,3 +864,42 @@ def test_a_masked_request_back_in_a_slot_another_used_gets_its_mask_again():
         eng.now = [now]
         eng._refresh_masks()
         assert eng.cache[MASK][0].tolist() == row
+
+
+def dequantized_fp8(params):
+    """The tiny model's params with each decoder matrix replaced by its fp8 rows times their scales, per
+    output (decode_gemv.quantize_rows over the contraction axis): the model an fp8 engine serves."""
+    from pallas_kernels.decode_gemv import quantize_rows
+
+    def round_trip(w, k_axes):                     # one layer's matrix, its contraction over the first k_axes
+        shape = w.shape
+        nk = w.reshape(int(np.prod(shape[:k_axes])), -1).T                                     # [n, k]
+        q, scale = quantize_rows(nk)
+        return (q.astype(jnp.float32) * scale[:, None]).T.reshape(shape).astype(w.dtype)
+    layers = params["layers"]
+    attn = {n: jax.vmap(lambda w, n=n: round_trip(w, 2 if n == "wo" else 1))(v) if n in ("wq", "wk", "wv", "wo") else v
+            for n, v in layers["attn"].items()}
+    mlp = {n: jax.vmap(lambda w: round_trip(w, 1))(v) if n in ("w_gate", "w_up", "w_down") else v
+           for n, v in layers["mlp"].items()}
+    return dict(params, layers=dict(layers, attn=attn, mlp=mlp))
+
+
+def test_fp8_weights_serve_the_dequantized_model(tiny):
+    """quantize="fp8": the layers' matrices stored float8_e4m3fn with a scale per output row (half the
+    bytes), the tokens the greedy argmax of the full forward over the dequantized weights, prompt
+    chunks and decode steps alike; the embedding stays in the compute dtype. fp8 needs kernels layers
+    and a dense model."""
+    md, params, fwd = tiny
+    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, quantize="fp8")
+    assert eng.layers == "kernels"
+    mats = eng.params["layers"][0][1]["decode"]
+    assert mats["wqkv_t"].dtype == jnp.float8_e4m3fn and mats["w_gate_up_t_scale"].shape == mats["w_gate_up_t"].shape[:-1]
+    assert eng.params["embed"].dtype == jnp.float32
+    deq = dequantized_fp8(params)
+    prompts = [[5, 6, 7], list(range(20, 39))]
+    for r in eng.generate(prompts, SamplingParams(max_tokens=9)):
+        assert_greedy_matches(fwd, deq, r.prompt, r.output)
+    with pytest.raises(ValueError, match="needs layers='kernels'"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="fused", quantize="fp8")
+    with pytest.raises(ValueError, match="must be None or 'fp8'"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="kernels", quantize="int4")

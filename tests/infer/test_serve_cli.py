@@ -196,3 +196,12 @@ def test_a_step_budget_below_the_rows_is_one_clear_error(clean):
                          capture_output=True, text=True, cwd=clean, env=user_env(clean), timeout=300)
     assert out.returncode == 1 and "serve: max_step_tokens=8 must exceed max_seqs=8" in out.stderr, out.stderr[-2000:]
     assert list(clean.iterdir()) == []
+
+
+def test_fp8_on_layers_that_cannot_read_it_is_one_clear_error(clean):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), "--checkpoint", "random:tiny", "--port", "0",
+                          "--quantize", "fp8", "--layers", "fused", "--warmup", "off"],
+                         capture_output=True, text=True, cwd=clean, env=user_env(clean), timeout=300)
+    assert out.returncode == 1 and "serve: quantize='fp8'" in out.stderr and "needs layers='kernels'" in out.stderr, \
+        out.stderr[-2000:]
+    assert list(clean.iterdir()) == []

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_gemv import MAX_ROWS, BlockSizes, decode_gemv, decode_gemv_reference, shape_block_sizes
+from pallas_kernels.decode_gemv import (FP8_MAX, MAX_ROWS, BlockSizes, decode_gemv, decode_gemv_reference, quantize_rows,
+                                       shape_block_sizes)
 
 pytestmark = pytest.mark.cheap_codegen
 
@@ -27,6 +28,33 @@ def test_matches_reference(m, op):
     got = decode_gemv(x, w, block_sizes=BlockSizes(block_n=16, block_k=64), interpret=True, **kw)
     want = decode_gemv_reference(x, w, **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("op", ["plain", "norm", "residual", "norm_swiglu"])
+@pytest.mark.parametrize("tiles", [BlockSizes(block_n=16, block_k=32),
+                                   BlockSizes(block_n=8, block_k=32, tiles_per_program=3, prefetch=1)], ids=["loop", "ahead"])
+def test_fp8_weights_match_the_dequantized_reference(m, op, tiles):
+    # fp8 rows with one scale each: the kernel's sums times the scale equal the reference over the same
+    # fp8 weights (up to fp32 order), and that is the fp32 matmul of the dequantized weights q * scale
+    swiglu = "swiglu" in op
+    x, w, scale, res = _case(m + len(op) + tiles.block_n, m, 96, 48, swiglu)
+    w = w * jnp.linspace(0.1, 10.0, 48)[:, None]                 # rows of very different ranges: the scales matter
+    q, w_scale = quantize_rows(w)
+    assert q.dtype == jnp.float8_e4m3fn and w_scale.shape == w.shape[:-1]
+    np.testing.assert_allclose(np.abs(np.asarray(q, np.float32)).max(axis=-1), FP8_MAX)
+    kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
+    got = decode_gemv(x, q, w_scale=w_scale, block_sizes=tiles, interpret=True, **kw)
+    want = decode_gemv_reference(x, q, w_scale=w_scale, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    dequantized = (q.astype(jnp.float32) * w_scale[..., None]).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(want), np.asarray(decode_gemv_reference(x, dequantized, **kw)), atol=1e-4, rtol=1e-4)
+    rel = np.abs(np.asarray(dequantized) - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+    assert rel < 2 ** -4                                         # e4m3's 3 mantissa bits, per row's range
+    with pytest.raises(ValueError, match="w_scale"):
+        decode_gemv(x, q, w_scale=w_scale[..., :-1], swiglu=swiglu, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn with w_scale"):
+        decode_gemv(x, q, swiglu=swiglu, interpret=True)
 
 
 @pytest.mark.parametrize("tiles, k", [(BlockSizes(block_n=16, block_k=128, tiles_per_program=3, prefetch=1), 128),
@@ -108,6 +136,11 @@ def test_lowers_for_cuda_at_llama3_1b_shapes(tiles):
              (lambda x, w, g: mv(x, w, norm_scale=g, swiglu=True), (s(1, d), s(2, f, d), scale))]
     if tiles is None:
         cases.append((lambda x, w, r: mv(x, w, residual=r), (s(1, f), s(d, f), s(1, d))))
+        q = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)  # noqa: E731 - fp8 weights, fp32 scales
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        cases += [(lambda x, w, ws, g: mv(x, w, w_scale=ws, norm_scale=g), (s(1, d), q(qkv, d), f32(qkv), scale)),
+                  (lambda x, w, ws, g: mv(x, w, w_scale=ws, norm_scale=g, swiglu=True), (s(1, d), q(2, f, d), f32(2, f), scale)),
+                  (lambda x, w, ws, r: mv(x, w, w_scale=ws, residual=r), (s(1, f), q(d, f), f32(d), s(1, d)))]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "decode_gemv" in text
@@ -128,12 +161,29 @@ def test_gpu_compiled_matches_reference_at_llama3_1b_shapes():
             np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
-def test_block_decode_step_matches_the_xla_block(monkeypatch):
+@pytest.mark.gpu
+def test_gpu_compiled_fp8_matches_reference_at_llama3_1b_shapes():
+    # Compiled Triton with fp8 weights (sm89+), bf16 activations, batch 1, the layer's four matmuls
+    d, f, qkv = 2048, 8192, 3072
+    for xs, n, kw in (((1, d), qkv, {"norm": True}), ((1, d), d, {"residual": True}),
+                      ((1, d), f, {"norm": True, "swiglu": True}), ((1, f), d, {"residual": True})):
+        x, w, scale, res = _case(n, 1, xs[1], n, kw.get("swiglu", False), jnp.bfloat16)
+        q, w_scale = quantize_rows(w)
+        args = dict(norm_scale=scale if kw.get("norm") else None, residual=res if kw.get("residual") else None,
+                    swiglu=kw.get("swiglu", False), w_scale=w_scale)
+        got = np.asarray(decode_gemv(x, q, **args), np.float32)
+        want = np.asarray(decode_gemv_reference(x, q, **args), np.float32)
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_block_decode_step_matches_the_xla_block(monkeypatch, quantize):
     # The five-launch decode layer (kernels=True) and nk_step (the [n, k] weights through XLA) against
     # the same block with concatenated weights (layers="fused"): the kernels replace only the matmuls
     # and their neighbours; the jaxpr shows the four decode_gemv launches and the attention kernel.
     # Three rows: the kernels' multi-row form, with the row limit raised to the kernel's (the shipped
-    # limit, one row, sends them through nk_step).
+    # limit, one row, sends them through nk_step). fp8: both paths over the fp8 matrices, the fused
+    # block over their dequantized values.
     import dataclasses
     from flax import nnx
     import models
@@ -144,8 +194,21 @@ def test_block_decode_step_matches_the_xla_block(monkeypatch):
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=1)
     block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
     params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
-    (_, fused), (_, nk) = _fuse(params), _fuse(params, decode=True)
+    (_, nk) = _fuse(params, decode=True, quantize=quantize)
+    if quantize:           # the block's own matrices replaced by what the fp8 ones stand for
+        mats = nk["decode"]
+        deq = {n: mats[n].astype(jnp.float32) * mats[n + "_scale"][..., None] for n in mats if not n.endswith("_scale")}
+        d = params["attn"]["wo"].shape[-1]
+        widths = [params["attn"][n].reshape(d, -1).shape[1] for n in ("wq", "wk")]
+        q, k, v = np.split(np.asarray(deq["wqkv_t"].T), np.cumsum(widths), 1)
+        params = dict(params, attn=dict(params["attn"], **{n: jnp.asarray(a).reshape(params["attn"][n].shape) for n, a in
+                                                            (("wq", q), ("wk", k), ("wv", v))},
+                                        wo=deq["wo_t"].T.reshape(params["attn"]["wo"].shape)),
+                      mlp=dict(params["mlp"], w_gate=deq["w_gate_up_t"][0].T, w_up=deq["w_gate_up_t"][1].T,
+                               w_down=deq["w_down_t"].T))
+    (_, fused) = _fuse(params)
     one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], nnx.state(block)))
+    nnx.update(one, params)                                    # wo and w_down: the fused block reads the block's own
     b, page_size, pages = 3, 4, 4
     cache = kv_cache.init_paged(cfg, b * pages + 1, page_size)
     cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(3), c.shape, c.dtype), cache)
