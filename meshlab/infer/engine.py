@@ -33,7 +33,7 @@ from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its cal
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.packed import Flight, PackedSteps
-from meshlab.infer.guided import Guide, Guided, TokenRules, mask_words
+from meshlab.infer.guided import Guided, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
@@ -108,11 +108,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     through the decode kernels may round differently in bf16. False: such prompts feed their last
     token again (the benchmark's A/B).
 
-    quantize="fp8": the decoder layers' matrices stored float8_e4m3fn with an fp32 scale per output
-    row (weight-only: activations, the KV cache, the embedding and the tied LM head stay in the
-    compute dtype), through layers "kernels" on one device: a decode token reads about half the
-    bytes (pallas_kernels/decode_gemv.py's fp8 form; sm89+ on a GPU), prompt chunks widen them before
-    their GEMMs. The tokens are the dequantized model's, not the original's.
+    quantize="fp8": the layers' matrices in float8_e4m3fn, a scale per output row (weight-only; the
+    embedding and tied head stay), layers "kernels" on one device (programs.serving_params).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -248,15 +245,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         need = len(prompt) + params.max_tokens
         if need > s.max_len or -(-need // s.page_size) > s.pool.total:
             s.add(Request(prompt, params))            # raises the precise AdmissionError
-        rules = TokenRules.of(params, self.md.cfg.vocab_size)
-        guide = None if rules is None else Guide(None, rules)
-        if params.grammar is not None:
-            if self.grammars is None:
-                raise AdmissionError("a grammar needs the engine's tokenizer: set engine.grammars = "
-                                     "meshlab.infer.guided.Grammars(tokenizer, vocab_size)")
-            guide = self.grammars.guide(params.grammar, rules)
         req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32),
-                      guide=guide)
+                      guide=self._guide_of(params))
         self.inbox.put(req)
         return req
 
@@ -296,13 +286,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     # -- one step -------------------------------------------------------------------------
     def _admit(self):
         while not self.inbox.empty():
-            req = self.sched.add(self.inbox.get_nowait())
-            if req.guide is not None:
-                self.masked.add(req)
-                if req.guide.per_step:
-                    self.guided.add(req)
-                if req.guide.matcher is not None:
-                    self.stats["guided_requests"] += 1
+            self._hold_mask(self.sched.add(self.inbox.get_nowait()))
         while not self.aborts.empty():
             req = self.aborts.get_nowait()
             if req.finish_reason is None and (self.sched.remove_waiting(req) or req.slot >= 0):

@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from meshlab.infer.programs import MASK
+from meshlab.infer.scheduler import AdmissionError
 
 # Compact JSON unless the schema's own "x-guidance" says otherwise: no whitespace between tokens (a
 # model may otherwise spend its max_tokens on blanks the grammar allows).
@@ -331,6 +332,25 @@ class Guided:
     kept equal to its Guide's next allowed tokens, and the step rules the per-step ones need. The engine
     holds `masked` (requests with a Guide, queued or running), `guided` (those whose mask is per_step),
     and per slot the Guide whose mask its MASK row holds (`slot_guide`; `slot_guided`: not None)."""
+
+    def _guide_of(self, params) -> Optional[Guide]:
+        """A request's Guide from its grammar and token rules, or None (any thread, at add_request)."""
+        rules = TokenRules.of(params, self.md.cfg.vocab_size)
+        if params.grammar is None:
+            return None if rules is None else Guide(None, rules)
+        if self.grammars is None:
+            raise AdmissionError("a grammar needs the engine's tokenizer: set engine.grammars = "
+                                 "meshlab.infer.guided.Grammars(tokenizer, vocab_size)")
+        return self.grammars.guide(params.grammar, rules)
+
+    def _hold_mask(self, req) -> None:
+        """Count a request queued with a Guide among the masked (and the per-step) ones."""
+        if req.guide is not None:
+            self.masked.add(req)
+            if req.guide.per_step:
+                self.guided.add(req)
+            if req.guide.matcher is not None:
+                self.stats["guided_requests"] += 1
 
     def _guides_running(self) -> bool:
         """Whether a running request's mask follows its tokens: decode calls then run one step and do not
