@@ -4,6 +4,7 @@
         norm_scale=[k]:  RMSNorm(x) * norm_scale  @ w.T       (the pre-attention / pre-MLP norm)
         swiglu=True:     w = [2, f, k] (gate, up)  -> silu(x @ gate.T) * (x @ up.T)     [m, f]
         residual=[m, n]: residual + x @ w.T                    (the block's residual adds)
+        w_scale=[n]:     w in float8_e4m3fn (quantize_rows): widened after its load, each sum times its row's scale
 
 Why: at batch 1 a decode layer's matmuls are small (llama3_1b: 12.6 MB q|k|v, 8.4 MB wo) and the
 XLA GEMMs before and after them (split-K partials, their reduce, the norm, SwiGLU's product)
@@ -14,15 +15,9 @@ loop-carried dependence between them, then multiplies and sums along k on the ve
 tensor-core dot would pad the 1-4 rows to 16), so every byte of the launch is in flight after
 one memory latency. k > block_k loops (`num_stages`) or unrolls (`prefetch`); a program may walk
 several tiles (`tiles_per_program`, `rolled`); defaults by shape (`shape_block_sizes`).
-Limits: at most MAX_ROWS rows (decode batch), n % block_n == 0 (k is split into the largest
-power-of-two chunks <= block_k that divide it), the Triton backend (GPU) or interpret=True.
-Numerics follow the model's XLA path (models/llama.py): fp32 products and sums, the normed x and
-the matmul output rounded to x's dtype before the epilogue.
-
-fp8 weights (w_scale=[n], or [2, f] with swiglu): w stored float8_e4m3fn with one fp32 scale per
-output row (`quantize_rows`: the row's largest |w| maps to e4m3's 448), half the bytes a decode token
-streams. The tile is widened to fp32 after its load and a column's sum multiplied by its scale before
-the rounding, so the sums are those of the dequantized weights (fp8 -> fp32 is exact). Needs sm89+.
+Limits: at most MAX_ROWS rows, n % block_n == 0 (k split into power-of-two chunks <= block_k), Triton (fp8: sm89+)
+or interpret=True. Numerics: the model's XLA path (models/llama.py), fp32 products and sums, the normed x and the
+matmul output rounded to x's dtype before the epilogue (with fp8, after the scale: the dequantized weights' sums).
 """
 from __future__ import annotations
 
