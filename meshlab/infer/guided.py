@@ -252,9 +252,12 @@ class TokenRules:
         return cls(vocab_size, params.allowed_token_ids, params.bad_words_ids)
 
     def restrict(self, out: np.ndarray, tail) -> None:
-        """out [mask_words(V)] &= the rules after output tokens ending with `tail`. A ban that would leave
-        nothing to sample (the grammar's or allowed tokens all banned here) is not applied."""
-        out &= self.base
+        """out [mask_words(V)] &= the rules after output tokens ending with `tail`. A rule that would leave
+        nothing to sample is not applied: a grammar's next tokens none of allowed_token_ids (the grammar
+        wins), or the allowed tokens all banned here."""
+        narrowed = out & self.base
+        if narrowed.any():
+            out[:] = narrowed
         for n in self.lengths:
             last = self.after.get(tuple(tail)[-n:]) if len(tail) >= n else None
             if last:

@@ -903,3 +903,16 @@ def test_fp8_weights_serve_the_dequantized_model(tiny):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="fused", quantize="fp8")
     with pytest.raises(ValueError, match="must be None or 'fp8'"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="kernels", quantize="int4")
+
+
+def test_allowed_tokens_outside_a_grammar_leave_the_grammar_its_tokens():
+    """A grammar whose next tokens are none of allowed_token_ids: the rules yield (an empty mask would
+    sample outside the grammar, which stops its matcher)."""
+    from meshlab.infer.guided import Guide, TokenRules
+    out = np.zeros(3, np.int32)
+    out[0] = 1 << 5                                      # the grammar allows token 5 only
+    Guide(None, TokenRules(70, allowed=[6, 7])).rules.restrict(out, ())
+    assert out.tolist() == [1 << 5, 0, 0]
+    out[0] = (1 << 5) | (1 << 6)
+    Guide(None, TokenRules(70, allowed=[6, 7])).rules.restrict(out, ())
+    assert out.tolist() == [1 << 6, 0, 0]
