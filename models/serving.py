@@ -55,15 +55,21 @@ class Attend:
 
 
 # -- the one-token GEMM ------------------------------------------------------------------------
-def _mm_decode(spec, x, w):
+def _mm_decode(spec, x, w, scale=None):
     """_mm for x [b, t, ...]. At one token (b*t == 1) XLA:GPU drops the unit dims, sees a vector x
     matrix dot, and below ~10M elements rewrites it into a multiply + reduce (its algebraic
     simplifier's dot strength reduction): for wo that writes and re-reads a weight-sized product,
     several times the GEMM's time in the H200 decode profile. A second, zero row keeps it a GEMM;
-    the weights are read once either way."""
-    if x.shape[0] * x.shape[1] != 1:
-        return _mm(spec, x, w)
-    return _mm(spec, _zero_row(x), w)[:, :1]                               # [1, 1, ...]
+    the weights are read once either way. scale: w is fp8 with this per-row scale (its dims end the
+    output's): the GEMM on w widened to x's dtype (exact), its fp32 output times the scale, rounded
+    once, as decode_gemv's fp8 form does."""
+    narrow = x.shape[0] * x.shape[1] == 1
+    xin = _zero_row(x) if narrow else x
+    if scale is None:
+        y = _mm(spec, xin, w)
+    else:
+        y = (jnp.einsum(spec, xin, w.astype(x.dtype), preferred_element_type=F32) * scale).astype(x.dtype)
+    return y[:, :1] if narrow else y                                       # [b, t, ...]
 
 
 def _zero_row(x):
@@ -137,16 +143,8 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
 
 
 def _mm_nk(spec, x, w, name):
-    """_mm_decode over the [n, k] matrix w[name]; fp8 with its per-row scale w[name + "_scale"] (the
-    scale's dims end the output's): the GEMM on the weights widened to x's dtype (exact), its fp32
-    output times the scale, rounded once, as decode_gemv's fp8 form does."""
-    scale = w.get(name + "_scale")
-    if scale is None:
-        return _mm_decode(spec, x, w[name])
-    narrow = x.shape[0] * x.shape[1] == 1                   # _mm_decode's zero second row (its doc says why)
-    xin = _zero_row(x) if narrow else x
-    y = jnp.einsum(spec, xin, w[name].astype(x.dtype), preferred_element_type=F32) * scale
-    return (y[:, :1] if narrow else y).astype(x.dtype)
+    """_mm_decode over the [n, k] matrix w[name], fp8 when w holds its scale as name + "_scale"."""
+    return _mm_decode(spec, x, w[name], w.get(name + "_scale"))
 
 
 def nk_step(block, x, positions, attend: Attend, layer, cache, w):

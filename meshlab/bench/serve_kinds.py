@@ -127,20 +127,21 @@ def guided(engine, work, share: int = 8, label: str = "engine") -> list[dict]:
     engine.grammars = Grammars(ByteTokenizer(), engine.md.cfg.vocab_size)
     engine.warmup(greedy=False)        # held rows sample through the programs without the greedy promise
     letters, word = list(range(ord("a"), ord("z") + 1)), [ord("e"), ord("e")]
-    held_by = {"a JSON schema": lambda m: {"grammar": json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"})},
-               "allowed_token_ids (26 letters)": lambda m: {"allowed_token_ids": letters},
-               "a bad word of 2 tokens": lambda m: {"bad_words_ids": [word]}}
+    # name: (a held request's SamplingParams fields given its max_tokens, whether its output kept that form)
+    held_by = {"a JSON schema": (lambda m: {"grammar": json_grammar({"type": "string", "pattern": f"^[a-z]{{{m - 2}}}$"})},
+                                 lambda r: len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2),
+               "allowed_token_ids (26 letters)": (lambda m: {"allowed_token_ids": letters},
+                                                  lambda r: set(r.output) <= set(letters)),
+               "a bad word of 2 tokens": (lambda m: {"bad_words_ids": [word]},
+                                          lambda r: all(r.output[i:i + 2] != word for i in range(len(r.output) - 1)))}
 
-    def params(how):
-        return [SamplingParams(max_tokens=m, **(held_by[how](m) if how and i % share == 0 else {}))
+    def params(fields=None):
+        return [SamplingParams(max_tokens=m, **(fields(m) if fields and i % share == 0 else {}))
                 for i, (_, m) in enumerate(work)]
-    runs = _runs(engine, work, [("free", params(None))] + [(f"1 in {share} held to {how}", params(how)) for how in held_by],
-                 "guided", label)
+    runs = _runs(engine, work, [("free", params())] + [(f"1 in {share} held to {how}", params(fields))
+                                                        for how, (fields, _) in held_by.items()], "guided", label)
     free = runs[0][0]
-    kept = [lambda r: len(json.loads(bytes(r.output).decode())) == r.params.max_tokens - 2,
-            lambda r: set(r.output) <= set(letters),
-            lambda r: not any(r.output[i:i + 2] == word for i in range(len(r.output) - 1))]
-    for (row, reqs), keeps in zip(runs[1:], kept):
+    for (row, reqs), (_, keeps) in zip(runs[1:], held_by.values()):
         held = reqs[::share]
         row["note"] += f"; {sum(map(keeps, held))} of {len(held)} held outputs keep their form; " \
                        f"{row['value'] / free['value']:.2f}x the free run"

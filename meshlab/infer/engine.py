@@ -142,7 +142,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
             raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
                              "leave it out for a mixture of experts or a mesh of several devices")
         layers = ("kernels" if quantize else default_layers(md, impl, mesh)) if layers == "auto" else layers
-        self.impl, self.layers, self.quantize = impl, layers, quantize
+        self.impl, self.layers = impl, layers
         if prefill not in ("auto", "paged", "flash", "xla"):
             raise ValueError(f"prefill={prefill!r} must be auto (the paged prompt kernel with impl=pallas), paged, "
                              "flash or xla")
@@ -182,8 +182,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         # rows [n, ...] of a per-slot cache entry set at slots [n] (slot max_seqs: padding, dropped)
         self._set_rows = jax.jit(lambda entry, slots, rows: entry.at[slots].set(rows, mode="drop"), donate_argnums=0)
         self.slot_biased = np.zeros(max_seqs, bool)              # the slot's bias rows hold a logit_bias or held stops
-        self.slot_guided = np.zeros(max_seqs, bool)              # the slot's MASK row holds a request's mask
-        self.slot_guide = [None] * max_seqs                      # ... that request's Guide (meshlab.infer.guided)
+        self.slot_guide = [None] * max_seqs          # the Guide whose mask the slot's MASK row holds (None: every token)
         self._mask_executor = None                               # llguidance's, made at the first guided step
         self.masked: set = set()            # requests with a token mask (a grammar, allowed or banned tokens), queued or running
         self.guided: set = set()            # those whose mask follows each token (Guide.per_step)

@@ -334,7 +334,7 @@ class Guided:
     """Engine's token masks (a mixin, as meshlab.infer.scoring's Scoring is): each masked row's MASK entry
     kept equal to its Guide's next allowed tokens, and the step rules the per-step ones need. The engine
     holds `masked` (requests with a Guide, queued or running), `guided` (those whose mask is per_step),
-    and per slot the Guide whose mask its MASK row holds (`slot_guide`; `slot_guided`: not None)."""
+    and per slot the Guide whose mask its MASK row holds (`slot_guide`; None: every token)."""
 
     def _guide_of(self, params) -> Optional[Guide]:
         """A request's Guide from its grammar and token rules, or None (any thread, at add_request)."""
@@ -366,12 +366,12 @@ class Guided:
         request left: the grammars' masks computed in parallel (llguidance's executor), the token rules
         applied over them, one device call for all. Nothing to do, and no row looked at, while no request
         has a mask and no slot holds one."""
-        if not self.masked and not self.slot_guided.any():
+        if not self.masked and not any(self.slot_guide):
             return
         # a row is rewritten unless it holds this guide's mask at its version: a preempted request may come
         # back to a slot that another's mask (or all bits) took meanwhile
-        rows = [r for r in self.sched.running() if (r.guide is None and self.slot_guided[r.slot])
-                or (r.guide is not None and (self.slot_guide[r.slot] is not r.guide or r.guide.written != r.guide.version))]
+        rows = [r for r in self.sched.running() if self.slot_guide[r.slot] is not r.guide
+                or (r.guide is not None and r.guide.written != r.guide.version)]
         if not rows:
             return
         b = next(x for x in self.DECODE if x >= len(rows))
@@ -384,7 +384,7 @@ class Guided:
             self._mask_executor.unsafe_compute_mask_ptr(guided, masks.ctypes.data, masks.strides[0], b)
         for i, r in enumerate(rows):
             slots[i] = r.slot
-            self.slot_guided[r.slot], self.slot_guide[r.slot] = r.guide is not None, r.guide
+            self.slot_guide[r.slot] = r.guide
             if r.guide is not None:
                 r.guide.restrict(masks[i])
                 r.guide.written = r.guide.version

@@ -845,7 +845,7 @@ def test_a_masked_request_back_in_a_slot_another_used_gets_its_mask_again():
 
         def __init__(self):
             self.masked, self.guided, self._mask_width, self._mask_executor = set(), set(), 3, None
-            self.slot_guided, self.slot_guide = np.zeros(2, bool), [None, None]
+            self.slot_guide = [None, None]
             self.cache, self.now = {MASK: np.full((2, 3), -1, np.int32)}, []
             self.sched = SimpleNamespace(running=lambda: self.now, max_seqs=2)
 
@@ -890,7 +890,8 @@ def test_fp8_weights_serve_the_dequantized_model(tiny):
     chunks and decode steps alike; the embedding stays in the compute dtype. fp8 needs kernels layers
     and a dense model."""
     md, params, fwd = tiny
-    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, quantize="fp8")
+    # one row: decode steps of one token (_mm_decode's zero second row), prompt chunks of several
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, quantize="fp8")
     assert eng.layers == "kernels"
     mats = eng.params["layers"][0][1]["decode"]
     assert mats["wqkv_t"].dtype == jnp.float8_e4m3fn and mats["w_gate_up_t_scale"].shape == mats["w_gate_up_t"].shape[:-1]
