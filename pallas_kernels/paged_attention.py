@@ -5,7 +5,8 @@ stacked cache [layers, num_pages, page_size, kv_heads, d] with a traced `layer`,
 page_table [b, max_pages] int32 (logical page i of sequence b is page_table[b, i]; entries past a
 sequence's length are never read into the result); lengths [b] int32 (tokens cached, the query's
 own included; 0 = inactive row -> zeros). `paged_decode_attention` also rotates the new token's
-q and k (RoPE) and writes its k/v into the cache in the same kernel.
+q and k (RoPE) and writes its k/v into the cache in the same kernel. The pages may be float8_e4m3fn
+(an fp8 KV cache: half the bytes): each tile is widened to q's dtype after its load.
 Grid (batch, kv_heads, splits): a program per KV head's query group and slice of the pages
 (flash-decoding), the slices merged by a log-sum-exp rescale; see the notes above `_kernel`.
 Limits: one query token per sequence; the Triton backend (GPU) or interpret=True; tiles from
@@ -22,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
 from pallas_kernels.paged_tiles import (NEG, BlockSizes, active_splits, page_loop, plan, pow2_at_least, split_range,
-                                        stacked, whole)
+                                        stacked, to_cache, whole)
 
 
 def _first_rows(x, rows: int):
@@ -98,14 +99,16 @@ def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cs_ref[b, 0, :], cs_ref[b, 1, :]                                   # [d/2] fp32
 
-    def rotate(x1, x2):  # rotate-half RoPE in fp32, rounded to the cache dtype as the model rounds it
+    def rotate(x1, x2):  # rotate-half RoPE in fp32, rounded to the model's dtype as the model rounds it
         x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        return ((x1 * cos - x2 * sin).astype(k_ref.dtype), (x2 * cos + x1 * sin).astype(k_ref.dtype))
+        return ((x1 * cos - x2 * sin).astype(qkv_ref.dtype), (x2 * cos + x1 * sin).astype(qkv_ref.dtype))
 
     heads = kh * group + jnp.minimum(jnp.arange(rows), group - 1)                # the group padded to `rows`
     q1, q2 = rotate(qkv_ref[b, heads, lo], qkv_ref[b, heads, hi])                 # [rows, d/2] x2
-    k1, k2 = rotate(qkv_ref[b, n_heads + kh, lo], qkv_ref[b, n_heads + kh, hi])   # [d/2] x2
-    v_new = qkv_ref[b, n_heads + v_ref.shape[3] + kh, :]                         # [d]
+    # the new k and v as the cache will hold them (rounded to an fp8 cache's dtype: the token attends
+    # to itself as every later step will read it)
+    k1, k2 = (to_cache(x, k_ref.dtype) for x in rotate(qkv_ref[b, n_heads + kh, lo], qkv_ref[b, n_heads + kh, hi]))
+    v_new = to_cache(qkv_ref[b, n_heads + v_ref.shape[3] + kh, :], v_ref.dtype)   # [d]
     m, l, acc = page_loop(table_ref, k_ref, v_ref, (q1, q2), b=b, kh=kh, layer=layer, first=first,
                           n_blocks=n_blocks, visible=jnp.where(keep, length, new), page_size=page_size,
                           ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, v_first=v_first)
@@ -126,7 +129,7 @@ def _fused_kernel(layer_ref, lengths_ref, cached_ref, table_ref, qkv_ref, cs_ref
         slot = jnp.maximum(new, 0) % page_size
         k_out[layer, page, slot, kh, lo] = k1
         k_out[layer, page, slot, kh, hi] = k2
-        v_out[layer, page, slot, kh, :] = v_new.astype(v_out.dtype)
+        v_out[layer, page, slot, kh, :] = v_new
 
 
 def merge_splits(acc, m, l, dtype):

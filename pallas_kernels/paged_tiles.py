@@ -29,8 +29,8 @@ class BlockSizes:
     # Target grid size for the automatic split: 2x the 132 SMs of an H200, so every SM has two
     # programs' loads in flight even at batch 1 (8 kv heads -> 33 splits wanted).
     min_programs: int = 264
-    # "dot": tensor-core q @ K^T and p @ V on the group padded to 16 rows (p cast to the cache
-    # dtype for the second dot, as flash attention does). "vpu": elementwise products in fp32.
+    # "dot": tensor-core q @ K^T and p @ V on the group padded to 16 rows (p cast to the dots'
+    # dtype, bf16 for a bf16 or fp8 cache, as flash attention does). "vpu": elementwise products in fp32.
     # "dot" needs pages_per_block * page_size >= 16 and d >= 16; else "vpu" is used.
     score: str = "dot"
     num_warps: int = 4
@@ -87,6 +87,22 @@ def prefill_block_sizes() -> BlockSizes:
     return BlockSizes()
 
 
+def to_cache(x, dtype):
+    """x rounded to the cache's dtype; a float8 cache saturates at its largest finite value first
+    (float8_e4m3fn has no infinity: a value past 448 would become NaN)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
+def widened(q_dtype, cache_dtype):
+    """The dtype attention's products run in over a cache: an fp8 cache's is q's (JAX promotes no
+    float8 implicitly), else the wider of the two."""
+    return jnp.dtype(q_dtype) if jnp.dtype(cache_dtype).itemsize == 1 else jnp.promote_types(q_dtype, cache_dtype)
+
+
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -106,10 +122,13 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
     rows, max_pages, tile = qparts[0].shape[0], table_ref.shape[1], ppb * page_size
     d = sum(qp.shape[1] for qp in qparts)
     col = [pl.ds(sum(qp.shape[1] for qp in qparts[:i]), qp.shape[1]) for i, qp in enumerate(qparts)]
-    # fp32 caches: full-precision dots (Triton's default for fp32 operands would be tf32)
-    precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    # The dots run in the wider of q's and the cache's dtypes: an fp8 cache's tiles are widened after
+    # their load (its bytes are what decode pays for), never q narrowed to fp8. fp32: full-precision
+    # dots (Triton's default for fp32 operands would be tf32).
+    wide = widened(qparts[0].dtype, k_ref.dtype)
+    precision = jax.lax.Precision.HIGHEST if wide == jnp.float32 else None
     if use_dot:
-        qparts = tuple(qp.astype(k_ref.dtype) for qp in qparts)
+        qparts = tuple(qp.astype(wide) for qp in qparts)
     else:
         qparts = tuple(qp.astype(jnp.float32) * sm_scale for qp in qparts)
 
@@ -127,7 +146,7 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
         scores = 0.0
         for qp, k in zip(qparts, ks):
             if use_dot:
-                scores = scores + jax.lax.dot_general(qp, k, (((1,), (1,)), ((), ())), precision=precision,
+                scores = scores + jax.lax.dot_general(qp, k.astype(wide), (((1,), (1,)), ((), ())), precision=precision,
                                                       preferred_element_type=jnp.float32)  # [rows, tile]
             else:
                 scores = scores + jnp.sum(qp[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
@@ -145,7 +164,7 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
             probs = jnp.where(seen, probs, 0.0)
         l = l * alpha + jnp.sum(probs, axis=-1)
         if use_dot:
-            pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+            pv = jax.lax.dot_general(probs.astype(wide), v.astype(wide), (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)          # [rows, d]
         else:
             pv = jnp.sum(probs[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)

@@ -88,6 +88,9 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
   fp8           batch-1 decode and prefix-cache TTFT rows (engine_ab_job) through the kernels layers in bf16,
                 then with the layers' matrices in fp8 (Engine(quantize="fp8"): float8_e4m3fn and a scale per
                 output row), each against its own weights' roofline, and fp8's rate over bf16's
+  kv_fp8        the batch sweep 1 / 16 / 64 / 128 at ctx 2k through the shipped engine over a bf16 KV cache and
+                over an fp8 one (Engine(kv_cache_dtype="fp8")), alternated by batch, each against its own roofline;
+                how many greedy tokens of one prompt the two share
   prefill_ab    the prefix-cache TTFT rows through engines whose prompt rows take other paged_prefill tiles
                 (MESHLAB_BENCH_PREFILL: names of layer_chain.attention_variants, default the shipped; xla_merge:
                 the splits merged by XLA), alternated twice (first_token.prefill_tiles_ab)

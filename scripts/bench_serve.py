@@ -7,7 +7,8 @@
 Workload (meshlab/bench/serve.py): n requests, prompts uniform in [128, 1024] tokens,
 outputs uniform in [64, 256] (`--prompts 128,2048 --outputs 64,512`: other ranges; the engines'
 max_len grows to hold the longest request, and the rows carry the ranges; `--max-step-tokens N`: the
-engines' step budget, also in the rows), greedy, no stop tokens. Jobs, each a child process (torch and JAX
+engines' step budget, also in the rows; `--kv-cache-dtype fp8`: their KV cache in fp8, also in the
+rows), greedy, no stop tokens. Jobs, each a child process (torch and JAX
 never share one), printing `ROW {json}` lines:
 
   offline  Engine(max_len=1536, max_seqs=128, page_size=16, chunk=512, steps_per_call=8).generate
@@ -77,6 +78,8 @@ def shape(args):
     wl.update({k: v for k, v in (("prompt", args.prompts), ("output", args.outputs)) if v})
     if args.max_step_tokens:
         ek["max_step_tokens"] = args.max_step_tokens
+    if args.kv_cache_dtype != "auto":
+        ek["kv_cache_dtype"] = args.kv_cache_dtype
     longest = wl["prompt"][1] + wl["output"][1]
     ek["max_len"] = max(ek["max_len"], -(-longest // ek["page_size"]) * ek["page_size"])
     return preset, dtype, wl, ek
@@ -104,6 +107,8 @@ def run_parts(args) -> list[str]:
         parts.append(f"prompts {p0}-{p1}, outputs {o0}-{o1}")
     if args.max_step_tokens:
         parts.append(f"max_step_tokens {args.max_step_tokens}")
+    if args.kv_cache_dtype != "auto":
+        parts.append(f"kv cache {args.kv_cache_dtype}")
     return parts
 
 
@@ -170,7 +175,8 @@ def http(args, preset, dtype, wl, ek, bs, work):
            str(ek["page_size"]), "--chunk", str(ek["chunk"]), "--steps-per-call", str(ek["steps_per_call"]),
            "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on",
            "--warmup-idle-kinds="] \
-        + ([f"--max-step-tokens={ek['max_step_tokens']}"] if "max_step_tokens" in ek else [])
+        + ([f"--max-step-tokens={ek['max_step_tokens']}"] if "max_step_tokens" in ek else []) \
+        + [f"--kv-cache-dtype={ek.get('kv_cache_dtype', 'auto')}"]
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
     try:
         line = srv.stdout.readline()
@@ -223,7 +229,8 @@ def run_job(name, args, out: Path, timeout: float) -> list:
         + (["--quick"] if args.quick else []) + (["--http-logprobs"] if args.http_logprobs else []) \
         + ["--preset", args.preset] \
         + [f"--{k}={v[0]},{v[1]}" for k, v in (("prompts", args.prompts), ("outputs", args.outputs)) if v] \
-        + ([f"--max-step-tokens={args.max_step_tokens}"] if args.max_step_tokens else [])
+        + ([f"--max-step-tokens={args.max_step_tokens}"] if args.max_step_tokens else []) \
+        + [f"--kv-cache-dtype={args.kv_cache_dtype}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -276,6 +283,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"output lengths LO,HI (uniform; default {DEFAULT_OUTPUTS[0]},{DEFAULT_OUTPUTS[1]})")
     ap.add_argument("--max-step-tokens", type=int, default=None,
                     help="the engines' tokens per step (Engine max_step_tokens; default max_seqs + 4 chunks)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="the engines' KV cache (Engine kv_cache_dtype; fp8: float8_e4m3fn, in the rows)")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",

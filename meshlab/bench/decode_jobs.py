@@ -51,6 +51,7 @@ JOBS = {
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
     "fp8": ("", 200, ""),
+    "kv_fp8": ("", 300, ""),
 }
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
 
@@ -462,6 +463,30 @@ def job_fp8(c: Child):
             bench.fail_row("sweep", "engine" + tag, e)
 
 
+def job_kv_fp8(c: Child):
+    """The batch sweep at ctx 2k through two shipped engines in one process, one over a bf16 KV cache and
+    one over an fp8 cache (Engine(kv_cache_dtype="fp8")), alternated batch by batch, each against its own
+    roofline (fp8 K/V: half the bytes a row reads); then the greedy tokens of one prompt from each
+    (random weights: how long fp8 K/V keep bf16's argmax, not a quality measure)."""
+    from meshlab.bench import decode as bench
+    from meshlab.bench import serve as bs
+    from meshlab.infer.sampler import SamplingParams
+    batches, ctx, n = ((1, 4), c.sz["ctx"], 16) if c.smoke else ((1, 16, 64, 128), c.sz["ctx"], 128)
+    engines = {kv: c.engine(max_seqs=max(batches), max_len=-(-(ctx + n) // 16) * 16, kv_cache_dtype=kv)
+               for kv in ("auto", "fp8")}
+    for b in batches:
+        for kv, eng in engines.items():
+            try:
+                bs.engine_sweep(eng, c.bw, (b,), ctx=ctx, n=n, tag=f" [kv {kv}]")
+            except Exception as e:  # noqa: BLE001
+                bench.fail_row("sweep", f"engine b={b} [kv {kv}]", e)
+    prompt = list(range(7, 7 + ctx // 2))
+    toks = {kv: eng.generate([prompt], SamplingParams(max_tokens=32))[0].output for kv, eng in engines.items()}
+    same = next((i for i, (a, b) in enumerate(zip(toks["auto"], toks["fp8"])) if a != b), len(toks["auto"]))
+    bench.emit({"section": "tokens", "setting": "greedy [kv fp8] against [kv auto]", "value": float(same), "unit": "tokens",
+                "note": f"first {same} of 32 greedy tokens equal; auto {toks['auto']}; fp8 {toks['fp8']}"})
+
+
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
     names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
@@ -489,7 +514,7 @@ CHILD_JOBS = {
                                                                    "splits_ab")},
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
-    "first_token_host": job_first_token_host, "fp8": job_fp8,
+    "first_token_host": job_first_token_host, "fp8": job_fp8, "kv_fp8": job_kv_fp8,
     **{name: job_engine_ab for name in ENGINE_AB},
 }
 

@@ -317,7 +317,8 @@ def weight_bytes(engine) -> int:
 def roofline(engine, bw: float, ctx: int, batch: int = 1) -> float:
     """Decode tokens/s if every step read the weights once and each row its ctx tokens' K/V at `bw`."""
     from meshlab.infer import kv_cache
-    return bw / (weight_bytes(engine) + batch * ctx * kv_cache.cache_bytes(engine.md.cfg, 1)) * batch
+    kv_bytes = kv_cache.cache_bytes(engine.md.cfg, 1, engine.cache["k"].dtype)   # an fp8 cache: half
+    return bw / (weight_bytes(engine) + batch * ctx * kv_bytes) * batch
 
 
 def _prompt(rng, engine, n):

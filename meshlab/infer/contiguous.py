@@ -19,10 +19,11 @@ from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 
 
 class ContiguousGenerator:
-    """Generate for a fixed batch of prompts with a contiguous KV cache [layers, batch, max_len, ...]."""
+    """Generate for a fixed batch of prompts with a contiguous KV cache [layers, batch, max_len, ...]
+    (kv_cache_dtype "fp8": float8_e4m3fn, as Engine's)."""
 
     def __init__(self, md, params, batch: int, max_len: int, chunk: int = 256, steps_per_call: int = 8,
-                 rules=None, mesh=None, layers: str = "split"):
+                 rules=None, mesh=None, layers: str = "split", kv_cache_dtype: str = "auto"):
         if max_len % chunk and chunk < max_len:
             raise ValueError(f"max_len={max_len} must be a multiple of chunk={chunk}")
         if rules is not None and mesh is not None and batch % math.prod(mesh.shape[a] for a in rules.axes("cache_batch", mesh)):
@@ -33,7 +34,8 @@ class ContiguousGenerator:
         self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers)
-            self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, rules=rules, mesh=mesh)
+            self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, kv_cache.cache_dtype(md.cfg, kv_cache_dtype),
+                                                  rules=rules, mesh=mesh)
 
     def _check(self, prompts, params):
         if not 0 < len(prompts) <= self.batch:

@@ -110,6 +110,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
 
     quantize="fp8": the layers' matrices in float8_e4m3fn, a scale per output row (weight-only; the
     embedding and tied head stay), layers "kernels" on one device (programs.serving_params).
+    kv_cache_dtype="fp8": the KV cache in float8_e4m3fn (meshlab.infer.kv_cache says how): half its
+    bytes, so num_pages can double in the same memory; any layers, impl and mesh.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -119,7 +121,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
                  reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1,
-                 quantize: str | None = None):
+                 quantize: str | None = None, kv_cache_dtype: str = "auto"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -150,7 +152,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers, quantize)
-            self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, rules=rules, mesh=mesh)
+            self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, kv_cache.cache_dtype(md.cfg, kv_cache_dtype),
+                                             rules=rules, mesh=mesh)
             if self.reuse_hidden:
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
             self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)

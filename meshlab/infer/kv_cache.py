@@ -15,6 +15,12 @@ the scan carry and is donated, so XLA writes into the same buffer).
 
 Writes of padding tokens (valid=False) go to an out-of-range index and are dropped (`mode="drop"`),
 so one compiled program serves any mix of prompt chunks and decode tokens.
+
+The cache is in the model's dtype, or float8_e4m3fn (`cache_dtype(cfg, "fp8")`, vLLM's
+kv_cache_dtype="fp8": no scales, K/V saturated at +-448): half the bytes a decode step reads per
+cached token and twice the tokens a memory budget holds. Values are rounded to it when written
+(`to_cache`) and widened back to the model's dtype after each read, so attention's products and
+softmax run as they do over a bf16 cache; only the stored K/V lose precision.
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ from jax.sharding import NamedSharding
 
 from meshlab.rules import constrain
 from models.serving import Attend
+from pallas_kernels.paged_tiles import to_cache, widened
+
+KV_CACHE_DTYPES = ("auto", "fp8")      # auto: the model's dtype
 
 FUSED_MAX_BATCH = 16   # paged_attend: largest batch that uses the RoPE + write + attention kernel
 CONTIGUOUS_NAMES = (None, "cache_batch", "cache_seq", "cache_kv_heads", None)
@@ -37,6 +46,14 @@ def _zeros(shape, dtype, names, rules=None, mesh=None):
     sharding = NamedSharding(mesh, rules.spec(names, shape, mesh, path="kv_cache"))
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return {"k": make(), "v": make()}
+
+
+def cache_dtype(cfg, kv_cache_dtype: str = "auto"):
+    """The cache's dtype for an engine's kv_cache_dtype (one of KV_CACHE_DTYPES)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{kv_cache_dtype=} must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype, "
+                         f"{cfg.dtype})")
+    return jnp.dtype(jnp.float8_e4m3fn if kv_cache_dtype == "fp8" else cfg.dtype)
 
 
 def init_contiguous(cfg, batch: int, max_len: int, dtype=None, rules=None, mesh=None) -> dict:
@@ -61,13 +78,15 @@ def dense_attention(q, k, v, q_pos):
     Key j is visible to a query at position p iff j <= p (everything up to p is already written)."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
+    out_dtype, wide = q.dtype, widened(q.dtype, k.dtype)                               # an fp8 cache: widened
+    q, k, v = q.astype(wide), k.astype(wide), v.astype(wide)
     qg = q.reshape(b, t, kvh, h // kvh, d)                                              # [b, t, kvh, g, d]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
     mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]                           # [b, t, s]
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    return o.reshape(b, t, h, d).astype(out_dtype)
 
 
 def contiguous_attend(positions, valid):
@@ -77,7 +96,7 @@ def contiguous_attend(positions, valid):
         max_len = cache["k"].shape[2]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         pos = jnp.where(valid, positions, max_len)                   # padding -> out of range -> dropped
-        new = {name: constrain(cache[name].at[layer, rows, pos].set(x.astype(cache[name].dtype), mode="drop"),
+        new = {name: constrain(cache[name].at[layer, rows, pos].set(to_cache(x, cache[name].dtype), mode="drop"),
                                CONTIGUOUS_NAMES)
                for name, x in (("k", k), ("v", v))}
         o = dense_attention(q, new["k"][layer], new["v"][layer], positions)
@@ -140,7 +159,7 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
 
     def attend(layer, q, k, v, cache):
         t, h, d = q.shape[1:]
-        new = {name: constrain(cache[name].at[layer, write_page, write_off].set(x[0].astype(cache[name].dtype),
+        new = {name: constrain(cache[name].at[layer, write_page, write_off].set(to_cache(x[0], cache[name].dtype),
                                                                                mode="drop"), PAGED_NAMES)
                for name, x in (("k", k), ("v", v))}
         outs = []
@@ -215,7 +234,7 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
         write = valid if cached is None else valid & ~cached
         page = jnp.where(write, page, num_pages)                                     # padding -> dropped
         offset = positions % page_size
-        new = {name: constrain(cache[name].at[layer, page, offset].set(x.astype(cache[name].dtype), mode="drop"),
+        new = {name: constrain(cache[name].at[layer, page, offset].set(to_cache(x, cache[name].dtype), mode="drop"),
                                PAGED_NAMES)
                for name, x in (("k", k), ("v", v))}
         if impl in ("pallas", "pallas_unfused") and q.shape[1] == 1:

@@ -36,6 +36,10 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                     help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row "
                          "(weight-only; about half the bytes a decode token reads; a GPU needs sm89+); "
                          "a dense model on one device")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="fp8: the KV cache in float8_e4m3fn (half its bytes: raise --num-pages or --max-seqs in the "
+                         "same memory; K/V saturate at +-448, no scales, as vLLM's fp8 without calibration); auto: the "
+                         "model's dtype")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
@@ -96,7 +100,8 @@ def start_server(args):
     engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                     num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                     max_step_tokens=args.max_step_tokens, impl=args.attention, layers=args.layers, rules=rules,
-                    mesh=mesh, quantize=None if args.quantize == "none" else args.quantize)
+                    mesh=mesh, quantize=None if args.quantize == "none" else args.quantize,
+                    kv_cache_dtype=args.kv_cache_dtype)
     warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
     if warm:
         t = time.perf_counter()

@@ -906,6 +906,28 @@ def test_fp8_weights_serve_the_dequantized_model(tiny):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="kernels", quantize="int4")
 
 
+def test_fp8_kv_cache_serves_the_model_over_fp8_keys_and_values(tiny):
+    """kv_cache_dtype="fp8": the paged cache in float8_e4m3fn. Each greedy token equals the next token
+    of the whole sequence in one prompt pass over a contiguous fp8 cache (every K/V rounded to fp8 as
+    written, attention in the model's dtype), prompt chunks and decode steps alike; the same pass over
+    the model-dtype cache gives other tokens, so the check tells the two apart."""
+    md, params, _ = tiny
+    eng = Engine(md, params, max_len=64, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, kv_cache_dtype="fp8")
+    assert eng.cache["k"].dtype == jnp.float8_e4m3fn and eng.cache["v"].dtype == jnp.float8_e4m3fn
+    whole = {kv: ContiguousGenerator(md, params, batch=1, max_len=64, chunk=64, kv_cache_dtype=kv) for kv in ("fp8", "auto")}
+
+    def next_tokens(kv, prompt, output):       # the greedy next token after each prefix, each in one pass
+        seq = list(prompt) + list(output)
+        return [whole[kv].generate([seq[:n]], SamplingParams(max_tokens=1))[0][0] for n in range(len(prompt), len(seq))]
+    differs = 0
+    for r in eng.generate([[5, 6, 7], list(range(20, 39)), list(range(60, 100, 3))], SamplingParams(max_tokens=9)):
+        assert r.output == next_tokens("fp8", r.prompt, r.output)
+        differs += r.output != next_tokens("auto", r.prompt, r.output)
+    assert differs
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be one of auto, fp8"):
+        Engine(md, params, max_len=64, max_seqs=1, page_size=4, kv_cache_dtype="int8")
+
+
 def test_allowed_tokens_outside_a_grammar_leave_the_grammar_its_tokens():
     """A grammar whose next tokens are none of allowed_token_ids: the rules yield (an empty mask would
     sample outside the grammar, which stops its matcher)."""

@@ -147,6 +147,27 @@ def test_engine_with_kernel_matches_uncached(layers, max_seqs):
         assert r.output == logits[len(r.prompt) - 1:-1].argmax(-1).tolist()
 
 
+def test_engine_with_kernels_over_an_fp8_cache():
+    # The Pallas paths (prompt kernel, fused decode at batch 1 and 2, the decode matmuls) over fp8
+    # pages: every greedy token is the next token of the whole sequence in one XLA prompt pass over
+    # a contiguous fp8 cache
+    from flax import nnx
+    import models
+    from meshlab.infer.engine import ContiguousGenerator, Engine
+    from meshlab.infer.sampler import SamplingParams
+    from models import model_def
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
+    md = model_def(cfg)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    eng = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=2, impl="pallas",
+                 interpret=True, layers="kernels", kv_cache_dtype="fp8")
+    whole = ContiguousGenerator(md, params, batch=1, max_len=32, chunk=32, kv_cache_dtype="fp8")
+    for r in eng.generate([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [9, 2, 6]], SamplingParams(max_tokens=6)):
+        seq = r.prompt + r.output
+        assert r.output == [whole.generate([seq[:n]], SamplingParams(max_tokens=1))[0][0]
+                            for n in range(len(r.prompt), len(seq))]
+
+
 def test_stacked_layers_read_in_place():
     q, k, v, table, lengths = make_case(3, lengths=(2, 11, 24))
     k5, v5 = jnp.stack([k * 0, k, k * 2]), jnp.stack([v * 0, v, v * 2])       # layer 1 is the real one
@@ -413,3 +434,118 @@ def test_gpu_prompt_and_decode_kernels_match_references():
         got = paged_attention(q, k, v, tables, lengths, jnp.int32(1), block_sizes=bs)
         want = paged_attention_reference(q, k[1], v[1], tables, lengths)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+
+
+# -- an fp8 KV cache (float8_e4m3fn pages, widened after each load) ------------------------------
+FP8 = jnp.float8_e4m3fn
+
+
+def test_to_cache_saturates_fp8_and_rounds_like_a_cast():
+    from pallas_kernels.paged_tiles import to_cache, widened
+    x = jnp.asarray([1000.0, -1e6, 3.3, -0.01, 448.0], jnp.float32)
+    got = np.asarray(to_cache(x, FP8).astype(jnp.float32))
+    np.testing.assert_array_equal(got, [448.0, -448.0, 3.25, -0.009765625, 448.0])   # no NaN past 448
+    assert np.isnan(np.asarray(x.astype(FP8).astype(jnp.float32))[0])               # what a bare cast does
+    assert to_cache(x, jnp.bfloat16).dtype == jnp.bfloat16
+    assert widened(jnp.bfloat16, FP8) == jnp.bfloat16 and widened(jnp.float32, FP8) == jnp.float32
+    assert widened(jnp.bfloat16, jnp.float32) == jnp.float32
+
+
+@pytest.mark.parametrize("q_dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_fp8_pages_through_decode_and_prompt_kernels(q_dtype, tol):
+    # fp8 pages against the references over the same fp8 values (read in fp32): exact math with an
+    # fp32 q (the dots run in fp32), bf16 dots' rounding with a bf16 q
+    from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
+    q, k, v, table, lengths = make_case(4, b=4, h=8, kvh=2, lengths=(1, 9, 24, 0))
+    q, k, v = q.astype(q_dtype), (k * 3).astype(FP8), (v * 3).astype(FP8)
+    want = paged_attention_reference(q, k, v, table, lengths)
+    for bs in (BlockSizes(1), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2)):
+        got = paged_attention(q, k, v, table, lengths, block_sizes=bs, interpret=True)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    rng = np.random.default_rng(12)
+    qp = jnp.asarray(rng.normal(size=(2, 8, 8, 16)), q_dtype)
+    starts, ends = jnp.asarray([0, 13], jnp.int32), jnp.asarray([8, 17], jnp.int32)
+    got = paged_prefill_attention(qp, k, v, table[:2], starts, ends, block_sizes=BlockSizes(), interpret=True)
+    want = paged_prefill_reference(qp, k, v, table[:2], starts, ends)
+    real = np.asarray(starts[:, None] + jnp.arange(8)[None] < ends[:, None])
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], atol=tol, rtol=tol)
+
+
+def test_fused_decode_writes_fp8_and_attends_to_what_it_wrote():
+    # The new token's k (after RoPE) and v are stored rounded to fp8 (saturated: one v entry of 1000
+    # becomes 448), and its own score uses those stored values, as every later step reads them
+    from pallas_kernels.paged_tiles import to_cache
+    rng = np.random.default_rng(13)
+    b, h, kvh, d, page_size, max_pages, num_pages = 3, 8, 2, 32, 4, 6, 30
+    qkv = jnp.asarray(rng.normal(size=(b, h + 2 * kvh, d)), jnp.float32).at[0, h + kvh, 0].set(1000.0)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, num_pages, page_size, kvh, d)), FP8) for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    lengths = jnp.asarray([1, 9, 24], jnp.int32)
+    cos_sin = rope_cos_sin(lengths - 1, rope.rope_frequencies(d, 10000.0))
+    q, k = rope.apply_rope_reference(qkv[:, None, :h], qkv[:, None, h:h + kvh], (lengths - 1)[:, None], theta=10000.0)
+    want_k, want_v = k_cache, v_cache
+    for i in range(b):
+        page, slot = table[i, (lengths[i] - 1) // page_size], (lengths[i] - 1) % page_size
+        want_k = want_k.at[1, page, slot].set(to_cache(k[i, 0], FP8))
+        want_v = want_v.at[1, page, slot].set(to_cache(qkv[i, h + kvh:], FP8))
+    want = paged_attention_reference(q[:, 0], want_k[1], want_v[1], table, lengths)
+    for bs in (BlockSizes(1), decode_block_sizes()):
+        o, k_new, v_new = paged_decode_attention(qkv, cos_sin, k_cache, v_cache, table, lengths, jnp.int32(1),
+                                                 n_heads=h, block_sizes=bs, interpret=True)
+        assert k_new.dtype == FP8 and float(jnp.max(v_new.astype(jnp.float32))) == 448.0
+        np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(want_k, np.float32))
+        np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(want_v, np.float32))
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_cache_kernels_lower_for_cuda():
+    # llama3_1b's heads over fp8 pages: the Triton kernels build (fp8 loads widened, the fused
+    # kernel's saturating fp8 store), decode fused at the serving tiles, unfused, and a prompt row
+    import jax
+    from pallas_kernels.paged_prefill import paged_prefill_attention
+    h, kvh, d = 32, 8, 64
+    pages = jax.ShapeDtypeStruct((2, 129, 16, kvh, d), FP8)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)   # noqa: E731
+    fused = (jax.ShapeDtypeStruct((1, h + 2 * kvh, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2, d // 2), jnp.float32),
+             pages, pages, i32(1, 128), i32(1), i32())
+    for bs in (decode_block_sizes(), decode_block_sizes(16)):
+        text = jax.jit(lambda *a, bs=bs: paged_decode_attention(*a, n_heads=h, block_sizes=bs)).trace(*fused).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "paged_attention" in text
+    plain = (jax.ShapeDtypeStruct((4, h, d), jnp.bfloat16), pages, pages, i32(4, 128), i32(4), i32())
+    text = jax.jit(lambda *a: paged_attention(*a, block_sizes=decode_block_sizes(4, fused=False))).trace(*plain).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "paged_attention" in text
+    pre = (jax.ShapeDtypeStruct((1, 64, h, d), jnp.bfloat16), pages, pages, i32(1, 128), i32(1), i32(1), i32())
+    assert "paged_prefill_attention" in jax.jit(paged_prefill_attention).trace(*pre).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_pages_match_references():
+    # Compiled Triton over fp8 pages at llama3_1b's heads, ~2k tokens cached: a prompt row (a cached
+    # prefix's 16-token tail in a 64-wide row), plain decode rows, and the fused step at batch 1
+    from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
+    from pallas_kernels.paged_tiles import to_cache
+    rng = np.random.default_rng(1)
+    h, kvh, d, ps, max_pages, num_pages = 32, 8, 64, 16, 528, 1200
+    k, v = (to_cache(jnp.asarray(rng.normal(size=(2, num_pages, ps, kvh, d)) * 4, jnp.float32), FP8) for _ in range(2))
+    tables = jnp.asarray(np.stack([rng.permutation(num_pages)[:max_pages] for _ in range(2)]), jnp.int32)
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),  # noqa: E731
+                                                   atol=3e-2, rtol=3e-2)
+    q = jnp.asarray(rng.normal(size=(1, 64, h, d)), jnp.bfloat16)
+    s, e = jnp.asarray([2032], jnp.int32), jnp.asarray([2048], jnp.int32)
+    close(paged_prefill_attention(q, k, v, tables[:1], s, e, jnp.int32(1))[:, :16],
+          paged_prefill_reference(q, k[1], v[1], tables[:1], s, e)[:, :16])
+    q = jnp.asarray(rng.normal(size=(2, h, d)), jnp.bfloat16)
+    lengths = jnp.asarray([2048, 17], jnp.int32)
+    close(paged_attention(q, k, v, tables, lengths, jnp.int32(1), block_sizes=decode_block_sizes(2, fused=False)),
+          paged_attention_reference(q, k[1], v[1], tables, lengths))
+    qkv = jnp.asarray(rng.normal(size=(1, h + 2 * kvh, d)), jnp.bfloat16)
+    cos_sin = rope_cos_sin(lengths[:1] - 1, rope.rope_frequencies(d, 500000.0))
+    want, want_k, want_v = _fused_reference(qkv, k, v, tables[:1], lengths[:1], 1, h, 500000.0)
+    o, k_new, v_new = paged_decode_attention(qkv, cos_sin, k, v, tables[:1], lengths[:1], jnp.int32(1), n_heads=h,
+                                             block_sizes=decode_block_sizes(1))
+    close(o, want)
+    np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(want_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(want_v, np.float32))
