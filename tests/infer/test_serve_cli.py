@@ -205,3 +205,22 @@ def test_fp8_on_layers_that_cannot_read_it_is_one_clear_error(clean):
     assert out.returncode == 1 and "serve: quantize='fp8'" in out.stderr and "needs layers='kernels'" in out.stderr, \
         out.stderr[-2000:]
     assert list(clean.iterdir()) == []
+
+
+def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
+    """--kv-cache-dtype fp8 reaches the engine: its cache is float8_e4m3fn, and the server answers."""
+    from meshlab.infer.serve_cli import serve_parser, start_server
+    monkeypatch.chdir(clean)
+    args = serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "0", "--max-len", "64", "--chunk", "16",
+                                      "--warmup", "off", "--stats-interval", "0", "--kv-cache-dtype", "fp8"])
+    server = start_server(args)
+    try:
+        assert server.engine.cache["k"].dtype == jax.numpy.float8_e4m3fn
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def ", "max_tokens": 4, "ignore_eos": True}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 4
+        conn.close()
+    finally:
+        server.stop()
+    assert list(clean.iterdir()) == []
