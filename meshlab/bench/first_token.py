@@ -72,7 +72,7 @@ def dispatch_variants(engine, key, reps: int = 10) -> dict:
     _, nd, k, c, greedy, logprobs, _, _, cut = key     # a tail never scores
     slots = engine._packed_slots(nd, k, c)
     slots.fill()                                          # padding only: no cache write, no request
-    static = dict(layout=slots.layout, greedy=greedy, logprobs=logprobs, cut=cut)
+    static = dict(layout=slots.layout, greedy=greedy, logprobs=logprobs, score=None, cut=cut, ranks=False)
     programs, out = {"jit": lambda w, cache, seen, buf: engine.packed_call(w, cache, seen, buf, **static)}, {}
     lowered = engine.packed_call.lower(engine.weights, engine.cache, engine.seen, slots.take(), **static)
     for name, opts in (("aot", None), ("aot_nocmdbuf", NO_CMDBUF)):

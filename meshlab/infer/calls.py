@@ -27,8 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab.infer.sampler import CUT_TOP_K
-
 
 class HostInputs:
     """Named int32 / float32 host arrays for one call, packed into one int32 buffer."""
@@ -259,12 +257,15 @@ def state_first(result: tuple) -> tuple:
     return cache, seen, out
 
 
+# The programs' static arguments have no defaults: jax keys a jitted function's cache by the arguments
+# passed, so one left to its default in a call (warmup) and given in another (a step) would trace and
+# compile a second program at that step, ~0.5 s at llama3_1b on a GPU.
 def packed_program(packed_step, treedef, compiler_options: dict | None = None, on_device=None):
     """packed_step (programs.make_engine_programs) taking (weights, cache, seen, buf, layout): weights
     the leaves of params (of structure treedef), the buffer holds p.*, rows.*, counters and out_slot.
     compiler_options: XLA options for its compiles (jax.jit's), e.g. command buffers off. on_device:
     the buffer comes in pinned host memory and the program copies it to this sharding first."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, score=None, cut=CUT_TOP_K, ranks=False):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, score, cut, ranks):
         if on_device is not None:
             buf = jax.device_put(buf, on_device)
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
@@ -282,7 +283,7 @@ def decode_program(decode_loop, treedef, compiler_options: dict | None = None):
     input of a decode call sits at a device address the call before did not use (a new one costs
     the GPU's command buffer an update in the dispatch). With "hit" in the buffer (first_token_slots),
     rows whose position lies below their hit are fed without changing their shared page (decode_loop's keep)."""
-    def call(weights, cache, seen, buf, layout, n, greedy, logprobs, cut=CUT_TOP_K):
+    def call(weights, cache, seen, buf, layout, n, greedy, logprobs, cut):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(decode_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"], a["slots"],
                                        a["rows"], a["counters"], n=n, greedy=greedy, logprobs=logprobs,
@@ -295,7 +296,7 @@ def head_program(head_step, treedef, compiler_options: dict | None = None):
     """head_step (programs.make_head_program) taking (weights, cache, seen, buf, layout): weights the
     leaves of programs.head_params (of structure treedef), the buffer holds page, slots, rows.* and
     counters (head_slots)."""
-    def call(weights, cache, seen, buf, layout, greedy, logprobs, cut=CUT_TOP_K):
+    def call(weights, cache, seen, buf, layout, greedy, logprobs, cut):
         params, a = jax.tree.unflatten(treedef, weights), unpack(buf, layout)
         return state_first(head_step(params, cache, seen, a["page"], a["slots"], a["rows"], a["counters"],
                                      greedy=greedy, logprobs=logprobs, cut=cut))

@@ -71,5 +71,5 @@ class Warmup:
                 slots = self._packed_slots(nd, k, w, score is not None)
                 slots.fill()                                          # padding only
                 run(("packed", nd, k, w, greedy, logprobs, score, False, cut), self.packed_call, self._packed_input(slots),
-                    layout=slots.layout, score=score)
+                    layout=slots.layout, score=score, ranks=False)
         return self.stats["compiles"] - before
