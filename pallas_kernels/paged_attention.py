@@ -236,7 +236,7 @@ def _finish(outs, p, g, b, dtype, lengths, page_size, rows_out=None, interpret=F
 def paged_attention(q, k_pages, v_pages, page_table, lengths, layer=None, *,
                     block_sizes: BlockSizes = BlockSizes(), sm_scale: float | None = None, interpret: bool = False):
     """q [b, h, d] -> [b, h, d], attending to the first lengths[b] cached tokens of each sequence."""
-    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer)
+    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer, interpret)
     b, h, d = q.shape
     num_pages, page_size, kvh, d_k = k_pages.shape[1:]
     if h % kvh or d_k != d or v_pages.shape != k_pages.shape:
@@ -279,7 +279,7 @@ def paged_decode_attention(qkv, cos_sin, k_pages, v_pages, page_table, lengths, 
     (a select for the dropped writes, q's RoPE, the k and v scatters), which cost more than the
     attention itself at batch 1 (H200 profile, docs/benchmarks.md#decode-and-serving)."""
     one_layer = k_pages.ndim == 4
-    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer)
+    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer, interpret)
     (rows_out, heads, d), b = qkv.shape, lengths.shape[0]
     if rows_out < b:
         raise ValueError(f"paged_decode_attention: qkv {qkv.shape} has fewer rows than lengths {lengths.shape}")

@@ -76,7 +76,7 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, starts, ends, layer
     as one [block_q * g, d] tile (GQA: the group shares each K/V load) and visits only the page
     blocks below its block's last real query, dealt over the splits at run time: a chunk whose
     prefix is long, or a short cached tail, reads what it attends to and nothing past it."""
-    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer)
+    k_pages, v_pages, layer = stacked(k_pages, v_pages, layer, interpret)
     rows, c, h, d = q.shape
     num_pages, page_size, kvh, d_k = k_pages.shape[1:]
     if h % kvh or d_k != d or v_pages.shape != k_pages.shape:

@@ -233,7 +233,22 @@ def whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def stacked(k_pages, v_pages, layer):
+# Pallas Triton indexes a buffer of at most 2**32 bytes with 32-bit signed element offsets, which a
+# 1-byte dtype overflows past 2**31 elements: an fp8 cache of 2-4 GiB per K or V would be read and
+# written at wrapped addresses (outside the buffer). Below 2 GiB, or above 4 GiB (64-bit offsets), it is exact.
+WRAPPING_BYTES = (2 ** 31, 2 ** 32)
+
+
+def cache_bytes_wrap(nbytes: int, itemsize: int) -> bool:
+    """Whether a cache buffer of nbytes with itemsize-byte entries meets WRAPPING_BYTES' overflow."""
+    return itemsize == 1 and WRAPPING_BYTES[0] < nbytes <= WRAPPING_BYTES[1]
+
+
+def stacked(k_pages, v_pages, layer, interpret: bool = False):
+    nbytes = k_pages.size * k_pages.dtype.itemsize
+    if not interpret and cache_bytes_wrap(nbytes, k_pages.dtype.itemsize):
+        raise ValueError(f"paged attention: a {k_pages.dtype} cache of {nbytes} bytes per K/V lies in (2 GiB, 4 GiB], "
+                         f"where Pallas Triton's 32-bit offsets wrap; use fewer or more pages (Engine adds pages)")
     if k_pages.ndim == 4:                      # one layer: view it as a stack of one (free reshape)
         return k_pages[None], v_pages[None], 0
     if layer is None:

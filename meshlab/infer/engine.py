@@ -111,7 +111,8 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     quantize="fp8": the layers' matrices in float8_e4m3fn, a scale per output row (weight-only; the
     embedding and tied head stay), layers "kernels" on one device (programs.serving_params).
     kv_cache_dtype="fp8": the KV cache in float8_e4m3fn (meshlab.infer.kv_cache says how): half its
-    bytes, so num_pages can double in the same memory; any layers, impl and mesh.
+    bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
+    kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -133,13 +134,16 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         if guided_steps < 1:
             raise ValueError(f"{guided_steps=} must be >= 1")
         self.guided_steps = guided_steps
-        num_pages = num_pages or max_seqs * (max_len // page_size) + 1
-        self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
-        if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
-            self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))
         impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):
             raise ValueError(f"impl={impl!r} must be auto, xla or pallas")
+        kv_dtype = kv_cache.cache_dtype(md.cfg, kv_cache_dtype)
+        num_pages = num_pages or max_seqs * (max_len // page_size) + 1
+        if impl == "pallas" and not interpret:
+            num_pages = kv_cache.pages_past_wrap(md.cfg, num_pages, page_size, kv_dtype)
+        self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
+        if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
+            self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))
         if quantize and ((mesh is not None and mesh.size > 1) or "mlp" not in md.abstract["layers"]):
             raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
                              "leave it out for a mixture of experts or a mesh of several devices")
@@ -152,8 +156,7 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers, quantize)
-            self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, kv_cache.cache_dtype(md.cfg, kv_cache_dtype),
-                                             rules=rules, mesh=mesh)
+            self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, kv_dtype, rules=rules, mesh=mesh)
             if self.reuse_hidden:
                 self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
             self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from meshlab.rules import constrain
 from models.serving import Attend
-from pallas_kernels.paged_tiles import to_cache, widened
+from pallas_kernels.paged_tiles import WRAPPING_BYTES, cache_bytes_wrap, to_cache, widened
 
 KV_CACHE_DTYPES = ("auto", "fp8")      # auto: the model's dtype
 
@@ -54,6 +54,15 @@ def cache_dtype(cfg, kv_cache_dtype: str = "auto"):
         raise ValueError(f"{kv_cache_dtype=} must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype, "
                          f"{cfg.dtype})")
     return jnp.dtype(jnp.float8_e4m3fn if kv_cache_dtype == "fp8" else cfg.dtype)
+
+
+def pages_past_wrap(cfg, num_pages: int, page_size: int, dtype) -> int:
+    """num_pages, or for an fp8 cache that would lie in paged_tiles.WRAPPING_BYTES (2-4 GiB per K/V,
+    where the Pallas kernels' 32-bit offsets wrap) the fewest pages past 4 GiB: the extra pages are
+    usable capacity, and the cache is then about as large as a bf16 cache of the pages asked for."""
+    itemsize = jnp.dtype(dtype).itemsize
+    per_page = cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * itemsize
+    return WRAPPING_BYTES[1] // per_page + 1 if cache_bytes_wrap(num_pages * per_page, itemsize) else num_pages
 
 
 def init_contiguous(cfg, batch: int, max_len: int, dtype=None, rules=None, mesh=None) -> dict:

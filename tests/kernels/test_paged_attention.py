@@ -549,3 +549,26 @@ def test_gpu_fp8_pages_match_references():
     close(o, want)
     np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(want_k, np.float32))
     np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(want_v, np.float32))
+
+
+def test_fp8_cache_of_two_to_four_gib_is_refused_and_the_engine_pages_past_it():
+    # Pallas Triton's 32-bit offsets wrap for a 1-byte buffer of 2-4 GiB (measured on an H100: an fp8
+    # cache of 2.28 GB read and wrote outside itself): the kernels refuse it, the engine adds pages
+    import jax
+    import models
+    from meshlab.infer.kv_cache import pages_past_wrap
+    h, kvh, d = 32, 8, 64
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)   # noqa: E731
+
+    def lower(pages, dtype):
+        cache = jax.ShapeDtypeStruct((16, pages, 16, kvh, d), dtype)
+        args = (jax.ShapeDtypeStruct((1, h, d), jnp.bfloat16), cache, cache, i32(1, 128), i32(1), i32())
+        return jax.jit(lambda *a: paged_attention(*a, block_sizes=decode_block_sizes(1, fused=False))).trace(
+            *args).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match=r"lies in \(2 GiB, 4 GiB\]"):
+        lower(17409, FP8)                                  # 2.28e9 bytes
+    for pages, dtype in ((16383, FP8), (32769, FP8), (17409, jnp.bfloat16)):   # 2.15e9 B, 4.29e9 B, 4.56e9 B
+        assert "paged_attention" in lower(pages, dtype).as_text()
+    cfg = models.preset("llama3_1b")                       # 131,072 fp8 bytes a page over 16 layers
+    assert pages_past_wrap(cfg, 17409, 16, FP8) == 32769 and pages_past_wrap(cfg, 17409, 16, jnp.bfloat16) == 17409
+    assert pages_past_wrap(cfg, 16384, 16, FP8) == 16384 and pages_past_wrap(cfg, 40000, 16, FP8) == 40000
