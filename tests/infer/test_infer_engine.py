@@ -188,6 +188,11 @@ def test_sharded_cache_and_params_give_the_same_tokens(tiny):
     one = ContiguousGenerator(md, sharded, batch=1, max_len=32, chunk=8, steps_per_call=4, rules=rules, mesh=mesh)
     assert one.cache["k"].sharding.spec[1] is None
     assert one.generate(prompts[3:], sp) == alone.generate(prompts[3:], sp)
+    # The paged engine over an fp8 cache placed by the same rules: the one-device fp8 engine's tokens.
+    kw = dict(max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=4, kv_cache_dtype="fp8")
+    paged = Engine(md, sharded, rules=rules, mesh=mesh, **kw)
+    assert paged.cache["k"].dtype == jnp.float8_e4m3fn and len(paged.cache["k"].sharding.device_set) == 8
+    assert [r.output for r in paged.generate(prompts, sp)] == [r.output for r in Engine(md, params, **kw).generate(prompts, sp)]
 
 
 def test_scoring_benchmark_times_both_paths_and_they_agree(engine):
