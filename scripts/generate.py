@@ -24,6 +24,8 @@ def main(argv=None):
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="fp8: the KV cache in float8_e4m3fn, half its memory (auto: the model's dtype)")
     args = ap.parse_args(argv)
     from meshlab.infer.engine import ContiguousGenerator
     from meshlab.infer.sampler import SamplingParams
@@ -37,7 +39,7 @@ def main(argv=None):
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
-                                  rules=rules, mesh=mesh)
+                                  rules=rules, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"generate: {e}")
     out: list[int] = []

@@ -212,7 +212,8 @@ def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
     from meshlab.infer.serve_cli import serve_parser, start_server
     monkeypatch.chdir(clean)
     args = serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "0", "--max-len", "64", "--chunk", "16",
-                                      "--warmup", "off", "--stats-interval", "0", "--kv-cache-dtype", "fp8"])
+                                      "--warmup", "off", "--stats-interval", "0", "--kv-cache-dtype", "fp8",
+                                      "--compile-cache", ""])
     server = start_server(args)
     try:
         assert server.engine.cache["k"].dtype == jax.numpy.float8_e4m3fn
@@ -223,4 +224,23 @@ def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
         conn.close()
     finally:
         server.stop()
+    assert list(clean.iterdir()) == []
+
+
+def test_generate_with_an_fp8_kv_cache(clean, monkeypatch, capsys):
+    """generate.py --kv-cache-dtype fp8 builds its generator over a float8_e4m3fn cache and completes."""
+    import runpy
+    from meshlab.infer import engine
+    made = []
+
+    class Recorded(engine.ContiguousGenerator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr(engine, "ContiguousGenerator", Recorded)
+    monkeypatch.chdir(clean)
+    generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
+    generate["main"](["--checkpoint", "random:tiny", "--prompt", "ab", "--max-new-tokens", "3", "--kv-cache-dtype", "fp8",
+                      "--compile-cache", ""])
+    assert made[0].cache["k"].dtype == jax.numpy.float8_e4m3fn and capsys.readouterr().out.startswith("ab")
     assert list(clean.iterdir()) == []
