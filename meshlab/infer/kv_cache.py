@@ -65,6 +65,15 @@ def pages_past_wrap(cfg, num_pages: int, page_size: int, dtype) -> int:
     return WRAPPING_BYTES[1] // per_page + 1 if cache_bytes_wrap(num_pages * per_page, itemsize) else num_pages
 
 
+def summary(cache: dict) -> str:
+    """A paged cache in one line, as a server states it at start: usable pages (page 0 is reserved),
+    the tokens they hold, K and V's bytes together and their dtype."""
+    k = cache["k"]
+    pages, page_size = k.shape[1] - 1, k.shape[2]
+    return (f"KV cache: {pages:,} pages of {page_size} tokens ({pages * page_size:,} tokens), "
+            f"{2 * k.size * k.dtype.itemsize / 2 ** 30:.2f} GiB of {k.dtype}")
+
+
 def init_contiguous(cfg, batch: int, max_len: int, dtype=None, rules=None, mesh=None) -> dict:
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)

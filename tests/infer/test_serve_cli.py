@@ -208,7 +208,9 @@ def test_fp8_on_layers_that_cannot_read_it_is_one_clear_error(clean):
 
 
 def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
-    """--kv-cache-dtype fp8 reaches the engine: its cache is float8_e4m3fn, and the server answers."""
+    """--kv-cache-dtype fp8 reaches the engine: its cache is float8_e4m3fn (the line the start prints
+    says so, with its size), and the server answers."""
+    from meshlab.infer.kv_cache import summary
     from meshlab.infer.serve_cli import serve_parser, start_server
     monkeypatch.chdir(clean)
     args = serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "0", "--max-len", "64", "--chunk", "16",
@@ -217,6 +219,8 @@ def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
     server = start_server(args)
     try:
         assert server.engine.cache["k"].dtype == jax.numpy.float8_e4m3fn
+        # the tiny model: 16 rows of 64 tokens, 64 pages of 16 a row + page 0; 2 layers x 4 kv heads x 16 dims
+        assert summary(server.engine.cache) == "KV cache: 64 pages of 16 tokens (1,024 tokens), 0.00 GiB of float8_e4m3fn"
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "def ", "max_tokens": 4, "ignore_eos": True}))
         resp = conn.getresponse()
