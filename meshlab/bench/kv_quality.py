@@ -5,7 +5,9 @@ scripts/eval_kv_cache.py runs it on a checkpoint; random weights cannot answer t
 logits flip at any rounding), so the GPU benchmarks report speed and this reports the answers."""
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,8 @@ def windows(path: str, tok, n: int, length: int, seed: int = 0) -> list[list[int
     """n windows of `length` tokens at random offsets of `path`: a prepared token file (.bin, its dtype
     in the meta.json beside it, as meshlab's data preparation writes) or text, encoded with `tok`."""
     p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path} not found: give a token file (.bin) or a text file")
     if p.suffix == ".bin":
         meta = p.with_name("meta.json")
         if not meta.is_file():
@@ -46,3 +50,23 @@ def compare(md, params, prompts, max_tokens: int = 64, **engine_kw) -> dict:
             "mean_abs_logprob_diff": float(np.mean(np.abs(np.concatenate(own["auto"]) - np.concatenate(own["fp8"])))),
             "nll": {kv: float(-np.mean(np.concatenate(x))) for kv, x in own.items()},
             "greedy_identical": sum(f == max_tokens for f in first), "first_difference": sorted(first)}
+
+
+def main(argv=None, description: str = "") -> None:
+    """scripts/eval_kv_cache.py's command line: load the checkpoint, cut the windows, print compare's JSON."""
+    from meshlab.infer.loading import add_checkpoint_args, open_checkpoint
+    ap = argparse.ArgumentParser(description=description)
+    add_checkpoint_args(ap)
+    ap.add_argument("--data", required=True, help="a prepared token file (.bin beside its meta.json) or a text file")
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--length", type=int, default=384, help="tokens a window")
+    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens after each window")
+    args = ap.parse_args(argv)
+    try:
+        _, _, _, md, params, tok = open_checkpoint(args)
+        prompts = windows(args.data, tok, args.windows, args.length)
+    except (ValueError, OSError) as e:
+        sys.exit(f"eval_kv_cache: {e}")
+    max_len = -(-(args.length + args.max_tokens) // 16) * 16
+    print(json.dumps(compare(md, params, prompts, args.max_tokens, max_len=max_len, max_seqs=4, page_size=16,
+                             chunk=128)))

@@ -13,6 +13,8 @@ from models import model_def
 
 
 def test_windows_read_a_token_file_or_text(tmp_path):
+    with pytest.raises(ValueError, match="val.bin not found"):
+        windows(str(tmp_path / "val.bin"), None, 2, 10)
     ids = np.arange(100, dtype=np.uint16)
     ids.tofile(tmp_path / "val.bin")
     with pytest.raises(ValueError, match="needs the meta.json beside it"):
