@@ -10,9 +10,9 @@ host reads back the last (Engine says when). Host work per step is numpy over th
 step; the page table is kept by the scheduler and changed only where pages change; the only
 device-to-host transfer is the sampled tokens (and logprobs when asked). `Engine` inherits its
 packed steps (each dispatched before the one before is read back) from `meshlab.infer.packed`, its
-one-step first-token paths from `meshlab.infer.first_tokens`, `warmup` (every bucket's program
-compiled before the first request) from `meshlab.infer.warmup` and prompt logprobs from
-`meshlab.infer.scoring`.
+decode calls and their chaining from `meshlab.infer.decode_calls`, its one-step first-token paths
+from `meshlab.infer.first_tokens`, `warmup` (every bucket's program compiled before the first
+request) from `meshlab.infer.warmup` and prompt logprobs from `meshlab.infer.scoring`.
 
 `ContiguousGenerator` (a fixed batch over a contiguous cache) lives in `meshlab.infer.contiguous`
 and is importable from here too.
@@ -32,6 +32,7 @@ from meshlab.infer import calls, kv_cache
 from meshlab.infer.contiguous import ContiguousGenerator  # noqa: F401  (its callers import it from here)
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.first_tokens import FirstTokens
+from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
@@ -46,7 +47,7 @@ from meshlab.infer.warmup import Warmup
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 
 
-class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
+class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -440,54 +441,6 @@ class Engine(PackedSteps, FirstTokens, Warmup, Scoring, Guided):
     def _row_inputs(self, slots):
         """Sampler settings and counters of the rows at `slots` (padding rows: slot 0's, ignored)."""
         return {k: v[slots] for k, v in self.slot_rows.items()}
-
-    def _launch_decode(self, decodes, n: int) -> Flight:
-        """Dispatch n decode steps of `decodes`; their cache positions advance now, and the tokens each
-        row keeps count as pending until read back. Each row is fed its last token from the host, or,
-        while that token is still on the device (pending: a chained call's rows), its slot's LAST entry."""
-        s, m = self.sched, len(decodes)
-        b = next(x for x in self.DECODE if x >= m)
-        slots = np.zeros(b, np.int32)
-        slots[:m] = [r.slot for r in decodes]
-        pos, limit, counters = (np.zeros(b, np.int32) for _ in range(3))
-        tok, from_last = np.zeros(b, np.int32), np.full(b, s.max_seqs, np.int32)
-        calls.feed_decodes(decodes, tok, from_last)
-        pos[:m] = [r.cached for r in decodes]
-        steps = [1 if r.guide is not None and r.guide.per_step else n for r in decodes]   # its next mask needs its token
-        limit[:m] = [min(r.end, r.cached + k) for r, k in zip(decodes, steps)]
-        counters[:m] = [len(r.output) + r.pending for r in decodes]
-        greedy, logprobs, cut = self._flags(slots[:m])
-        seen_slots = np.where(np.arange(b) < m, slots, s.max_seqs).astype(np.int32)   # padding: no seen row
-        buf, layout = calls.decode_inputs(tok, pos, limit, s.table[slots], seen_slots, self._row_inputs(slots),
-                                          counters, from_last)
-        out = self._launch(("decode", b, n, greedy, logprobs, cut), self.decode_call, buf, layout=layout, n=n,
-                           greedy=greedy, logprobs=logprobs, cut=cut)
-        self.stats["steps"] += n
-        self.stats["decode_calls"] += 1
-        self.stats["prefill_tokens"] += sum(r.cached < len(r.prompt) for r in decodes)
-        rows = []
-        for i, (r, k) in enumerate(zip(decodes, steps)):
-            kept = min(k, r.params.max_tokens - len(r.output) - r.pending)   # those before max_tokens
-            rows.append((r, i, kept, r.preemptions, False))
-            r.cached = min(r.cached + k, r.end)
-            r.pending += kept
-        return Flight(out, logprobs, rows, list(decodes), n)
-
-    def _chain(self, f: Flight):
-        """The decode call after `f` (in flight), launched now from its last tokens on the device (LAST); None
-        when the rows may change after f: a request arrived or is being aborted, one waits while a
-        row is free, a row reaches max_tokens or has stopped, or pages for n more steps are short."""
-        s = self.sched
-        if not self.chain_decode or not (self.inbox.empty() and self.aborts.empty()) or (s.waiting and None in s.rows):
-            return None
-        if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens for r in f.decodes):
-            return None
-        if self._guides_running():       # a guided row waits for its mask between calls: it joins the next one
-            return None
-        if not s.reserve_ahead(f.decodes, f.n):
-            return None
-        self.stats["chained_calls"] += 1
-        return self._launch_decode(f.decodes, f.n)
 
     def _land(self, f: Flight) -> None:
         """Read back a call in flight and emit its rows' tokens. Rows ended by an earlier call (a call
