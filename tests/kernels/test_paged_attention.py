@@ -572,3 +572,26 @@ def test_fp8_cache_of_two_to_four_gib_is_refused_and_the_engine_pages_past_it():
     cfg = models.preset("llama3_1b")                       # 131,072 fp8 bytes a page over 16 layers
     assert pages_past_wrap(cfg, 17409, 16, FP8) == 32769 and pages_past_wrap(cfg, 17409, 16, jnp.bfloat16) == 17409
     assert pages_past_wrap(cfg, 16384, 16, FP8) == 16384 and pages_past_wrap(cfg, 40000, 16, FP8) == 40000
+
+
+def test_engine_pages_an_fp8_cache_past_the_wrap_for_the_compiled_kernels(monkeypatch):
+    # The engine's use of pages_past_wrap, with the wrapping range scaled down to the tiny model (256 fp8
+    # bytes a page): 17 pages lie in it and become 41 (40 usable) for the Pallas kernels compiled; a bf16
+    # cache, XLA attention and interpret mode (no Triton offsets) keep the pages asked for
+    from flax import nnx
+    import models
+    from meshlab.infer import kv_cache
+    from meshlab.infer.engine import Engine
+    from models import model_def
+    from pallas_kernels import paged_tiles
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
+    md = model_def(cfg)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    per_page = cfg.n_layers * 4 * cfg.n_kv_heads * cfg.head_dim
+    for module in (paged_tiles, kv_cache):
+        monkeypatch.setattr(module, "WRAPPING_BYTES", (10 * per_page, 40 * per_page))
+    for kw, pages in ((dict(impl="pallas", kv_cache_dtype="fp8"), 41), (dict(impl="pallas"), 17),
+                      (dict(impl="xla", kv_cache_dtype="fp8"), 17),
+                      (dict(impl="pallas", interpret=True, kv_cache_dtype="fp8"), 17)):
+        eng = Engine(md, params, max_len=32, max_seqs=2, page_size=4, **kw)          # 2 rows of 8 pages + page 0
+        assert (eng.cache["k"].shape[1], eng.sched.pool.total) == (pages, pages - 1), kw
