@@ -4,18 +4,20 @@ Training (models/llama.py, models/moe.py) runs whole sequences; serving runs onl
 tokens [b, t] and threads a KV cache through the layers. The cache's layout, contiguous or paged,
 belongs to meshlab/infer/kv_cache.py, which hands `forward` an `Attend`: the model projects each
 layer's q/k/v, the `Attend` writes k/v into the cache and attends over it. No remat (no backward)
-and no FP8 training recipe: every GEMM runs in the compute dtype, over weights that serving may
-store in fp8 (below).
+and no FP8 training recipe: GEMMs run in the compute dtype, except over weights that serving
+stores in fp8 (below).
 
 Per-layer weights come in three forms (meshlab/infer/programs.py, serving_params): stacked (a
 layer scan), a list of per-layer dicts (a Python loop, so no weight slice is copied before its
 GEMM), or pairs (params, fused) with wq|wk|wv and w_gate|w_up concatenated once at load. Fused
 layers at a decode token take the one-kernel attention when the `Attend` offers it, and with
 kernels=True run each layer as five Pallas launches (`decode_step`); those [n, k] matrices may be
-stored fp8 with a scale per output row (serving_params(quantize="fp8")), half a decode token's bytes.
+stored fp8 with a scale per output row (serving_params(quantize="fp8")), half a decode token's bytes;
+steps of many tokens multiply them in FP8 GEMMs with per-token activation scales (`fp8_gemm`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, Optional
@@ -35,6 +37,28 @@ ACT = ("act_batch", "act_seq", "act_embed")
 # tokens/s through the kernels against 1,962 / 3,728 through XLA; batch 1 level). Module-level,
 # read when a step traces: a benchmark swaps it (bench_decode.py --jobs rows_ab).
 KERNEL_ROWS = 1
+# fp8 matrices (serving_params(quantize="fp8")) meet steps of at least this many tokens (prompt chunks,
+# large decode batches) in FP8 GEMMs, W8A8: each token's activations scaled to e4m3 (its amax to 448,
+# as the weights' rows are), one cuBLASLt FP8 GEMM at twice bf16's tensor-core rate, both scales on
+# its output. Fewer rows are byte-bound: the matrices widened to the compute dtype (W8A16), which XLA
+# fuses into its small-row GEMMs, and no launch quantizes the activations. H100, llama3_1b, ctx 2k:
+# decode at batch 128 ran 3% slower in FP8 GEMMs (26,913 against 27,757 tokens/s), at 256 10%
+# faster (28,078 against 25,632); a 2k prompt's chunks of 512, TTFT 10.7 ms against 13.0. Module-level,
+# read when a step traces (fp8_gemm_rows swaps it; bench_decode.py --jobs fp8).
+FP8_GEMM_ROWS = 256
+
+
+@contextlib.contextmanager
+def fp8_gemm_rows(rows: int | None):
+    """FP8_GEMM_ROWS set to `rows` (None: unchanged) inside the block: build and use an engine there
+    (its steps read it when they trace). Benchmarks and evaluations compare W8A8 with W8A16 so."""
+    global FP8_GEMM_ROWS
+    kept = FP8_GEMM_ROWS
+    FP8_GEMM_ROWS = kept if rows is None else rows
+    try:
+        yield
+    finally:
+        FP8_GEMM_ROWS = kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +85,30 @@ def _mm_decode(spec, x, w, scale=None):
     simplifier's dot strength reduction): for wo that writes and re-reads a weight-sized product,
     several times the GEMM's time in the H200 decode profile. A second, zero row keeps it a GEMM;
     the weights are read once either way. scale: w is fp8 with this per-row scale (its dims end the
-    output's): the GEMM on w widened to x's dtype (exact), its fp32 output times the scale, rounded
-    once, as decode_gemv's fp8 form does."""
-    narrow = x.shape[0] * x.shape[1] == 1
+    output's): below FP8_GEMM_ROWS rows the GEMM on w widened to x's dtype (exact), its fp32 output
+    times the scale, rounded once, as decode_gemv's fp8 form does; from there `fp8_gemm`."""
+    rows = x.shape[0] * x.shape[1]
+    narrow = rows == 1
     xin = _zero_row(x) if narrow else x
     if scale is None:
         y = _mm(spec, xin, w)
+    elif rows >= FP8_GEMM_ROWS:
+        y = fp8_gemm(spec, xin, w, scale)
     else:
         y = (jnp.einsum(spec, xin, w.astype(x.dtype), preferred_element_type=F32) * scale).astype(x.dtype)
     return y[:, :1] if narrow else y                                       # [b, t, ...]
+
+
+def fp8_gemm(spec, x, w, w_scale):
+    """einsum(spec, x [b, t, k], w) for fp8 w with its per-row w_scale, in one FP8 GEMM (W8A8): x's
+    tokens quantized to e4m3 with a scale each (decode_gemv.quantize_rows over k), the dot of the two
+    fp8 operands accumulated in fp32 (HIGHEST: no fast accumulation over k = 8,192) and written in x's
+    dtype (half an fp32 output's bytes), then times both scales and rounded again, a multiply XLA fuses
+    into the output's consumer. Both operands are k-major, the layout cuBLASLt's FP8 GEMM reads."""
+    xq, x_scale = decode_kernels.quantize_rows(x)                                      # [b, t, k] e4m3, [b, t]
+    y = jnp.einsum(spec, xq, w, preferred_element_type=x.dtype, precision=jax.lax.Precision.HIGHEST)  # [b, t, ...]
+    x_scale = x_scale.reshape(x_scale.shape + (1,) * (y.ndim - 2))                     # [b, t, 1, ...]
+    return (y.astype(F32) * x_scale * w_scale).astype(x.dtype)
 
 
 def _zero_row(x):
@@ -152,7 +191,7 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
     prompt chunks and decode batches past decode_step's rows, as XLA GEMMs on the transposed
     operands (cuBLAS and Triton read either layout at the same rate); decode rows take the
     one-kernel attention when the `Attend` offers it, as fused layers do. fp8 matrices (`_mm_nk`)
-    are widened before their GEMMs: a prompt chunk's GEMMs are compute-bound, not byte-bound."""
+    go through FP8 GEMMs from FP8_GEMM_ROWS tokens (prompt chunks), widened below (byte-bound rows)."""
     cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
     b, t, _ = x.shape
     h = block.attn_norm(x)

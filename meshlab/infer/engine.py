@@ -45,6 +45,11 @@ from meshlab.infer.scoring import ScoreStore, Scoring
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
+# A quantized engine's packed programs (FP8 GEMMs on prompt chunks) compile with these XLA options under
+# its own: its GEMM autotuner at level 1, no buffer reinitialisation or check of each candidate against
+# a reference. At the default level (4) a llama3_1b fp8 engine's first 2k prompt compiled for 30 s on an
+# H100 (bf16: 5 s); at level 1 for 7 s, its TTFT the same (10.8 against 11.2 ms uncached).
+FP8_PACKED_OPTIONS = {"xla_gpu_autotune_level": 1}
 
 
 class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
@@ -174,6 +179,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
             raise ValueError(f"compiler_options={compiler_options!r}: give XLA options per program kind, "
                              "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode, first, "
                              "head)")
+        if quantize:
+            opts = {**opts, "packed": {**FP8_PACKED_OPTIONS, **opts.get("packed", {})}}
         self._pinned = calls.pinned_shardings(self.cache["k"]) if pinned_inputs else None
         self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"),
                                                 self._pinned[1] if pinned_inputs else None)

@@ -1,6 +1,7 @@
 """Serving engine on CPU: cached greedy == uncached argmax; continuous batching == each request alone."""
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -918,6 +919,81 @@ def test_fp8_weights_serve_the_dequantized_model(tiny):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="fused", quantize="fp8")
     with pytest.raises(ValueError, match="must be None or 'fp8'"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="kernels", quantize="int4")
+
+
+def _e4m3_rows(x):
+    """numpy: each row (over the last axis) of x rounded to e4m3 at its own scale amax / 448, in float64."""
+    import ml_dtypes
+    x = np.asarray(x, np.float64)
+    amax = np.abs(x).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / 448.0, 1.0)
+    return np.asarray((x / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn), np.float64) * scale
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape", [("bsd,nd->bsn", (2, 8, 32), (48, 32)),
+                                                     ("bsd,gfd->bsgf", (1, 16, 32), (2, 24, 32))])
+def test_fp8_gemm_quantizes_each_token_from_the_row_limit(monkeypatch, spec, x_shape, w_shape):
+    """fp8 matrices at FP8_GEMM_ROWS tokens or more: one FP8 GEMM over each token's activations rounded
+    to e4m3 at its own scale (tokens 2^12 apart in size: one scale for all would flush the small ones
+    to subnormals); below the limit, the matrix widened and the activations exact."""
+    from models import serving
+    from pallas_kernels.decode_gemv import quantize_rows
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    sizes = 2.0 ** (np.arange(x_shape[0] * x_shape[1]) % 13).reshape(x_shape[:2] + (1,))
+    x = jax.random.normal(kx, x_shape, jnp.float32) * sizes                            # [b, t, k]
+    wq, w_scale = quantize_rows(jax.random.normal(kw, w_shape, jnp.float32))
+    w = np.asarray(wq, np.float64) * np.asarray(w_scale, np.float64)[..., None]       # what the fp8 rows stand for
+    w8a8, w8a16 = np.einsum(spec, _e4m3_rows(x), w), np.einsum(spec, np.asarray(x, np.float64), w)
+    rows = x_shape[0] * x_shape[1]
+    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", rows)
+    got = np.asarray(jax.jit(functools.partial(serving._mm_decode, spec))(x, wq, w_scale))
+    np.testing.assert_allclose(got, w8a8, rtol=1e-5, atol=1e-5 * np.abs(w8a8).max())
+    assert np.abs(got - w8a16).max() > 1e-3 * np.abs(w8a16).max()          # the activations were rounded
+    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", rows + 1)
+    got = np.asarray(jax.jit(functools.partial(serving._mm_decode, spec))(x, wq, w_scale))
+    np.testing.assert_allclose(got, w8a16, rtol=1e-5, atol=1e-5 * np.abs(w8a16).max())
+
+
+def test_fp8_prompt_gemms_serve_the_dequantized_model_over_rounded_activations(tiny, monkeypatch):
+    """Prompt chunks through FP8 GEMMs (the row limit lowered to the tiny model's chunks): every prompt
+    token's logprob is the full forward's over the dequantized weights with each projection's input
+    token rounded to e4m3 at its own scale, and not the forward's with exact activations."""
+    import models.llama as llama
+    from models import serving
+    md, params, _ = tiny
+    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", 1)
+    eng = Engine(md, params, max_len=64, max_seqs=1, page_size=4, chunk=8, steps_per_call=4, quantize="fp8")
+    deq = dequantized_fp8(params)
+
+    def reference(round_activations):
+        def rounded(spec, x, w):                    # x [b, s, ...]: each token's values at its own scale, then exact
+            tokens = x.reshape(x.shape[:2] + (-1,))
+            amax = jnp.max(jnp.abs(tokens), axis=-1, keepdims=True)
+            scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+            return llama._mm(spec, ((tokens / scale).astype(jnp.float8_e4m3fn).astype(x.dtype) * scale).reshape(x.shape), w)
+        mm = rounded if round_activations else llama._mm
+        with monkeypatch.context() as m:
+            m.setattr(llama, "_layer_mm", lambda cfg: mm)
+            logits = md.bind(deq)(jnp.asarray([prompt], jnp.int32))[0, :, :md.cfg.vocab_size]
+        return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    prompt = np.random.default_rng(5).integers(0, md.cfg.vocab_size, 19).tolist()     # chunks of 8, 8 and 3
+    got = eng.prompt_logprobs(prompt, top=2)
+    _check_prompt_logprobs(got, prompt, reference(True), 2)
+    exact = reference(False)
+    assert max(abs(got[k][0] - exact[k - 1, prompt[k]]) for k in range(1, len(prompt))) > 1e-3
+
+
+def test_fp8_engine_compiles_its_packed_programs_with_the_quantized_options(tiny, monkeypatch):
+    """A quantized engine's packed programs take FP8_PACKED_OPTIONS under the caller's own packed options;
+    a bf16 engine's take only the caller's."""
+    from meshlab.infer import calls, engine as engine_mod
+    md, params, _ = tiny
+    seen, real = [], calls.packed_program
+    monkeypatch.setattr(calls, "packed_program", lambda fn, treedef, opts=None, *a: seen.append(opts) or real(fn, treedef, opts, *a))
+    mine = {"xla_gpu_enable_command_buffer": ""}
+    for quantize in ("fp8", None):
+        Engine(md, params, max_len=32, max_seqs=1, page_size=4, chunk=8, quantize=quantize, compiler_options={"packed": mine})
+    assert seen == [{**engine_mod.FP8_PACKED_OPTIONS, **mine}, mine]
 
 
 def test_fp8_kv_cache_serves_the_model_over_fp8_keys_and_values(tiny):
