@@ -80,6 +80,8 @@ def shape(args):
         ek["max_step_tokens"] = args.max_step_tokens
     if args.kv_cache_dtype != "auto":
         ek["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantize != "none":
+        ek["quantize"] = args.quantize
     longest = wl["prompt"][1] + wl["output"][1]
     ek["max_len"] = max(ek["max_len"], -(-longest // ek["page_size"]) * ek["page_size"])
     return preset, dtype, wl, ek
@@ -109,6 +111,8 @@ def run_parts(args) -> list[str]:
         parts.append(f"max_step_tokens {args.max_step_tokens}")
     if args.kv_cache_dtype != "auto":
         parts.append(f"kv cache {args.kv_cache_dtype}")
+    if args.quantize != "none":
+        parts.append(f"weights {args.quantize}")
     return parts
 
 
@@ -176,7 +180,7 @@ def http(args, preset, dtype, wl, ek, bs, work):
            "--max-concurrent", str(4 * args.n), "--max-waiting", str(4 * args.n), "--warmup", "on",
            "--warmup-idle-kinds="] \
         + ([f"--max-step-tokens={ek['max_step_tokens']}"] if "max_step_tokens" in ek else []) \
-        + [f"--kv-cache-dtype={ek.get('kv_cache_dtype', 'auto')}"]
+        + [f"--kv-cache-dtype={ek.get('kv_cache_dtype', 'auto')}", f"--quantize={ek.get('quantize', 'none')}"]
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=dict(os.environ))
     try:
         line = srv.stdout.readline()
@@ -230,7 +234,7 @@ def run_job(name, args, out: Path, timeout: float) -> list:
         + ["--preset", args.preset] \
         + [f"--{k}={v[0]},{v[1]}" for k, v in (("prompts", args.prompts), ("outputs", args.outputs)) if v] \
         + ([f"--max-step-tokens={args.max_step_tokens}"] if args.max_step_tokens else []) \
-        + [f"--kv-cache-dtype={args.kv_cache_dtype}"]
+        + [f"--kv-cache-dtype={args.kv_cache_dtype}", f"--quantize={args.quantize}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = out / f"{name}.log"
     with open(log, "w") as fh:
@@ -285,6 +289,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the engines' tokens per step (Engine max_step_tokens; default max_seqs + 4 chunks)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="the engines' KV cache (Engine kv_cache_dtype; fp8: float8_e4m3fn, in the rows)")
+    ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                    help="the engines' weights (Engine quantize; fp8: the layers' matrices float8_e4m3fn, in the rows)")
     ap.add_argument("--prefill", default="auto", choices=("auto", "flash", "xla"),
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",

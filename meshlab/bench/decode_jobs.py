@@ -50,7 +50,7 @@ JOBS = {
     "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
-    "fp8": ("", 200, ""),
+    "fp8": ("", 420, ""),
     "kv_fp8": ("", 300, ""),
 }
 ENGINE_AB = [name for name in JOBS if name.startswith("engine_") and name != "engine_gemv"]
@@ -443,24 +443,36 @@ def job_engine_ab(c: Child):
 
 
 def job_fp8(c: Child):
-    """Batch-1 decode and prefix-cache TTFT through the shipped kernels layers in bf16, then with the
-    layers' matrices in fp8 (Engine(quantize="fp8")), each against its own roofline (its weights'
-    bytes), in one process; the greedy tokens of one prompt from each (random weights: how often
-    fp8 keeps the bf16 argmax, not a quality measure); then both at batch 16, where the rows go
-    through XLA's GEMMs, which read fp8 weights widened to bf16 first."""
+    """Batch-1 decode and prefix-cache TTFT (with the uncached prompt's) through the shipped kernels
+    layers in bf16, then with the layers' matrices in fp8 (Engine(quantize="fp8")), each against its own
+    roofline (its weights' bytes), in one process: fp8 as shipped (prompt chunks in FP8 GEMMs) and with
+    every step's matrices widened to bf16 instead (W8A16); the greedy tokens of one prompt from each
+    (random weights: how often fp8 keeps the bf16 argmax, not a quality measure). Then the three at
+    batch 128 / 256, where fp8's decode steps reach FP8_GEMM_ROWS (below it, at batch 16: the "fp8"
+    rows of docs/benchmarks.md, XLA's GEMMs over widened weights in both fp8 variants)."""
     from meshlab.bench import decode as bench
     from meshlab.bench import serve as bs
-    rates = [engine_ab_job(c, " [kernels bf16]", layers="kernels"), engine_ab_job(c, " [fp8]", layers="kernels", quantize="fp8")]
-    if all(rates):
-        bench.emit({"section": "decode", "setting": "engine b=1 fp8 against bf16", "value": rates[1] / rates[0],
-                    "unit": "x", "note": f"{rates[1]:.1f} against {rates[0]:.1f} tok/s (means of each engine's two rows)"})
-    big = 4 if c.smoke else 16       # past the decode kernels' rows: XLA GEMMs over the widened fp8 weights
-    for tag, kw in ((" [kernels bf16]", {}), (" [fp8]", {"quantize": "fp8"})):
-        try:
-            bs.engine_sweep(c.engine(layers="kernels", max_seqs=big, **kw), c.bw, (big,), ctx=c.sz["ctx"],
-                            n=min(128, c.sz["tpot_n"]), tag=tag)
-        except Exception as e:  # noqa: BLE001
-            bench.fail_row("sweep", "engine" + tag, e)
+    from models.serving import fp8_gemm_rows
+    never = 1 << 30
+    variants = ((" [kernels bf16]", {}, None), (" [fp8]", {"quantize": "fp8"}, None),
+                (" [fp8 w8a16]", {"quantize": "fp8"}, never))
+    rates = {}
+    for tag, kw, rows in variants:
+        with fp8_gemm_rows(rows):
+            rates[tag] = engine_ab_job(c, tag, layers="kernels", **kw)
+    fp8, bf16 = rates[" [fp8]"], rates[" [kernels bf16]"]
+    if fp8 and bf16:
+        bench.emit({"section": "decode", "setting": "engine b=1 fp8 against bf16", "value": fp8 / bf16, "unit": "x",
+                    "note": f"{fp8:.1f} against {bf16:.1f} tok/s (means of each engine's two rows)"})
+    batches, ctx, n = ((4,), c.sz["ctx"], 16) if c.smoke else ((128, 256), c.sz["ctx"], 128)
+    for tag, kw, rows in variants:
+        with fp8_gemm_rows(rows):
+            try:
+                eng = c.engine(layers="kernels", max_seqs=max(batches), max_len=-(-(ctx + n) // 16) * 16, **kw)
+                bs.engine_sweep(eng, c.bw, batches, ctx=ctx, n=n, tag=tag)
+                del eng                                         # its cache before the next engine's
+            except Exception as e:  # noqa: BLE001
+                bench.fail_row("sweep", "engine" + tag, e)
 
 
 def job_kv_fp8(c: Child):

@@ -1,4 +1,4 @@
-"""eval_kv_cache's comparison on the tiny model: windows from a token file or text, and what it reports."""
+"""eval_fp8's comparison on the tiny model: windows from a token file or text, and what it reports."""
 import dataclasses
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import models
-from meshlab.bench.kv_quality import compare, windows
+from meshlab.bench.fp8_quality import compare, main, windows
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
 
@@ -28,12 +28,23 @@ def test_windows_read_a_token_file_or_text(tmp_path):
         windows(str(tmp_path / "t.txt"), ByteTokenizer(), 2, 64)
 
 
-def test_compare_reports_both_caches_over_the_same_windows():
+def test_compare_reports_each_variant_against_the_engine_as_loaded(monkeypatch):
+    from models import serving
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     prompts = [list(range(5, 29)), list(range(40, 64))]
-    out = compare(md, params, prompts, max_tokens=6, max_len=32, max_seqs=2, page_size=4, chunk=8)
+    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", 8)             # the tiny chunks reach it
+    out = compare(md, params, prompts, max_tokens=6, against=("kv", "weights", "weights_w8a16"), max_len=32,
+                  max_seqs=2, page_size=4, chunk=8)
     assert out["windows"] == 2 and out["tokens"] == 2 * 23          # each window's positions after its first
-    assert 0 <= out["top1_agreement"] <= 1 and out["mean_abs_logprob_diff"] > 0   # fp8 K/V do change the logprobs
-    assert set(out["nll"]) == {"auto", "fp8"} and len(out["first_difference"]) == 2
+    for name in ("kv", "weights", "weights_w8a16"):
+        got = out[name]
+        assert 0 <= got["top1_agreement"] <= 1 and got["mean_abs_logprob_diff"] > 0   # fp8 does change the logprobs
+        assert len(got["first_difference"]) == 2
+    # the two weight variants differ only in the prompt GEMMs' activations, and they do differ
+    assert out["weights"]["nll"] != out["weights_w8a16"]["nll"]
+    with pytest.raises(ValueError, match="unknown comparison"):
+        compare(md, params, prompts, against=("int4",), max_len=32, max_seqs=2, page_size=4, chunk=8)
+    with pytest.raises(SystemExit, match="choose from kv, weights, weights_w8a16"):
+        main(["--checkpoint", "random:tiny", "--data", "x", "--against", "kv,int4"])
