@@ -114,8 +114,10 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
     through the decode kernels may round differently in bf16. False: such prompts feed their last
     token again (the benchmark's A/B).
 
-    quantize="fp8": the layers' matrices in float8_e4m3fn, a scale per output row (weight-only; the
-    embedding and tied head stay), layers "kernels" on one device (programs.serving_params).
+    quantize="fp8": the layers' matrices in float8_e4m3fn, a scale per output row (the embedding and
+    tied head stay), layers "kernels" on one device (programs.serving_params); steps of
+    models.serving.FP8_GEMM_ROWS tokens or more quantize their activations too (FP8 GEMMs), fewer
+    read the matrices widened; its packed programs compile with FP8_PACKED_OPTIONS under the caller's.
     kv_cache_dtype="fp8": the KV cache in float8_e4m3fn (meshlab.infer.kv_cache says how): half its
     bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
     kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).

@@ -34,8 +34,8 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
     ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
                     help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row "
-                         "(weight-only; about half the bytes a decode token reads; a GPU needs sm89+); "
-                         "a dense model on one device")
+                         "(about half the bytes a decode token reads; prompt chunks in FP8 GEMMs, their "
+                         "activations scaled per token; a GPU needs sm89+); a dense model on one device")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the KV cache in float8_e4m3fn (half its bytes: raise --num-pages or --max-seqs in the "
                          "same memory; K/V saturate at +-448, no scales, as vLLM's fp8 without calibration); auto: the "
