@@ -41,6 +41,9 @@ def test_bench_serve_workload_ranges_grow_max_len_and_tag_the_rows():
     assert mod.shape(budget)[3]["max_step_tokens"] == 4224 and "max_step_tokens" not in mod.shape(default)[3]
     assert mod.run_tag(budget) == " [llama3_8b, max_step_tokens 4224]"
     assert mod.run_tag(parse("--quick", "--preset", "llama3_8b")) == ""             # the CPU mechanics run
+    stored = parse("--quantize", "fp8", "--kv-cache-dtype", "fp8")
+    assert mod.shape(stored)[3]["quantize"] == "fp8" and "quantize" not in mod.shape(default)[3]
+    assert mod.run_tag(stored) == " [kv cache fp8, weights fp8]"
 
 
 @pytest.mark.parametrize("value", ["9,3", "0,5", "128", "a,b"])
