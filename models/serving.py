@@ -103,8 +103,9 @@ def fp8_gemm(spec, x, w, w_scale):
     """einsum(spec, x [b, t, k], w) for fp8 w with its per-row w_scale, in one FP8 GEMM (W8A8): x's
     tokens quantized to e4m3 with a scale each (decode_gemv.quantize_rows over k), the dot of the two
     fp8 operands accumulated in fp32 (HIGHEST: no fast accumulation over k = 8,192) and written in x's
-    dtype (half an fp32 output's bytes), then times both scales and rounded again, a multiply XLA fuses
-    into the output's consumer. Both operands are k-major, the layout cuBLASLt's FP8 GEMM reads."""
+    dtype (half an fp32 output's bytes), then times both scales (an elementwise pass over the output)
+    and rounded again. Both operands are k-major, the layout cuBLASLt's FP8 GEMM reads (the H100's
+    compiled HLO: one `__cublas$lt$matmul$f8` per projection)."""
     xq, x_scale = decode_kernels.quantize_rows(x)                                      # [b, t, k] e4m3, [b, t]
     y = jnp.einsum(spec, xq, w, preferred_element_type=x.dtype, precision=jax.lax.Precision.HIGHEST)  # [b, t, ...]
     x_scale = x_scale.reshape(x_scale.shape + (1,) * (y.ndim - 2))                     # [b, t, 1, ...]
