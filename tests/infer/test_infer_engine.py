@@ -945,13 +945,19 @@ def test_fp8_gemm_quantizes_each_token_from_the_row_limit(monkeypatch, spec, x_s
     w = np.asarray(wq, np.float64) * np.asarray(w_scale, np.float64)[..., None]       # what the fp8 rows stand for
     w8a8, w8a16 = np.einsum(spec, _e4m3_rows(x), w), np.einsum(spec, np.asarray(x, np.float64), w)
     rows = x_shape[0] * x_shape[1]
-    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", rows)
-    got = np.asarray(jax.jit(functools.partial(serving._mm_decode, spec))(x, wq, w_scale))
+
+    def gemm(limit):                # (the product, the dot's operand types as lowered: fp8 ones make an FP8 GEMM)
+        monkeypatch.setattr(serving, "FP8_GEMM_ROWS", limit)
+        f = jax.jit(functools.partial(serving._mm_decode, spec))
+        dots = [line for line in f.lower(x, wq, w_scale).as_text().splitlines() if "dot_general" in line]
+        return np.asarray(f(x, wq, w_scale)), [line.split(" : ")[-1].split(" -> ")[0] for line in dots]
+    got, operands = gemm(rows)
     np.testing.assert_allclose(got, w8a8, rtol=1e-5, atol=1e-5 * np.abs(w8a8).max())
     assert np.abs(got - w8a16).max() > 1e-3 * np.abs(w8a16).max()          # the activations were rounded
-    monkeypatch.setattr(serving, "FP8_GEMM_ROWS", rows + 1)
-    got = np.asarray(jax.jit(functools.partial(serving._mm_decode, spec))(x, wq, w_scale))
+    assert len(operands) == 1 and operands[0].count("f8E4M3FN") == 2       # both operands fp8 into the dot
+    got, operands = gemm(rows + 1)
     np.testing.assert_allclose(got, w8a16, rtol=1e-5, atol=1e-5 * np.abs(w8a16).max())
+    assert len(operands) == 1 and "f8E4M3FN" not in operands[0]
 
 
 def test_fp8_prompt_gemms_serve_the_dequantized_model_over_rounded_activations(tiny, monkeypatch):
