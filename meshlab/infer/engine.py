@@ -36,7 +36,7 @@ from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
-                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, default_impl,
+                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, check_fp8_devices, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
@@ -155,6 +155,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
         if quantize and ((mesh is not None and mesh.size > 1) or "mlp" not in md.abstract["layers"]):
             raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
                              "leave it out for a mixture of experts or a mesh of several devices")
+        if quantize:
+            check_fp8_devices(jax.devices())
         layers = ("kernels" if quantize else default_layers(md, impl, mesh)) if layers == "auto" else layers
         self.impl, self.layers = impl, layers
         if prefill not in ("auto", "paged", "flash", "xla"):

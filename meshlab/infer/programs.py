@@ -86,6 +86,15 @@ def default_impl(mesh=None, interpret: bool = False) -> str:
     return "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
 
 
+def check_fp8_devices(devices) -> None:
+    """quantize="fp8" needs fp8 tensor cores on a GPU: compute capability 8.9+ (Ada, Hopper). Below it
+    neither the decode kernels' fp8 loads (Triton) nor cuBLASLt's FP8 GEMMs exist; a CPU emulates them."""
+    old = [d for d in devices if d.platform == "gpu" and float(getattr(d, "compute_capability", 0) or 0) < 8.9]
+    if old:
+        raise ValueError(f"quantize='fp8' needs a GPU of compute capability 8.9 or more (Ada, Hopper); "
+                         f"{old[0].device_kind} is {old[0].compute_capability}: serve it in bf16 (leave --quantize out)")
+
+
 def default_layers(md, impl: str, mesh=None) -> str:
     """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
     batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch

@@ -1002,6 +1002,21 @@ def test_fp8_engine_compiles_its_packed_programs_with_the_quantized_options(tiny
     assert seen == [{**engine_mod.FP8_PACKED_OPTIONS, **mine}, mine]
 
 
+def test_fp8_weights_refuse_a_gpu_without_fp8_tensor_cores(tiny, monkeypatch):
+    """quantize="fp8" on a GPU below compute capability 8.9 (an A100) stops with one error that names the
+    card and what to do; Hopper and a CPU pass."""
+    import types
+    from meshlab.infer.programs import check_fp8_devices
+    gpu = lambda kind, cc: types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc)  # noqa: E731
+    check_fp8_devices([gpu("NVIDIA H100 80GB HBM3", "9.0"), gpu("NVIDIA L4", "8.9")] + jax.devices("cpu"))
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or more .* NVIDIA A100-SXM4-80GB is 8.0: serve it in bf16"):
+        check_fp8_devices([gpu("NVIDIA A100-SXM4-80GB", "8.0")])
+    md, params, _ = tiny
+    monkeypatch.setattr(jax, "devices", lambda *a: [gpu("NVIDIA A100-SXM4-80GB", "8.0")])
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        Engine(md, params, max_len=32, max_seqs=1, page_size=4, quantize="fp8")
+
+
 def test_fp8_kv_cache_serves_the_model_over_fp8_keys_and_values(tiny):
     """kv_cache_dtype="fp8": the paged cache in float8_e4m3fn. Each greedy token equals the next token
     of the whole sequence in one prompt pass over a contiguous fp8 cache (every K/V rounded to fp8 as
