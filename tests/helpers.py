@@ -108,3 +108,44 @@ def save_hf_with_perturbed_norms(model, directory):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def tiny_served_model():
+    """(model def, params, jitted full forward -> logits [b, s, vocab]) of the tiny model in fp32 that the
+    serving tests check the engine against. init_std 0.2 spreads the logits: a random model at 0.02 is
+    near-uniform and argmax ties would make the equality tests hinge on rounding."""
+    import dataclasses
+    from flax import nnx
+    import models
+    from models import model_def
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
+    md = model_def(cfg)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    fwd = jax.jit(lambda p, x: md.bind(p)(x)[..., :cfg.vocab_size])
+    return md, params, fwd
+
+
+def assert_greedy_matches(fwd, params, prompt, output):
+    """Every generated token is the argmax of the full no-cache forward over what preceded it."""
+    seq = list(prompt) + list(output)
+    logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0]
+    expect = logits[len(prompt) - 1:len(seq) - 1].argmax(-1).tolist()
+    assert output == expect
+
+
+def check_prompt_logprobs(got, prompt, ref, top, ranked=None):
+    """got (Request.prompt_logprobs) against ref [n, V], the no-cache forward's log-softmax; a rank,
+    present when asked for (ranked True), absent when its steps computed none (ranked False; None:
+    either, as for a request sharing its steps with one that asked), within one of the reference's
+    (a token within fp32 rounding of another may swap with it)."""
+    assert len(got) == len(prompt) and got[0] is None
+    for k in range(1, len(prompt)):
+        value, alternatives, rank = got[k]
+        assert ranked is None or (rank is not None) == ranked
+        best = np.argsort(-ref[k - 1])[:top].tolist()
+        np.testing.assert_allclose(value, ref[k - 1, prompt[k]], rtol=1e-4, atol=1e-4)
+        if rank is not None:                   # asked for (SamplingParams.prompt_ranks)
+            above = ref[k - 1] - ref[k - 1, prompt[k]]
+            assert 1 + np.sum(above > 1e-4) <= rank <= 1 + np.sum(above > -1e-4)
+        assert list(alternatives) == best
+        np.testing.assert_allclose(list(alternatives.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
