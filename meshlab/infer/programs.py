@@ -148,6 +148,17 @@ def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
     return rest, {"decode": nk}
 
 
+def weights_summary(params) -> str:
+    """Serving params in one line, as a server states them at start: their bytes, and by dtype (fp8
+    matrices with their fp32 scales beside them, the embedding in the compute dtype)."""
+    by_dtype = {}
+    for a in jax.tree.leaves(params):
+        by_dtype[str(a.dtype)] = by_dtype.get(str(a.dtype), 0) + a.size * a.dtype.itemsize
+    size = lambda b: f"{b / 2 ** 30:.2f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"   # noqa: E731
+    parts = ", ".join(f"{size(b)} {name}" for name, b in sorted(by_dtype.items(), key=lambda kv: -kv[1]))
+    return f"weights: {size(sum(by_dtype.values()))} ({parts})"
+
+
 def _unfused_placeholders(md, rest: dict) -> dict:
     """Fill the fused-away leaves with abstract values: nnx.merge needs every parameter, none is read."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), md.abstract["layers"])

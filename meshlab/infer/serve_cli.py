@@ -91,6 +91,7 @@ def start_server(args):
     arguments, a checkpoint that does not load, a port in use."""
     import jax
     from meshlab.infer import kv_cache
+    from meshlab.infer.programs import weights_summary
     from meshlab.infer.engine import Engine
     from meshlab.infer.loading import open_checkpoint, stop_token_ids
     from meshlab.infer.server import Server
@@ -103,7 +104,7 @@ def start_server(args):
                     max_step_tokens=args.max_step_tokens, impl=args.attention, layers=args.layers, rules=rules,
                     mesh=mesh, quantize=None if args.quantize == "none" else args.quantize,
                     kv_cache_dtype=args.kv_cache_dtype)
-    print(kv_cache.summary(engine.cache), file=sys.stderr, flush=True)
+    print(f"{weights_summary(engine.params)}; {kv_cache.summary(engine.cache)}", file=sys.stderr, flush=True)
     warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
     if warm:
         t = time.perf_counter()

@@ -175,3 +175,19 @@ def test_fp8_kv_cache_serves_the_model_over_fp8_keys_and_values(tiny):
     assert differs
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be one of auto, fp8"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, kv_cache_dtype="int8")
+
+
+def test_the_weights_line_counts_the_fp8_matrices_apart(tiny):
+    """serve.py's start line (programs.weights_summary): an fp8 engine's decoder matrices, one byte an
+    element, stated apart from the fp32 rest (embedding, norms, the matrices' scales)."""
+    from meshlab.infer.programs import weights_summary
+    md, params, _ = tiny
+    cfg = md.cfg
+    eng = Engine(md, params, max_len=32, max_seqs=1, page_size=4, chunk=8, quantize="fp8")
+    per_layer = cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model \
+        + 3 * cfg.mlp_dim * cfg.d_model                                      # q|k|v, wo, gate|up, down
+    rest = sum(a.size * 4 for a in jax.tree.leaves(eng.params) if a.dtype == jnp.float32)
+    mib = lambda b: f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    fp8 = cfg.n_layers * per_layer
+    parts = sorted([(fp8, "float8_e4m3fn"), (rest, "float32")], reverse=True)
+    assert weights_summary(eng.params) == f"weights: {mib(fp8 + rest)} (" + ", ".join(f"{mib(b)} {n}" for b, n in parts) + ")"
