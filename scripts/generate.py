@@ -26,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="fp8: the KV cache in float8_e4m3fn, half its memory (auto: the model's dtype)")
+    ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                    help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row, as serve.py's")
     args = ap.parse_args(argv)
     from meshlab.infer.engine import ContiguousGenerator
     from meshlab.infer.sampler import SamplingParams
@@ -39,7 +41,8 @@ def main(argv=None):
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
-                                  rules=rules, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype)
+                                  rules=rules, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype,
+                                  quantize=None if args.quantize == "none" else args.quantize)
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"generate: {e}")
     out: list[int] = []

@@ -14,18 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import kv_cache
-from meshlab.infer.programs import engine_rules, make_programs, placement, serving_params
+from meshlab.infer.programs import check_quantize, engine_rules, make_programs, placement, serving_params
 from meshlab.infer.sampler import SamplingParams, all_greedy, row_arrays
 
 
 class ContiguousGenerator:
     """Generate for a fixed batch of prompts with a contiguous KV cache [layers, batch, max_len, ...]
-    (kv_cache_dtype "fp8": float8_e4m3fn, as Engine's)."""
+    (kv_cache_dtype "fp8": float8_e4m3fn, as Engine's). quantize="fp8": the layers' matrices in fp8, as
+    Engine's (layers "auto" then picks kernels; else split)."""
 
     def __init__(self, md, params, batch: int, max_len: int, chunk: int = 256, steps_per_call: int = 8,
-                 rules=None, mesh=None, layers: str = "split", kv_cache_dtype: str = "auto"):
+                 rules=None, mesh=None, layers: str = "auto", kv_cache_dtype: str = "auto", quantize: str | None = None):
         if max_len % chunk and chunk < max_len:
             raise ValueError(f"max_len={max_len} must be a multiple of chunk={chunk}")
+        check_quantize(md, quantize, mesh)
+        layers = ("kernels" if quantize else "split") if layers == "auto" else layers
         if rules is not None and mesh is not None and batch % math.prod(mesh.shape[a] for a in rules.axes("cache_batch", mesh)):
             # a batch the rule file's batch split cannot divide (one prompt under fsdp_tp) stays whole
             rules = engine_rules(rules, ("act_batch", "cache_batch"))
@@ -33,7 +36,7 @@ class ContiguousGenerator:
         self.chunk, self.steps_per_call, self.rules, self.mesh = min(chunk, max_len), steps_per_call, rules, mesh
         self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)
         with placement(rules, mesh):
-            self.params = serving_params(md, params, layers)
+            self.params = serving_params(md, params, layers, quantize)
             self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, kv_cache.cache_dtype(md.cfg, kv_cache_dtype),
                                                   rules=rules, mesh=mesh)
 

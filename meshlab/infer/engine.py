@@ -36,7 +36,7 @@ from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
-                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, check_fp8_devices, default_impl,
+                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, check_quantize, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
@@ -152,11 +152,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
         if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
             self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))
-        if quantize and ((mesh is not None and mesh.size > 1) or "mlp" not in md.abstract["layers"]):
-            raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
-                             "leave it out for a mixture of experts or a mesh of several devices")
-        if quantize:
-            check_fp8_devices(jax.devices())
+        check_quantize(md, quantize, mesh)
         layers = ("kernels" if quantize else default_layers(md, impl, mesh)) if layers == "auto" else layers
         self.impl, self.layers = impl, layers
         if prefill not in ("auto", "paged", "flash", "xla"):

@@ -86,6 +86,17 @@ def default_impl(mesh=None, interpret: bool = False) -> str:
     return "pallas" if jax.default_backend() == "gpu" and one_device and not interpret else "xla"
 
 
+def check_quantize(md, quantize: str | None, mesh=None) -> None:
+    """quantize="fp8" serves a dense model on one device with fp8 tensor cores (Engine's and
+    ContiguousGenerator's argument; serving_params checks the value and the layers)."""
+    if not quantize:
+        return
+    if (mesh is not None and mesh.size > 1) or "mlp" not in md.abstract["layers"]:
+        raise ValueError(f"quantize={quantize!r} serves a dense model on one device (layers='kernels'); "
+                         "leave it out for a mixture of experts or a mesh of several devices")
+    check_fp8_devices(jax.devices())
+
+
 def check_fp8_devices(devices) -> None:
     """quantize="fp8" needs fp8 tensor cores on a GPU: compute capability 8.9+ (Ada, Hopper). Below it
     neither the decode kernels' fp8 loads (Triton) nor cuBLASLt's FP8 GEMMs exist; a CPU emulates them."""

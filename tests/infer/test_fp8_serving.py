@@ -59,6 +59,19 @@ def test_fp8_weights_serve_the_dequantized_model(tiny):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, layers="kernels", quantize="int4")
 
 
+def test_fp8_weights_in_the_contiguous_generator_serve_the_dequantized_model(tiny):
+    """ContiguousGenerator(quantize="fp8") (generate.py --quantize fp8): the same fp8 matrices as
+    Engine's, its greedy tokens the dequantized model's; a sharded mesh is refused as Engine refuses it."""
+    md, params, fwd = tiny
+    gen = ContiguousGenerator(md, params, batch=1, max_len=64, chunk=16, quantize="fp8")
+    assert gen.params["layers"][0][1]["decode"]["wqkv_t"].dtype == jnp.float8_e4m3fn
+    prompt = list(range(20, 39))
+    assert_greedy_matches(fwd, dequantized_fp8(params), prompt, gen.generate([prompt], SamplingParams(max_tokens=9))[0])
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match="serves a dense model on one device"):
+        ContiguousGenerator(md, params, batch=2, max_len=64, chunk=16, mesh=mesh, quantize="fp8")
+
+
 def _e4m3_rows(x):
     """numpy: each row (over the last axis) of x rounded to e4m3 at its own scale amax / 448, in float64."""
     import ml_dtypes

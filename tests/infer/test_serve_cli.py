@@ -231,8 +231,10 @@ def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
     assert list(clean.iterdir()) == []
 
 
-def test_generate_with_an_fp8_kv_cache(clean, monkeypatch, capsys):
-    """generate.py --kv-cache-dtype fp8 builds its generator over a float8_e4m3fn cache and completes."""
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype", "--quantize"])
+def test_generate_with_fp8_storage(clean, monkeypatch, capsys, flag):
+    """generate.py --kv-cache-dtype fp8 builds its generator over a float8_e4m3fn cache, --quantize fp8 over
+    float8_e4m3fn matrices, and each completes."""
     import runpy
     from meshlab.infer import engine
     made = []
@@ -244,7 +246,8 @@ def test_generate_with_an_fp8_kv_cache(clean, monkeypatch, capsys):
     monkeypatch.setattr(engine, "ContiguousGenerator", Recorded)
     monkeypatch.chdir(clean)
     generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
-    generate["main"](["--checkpoint", "random:tiny", "--prompt", "ab", "--max-new-tokens", "3", "--kv-cache-dtype", "fp8",
+    generate["main"](["--checkpoint", "random:tiny", "--prompt", "ab", "--max-new-tokens", "3", flag, "fp8",
                       "--compile-cache", ""])
-    assert made[0].cache["k"].dtype == jax.numpy.float8_e4m3fn and capsys.readouterr().out.startswith("ab")
+    stored = made[0].cache["k"] if flag == "--kv-cache-dtype" else made[0].params["layers"][0][1]["decode"]["w_down_t"]
+    assert stored.dtype == jax.numpy.float8_e4m3fn and capsys.readouterr().out.startswith("ab")
     assert list(clean.iterdir()) == []
