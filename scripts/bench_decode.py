@@ -89,7 +89,7 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 then with the layers' matrices in fp8 (Engine(quantize="fp8"): float8_e4m3fn and a scale per
                 output row), each against its own weights' roofline, and fp8's rate over bf16's; fp8 also
                 with every step's matrices widened (W8A16: prompt chunks without FP8 GEMMs); the three
-                at batch 16 / 128 / 256 (FP8 GEMMs from models.serving.FP8_GEMM_ROWS rows)
+                at batch 128 / 256 (FP8 GEMMs from models.serving.FP8_GEMM_ROWS rows)
   kv_fp8        the batch sweep 1 / 16 / 64 / 128 at ctx 2k through the shipped engine over a bf16 KV cache and
                 over an fp8 one (Engine(kv_cache_dtype="fp8")), alternated by batch, each against its own roofline;
                 how many greedy tokens of one prompt the two share

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
-    from meshlab.infer.loading import add_checkpoint_args, open_checkpoint, stop_token_ids
+    from meshlab.infer.loading import add_checkpoint_args, add_storage_args, open_checkpoint, stop_token_ids, storage_kwargs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(ap)
     ap.add_argument("--prompt", required=True)
@@ -24,10 +24,7 @@ def main(argv=None):
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                    help="fp8: the KV cache in float8_e4m3fn, half its memory (auto: the model's dtype)")
-    ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
-                    help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row, as serve.py's")
+    add_storage_args(ap)
     args = ap.parse_args(argv)
     from meshlab.infer.engine import ContiguousGenerator
     from meshlab.infer.sampler import SamplingParams
@@ -41,8 +38,7 @@ def main(argv=None):
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
-                                  rules=rules, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype,
-                                  quantize=None if args.quantize == "none" else args.quantize)
+                                  rules=rules, mesh=mesh, **storage_kwargs(args))
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"generate: {e}")
     out: list[int] = []

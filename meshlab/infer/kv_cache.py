@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding
 
 from meshlab.rules import constrain
 from models.serving import Attend
-from pallas_kernels.paged_tiles import WRAPPING_BYTES, cache_bytes_wrap, to_cache, widened
+from pallas_kernels import paged_tiles
+from pallas_kernels.paged_tiles import to_cache, widened
 
 KV_CACHE_DTYPES = ("auto", "fp8")      # auto: the model's dtype
 
@@ -62,7 +63,8 @@ def pages_past_wrap(cfg, num_pages: int, page_size: int, dtype) -> int:
     usable capacity, and the cache is then about as large as a bf16 cache of the pages asked for."""
     itemsize = jnp.dtype(dtype).itemsize
     per_page = cfg.n_layers * page_size * cfg.n_kv_heads * cfg.head_dim * itemsize
-    return WRAPPING_BYTES[1] // per_page + 1 if cache_bytes_wrap(num_pages * per_page, itemsize) else num_pages
+    wraps = paged_tiles.cache_bytes_wrap(num_pages * per_page, itemsize)     # paged_tiles' range, read now
+    return paged_tiles.WRAPPING_BYTES[1] // per_page + 1 if wraps else num_pages
 
 
 def summary(cache: dict) -> str:

@@ -142,6 +142,25 @@ def add_checkpoint_args(ap) -> None:
                          "(auto: $XDG_CACHE_HOME/meshlab/jax; empty: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
 
 
+def add_storage_args(ap) -> None:
+    """The fp8 storage flags serve.py and generate.py share (their values reach Engine / ContiguousGenerator
+    through storage_kwargs)."""
+    from meshlab.infer.kv_cache import KV_CACHE_DTYPES
+    ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
+                    help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row "
+                         "(about half the bytes a decode token reads; prompt chunks in FP8 GEMMs, their "
+                         "activations scaled per token; a GPU needs sm89+); a dense model on one device")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="fp8: the KV cache in float8_e4m3fn (half its bytes: raise --num-pages or --max-seqs in the "
+                         "same memory; K/V saturate at +-448, no scales, as vLLM's fp8 without calibration); auto: the "
+                         "model's dtype")
+
+
+def storage_kwargs(args) -> dict:
+    """add_storage_args' values as the generators' arguments (quantize=None for "none")."""
+    return {"quantize": None if args.quantize == "none" else args.quantize, "kv_cache_dtype": args.kv_cache_dtype}
+
+
 def open_checkpoint(args):
     """(rules, mesh, cfg, md, params, tokenizer) from add_checkpoint_args' values. --cpu-devices is
     applied first: it must precede the first use of a JAX backend; the compile cache (its line on stderr)

@@ -11,7 +11,7 @@ import time
 
 
 def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse.ArgumentParser:
-    from meshlab.infer.loading import add_checkpoint_args
+    from meshlab.infer.loading import add_checkpoint_args, add_storage_args
     ap = argparse.ArgumentParser(description=description)
     add_checkpoint_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
@@ -32,14 +32,7 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
                          "kernels: [n, k] matrices, Pallas decode matmuls at batch 1; "
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
-    ap.add_argument("--quantize", default="none", choices=("none", "fp8"),
-                    help="fp8: the decoder layers' matrices in float8_e4m3fn with a scale per output row "
-                         "(about half the bytes a decode token reads; prompt chunks in FP8 GEMMs, their "
-                         "activations scaled per token; a GPU needs sm89+); a dense model on one device")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                    help="fp8: the KV cache in float8_e4m3fn (half its bytes: raise --num-pages or --max-seqs in the "
-                         "same memory; K/V saturate at +-448, no scales, as vLLM's fp8 without calibration); auto: the "
-                         "model's dtype")
+    add_storage_args(ap)
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
@@ -93,7 +86,7 @@ def start_server(args):
     from meshlab.infer import kv_cache
     from meshlab.infer.programs import weights_summary
     from meshlab.infer.engine import Engine
-    from meshlab.infer.loading import open_checkpoint, stop_token_ids
+    from meshlab.infer.loading import open_checkpoint, stop_token_ids, storage_kwargs
     from meshlab.infer.server import Server
     from meshlab.infer.tools import tool_format
     from meshlab.infer.warmup import WARMUP_KINDS
@@ -102,8 +95,7 @@ def start_server(args):
     engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                     num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                     max_step_tokens=args.max_step_tokens, impl=args.attention, layers=args.layers, rules=rules,
-                    mesh=mesh, quantize=None if args.quantize == "none" else args.quantize,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    mesh=mesh, **storage_kwargs(args))
     print(f"{weights_summary(engine.params)}; {kv_cache.summary(engine.cache)}", file=sys.stderr, flush=True)
     warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
     if warm:

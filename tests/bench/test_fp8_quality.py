@@ -1,15 +1,12 @@
 """eval_fp8's comparison on the tiny model: windows from a token file or text, and what it reports."""
-import dataclasses
 import json
 
 import numpy as np
 import pytest
-from flax import nnx
 
-import models
 from meshlab.bench.fp8_quality import compare, main, windows
 from meshlab.tokenizer import ByteTokenizer
-from models import model_def
+from tests.helpers import tiny_served_model
 
 
 def test_windows_read_a_token_file_or_text(tmp_path):
@@ -30,9 +27,7 @@ def test_windows_read_a_token_file_or_text(tmp_path):
 
 def test_compare_reports_each_variant_against_the_engine_as_loaded(monkeypatch):
     from models import serving
-    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
-    md = model_def(cfg)
-    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    md, params, _ = tiny_served_model()
     prompts = [list(range(5, 29)), list(range(40, 64))]
     monkeypatch.setattr(serving, "FP8_GEMM_ROWS", 8)             # the tiny chunks reach it
     out = compare(md, params, prompts, max_tokens=6, against=("kv", "weights", "weights_w8a16"), max_len=32,

@@ -151,14 +151,10 @@ def test_engine_with_kernels_over_an_fp8_cache():
     # The Pallas paths (prompt kernel, fused decode at batch 1 and 2, the decode matmuls) over fp8
     # pages: every greedy token is the next token of the whole sequence in one XLA prompt pass over
     # a contiguous fp8 cache
-    from flax import nnx
-    import models
     from meshlab.infer.engine import ContiguousGenerator, Engine
     from meshlab.infer.sampler import SamplingParams
-    from models import model_def
-    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
-    md = model_def(cfg)
-    params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    from tests.helpers import tiny_served_model
+    md, params, _ = tiny_served_model()
     eng = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=2, impl="pallas",
                  interpret=True, layers="kernels", kv_cache_dtype="fp8")
     whole = ContiguousGenerator(md, params, batch=1, max_len=32, chunk=32, kv_cache_dtype="fp8")
@@ -580,7 +576,6 @@ def test_engine_pages_an_fp8_cache_past_the_wrap_for_the_compiled_kernels(monkey
     # cache, XLA attention and interpret mode (no Triton offsets) keep the pages asked for
     from flax import nnx
     import models
-    from meshlab.infer import kv_cache
     from meshlab.infer.engine import Engine
     from models import model_def
     from pallas_kernels import paged_tiles
@@ -588,8 +583,7 @@ def test_engine_pages_an_fp8_cache_past_the_wrap_for_the_compiled_kernels(monkey
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     per_page = cfg.n_layers * 4 * cfg.n_kv_heads * cfg.head_dim
-    for module in (paged_tiles, kv_cache):
-        monkeypatch.setattr(module, "WRAPPING_BYTES", (10 * per_page, 40 * per_page))
+    monkeypatch.setattr(paged_tiles, "WRAPPING_BYTES", (10 * per_page, 40 * per_page))   # the one binding
     for kw, pages in ((dict(impl="pallas", kv_cache_dtype="fp8"), 41), (dict(impl="pallas"), 17),
                       (dict(impl="xla", kv_cache_dtype="fp8"), 17),
                       (dict(impl="pallas", interpret=True, kv_cache_dtype="fp8"), 17)):
