@@ -24,9 +24,11 @@ def main(argv=None):
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="greedy only: draft tokens a step checks, by prompt lookup (serve.py's; 0: off)")
     add_storage_args(ap)
     args = ap.parse_args(argv)
-    from meshlab.infer.engine import ContiguousGenerator
+    from meshlab.infer.engine import ContiguousGenerator, Engine
     from meshlab.infer.sampler import SamplingParams
     try:
         rules, mesh, cfg, md, params, tok = open_checkpoint(args)
@@ -37,8 +39,12 @@ def main(argv=None):
                             seed=args.seed, stop_token_ids=stop).validate(cfg.vocab_size)
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
-        gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
-                                  rules=rules, mesh=mesh, **storage_kwargs(args))
+        if args.speculative_tokens:    # the serving engine's speculative calls, over one row
+            gen = Engine(md, params, max_len=-(-need // 16) * 16, max_seqs=1, chunk=chunk, rules=rules, mesh=mesh,
+                         speculative_tokens=args.speculative_tokens, **storage_kwargs(args))
+        else:
+            gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
+                                      rules=rules, mesh=mesh, **storage_kwargs(args))
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"generate: {e}")
     out: list[int] = []
@@ -53,7 +59,11 @@ def main(argv=None):
         shown = len(text)
 
     sys.stdout.write(args.prompt)
-    gen.generate([ids], sp, on_token=on_token)
+    if isinstance(gen, Engine):
+        gen.add_request(ids, sp, on_event=lambda _req, new, _done: [on_token(0, t) for t in new])
+        gen.run()
+    else:
+        gen.generate([ids], sp, on_token=on_token)
     sys.stdout.write(tok.decode(out)[shown:] + "\n")
 
 

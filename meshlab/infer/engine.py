@@ -42,6 +42,7 @@ from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, L
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
 from meshlab.infer.scoring import ScoreStore, Scoring
+from meshlab.infer.speculative import Speculation, make_spec_loop, spec_program
 from meshlab.infer.warmup import Warmup
 
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
@@ -52,7 +53,7 @@ NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 FP8_PACKED_OPTIONS = {"xla_gpu_autotune_level": 1}
 
 
-class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
+class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Speculation):
     """Continuous batching over a paged KV cache (see `meshlab.infer.scheduler` for the policy).
 
     Thread use: `add_request` and `abort` may be called from any thread (they go through queues
@@ -121,6 +122,12 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
     kv_cache_dtype="fp8": the KV cache in float8_e4m3fn (meshlab.infer.kv_cache says how): half its
     bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
     kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).
+
+    speculative_tokens=k > 0: while at most speculative_max_batch rows decode, all greedy without
+    logprobs, each step drafts k tokens per row by prompt lookup (its last prompt_lookup_max tokens or
+    fewer met earlier in its prompt or output) and checks them in one k + 1-token forward
+    (meshlab.infer.speculative): the same greedy tokens, 1 to k + 1 of them a step. Such calls are read
+    back before the next step is planned (its drafts read the rows' tokens on the host).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -130,7 +137,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
                  prefix_cache: bool = True, prefill: str = "auto", chain_decode: bool = True,
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
                  reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1,
-                 quantize: str | None = None, kv_cache_dtype: str = "auto"):
+                 quantize: str | None = None, kv_cache_dtype: str = "auto", speculative_tokens: int = 0,
+                 prompt_lookup_max: int = 3, speculative_max_batch: int = 4):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -141,6 +149,11 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         if guided_steps < 1:
             raise ValueError(f"{guided_steps=} must be >= 1")
+        if speculative_tokens < 0 or prompt_lookup_max < 1 or speculative_max_batch < 1:
+            raise ValueError(f"{speculative_tokens=} must be >= 0 (0: off), {prompt_lookup_max=} and "
+                             f"{speculative_max_batch=} >= 1")
+        self.speculative_tokens, self.prompt_lookup_max = speculative_tokens, prompt_lookup_max
+        self.speculative_max_batch = speculative_max_batch
         self.guided_steps = guided_steps
         impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):
@@ -187,6 +200,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
         self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
         self.first_call = (calls.decode_program(self.loop_fn, treedef, opts["first"]) if "first" in opts
                            else self.decode_call)
+        if speculative_tokens:
+            self.spec_call = spec_program(make_spec_loop(md, impl, interpret, layers), treedef, opts.get("decode"))
         self.head_weights, head_treedef = jax.tree.flatten(head_params(self.params))
         self.head_call = calls.head_program(make_head_program(md), head_treedef, opts.get("head"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)
@@ -237,7 +252,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
                       "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
                       "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
                       "dispatch_s": 0.0, "first_token_calls": 0, "head_calls": 0, "unread_calls": 0,
-                      "overlapped_calls": 0, "scored_tokens": 0, "guided_requests": 0}
+                      "overlapped_calls": 0, "scored_tokens": 0, "guided_requests": 0, "spec_calls": 0,
+                      "spec_drafted": 0, "spec_accepted": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):
@@ -402,6 +418,12 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided):
                         self._head_tokens(firsts)
                     else:
                         self._first_tokens(decodes, firsts)
+                elif decodes and self._speculates(decodes):
+                    if prev is not None:       # its tokens first: the drafts read each row's tokens on the host
+                        self._land(prev)
+                        return True
+                    if not self._speculate(decodes):
+                        self._flight = self._launch_decode(decodes, 1)
                 elif decodes:
                     n = self.guided_steps if self._guides_running() else self.steps_per_call
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):

@@ -39,6 +39,8 @@ ENGINE_COUNTERS = (
     ("compiles", "Programs compiled while serving (0 after a full warmup).", "compiles"),
     ("prompt_tokens_scored", "Prompt positions whose logprobs were computed (echo with logprobs).", "scored_tokens"),
     ("guided_requests", "Requests held to a grammar (response_format, tools).", "guided_requests"),
+    ("spec_decode_draft_tokens", "Draft tokens checked by speculative steps (prompt lookup).", "spec_drafted"),
+    ("spec_decode_accepted_tokens", "Draft tokens kept: each is a step saved.", "spec_accepted"),
 )
 
 

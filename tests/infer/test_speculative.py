@@ -1,0 +1,240 @@
+"""Speculative decoding by prompt lookup: the drafts against a numpy reference, the tokens a step keeps,
+and the engine's greedy tokens with speculation equal to those without (float32, CPU)."""
+import re
+
+import numpy as np
+import pytest
+
+from meshlab.infer import speculative
+from meshlab.infer.engine import Engine
+from meshlab.infer.sampler import SamplingParams
+from tests.helpers import assert_greedy_matches, tiny_served_model
+
+pytestmark = [pytest.mark.xdist_group("speculative"), pytest.mark.cheap_codegen]
+
+
+def reference_drafts(tokens, k, ngram):
+    """The k tokens after the latest earlier occurrence of the longest suffix (<= ngram) that recurs."""
+    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        ends = [j for j in range(n - 1, len(tokens) - 1) if tokens[j - n + 1:j + 1] == suffix]
+        if ends:
+            follow = tokens[ends[-1] + 1:ends[-1] + 1 + k]
+            return follow + [-1] * (k - len(follow))
+    return [-1] * k
+
+
+def test_drafts_follow_the_latest_longest_match():
+    rng = np.random.default_rng(0)
+    rows, L = [], 40
+    for i in range(64):                    # few symbols: matches of every length, and rows without any
+        n = int(rng.integers(1, L - 1))
+        rows.append(rng.integers(0, 2 + i % 5, n).tolist() if i % 8 else list(range(n)))
+    history = np.zeros((len(rows), L), np.int32)
+    for i, r in enumerate(rows):
+        history[i, :len(r)] = r
+    history[:, -1] = 7                     # past each row's length: never read
+    length = np.array([len(r) for r in rows], np.int32)
+    for k, ngram in ((1, 1), (3, 2), (4, 3), (6, 4)):
+        got = np.asarray(speculative.propose(history, length, k, ngram)).tolist()
+        assert got == [reference_drafts(r, k, ngram) for r in rows], (k, ngram)
+    # the longest suffix wins over a later shorter match: ... 1 2 3 [9 9] ... 5 3 [4 4] ... 2 3 -> 9 9
+    assert np.asarray(speculative.propose(np.array([[1, 2, 3, 9, 9, 5, 3, 4, 4, 2, 3]], np.int32),
+                                          np.array([11], np.int32), 2, 2)).tolist() == [[9, 9]]
+
+
+def test_a_step_keeps_the_agreeing_drafts_and_the_models_next_token():
+    drafts = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 7], [-1, -1, -1], [5, 6, 7]], np.int32)
+    best = np.array([[5, 6, 7, 8], [5, 0, 7, 8], [1, 6, 7, 8], [3, 3, 3, 3], [5, 6, 7, 8]], np.int32)
+    pos = np.array([10, 10, 10, 10, 10], np.int32)
+    limit = np.array([99, 99, 99, 99, 12], np.int32)
+    assert np.asarray(speculative.kept_tokens(drafts, best, pos, limit)).tolist() == [4, 2, 1, 1, 2]
+    assert np.asarray(speculative.kept_tokens(drafts[:1], best[:1], pos[:1], pos[:1])).tolist() == [0]   # padding
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_served_model()
+
+
+def _engine(md, params, k=3, **kw):
+    kw = {"max_len": 256, "max_seqs": 4, "page_size": 8, "chunk": 32, "steps_per_call": 4, **kw}
+    return Engine(md, params, speculative_tokens=k, **kw)
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    pattern = rng.integers(0, 250, 12).tolist()
+    return [pattern * 4, rng.integers(0, 250, 30).tolist(), pattern * 2 + [5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    md, params, _ = tiny
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
+    return [r.output for r in _engine(md, params, k=0).generate(_prompts(), sp)]
+
+
+def simulated_lookup(prompt, output, k, ngram):
+    """(drafted, kept drafts) of prompt lookup over a greedy output whose first token came from the
+    prompt's step: each step drafts from the tokens so far and keeps those the output continues with."""
+    drafted = kept = 0
+    done = 1
+    while done < len(output):
+        tokens = list(prompt) + list(output[:done])
+        drafts = reference_drafts(tokens, k, ngram)[:len(output) - done - 1]     # fed below the limit
+        agree = 0
+        while agree < len(drafts) and drafts[agree] == output[done + agree]:
+            agree += 1
+        drafted += sum(d >= 0 for d in drafts)
+        kept += agree
+        done += agree + 1
+    return drafted, kept
+
+
+def test_speculative_greedy_equals_plain_greedy(tiny, plain):
+    md, params, fwd = tiny
+    eng = _engine(md, params)
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
+    outs = [r.output for r in eng.generate(_prompts(), sp)]
+    assert outs == plain
+    for prompt, out in zip(_prompts(), outs):
+        assert_greedy_matches(fwd, params, prompt, out)
+    assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] == 0
+    # the drafts each step made on the device and the ones it kept, as the reference's lookup makes them
+    drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup_max) for p, o in zip(_prompts(), outs)], axis=0)
+    assert (eng.stats["spec_drafted"], eng.stats["spec_accepted"]) == (drafted, kept)
+    assert kept > 0
+    # a stop token mid-call: the tokens after it are dropped, the request ends there
+    stop = plain[0][10]
+    out = eng.generate([_prompts()[0]], SamplingParams(max_tokens=40, stop_token_ids=[stop]))[0].output
+    assert out == plain[0][:plain[0].index(stop) + 1]
+
+
+def test_rows_that_sample_or_want_logprobs_or_are_too_many_do_not_speculate(tiny, plain):
+    md, params, _ = tiny
+    eng = _engine(md, params, speculative_max_batch=2)
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
+    assert [r.output for r in eng.generate(_prompts(), sp)] == plain
+    # three rows decode plainly (over the limit); the two left after the shortest ends speculate
+    assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] > 0
+    for params_ in (SamplingParams(max_tokens=20, temperature=0.8, seed=1), SamplingParams(max_tokens=20, logprobs=1)):
+        before = eng.stats["spec_calls"]
+        eng.generate([_prompts()[0]], params_)
+        assert eng.stats["spec_calls"] == before
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_every_kept_draft_saves_a_step(tiny, plain, monkeypatch, oracle):
+    """Drafts that are the greedy continuation are all kept (k + 1 tokens a step); drafts that never are
+    cost nothing but the step: the same tokens either way."""
+    md, params, _ = tiny
+    prompt, k = _prompts()[0], 3
+    full = np.array(prompt + plain[0] + [0] * 8, np.int32)
+
+    def drafts(history, length, k_, ngram):
+        import jax.numpy as jnp
+        at = length[:, None] + jnp.arange(k_)
+        return jnp.asarray(full)[at] if oracle else jnp.full(at.shape, -1, jnp.int32)
+    monkeypatch.setattr(speculative, "propose", drafts)
+    eng = _engine(md, params, k=k, max_seqs=1)
+    out = eng.generate([prompt], SamplingParams(max_tokens=40))[0].output
+    assert out == plain[0]
+    decoded = len(out) - 1                                                    # the first comes from the prompt's step
+    if oracle:
+        assert eng.stats["spec_accepted"] == decoded - -(-decoded // (k + 1))
+    else:
+        assert eng.stats["spec_accepted"] == 0 and eng.stats["spec_drafted"] == 0
+
+
+def test_speculative_calls_over_the_gpus_layout(tiny, plain):
+    """An engine as a GPU runs it (the Pallas kernels, here in interpret mode; the layers' [n, k] matrices):
+    its k + 1-token steps run the prompt path's GEMMs and attention, to the same greedy tokens."""
+    md, params, _ = tiny
+    eng = _engine(md, params, max_seqs=2, impl="pallas", interpret=True, layers="kernels")
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33)]
+    assert [r.output for r in eng.generate(_prompts()[:2], sp)] == plain[:2]
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0
+
+
+def test_bad_speculation_settings_are_refused(tiny):
+    md, params, _ = tiny
+    with pytest.raises(ValueError, match="speculative_tokens=-1 must be >= 0"):
+        _engine(md, params, k=-1)
+    with pytest.raises(ValueError, match="prompt_lookup_max=0"):
+        _engine(md, params, prompt_lookup_max=0)
+
+
+def test_warmup_compiles_the_speculative_calls(tiny, plain):
+    md, params, _ = tiny
+    eng = _engine(md, params, max_seqs=1)
+    assert eng.warmup() > 0
+    compiled = eng.stats["compiles"]
+    assert any(key[0] == "spec" for key in eng._programs)
+    out = eng.generate([_prompts()[0]], SamplingParams(max_tokens=40))[0].output
+    assert out == plain[0] and eng.stats["spec_calls"] > 0
+    assert eng.stats["compiles"] == compiled                      # nothing left to compile at the first request
+
+
+def test_serve_speculates_greedy_requests_and_counts_the_drafts(tmp_path, monkeypatch):
+    """serve.py's --speculative-tokens reaches the engine; /metrics counts the drafts checked and kept;
+    a bad value is one error naming it."""
+    import http.client
+    import json
+    from meshlab.infer.serve_cli import serve_parser, start_server
+    monkeypatch.chdir(tmp_path)
+    argv = ["--checkpoint", "random:tiny", "--port", "0", "--max-len", "64", "--chunk", "16", "--warmup", "off",
+            "--stats-interval", "0", "--compile-cache", "", "--speculative-tokens"]
+    with pytest.raises(ValueError, match="speculative_tokens=-1 must be >= 0"):
+        start_server(serve_parser().parse_args(argv + ["-1"]))
+    server = start_server(serve_parser().parse_args(argv + ["2", "--prompt-lookup-max", "2"]))
+    try:
+        assert (server.engine.speculative_tokens, server.engine.prompt_lookup_max) == (2, 2)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        body = {"prompt": "abcabcabcabc", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+        conn.request("POST", "/v1/completions", body=json.dumps(body))
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 12
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+    finally:
+        server.stop()
+    drafted = float(re.search(r"^meshlab_spec_decode_draft_tokens_total (\S+)$", metrics, re.M).group(1))
+    assert drafted == server.engine.stats["spec_drafted"] > 0 and server.engine.stats["spec_calls"] > 0
+    assert "meshlab_spec_decode_accepted_tokens_total" in metrics
+
+
+def test_generate_script_speculates_to_the_same_text(tmp_path, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+    from meshlab.infer import engine
+    made = []
+
+    class Recorded(engine.Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr(engine, "Engine", Recorded)
+    monkeypatch.chdir(tmp_path)
+    script = str(Path(__file__).resolve().parents[2] / "scripts/generate.py")
+    texts = []
+    for extra in ([], ["--speculative-tokens", "3"]):
+        runpy.run_path(script, run_name="generate")["main"](
+            ["--checkpoint", "random:tiny", "--prompt", "abcabcabc", "--max-new-tokens", "24", "--compile-cache", ""] + extra)
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("abcabcabc")
+    assert len(made) == 1 and made[0].stats["spec_calls"] > 0 and made[0].stats["generated_tokens"] == 24
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_benchmark_rows_compare_each_k_with_plain_decoding(tiny):
+    from meshlab.bench.speculative import measure, table
+    md, params, _ = tiny
+    prompts = [p[:24] for p in _prompts()[:2]]
+    rows = measure(md, params, prompts, ks=(0, 2), max_tokens=12, max_len=64, page_size=8, chunk=16, steps_per_call=4)
+    assert [r["k"] for r in rows] == [0, 2] and all(r["equal"] == r["requests"] == 2 for r in rows)
+    assert rows[0]["drafted"] == 0 and rows[1]["drafted"] >= rows[1]["kept"] >= 0
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] > 0 for r in rows)
+    lines = table(rows, "tiny").splitlines()
+    assert len(lines) == 4 and lines[3].split(" | ")[3] == "2"
