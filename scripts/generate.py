@@ -25,7 +25,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     ap.add_argument("--speculative-tokens", type=int, default=0,
-                    help="greedy only: draft tokens a step checks, by prompt lookup (serve.py's; 0: off)")
+                    help="draft tokens a step checks, by prompt lookup (serve.py's; 0: off)")
     add_storage_args(ap)
     args = ap.parse_args(argv)
     from meshlab.infer.engine import ContiguousGenerator, Engine

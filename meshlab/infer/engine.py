@@ -123,11 +123,12 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
     bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
     kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).
 
-    speculative_tokens=k > 0: while at most speculative_max_batch rows decode, all greedy without
-    logprobs, each step drafts k tokens per row by prompt lookup (its last prompt_lookup_max tokens or
-    fewer met earlier in its prompt or output) and checks them in one k + 1-token forward
-    (meshlab.infer.speculative): the same greedy tokens, 1 to k + 1 of them a step. Such calls are read
-    back before the next step is planned (its drafts read the rows' tokens on the host).
+    speculative_tokens=k > 0: while at most speculative_max_batch rows decode, none asking for logprobs
+    or penalised (sampler.penalised_row), each step drafts k tokens per row by prompt lookup (its last
+    prompt_lookup_max down to prompt_lookup_min tokens, met earlier in its prompt or output) and checks
+    them in one k + 1-token forward (meshlab.infer.speculative): greedy decoding's tokens, or plain
+    sampling's distribution, 1 to k + 1 tokens a step. Such calls are read back before the next step
+    is planned (their drafts read the rows' tokens on the host).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -138,7 +139,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
                  compiler_options: dict | None = None, pinned_inputs: bool = False, first_token_decode: bool = True,
                  reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1,
                  quantize: str | None = None, kv_cache_dtype: str = "auto", speculative_tokens: int = 0,
-                 prompt_lookup_max: int = 3, speculative_max_batch: int = 4):
+                 prompt_lookup_max: int = 3, prompt_lookup_min: int = 1, speculative_max_batch: int = 4):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
@@ -149,11 +150,11 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         if guided_steps < 1:
             raise ValueError(f"{guided_steps=} must be >= 1")
-        if speculative_tokens < 0 or prompt_lookup_max < 1 or speculative_max_batch < 1:
-            raise ValueError(f"{speculative_tokens=} must be >= 0 (0: off), {prompt_lookup_max=} and "
-                             f"{speculative_max_batch=} >= 1")
-        self.speculative_tokens, self.prompt_lookup_max = speculative_tokens, prompt_lookup_max
-        self.speculative_max_batch = speculative_max_batch
+        if speculative_tokens < 0 or not 1 <= prompt_lookup_min <= prompt_lookup_max or speculative_max_batch < 1:
+            raise ValueError(f"{speculative_tokens=} must be >= 0 (0: off), 1 <= {prompt_lookup_min=} <= "
+                             f"{prompt_lookup_max=}, {speculative_max_batch=} >= 1")
+        self.speculative_tokens, self.speculative_max_batch = speculative_tokens, speculative_max_batch
+        self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)     # the suffix lengths a draft is looked up by
         self.guided_steps = guided_steps
         impl = default_impl(mesh, interpret) if impl == "auto" else impl
         if impl not in ("xla", "pallas"):

@@ -1,21 +1,22 @@
 """Speculative decoding by prompt lookup: `Speculation`, which `Engine` inherits, and its program.
 
 Each step of a speculative call drafts k tokens per row from the row's own tokens (prompt and
-output): the tokens that followed the latest earlier occurrence of the row's last `ngram` tokens
-(the longest suffix of at most prompt_lookup_max tokens that occurs before; vLLM's `ngram` method,
-Saxena's prompt lookup decoding). The step feeds the row's last token and its k drafts in one
-forward of k + 1 tokens, takes the argmax at each position, and keeps the drafts up to the first
-the model disagrees with plus the model's own token there: 1 to k + 1 tokens a step for one weight
-stream, and exactly the tokens greedy decoding gives (in float32; bf16 kernels are not
-batch-invariant, so a k + 1-token step may round a near-tie another way than a one-token step).
-Drafts and their checks stay on the device for the call's n steps (a row's tokens are uploaded
-once per call), so the host reads back once a call, as for plain decode calls.
+output): the tokens that followed the latest earlier occurrence of the row's longest suffix of
+prompt_lookup_min to prompt_lookup_max tokens that occurs before (vLLM's `ngram` method, Saxena's
+prompt lookup decoding). The step feeds the row's last token and its k drafts in one forward of
+k + 1 tokens and keeps the drafts up to the first one rejected, then the model's own token there
+(chosen_tokens): a greedy row keeps a draft that is the argmax, a sampled row keeps it with the
+probability the model gives it and otherwise draws without it (speculative sampling), so the tokens
+are greedy decoding's (equal in float32; bf16 kernels may round a near-tie another way in a k +
+1-token step) or distributed as plain sampling's. A step where no row drafts feeds the rows' tokens
+alone. Drafts and their checks stay on the device for the call's n steps (a row's tokens are
+uploaded once per call); the call is read back before the next step is planned.
 
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
-that restates the question); elsewhere a draft is rarely kept and a step costs a k + 1-token
-forward instead of a one-token one. Only greedy rows without logprobs speculate (a draw would
-need rejection sampling), and only while at most `speculative_max_batch` rows decode: a step over
-b (k + 1) tokens stops being a weight stream as b grows.
+that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one
+token it keeps. Rows asking for logprobs or changing their logits before the draw (penalties, bias,
+grammars, token masks, min_tokens) decode as before, and so does a call of more than
+`speculative_max_batch` rows: a step over b (k + 1) tokens stops being a weight stream as b grows.
 """
 from __future__ import annotations
 
@@ -25,17 +26,18 @@ import numpy as np
 
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.programs import _bind, _split_own
+from meshlab.infer.sampler import CUT_MIN_P, CUT_TOP_K, CUT_TOP_P, filtered, penalised_row, scaled_logits
 from models import serving
 
 
-def propose(history, length, k: int, ngram: int):
+def propose(history, length, k: int, ngram: int, shortest: int = 1):
     """Drafts [b, k] int32 (-1: none) from history [b, L] int32, whose positions below length [b] hold
     each row's tokens: the k tokens after the latest earlier occurrence of the row's longest suffix
-    of at most `ngram` tokens that occurs before its end (none when no suffix token recurs)."""
+    of `shortest` to `ngram` tokens that occurs before its end (none when no such suffix recurs)."""
     b, L = history.shape
     idx = jnp.arange(L)[None]                                                     # [1, L]
     end = jnp.full((b,), -1, jnp.int32)                                           # the match's last position
-    for n in range(1, ngram + 1):                                                 # longer suffixes override
+    for n in range(shortest, ngram + 1):                                          # longer suffixes override
         suffix = jnp.take_along_axis(history, jnp.clip(length[:, None] - n + jnp.arange(n), 0, L - 1), axis=1)  # [b, n]
         match = (idx >= n - 1) & (idx < length[:, None] - 1)                      # [b, L] an earlier end j
         for t in range(n):                                                        # history[j - (n-1-t)] == suffix[t]
@@ -49,75 +51,132 @@ def propose(history, length, k: int, ngram: int):
     return jnp.where(known, jnp.take_along_axis(history, jnp.clip(at, 0, L - 1), axis=1), -1)
 
 
-def kept_tokens(drafts, best, pos, limit):
-    """Tokens a step keeps per row [b]: the drafts [b, k] that equal the model's argmax before them
-    (best [b, k + 1]: its choice after each fed token), up to the first that does not, plus the
-    model's own next one; none past limit (positions pos + i fed while below it)."""
-    agree = jnp.cumprod((drafts == best[:, :-1]).astype(jnp.int32), axis=1)       # [b, k] leading agreements
-    return jnp.clip(jnp.minimum(jnp.sum(agree, axis=1) + 1, limit - pos), 0, None)
+def chosen_tokens(logits, drafts, rows, counters, greedy: bool, cut: int):
+    """A step's tokens per row from logits [b, t, V] (the model's after each fed token: the row's own,
+    then its t - 1 drafts [b, t - 1], -1 for none) -> (tokens [b, t]: the drafts kept, then the model's
+    own token, then -1; kept [b]: how many drafts). A greedy row (temperature 0) keeps the drafts that
+    are the argmax and ends with the argmax. A sampled row keeps draft d with probability p(d), p its
+    distribution there (sampler.filtered: temperature and cuts), and ends with a draw from p with the
+    rejected draft taken out, or from the last p when every draft is kept: speculative sampling
+    (Leviathan et al.) with a draft that is certain, q(d) = 1, so every token is distributed as plain
+    sampling's (not the same draws: a kept draft takes none). Position j's draw and test are keyed by
+    fold_in(key(seed), counter + j) and its fold_in 1. Rows [b] of sampler.row_arrays; greedy and cut:
+    the static promises sampler.sample takes."""
+    b, t, vocab = logits.shape
+    j = jnp.arange(t)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)                          # [b, t]
+    valid = drafts >= 0
+    agree, final = drafts == best[:, :-1], best                                   # [b, t - 1], [b, t]
+    if not greedy:
+        flat = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), rows)             # [b t] per setting
+        scaled = (filtered(logits.reshape(b * t, vocab), flat, top_k=cut >= CUT_TOP_K) if cut >= CUT_TOP_P else
+                  scaled_logits(logits.reshape(b * t, vocab), flat, min_p=cut >= CUT_MIN_P)).reshape(b, t, vocab)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
+            flat["seed"], (counters[:, None] + j).reshape(-1))                     # [b t]
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys).reshape(b, t)
+        at = jnp.maximum(drafts, 0)[..., None]                                    # [b, t - 1, 1]
+        p_draft = jnp.take_along_axis(jax.nn.log_softmax(scaled[:, :-1], axis=-1), at, axis=-1)[..., 0]
+        rejected = jnp.put_along_axis(scaled[:, :-1], at, -jnp.inf, axis=-1, inplace=False)
+        rest = jnp.where(valid[..., None], rejected, scaled[:, :-1])              # the rejected draft out
+        pool = jnp.concatenate([rest, scaled[:, -1:]], axis=1).reshape(b * t, vocab)
+        draws = jax.vmap(jax.random.categorical)(keys, pool).reshape(b, t).astype(jnp.int32)
+        sampled = (rows["temperature"] > 0)[:, None]                              # [b, 1]
+        agree = jnp.where(sampled, valid & (jnp.log(u[:, :-1]) < p_draft), agree)
+        final = jnp.where(sampled, draws, best)
+    kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)          # [b] leading kept drafts
+    own = jnp.take_along_axis(final, kept[:, None], axis=1)                       # [b, 1]
+    padded = jnp.concatenate([drafts, jnp.full((b, 1), -1, jnp.int32)], axis=1)   # [b, t]
+    return jnp.where(j < kept[:, None], padded, jnp.where(j == kept[:, None], own, -1)), kept
+
+
+def kept_tokens(kept, pos, limit):
+    """Tokens a step keeps per row [b]: its kept drafts and the model's own token after them, none at
+    or past limit (positions pos + i fed while below it)."""
+    return jnp.clip(jnp.minimum(kept + 1, limit - pos), 0, None)
 
 
 def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
-    """spec_loop(params, cache, seen, tok, pos, limit, table, history, n, k, ngram) -> (outputs, cache,
-    seen): n speculative steps over rows [b] whose last token tok sits at position pos (fed while
-    below limit), history [b, L] each row's tokens (positions 0..pos). Outputs "tokens" [n, b, k + 1]
-    (the argmax after each fed token; a step's first `count` are kept), "count" [n, b], "drafted"
-    [n, b] (drafts fed at a position below limit)."""
+    """spec_loop(params, cache, seen, tok, pos, limit, table, history, rows, counters, n, k, ngram, greedy,
+    cut) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token tok sits at
+    position pos (fed while below limit), history [b, L] each row's tokens (positions 0..pos), rows and
+    counters as sampler.sample's; ngram (shortest, longest) the suffixes looked up. A step where no
+    row drafts runs a one-token forward (the decode kernels where the layers have them), so text that
+    never repeats costs about what plain decoding does. Outputs "tokens" [n, b, k + 1] (chosen_tokens';
+    a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
-    def spec_loop(params, cache, seen, tok, pos, limit, table, history, n: int, k: int, ngram: int):
+    def spec_loop(params, cache, seen, tok, pos, limit, table, history, rows, counters, n: int, k: int, ngram: tuple,
+                  greedy: bool, cut: int):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         b, L = history.shape
         steps = jnp.arange(k + 1)
 
-        def body(carry, _):
-            cache, history, tok, pos = carry
-            drafts = propose(history, pos + 1, k, ngram)                          # [b, k]
-            fed = jnp.concatenate([tok[:, None], jnp.maximum(drafts, 0)], axis=1) # [b, k + 1]
-            positions = pos[:, None] + steps                                      # [b, k + 1]
-            valid = positions < limit[:, None]
+        def forward(cache, fed, positions, valid):
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
             h, cache = serving.forward(model, fed, positions, cache, attend, unroll=unroll, layers=per_layer,
-                                       kernels=kernels)                           # [b, k + 1, d]
-            best = jnp.argmax(model.logits(h)[..., :vocab], axis=-1).astype(jnp.int32)   # [b, k + 1]
-            count = kept_tokens(drafts, best, pos, limit)                         # [b]
-            at = jnp.where(steps < count[:, None], positions + 1, L)              # [b, k + 1]; L: dropped
-            history = history.at[jnp.arange(b)[:, None], at].set(best, mode="drop")
-            last = jnp.take_along_axis(best, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-            drafted = jnp.sum((drafts >= 0) & valid[:, 1:], axis=1).astype(jnp.int32)
-            return (cache, history, jnp.where(count > 0, last, tok), pos + count), (best, count, drafted)
+                                       kernels=kernels)                           # [b, t, d]
+            return model.logits(h)[..., :vocab], cache                            # [b, t, V] fp32
 
-        (cache, *_), (best, count, drafted) = jax.lax.scan(body, (cache, history, tok, pos), None, length=n)
-        return {"tokens": best, "count": count, "drafted": drafted}, dict(cache, **own), seen
+        def body(carry, _):
+            cache, history, tok, pos, counters = carry
+            positions = pos[:, None] + steps                                      # [b, k + 1]
+            valid = positions < limit[:, None]
+            drafts = jnp.where(valid[:, 1:], propose(history, pos + 1, k, ngram[1], ngram[0]), -1)   # [b, k]
+
+            def check(cache):                   # each row's token and its drafts
+                fed = jnp.concatenate([tok[:, None], jnp.maximum(drafts, 0)], axis=1)          # [b, k + 1]
+                logits, cache = forward(cache, fed, positions, valid)
+                return chosen_tokens(logits, drafts, rows, counters, greedy, cut), cache
+
+            def plain(cache):                   # no draft in any row: its token alone
+                logits, cache = forward(cache, tok[:, None], pos[:, None], valid[:, :1])       # [b, 1, V]
+                tokens, kept = chosen_tokens(logits, drafts[:, :0], rows, counters, greedy, cut)
+                return (jnp.pad(tokens, ((0, 0), (0, k)), constant_values=-1), kept), cache
+            (tokens, kept), cache = jax.lax.cond(jnp.any(drafts >= 0), check, plain, cache)
+            count = kept_tokens(kept, pos, limit)                                 # [b]
+            at = jnp.where(steps < count[:, None], positions + 1, L)              # [b, k + 1]; L: dropped
+            history = history.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
+            last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+            drafted = jnp.sum(drafts >= 0, axis=1).astype(jnp.int32)
+            carry = (cache, history, jnp.where(count > 0, last, tok), pos + count, counters + count)
+            return carry, (tokens, count, drafted)
+
+        (cache, *_), (tokens, count, drafted) = jax.lax.scan(body, (cache, history, tok, pos, counters), None,
+                                                             length=n)
+        return {"tokens": tokens, "count": count, "drafted": drafted}, dict(cache, **own), seen
     return spec_loop
 
 
 def spec_program(spec_loop, treedef, compiler_options: dict | None = None):
     """spec_loop taking (weights, cache, seen, buf, layout) as calls.decode_program's: the buffer holds
-    tok, pos, limit, table and history."""
-    def call(weights, cache, seen, buf, layout, n, k, ngram):
+    tok, pos, limit, table, history, rows.* and counters."""
+    def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut):
         params, a = jax.tree.unflatten(treedef, weights), calls.unpack(buf, layout)
         return calls.state_first(spec_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"],
-                                           a["history"], n=n, k=k, ngram=ngram))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram"),
+                                           a["history"], a["rows"], a["counters"], n=n, k=k, ngram=ngram,
+                                           greedy=greedy, cut=cut))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram", "greedy", "cut"),
                    compiler_options=compiler_options)
 
 
-def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int) -> tuple[np.ndarray, tuple]:
+def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int, rows: dict) -> tuple[np.ndarray, tuple]:
     """(buffer, layout) of a speculative call over `reqs` in a bucket of b rows (padding rows: limit 0,
-    nothing fed): each row's last token, its position, limit, page table row and tokens."""
-    tok, pos, limit = (np.zeros(b, np.int32) for _ in range(3))
+    nothing fed): each row's last token, its position, limit, page table row, tokens, sampler settings
+    (rows: Engine._row_inputs of their slots) and output count."""
+    tok, pos, limit, counters = (np.zeros(b, np.int32) for _ in range(4))
     history = np.zeros((b, max_len), np.int32)
     slots = np.zeros(b, np.int32)
     for i, r in enumerate(reqs):
         ids = r.token_ids(r.n_tokens)
         history[i, :len(ids)] = ids
-        tok[i], pos[i], limit[i], slots[i] = ids[-1], r.cached, r.end, r.slot
+        tok[i], pos[i], limit[i], slots[i], counters[i] = ids[-1], r.cached, r.end, r.slot, len(r.output)
     h = calls.HostInputs()
     for name, a in (("tok", tok), ("pos", pos), ("limit", limit), ("table", table[slots]), ("history", history)):
         h.add(name, a)
+    h.add_tree("rows", rows)
+    h.add("counters", counters)
     return h.pack()
 
 
@@ -125,12 +184,11 @@ class Speculation:
     """Speculative decode calls for an `Engine` (its scheduler, programs, flags and stats)."""
 
     def _speculates(self, decodes) -> bool:
-        """Whether a decode call of these rows speculates: on, few enough rows, each greedy (argmax of
-        the raw logits) without logprobs."""
+        """Whether a decode call of these rows speculates: on, few enough rows, none asking for logprobs
+        or changing its logits before the draw (penalties, bias, a grammar or token mask, min_tokens)."""
         if not self.speculative_tokens or len(decodes) > self.speculative_max_batch:
             return False
-        greedy, logprobs, _ = self._flags(np.array([r.slot for r in decodes], np.int32))
-        return greedy and logprobs is None
+        return all(r.params.logprobs is None and not penalised_row(r.params) for r in decodes)
 
     def _speculate(self, decodes) -> bool:
         """One speculative call of steps_per_call steps over `decodes` (each fed its last token from the
@@ -143,9 +201,12 @@ class Speculation:
             if not s.reserve_ahead(decodes, k + 1):
                 return False
         b = next(x for x in self.DECODE if x >= m)
-        buf, layout = spec_inputs(decodes, b, s.table, s.max_len)
-        out = self._fetch(self._launch(("spec", b, n, k), self.spec_call, buf, layout=layout, n=n, k=k,
-                                       ngram=self.prompt_lookup_max))
+        slots = np.zeros(b, np.int32)
+        slots[:m] = [r.slot for r in decodes]
+        greedy, _, cut = self._flags(slots[:m])
+        buf, layout = spec_inputs(decodes, b, s.table, s.max_len, self._row_inputs(slots))
+        out = self._fetch(self._launch(("spec", b, n, k, greedy, cut), self.spec_call, buf, layout=layout, n=n, k=k,
+                                       ngram=self.prompt_lookup, greedy=greedy, cut=cut))
         count = out["count"][:, :m]                                                 # [n, m]
         self.stats["steps"] += n
         self.stats["spec_calls"] += 1

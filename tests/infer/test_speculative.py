@@ -7,15 +7,15 @@ import pytest
 
 from meshlab.infer import speculative
 from meshlab.infer.engine import Engine
-from meshlab.infer.sampler import SamplingParams
+from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, SamplingParams, row_arrays
 from tests.helpers import assert_greedy_matches, tiny_served_model
 
 pytestmark = [pytest.mark.xdist_group("speculative"), pytest.mark.cheap_codegen]
 
 
-def reference_drafts(tokens, k, ngram):
-    """The k tokens after the latest earlier occurrence of the longest suffix (<= ngram) that recurs."""
-    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+def reference_drafts(tokens, k, ngram, shortest=1):
+    """The k tokens after the latest earlier occurrence of the longest suffix (shortest..ngram) that recurs."""
+    for n in range(min(ngram, len(tokens) - 1), shortest - 1, -1):
         suffix = tokens[-n:]
         ends = [j for j in range(n - 1, len(tokens) - 1) if tokens[j - n + 1:j + 1] == suffix]
         if ends:
@@ -35,21 +35,48 @@ def test_drafts_follow_the_latest_longest_match():
         history[i, :len(r)] = r
     history[:, -1] = 7                     # past each row's length: never read
     length = np.array([len(r) for r in rows], np.int32)
-    for k, ngram in ((1, 1), (3, 2), (4, 3), (6, 4)):
-        got = np.asarray(speculative.propose(history, length, k, ngram)).tolist()
-        assert got == [reference_drafts(r, k, ngram) for r in rows], (k, ngram)
+    for k, ngram, shortest in ((1, 1, 1), (3, 2, 1), (4, 3, 1), (6, 4, 1), (3, 3, 2), (2, 4, 4)):
+        got = np.asarray(speculative.propose(history, length, k, ngram, shortest)).tolist()
+        assert got == [reference_drafts(r, k, ngram, shortest) for r in rows], (k, ngram, shortest)
     # the longest suffix wins over a later shorter match: ... 1 2 3 [9 9] ... 5 3 [4 4] ... 2 3 -> 9 9
     assert np.asarray(speculative.propose(np.array([[1, 2, 3, 9, 9, 5, 3, 4, 4, 2, 3]], np.int32),
                                           np.array([11], np.int32), 2, 2)).tolist() == [[9, 9]]
 
 
-def test_a_step_keeps_the_agreeing_drafts_and_the_models_next_token():
-    drafts = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 7], [-1, -1, -1], [5, 6, 7]], np.int32)
-    best = np.array([[5, 6, 7, 8], [5, 0, 7, 8], [1, 6, 7, 8], [3, 3, 3, 3], [5, 6, 7, 8]], np.int32)
-    pos = np.array([10, 10, 10, 10, 10], np.int32)
-    limit = np.array([99, 99, 99, 99, 12], np.int32)
-    assert np.asarray(speculative.kept_tokens(drafts, best, pos, limit)).tolist() == [4, 2, 1, 1, 2]
-    assert np.asarray(speculative.kept_tokens(drafts[:1], best[:1], pos[:1], pos[:1])).tolist() == [0]   # padding
+def test_a_greedy_step_keeps_the_agreeing_drafts_and_the_models_next_token():
+    drafts = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 7], [-1, -1, -1]], np.int32)
+    best = np.array([[5, 6, 7, 8], [5, 0, 7, 8], [1, 6, 7, 8], [3, 3, 3, 3]])
+    logits = np.eye(10, dtype=np.float32)[best]                                   # [4, 4, 10]: argmax = best
+    rows = row_arrays([SamplingParams()] * 4)
+    tokens, kept = speculative.chosen_tokens(logits, drafts, rows, np.zeros(4, np.int32), True, CUT_NONE)
+    assert np.asarray(kept).tolist() == [3, 1, 0, 0]
+    assert np.asarray(tokens).tolist() == [[5, 6, 7, 8], [5, 0, -1, -1], [1, -1, -1, -1], [3, -1, -1, -1]]
+    pos, limit = np.full(3, 10, np.int32), np.array([99, 12, 10], np.int32)       # none fed at or past the limit
+    assert np.asarray(speculative.kept_tokens(np.array([3, 3, 0]), pos, limit)).tolist() == [4, 2, 0]
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_sampled_tokens_are_distributed_as_plain_sampling(top_k):
+    """A certain draft kept with probability p(d), else a draw from p without it: the first token is
+    distributed as p, and the one after a kept draft as the next position's p (20,000 rows, 4.5 sigma)."""
+    n, draft = 20_000, 1
+    first, after = np.array([2.0, 1.0, 0.5, 0.0, -1.0, 0.3]), np.array([0.0, 1.0, 2.0, 0.0, 0.0, -0.5])
+
+    def p(l):
+        l = np.where(np.argsort(np.argsort(-l)) < top_k, l, -np.inf) if top_k else l
+        return np.exp(l - l.max()) / np.exp(l - l.max()).sum()
+    logits = np.broadcast_to(np.stack([first, after]).astype(np.float32), (n, 2, 6))
+    rows = row_arrays([SamplingParams(temperature=1.0, top_k=top_k, seed=i) for i in range(n)])
+    tokens, kept = speculative.chosen_tokens(logits, np.full((n, 1), draft, np.int32), rows,
+                                             np.full(n, 7, np.int32), False, CUT_TOP_K if top_k else CUT_NONE)
+    tokens, kept = np.asarray(tokens), np.asarray(kept)
+    assert ((kept == 1) == (tokens[:, 0] == draft)).all() and (tokens[kept == 0, 1] == -1).all()
+
+    def close(samples, probs):
+        freq = np.bincount(samples, minlength=6) / len(samples)
+        assert np.all(np.abs(freq - probs) < 4.5 * np.sqrt(probs * (1 - probs) / len(samples)) + 1e-9), (freq, probs)
+    close(tokens[:, 0], p(first))
+    close(tokens[kept == 1, 1], p(after))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +129,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
         assert_greedy_matches(fwd, params, prompt, out)
     assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] == 0
     # the drafts each step made on the device and the ones it kept, as the reference's lookup makes them
-    drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup_max) for p, o in zip(_prompts(), outs)], axis=0)
+    drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup[1]) for p, o in zip(_prompts(), outs)], axis=0)
     assert (eng.stats["spec_drafted"], eng.stats["spec_accepted"]) == (drafted, kept)
     assert kept > 0
     # a stop token mid-call: the tokens after it are dropped, the request ends there
@@ -111,17 +138,31 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     assert out == plain[0][:plain[0].index(stop) + 1]
 
 
-def test_rows_that_sample_or_want_logprobs_or_are_too_many_do_not_speculate(tiny, plain):
+def test_rows_that_want_logprobs_or_penalties_or_are_too_many_do_not_speculate(tiny, plain):
     md, params, _ = tiny
     eng = _engine(md, params, speculative_max_batch=2)
     sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
     assert [r.output for r in eng.generate(_prompts(), sp)] == plain
     # three rows decode plainly (over the limit); the two left after the shortest ends speculate
     assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] > 0
-    for params_ in (SamplingParams(max_tokens=20, temperature=0.8, seed=1), SamplingParams(max_tokens=20, logprobs=1)):
+    for params_ in (SamplingParams(max_tokens=20, logprobs=1), SamplingParams(max_tokens=20, repetition_penalty=1.2),
+                    SamplingParams(max_tokens=20, temperature=0.8, logit_bias={3: 1.0})):
         before = eng.stats["spec_calls"]
         eng.generate([_prompts()[0]], params_)
         assert eng.stats["spec_calls"] == before
+
+
+def test_sampled_rows_speculate(tiny, plain):
+    """Sampled rows speculate too: a temperature near 0 gives greedy decoding's tokens, and a seed its
+    own tokens again."""
+    md, params, _ = tiny
+    eng = _engine(md, params)
+    cold = [SamplingParams(max_tokens=m, temperature=1e-5, seed=i) for i, m in enumerate((40, 33, 47))]
+    assert [r.output for r in eng.generate(_prompts(), cold)] == plain
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0 and eng.stats["decode_calls"] == 0
+    warm = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=5)
+    first, again = (eng.generate([_prompts()[0]], warm)[0].output for _ in range(2))
+    assert first == again and len(first) == 30 and eng.stats["decode_calls"] == 0
 
 
 @pytest.mark.parametrize("oracle", [True, False])
@@ -132,7 +173,7 @@ def test_every_kept_draft_saves_a_step(tiny, plain, monkeypatch, oracle):
     prompt, k = _prompts()[0], 3
     full = np.array(prompt + plain[0] + [0] * 8, np.int32)
 
-    def drafts(history, length, k_, ngram):
+    def drafts(history, length, k_, ngram, shortest):
         import jax.numpy as jnp
         at = length[:, None] + jnp.arange(k_)
         return jnp.asarray(full)[at] if oracle else jnp.full(at.shape, -1, jnp.int32)
@@ -161,8 +202,8 @@ def test_bad_speculation_settings_are_refused(tiny):
     md, params, _ = tiny
     with pytest.raises(ValueError, match="speculative_tokens=-1 must be >= 0"):
         _engine(md, params, k=-1)
-    with pytest.raises(ValueError, match="prompt_lookup_max=0"):
-        _engine(md, params, prompt_lookup_max=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min=3 <= prompt_lookup_max=2"):
+        _engine(md, params, prompt_lookup_max=2, prompt_lookup_min=3)
 
 
 def test_warmup_compiles_the_speculative_calls(tiny, plain):
@@ -189,7 +230,7 @@ def test_serve_speculates_greedy_requests_and_counts_the_drafts(tmp_path, monkey
         start_server(serve_parser().parse_args(argv + ["-1"]))
     server = start_server(serve_parser().parse_args(argv + ["2", "--prompt-lookup-max", "2"]))
     try:
-        assert (server.engine.speculative_tokens, server.engine.prompt_lookup_max) == (2, 2)
+        assert (server.engine.speculative_tokens, server.engine.prompt_lookup) == (2, (1, 2))
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         body = {"prompt": "abcabcabcabc", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
         conn.request("POST", "/v1/completions", body=json.dumps(body))
