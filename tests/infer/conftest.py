@@ -1,5 +1,8 @@
-"""The server that test_server*.py share (one per session, so its engine compiles once per xdist worker; their
-"server" group puts them on one worker), an engine compiled like it, and a tokenizer.json with a chat template."""
+"""Session fixtures of the serving tests, each built once per xdist worker so its programs compile once:
+the server that test_server*.py share (their "server" group puts them on one worker), an engine compiled
+like it, and a tokenizer.json with a chat template; the tiny model and the small-pool engine that
+test_infer_engine.py and test_engine_requests.py share (their "infer_engine" group). A module's own
+fixture of the same name (several files build their `tiny` otherwise) takes its place there."""
 import contextlib
 import dataclasses
 import json
@@ -13,11 +16,12 @@ from meshlab.infer.engine import Engine
 from meshlab.infer.server import Server
 from meshlab.tokenizer import ByteTokenizer
 from models import model_def
+from tests.helpers import tiny_served_model
 
 
 def _cheap_codegen():
-    """What the server files' cheap_codegen marker gives their module fixtures (tests/conftest.py), for these
-    session fixtures, which are built before that module fixture is entered."""
+    """What the cheap_codegen marker of these files gives their module fixtures (tests/conftest.py), for
+    these session fixtures, which are built before that module fixture is entered."""
     if os.environ.get("MESHLAB_TEST_GPU"):
         return contextlib.nullcontext()
     from tests.helpers import cheap_codegen
@@ -62,3 +66,18 @@ def templated_tokenizer(tmp_path_factory):
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "[B]",
                                                          "eos_token": {"content": "<|eot|>"}}))
     return HFTokenizer(d / "tokenizer.json", stop_token_ids=[tk.token_to_id("<|eot|>")])
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """tests.helpers.tiny_served_model(): (model def, params, jitted full forward)."""
+    with _cheap_codegen():
+        return tiny_served_model()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny):
+    """13 usable pages of 4 tokens for 4 rows of up to 64 tokens: forces queueing and preemption."""
+    md, params, _ = tiny
+    with _cheap_codegen():
+        return Engine(md, params, max_len=64, max_seqs=4, page_size=4, num_pages=14, chunk=8, steps_per_call=4)

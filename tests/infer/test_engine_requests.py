@@ -9,21 +9,10 @@ from meshlab.infer.engine import ContiguousGenerator, Engine
 from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import AdmissionError
 from tests.helpers import assert_greedy_matches, check_prompt_logprobs
-from tests.infer.engine_fixtures import small_pool_engine, tiny_model
 
-# On test_infer_engine.py's xdist worker, with its engine and programs (engine_fixtures.py); compile-bound,
+# On test_infer_engine.py's xdist worker, with its engine and programs (tests/infer/conftest.py); compile-bound,
 # so their code is generated cheaply.
 pytestmark = [pytest.mark.xdist_group("infer_engine"), pytest.mark.cheap_codegen]
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    return tiny_model()
-
-
-@pytest.fixture(scope="session")
-def engine():
-    return small_pool_engine()
 
 
 def test_logprobs_are_the_models_log_softmax(tiny, engine):

@@ -14,21 +14,10 @@ from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.scheduler import AdmissionError
 from models import model_def
 from tests.helpers import assert_greedy_matches
-from tests.infer.engine_fixtures import small_pool_engine, tiny_model
 
 # One xdist worker runs this file and test_engine_requests.py, which share one engine and its programs
-# (engine_fixtures.py); the tests are compile-bound, so their programs' code is generated cheaply.
+# (tests/infer/conftest.py); the tests are compile-bound, so their programs' code is generated cheaply.
 pytestmark = [pytest.mark.xdist_group("infer_engine"), pytest.mark.cheap_codegen]
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    return tiny_model()
-
-
-@pytest.fixture(scope="session")
-def engine():
-    return small_pool_engine()
 
 
 def test_contiguous_greedy_equals_uncached(tiny):

@@ -8,7 +8,7 @@ import pytest
 from meshlab.infer import speculative
 from meshlab.infer.engine import Engine
 from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, SamplingParams, row_arrays
-from tests.helpers import assert_greedy_matches, tiny_served_model
+from tests.helpers import assert_greedy_matches
 
 pytestmark = [pytest.mark.xdist_group("speculative"), pytest.mark.cheap_codegen]
 
@@ -77,11 +77,6 @@ def test_sampled_tokens_are_distributed_as_plain_sampling(top_k):
         assert np.all(np.abs(freq - probs) < 4.5 * np.sqrt(probs * (1 - probs) / len(samples)) + 1e-9), (freq, probs)
     close(tokens[:, 0], p(first))
     close(tokens[kept == 1, 1], p(after))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_served_model()
 
 
 def _engine(md, params, k=3, **kw):
