@@ -193,6 +193,24 @@ def test_speculative_calls_over_the_gpus_layout(tiny, plain):
     assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0
 
 
+def test_speculative_calls_on_a_mesh_give_the_one_device_tokens(tiny, plain):
+    """fsdp_tp over the 8 simulated devices: parameters and cache placed by the rule file."""
+    import jax
+    from jax.sharding import NamedSharding
+    from meshlab.layout import leaf_specs
+    from meshlab.mesh import make_mesh
+    from meshlab.rules import load_rules
+    md, params, _ = tiny
+    rules, mesh = load_rules("fsdp_tp"), make_mesh("data=1,fsdp=4,tensor=2")
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                           leaf_specs(md, rules, mesh, "params"), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    eng = _engine(md, sharded, rules=rules, mesh=mesh)
+    assert len(eng.cache["k"].sharding.device_set) == 8
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33)]
+    assert [r.output for r in eng.generate(_prompts()[:2], sp)] == plain[:2]
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0
+
+
 def test_bad_speculation_settings_are_refused(tiny):
     md, params, _ = tiny
     with pytest.raises(ValueError, match="speculative_tokens=-1 must be >= 0"):
