@@ -53,6 +53,8 @@ class DecodeCalls:
         s = self.sched
         if not self.chain_decode or not (self.inbox.empty() and self.aborts.empty()) or (s.waiting and None in s.rows):
             return None
+        if f.spec:
+            return self._chain_spec(f)
         if any(r.finish_reason is not None or len(r.output) + r.pending >= r.params.max_tokens for r in f.decodes):
             return None
         if self._guides_running():       # a guided row waits for its mask between calls: it joins the next one

@@ -35,7 +35,7 @@ from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
-from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK,  # noqa: F401
+from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK, SPEC,  # noqa: F401
                                     LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, check_quantize, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
                                     make_programs, page_end_rows, placement, serving_params)
@@ -128,7 +128,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
     prompt_lookup_max down to prompt_lookup_min tokens, met earlier in its prompt or output) and checks
     them in one k + 1-token forward (meshlab.infer.speculative): greedy decoding's tokens, or plain
     sampling's distribution, 1 to k + 1 tokens a step. Such calls are read back before the next step
-    is planned (their drafts read the rows' tokens on the host).
+    is planned, and chain as decode calls do (the next one starts from the device's state of the last).
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -185,6 +185,9 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
             self.cache[BIAS] = jnp.asarray(np.broadcast_to(free, (max_seqs, *free.shape)))
             self._mask_width = mask_words(md.cfg.vocab_size)
             self.cache[MASK] = jnp.full((max_seqs, self._mask_width), -1, jnp.int32)     # every token allowed
+            if speculative_tokens:
+                self.cache[SPEC] = {"history": jnp.zeros((max_seqs, max_len), jnp.int32),
+                                    "pos": jnp.zeros((max_seqs,), jnp.int32), "count": jnp.zeros((max_seqs,), jnp.int32)}
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -373,7 +376,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
             flight, self._flight = self._flight, None
             with placement(self.rules, self.mesh):
                 self._flight = self._chain(flight)
-            if self._flight is not None or not (self.overlap_steps and self.chain_decode):
+            if self._flight is not None or not (self.overlap_steps and self.chain_decode) or flight.spec:
                 self._land(flight)
             else:                 # the rows change: plan the next step while it runs
                 prev = flight
@@ -423,8 +426,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
                     if prev is not None:       # its tokens first: the drafts read each row's tokens on the host
                         self._land(prev)
                         return True
-                    if not self._speculate(decodes):
-                        self._flight = self._launch_decode(decodes, 1)
+                    self._flight = self._speculate(decodes) or self._launch_decode(decodes, 1)
                 elif decodes:
                     n = self.guided_steps if self._guides_running() else self.steps_per_call
                     if n > 1 and not self.sched.reserve_ahead(decodes, n):
@@ -477,6 +479,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         ran on for them) or preempted since (they recompute these tokens) are skipped; a prompt fed to
         its end offers its pages to the prefix cache after its first token goes out (hashing them is
         ~15-200 us per 2k-token prompt)."""
+        if f.spec:
+            return self._land_spec(f)
         if not f.rows:                    # no row samples a token it keeps: nothing to read
             return
         out = self._fetch(f.out)

@@ -37,11 +37,12 @@ class Flight:
     flag, and the rows that keep samples of it, as (request, output column, tokens it keeps, the
     request's preemptions at dispatch, whether its prompt ended here). A packed step's outputs hold
     one token per row ([R]), a decode call's n ([n, b]; `decodes` and `n`: its rows and steps, for
-    the call chained after it)."""
-    __slots__ = ("out", "logprobs", "rows", "decodes", "n")
+    the call chained after it); a speculative call's (`spec`) up to k + 1 a step, read by
+    meshlab.infer.speculative."""
+    __slots__ = ("out", "logprobs", "rows", "decodes", "n", "spec")
 
-    def __init__(self, out: dict, logprobs, rows: list, decodes: list | None = None, n: int = 1):
-        self.out, self.logprobs, self.rows, self.decodes, self.n = out, logprobs, rows, decodes, n
+    def __init__(self, out: dict, logprobs, rows: list, decodes: list | None = None, n: int = 1, spec: bool = False):
+        self.out, self.logprobs, self.rows, self.decodes, self.n, self.spec = out, logprobs, rows, decodes, n, spec
 
 
 class PackedSteps:

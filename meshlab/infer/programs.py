@@ -70,7 +70,10 @@ BIAS = "bias"
 # set by the engine before each step of a request held to a grammar (meshlab.infer.guided); read by
 # the programs that sample without the greedy promise.
 MASK = "mask"
-OWN = (HIDDEN, LAST, COUNTS, BIAS, MASK)    # the engine's entries of the cache dict, beside K and V
+# With speculative calls on: each slot's tokens [max_seqs, max_len], next position and output count after
+# the last speculative call, which a call chained behind it starts from (meshlab.infer.speculative).
+SPEC = "spec"
+OWN = (HIDDEN, LAST, COUNTS, BIAS, MASK, SPEC)    # the engine's entries of the cache dict, beside K and V
 
 
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")

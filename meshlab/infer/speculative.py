@@ -9,8 +9,10 @@ k + 1 tokens and keeps the drafts up to the first one rejected, then the model's
 probability the model gives it and otherwise draws without it (speculative sampling), so the tokens
 are greedy decoding's (equal in float32; bf16 kernels may round a near-tie another way in a k +
 1-token step) or distributed as plain sampling's. A step where no row drafts feeds the rows' tokens
-alone. Drafts and their checks stay on the device for the call's n steps (a row's tokens are
-uploaded once per call); the call is read back before the next step is planned.
+alone. Drafts and their checks stay on the device: a call's n steps carry each row's tokens, and
+the call leaves them in the cache (SPEC), so the next call chains from there as decode calls do (the
+host uploads a row's tokens only when its rows change) and the host reads one back while the device
+runs the next. The rows change only after a call is read back (no step is planned over it).
 
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
 that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one
@@ -25,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import calls, kv_cache
-from meshlab.infer.programs import _bind, _split_own
+from meshlab.infer.packed import Flight
+from meshlab.infer.programs import LAST, SPEC, _bind, _split_own
 from meshlab.infer.sampler import CUT_MIN_P, CUT_TOP_K, CUT_TOP_P, filtered, penalised_row, scaled_logits
 from models import serving
 
@@ -96,22 +99,28 @@ def kept_tokens(kept, pos, limit):
 
 
 def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
-    """spec_loop(params, cache, seen, tok, pos, limit, table, history, rows, counters, n, k, ngram, greedy,
-    cut) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token tok sits at
-    position pos (fed while below limit), history [b, L] each row's tokens (positions 0..pos), rows and
-    counters as sampler.sample's; ngram (shortest, longest) the suffixes looked up. A step where no
-    row drafts runs a one-token forward (the decode kernels where the layers have them), so text that
-    never repeats costs about what plain decoding does. Outputs "tokens" [n, b, k + 1] (chosen_tokens';
-    a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
+    """spec_loop(params, cache, seen, tok, pos, limit, table, history, slots, rows, counters, n, k, ngram,
+    greedy, cut, chained) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token
+    tok sits at position pos (fed while below limit), history [b, L] each row's tokens (positions
+    0..pos), rows and counters as sampler.sample's; ngram (shortest, longest) the suffixes looked up.
+    chained: tok, pos, history and counters are instead the state the last call left for each slot in
+    the cache's SPEC and LAST entries (slots [b]; padding max_seqs), where every call leaves its own. A
+    step where no row drafts runs a one-token forward (the decode kernels where the layers have them),
+    so text that never repeats costs about what plain decoding does. Outputs "tokens" [n, b, k + 1]
+    (chosen_tokens'; a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
-    def spec_loop(params, cache, seen, tok, pos, limit, table, history, rows, counters, n: int, k: int, ngram: tuple,
-                  greedy: bool, cut: int):
+    def spec_loop(params, cache, seen, tok, pos, limit, table, history, slots, rows, counters, n: int, k: int,
+                  ngram: tuple, greedy: bool, cut: int, chained: bool):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         b, L = history.shape
         steps = jnp.arange(k + 1)
+        state = own[SPEC]
+        if chained:                             # the rows' state where the call before left it
+            at = jnp.minimum(slots, state["pos"].shape[0] - 1)
+            tok, pos, counters, history = own[LAST][at], state["pos"][at], state["count"][at], state["history"][at]
 
         def forward(cache, fed, positions, valid):
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
@@ -143,37 +152,47 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
             carry = (cache, history, jnp.where(count > 0, last, tok), pos + count, counters + count)
             return carry, (tokens, count, drafted)
 
-        (cache, *_), (tokens, count, drafted) = jax.lax.scan(body, (cache, history, tok, pos, counters), None,
-                                                             length=n)
+        (cache, history, tok, pos, counters), (tokens, count, drafted) = jax.lax.scan(
+            body, (cache, history, tok, pos, counters), None, length=n)
+        own[LAST] = own[LAST].at[slots].set(tok, mode="drop")                     # for a call chained behind
+        own[SPEC] = {"history": state["history"].at[slots].set(history, mode="drop"),
+                     "pos": state["pos"].at[slots].set(pos, mode="drop"),
+                     "count": state["count"].at[slots].set(counters, mode="drop")}
         return {"tokens": tokens, "count": count, "drafted": drafted}, dict(cache, **own), seen
     return spec_loop
 
 
 def spec_program(spec_loop, treedef, compiler_options: dict | None = None):
     """spec_loop taking (weights, cache, seen, buf, layout) as calls.decode_program's: the buffer holds
-    tok, pos, limit, table, history, rows.* and counters."""
-    def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut):
+    tok, pos, limit, table, history, slots, rows.* and counters (a chained call reads only limit, table,
+    slots and rows)."""
+    def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut, chained):
         params, a = jax.tree.unflatten(treedef, weights), calls.unpack(buf, layout)
         return calls.state_first(spec_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"],
-                                           a["history"], a["rows"], a["counters"], n=n, k=k, ngram=ngram,
-                                           greedy=greedy, cut=cut))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram", "greedy", "cut"),
+                                           a["history"], a["slots"], a["rows"], a["counters"], n=n, k=k, ngram=ngram,
+                                           greedy=greedy, cut=cut, chained=chained))
+    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram", "greedy", "cut", "chained"),
                    compiler_options=compiler_options)
 
 
-def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int, rows: dict) -> tuple[np.ndarray, tuple]:
+def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int, rows: dict, max_seqs: int,
+                chained: bool = False) -> tuple[np.ndarray, tuple]:
     """(buffer, layout) of a speculative call over `reqs` in a bucket of b rows (padding rows: limit 0,
-    nothing fed): each row's last token, its position, limit, page table row, tokens, sampler settings
-    (rows: Engine._row_inputs of their slots) and output count."""
+    nothing fed, slot max_seqs): each row's last token, its position, limit, page table row, tokens,
+    slot, sampler settings (rows: Engine._row_inputs of their slots) and output count. chained: the
+    device holds the rows' tokens, positions and counts (the buffer's are left zero)."""
     tok, pos, limit, counters = (np.zeros(b, np.int32) for _ in range(4))
     history = np.zeros((b, max_len), np.int32)
-    slots = np.zeros(b, np.int32)
+    slots = np.full(b, max_seqs, np.int32)
     for i, r in enumerate(reqs):
-        ids = r.token_ids(r.n_tokens)
-        history[i, :len(ids)] = ids
-        tok[i], pos[i], limit[i], slots[i], counters[i] = ids[-1], r.cached, r.end, r.slot, len(r.output)
+        slots[i], limit[i] = r.slot, r.end
+        if not chained:
+            ids = r.token_ids(r.n_tokens)
+            history[i, :len(ids)] = ids
+            tok[i], pos[i], counters[i] = ids[-1], r.cached, len(r.output)
     h = calls.HostInputs()
-    for name, a in (("tok", tok), ("pos", pos), ("limit", limit), ("table", table[slots]), ("history", history)):
+    for name, a in (("tok", tok), ("pos", pos), ("limit", limit), ("table", table[np.minimum(slots, len(table) - 1)]),
+                    ("history", history), ("slots", slots)):
         h.add(name, a)
     h.add_tree("rows", rows)
     h.add("counters", counters)
@@ -190,30 +209,49 @@ class Speculation:
             return False
         return all(r.params.logprobs is None and not penalised_row(r.params) for r in decodes)
 
-    def _speculate(self, decodes) -> bool:
-        """One speculative call of steps_per_call steps over `decodes` (each fed its last token from the
-        host: none pending), read back and emitted at once; False (nothing done) when pages for even
-        one step's k + 1 tokens are short."""
+    def _speculate(self, decodes, chained: bool = False):
+        """A speculative call of steps_per_call steps over `decodes`, left running (a Flight, read back by
+        _land_spec): fed their last tokens from the host (none pending), or, chained, from where the call
+        in flight leaves them on the device, with pages for both. None (nothing done) when pages for even
+        one step's k + 1 tokens are short (chained: for n steps of both)."""
         s, k, m = self.sched, self.speculative_tokens, len(decodes)
         n = self.steps_per_call
-        if not s.reserve_ahead(decodes, n * (k + 1)):
+        if not s.reserve_ahead(decodes, (2 if chained else 1) * n * (k + 1)):
+            if chained:
+                return None
             n = 1
             if not s.reserve_ahead(decodes, k + 1):
-                return False
+                return None
         b = next(x for x in self.DECODE if x >= m)
-        slots = np.zeros(b, np.int32)
+        slots = np.full(b, s.max_seqs, np.int32)
         slots[:m] = [r.slot for r in decodes]
         greedy, _, cut = self._flags(slots[:m])
-        buf, layout = spec_inputs(decodes, b, s.table, s.max_len, self._row_inputs(slots))
-        out = self._fetch(self._launch(("spec", b, n, k, greedy, cut), self.spec_call, buf, layout=layout, n=n, k=k,
-                                       ngram=self.prompt_lookup, greedy=greedy, cut=cut))
-        count = out["count"][:, :m]                                                 # [n, m]
+        rows = self._row_inputs(np.minimum(slots, s.max_seqs - 1))
+        buf, layout = spec_inputs(decodes, b, s.table, s.max_len, rows, s.max_seqs, chained)
+        out = self._launch(("spec", b, n, k, greedy, cut, chained), self.spec_call, buf, layout=layout, n=n, k=k,
+                           ngram=self.prompt_lookup, greedy=greedy, cut=cut, chained=chained)
         self.stats["steps"] += n
         self.stats["spec_calls"] += 1
+        self.stats["chained_calls"] += chained
+        return Flight(out, None, [], list(decodes), n, spec=True)
+
+    def _chain_spec(self, f):
+        """The speculative call after `f` (in flight), from the rows' state it leaves on the device; None
+        when a row may end in f (it reaches its end position, or has stopped) or pages for both are short.
+        Engine._chain checks arrivals, aborts and waiting requests first."""
+        k = self.speculative_tokens
+        if any(r.finish_reason is not None or r.cached + f.n * (k + 1) >= r.end for r in f.decodes):
+            return None
+        return self._speculate(f.decodes, chained=True)
+
+    def _land_spec(self, f) -> None:
+        """Read back a speculative call and emit its rows' tokens: each step's first `count` of a row."""
+        out = self._fetch(f.out)
+        m = len(f.decodes)
+        count = out["count"][:, :m]                                                 # [n, m]
         self.stats["spec_drafted"] += int(out["drafted"][:, :m].sum())
         self.stats["spec_accepted"] += int(np.maximum(count - 1, 0).sum())
-        for i, r in enumerate(decodes):
-            tokens = np.concatenate([out["tokens"][j, i, :count[j, i]] for j in range(n)])
+        for i, r in enumerate(f.decodes):
             r.cached += int(count[:, i].sum())
-            self._emit(r, tokens)
-        return True
+            if r.finish_reason is None:
+                self._emit(r, np.concatenate([out["tokens"][j, i, :count[j, i]] for j in range(f.n)]))

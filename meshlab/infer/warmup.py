@@ -59,10 +59,11 @@ class Warmup:
                 buf, layout = calls.decode_inputs(z, z, z, s.table[z], pad, self._row_inputs(z), z, pad)
                 for n in sorted({self.steps_per_call, 1}, reverse=True):
                     run(("decode", b, n, greedy, logprobs, cut), self.decode_call, buf, layout=layout, n=n)
-                    if spec_k and b <= spec_rows:                          # padding only: limit 0, nothing fed
-                        spec_buf, spec_layout = spec_inputs([], b, s.table, s.max_len, self._row_inputs(z))
-                        run(("spec", b, n, spec_k, greedy, cut), self.spec_call, spec_buf, flagged=False,
-                            layout=spec_layout, n=n, k=spec_k, ngram=self.prompt_lookup, greedy=greedy, cut=cut)
+                    for chained in (False, True) if spec_k and b <= spec_rows else ():   # padding: limit 0
+                        spec_buf, spec_layout = spec_inputs([], b, s.table, s.max_len, self._row_inputs(z), b_max, chained)
+                        run(("spec", b, n, spec_k, greedy, cut, chained), self.spec_call, spec_buf, flagged=False,
+                            layout=spec_layout, n=n, k=spec_k, ngram=self.prompt_lookup, greedy=greedy, cut=cut,
+                            chained=chained)
                 if not self.first_token_decode:   # its one-step program is never called: not compiled
                     continue
                 slots = self._first_slots(b)

@@ -123,10 +123,15 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     for prompt, out in zip(_prompts(), outs):
         assert_greedy_matches(fwd, params, prompt, out)
     assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] == 0
+    # calls chained on the device, each from the rows' tokens and positions the one before left there
+    assert eng.stats["chained_calls"] > 0
     # the drafts each step made on the device and the ones it kept, as the reference's lookup makes them
     drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup[1]) for p, o in zip(_prompts(), outs)], axis=0)
     assert (eng.stats["spec_drafted"], eng.stats["spec_accepted"]) == (drafted, kept)
     assert kept > 0
+    unchained = _engine(md, params, chain_decode=False)
+    assert [r.output for r in unchained.generate(_prompts(), sp)] == plain and unchained.stats["chained_calls"] == 0
+    assert (unchained.stats["spec_drafted"], unchained.stats["spec_accepted"]) == (drafted, kept)
     # a stop token mid-call: the tokens after it are dropped, the request ends there
     stop = plain[0][10]
     out = eng.generate([_prompts()[0]], SamplingParams(max_tokens=40, stop_token_ids=[stop]))[0].output
