@@ -123,12 +123,9 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
     bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
     kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).
 
-    speculative_tokens=k > 0: while at most speculative_max_batch rows decode, none asking for logprobs
-    or penalised (sampler.penalised_row), each step drafts k tokens per row by prompt lookup (its last
-    prompt_lookup_max down to prompt_lookup_min tokens, met earlier in its prompt or output) and checks
-    them in one k + 1-token forward (meshlab.infer.speculative): greedy decoding's tokens, or plain
-    sampling's distribution, 1 to k + 1 tokens a step. Such calls are read back before the next step
-    is planned, and chain as decode calls do (the next one starts from the device's state of the last).
+    speculative_tokens=k > 0: speculative decoding by prompt lookup (k drafts a step, looked up by the
+    row's last prompt_lookup_max down to prompt_lookup_min tokens) for decode calls of at most
+    speculative_max_batch rows without logprobs or penalties; meshlab.infer.speculative says how.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
