@@ -262,14 +262,23 @@ def filtered(logits, rows, top_k: bool = True):
     return jnp.where(kept, scaled, -jnp.inf)
 
 
+def draw_keys(seeds, counters):
+    """The PRNG keys [b] of each row's draw of its output token number counters [b]: fold_in(key(seed),
+    counter), so a seeded request draws the same tokens however its steps are batched."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+
+def draw_logits(logits, rows, cut: int = CUT_TOP_K):
+    """logits [b, V] over each row's temperature and cut to its min_p, top_k and top_p (-inf outside), as
+    the static `cut` promises (CUT_NONE: no row sets min_p, top_p or top_k; CUT_MIN_P: none top_p or
+    top_k; CUT_TOP_P: none top_k): the distribution a row's draw takes."""
+    return (filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut >= CUT_TOP_P else
+            scaled_logits(logits, rows, min_p=cut >= CUT_MIN_P))
+
+
 def _draw(logits, rows, counters, cut: int = CUT_TOP_K):
-    """One categorical draw per row (Gumbel max: no sort) over its logits over the temperature, cut
-    as the static `cut` promises (CUT_NONE: no row sets min_p, top_p or top_k; CUT_MIN_P: none top_p
-    or top_k; CUT_TOP_P: none top_k); keyed by fold_in(key(seed), counter)."""
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(rows["seed"], counters)
-    scaled = (filtered(logits, rows, top_k=cut >= CUT_TOP_K) if cut >= CUT_TOP_P else
-              scaled_logits(logits, rows, min_p=cut >= CUT_MIN_P))
-    return jax.vmap(jax.random.categorical)(keys, scaled)                                 # [b]
+    """One categorical draw per row (Gumbel max: no sort) from draw_logits, keyed by draw_keys."""
+    return jax.vmap(jax.random.categorical)(draw_keys(rows["seed"], counters), draw_logits(logits, rows, cut))   # [b]
 
 
 def all_greedy(rows: dict) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.packed import Flight
 from meshlab.infer.programs import LAST, SPEC, _bind, _split_own
-from meshlab.infer.sampler import CUT_MIN_P, CUT_TOP_K, CUT_TOP_P, filtered, penalised_row, scaled_logits
+from meshlab.infer.sampler import draw_keys, draw_logits, penalised_row
 from models import serving
 
 
@@ -59,12 +59,12 @@ def chosen_tokens(logits, drafts, rows, counters, greedy: bool, cut: int):
     then its t - 1 drafts [b, t - 1], -1 for none) -> (tokens [b, t]: the drafts kept, then the model's
     own token, then -1; kept [b]: how many drafts). A greedy row (temperature 0) keeps the drafts that
     are the argmax and ends with the argmax. A sampled row keeps draft d with probability p(d), p its
-    distribution there (sampler.filtered: temperature and cuts), and ends with a draw from p with the
+    distribution there (sampler.draw_logits: temperature and cuts), and ends with a draw from p with the
     rejected draft taken out, or from the last p when every draft is kept: speculative sampling
     (Leviathan et al.) with a draft that is certain, q(d) = 1, so every token is distributed as plain
-    sampling's (not the same draws: a kept draft takes none). Position j's draw and test are keyed by
-    fold_in(key(seed), counter + j) and its fold_in 1. Rows [b] of sampler.row_arrays; greedy and cut:
-    the static promises sampler.sample takes."""
+    sampling's (not the same draws: a kept draft takes none). Position j's draw is keyed as plain
+    sampling's would be (sampler.draw_keys at counter + j), its test by that key's fold_in 1. Rows [b]
+    of sampler.row_arrays; greedy and cut: the static promises sampler.sample takes."""
     b, t, vocab = logits.shape
     j = jnp.arange(t)
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)                          # [b, t]
@@ -72,10 +72,8 @@ def chosen_tokens(logits, drafts, rows, counters, greedy: bool, cut: int):
     agree, final = drafts == best[:, :-1], best                                   # [b, t - 1], [b, t]
     if not greedy:
         flat = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), rows)             # [b t] per setting
-        scaled = (filtered(logits.reshape(b * t, vocab), flat, top_k=cut >= CUT_TOP_K) if cut >= CUT_TOP_P else
-                  scaled_logits(logits.reshape(b * t, vocab), flat, min_p=cut >= CUT_MIN_P)).reshape(b, t, vocab)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
-            flat["seed"], (counters[:, None] + j).reshape(-1))                     # [b t]
+        scaled = draw_logits(logits.reshape(b * t, vocab), flat, cut).reshape(b, t, vocab)
+        keys = draw_keys(flat["seed"], (counters[:, None] + j).reshape(-1))       # [b t]
         u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys).reshape(b, t)
         at = jnp.maximum(drafts, 0)[..., None]                                    # [b, t - 1, 1]
         p_draft = jnp.take_along_axis(jax.nn.log_softmax(scaled[:, :-1], axis=-1), at, axis=-1)[..., 0]
@@ -93,9 +91,10 @@ def chosen_tokens(logits, drafts, rows, counters, greedy: bool, cut: int):
 
 
 def kept_tokens(kept, pos, limit):
-    """Tokens a step keeps per row [b]: its kept drafts and the model's own token after them, none at
-    or past limit (positions pos + i fed while below it)."""
-    return jnp.clip(jnp.minimum(kept + 1, limit - pos), 0, None)
+    """Tokens a step keeps per row [b]: its kept drafts and the model's own token after them; none for a
+    row at or past its limit (padding, or a row that reached its end). No draft is fed at the limit or
+    past it, so the kept ones never pass it."""
+    return jnp.where(pos < limit, kept + 1, 0)
 
 
 def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
@@ -103,11 +102,11 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
     greedy, cut, chained) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token
     tok sits at position pos (fed while below limit), history [b, L] each row's tokens (positions
     0..pos), rows and counters as sampler.sample's; ngram (shortest, longest) the suffixes looked up.
-    chained: tok, pos, history and counters are instead the state the last call left for each slot in
-    the cache's SPEC and LAST entries (slots [b]; padding max_seqs), where every call leaves its own. A
-    step where no row drafts runs a one-token forward (the decode kernels where the layers have them),
-    so text that never repeats costs about what plain decoding does. Outputs "tokens" [n, b, k + 1]
-    (chosen_tokens'; a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
+    chained: tok, pos, history and counters (None) are instead the state the last call left for each
+    slot in the cache's SPEC and LAST entries (slots [b]; padding max_seqs), where every call leaves
+    its own. A step where no row drafts runs a one-token forward (the decode kernels where the layers
+    have them), so text that never repeats costs about what plain decoding does. Outputs "tokens" [n, b,
+    k + 1] (chosen_tokens'; a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
@@ -115,12 +114,12 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
                   ngram: tuple, greedy: bool, cut: int, chained: bool):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
-        b, L = history.shape
         steps = jnp.arange(k + 1)
         state = own[SPEC]
         if chained:                             # the rows' state where the call before left it
             at = jnp.minimum(slots, state["pos"].shape[0] - 1)
             tok, pos, counters, history = own[LAST][at], state["pos"][at], state["count"][at], state["history"][at]
+        b, L = history.shape
 
         def forward(cache, fed, positions, valid):
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
@@ -164,13 +163,12 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
 
 def spec_program(spec_loop, treedef, compiler_options: dict | None = None):
     """spec_loop taking (weights, cache, seen, buf, layout) as calls.decode_program's: the buffer holds
-    tok, pos, limit, table, history, slots, rows.* and counters (a chained call reads only limit, table,
-    slots and rows)."""
+    spec_inputs' arrays (a chained call's only limit, table, slots and rows)."""
     def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut, chained):
         params, a = jax.tree.unflatten(treedef, weights), calls.unpack(buf, layout)
-        return calls.state_first(spec_loop(params, cache, seen, a["tok"], a["pos"], a["limit"], a["table"],
-                                           a["history"], a["slots"], a["rows"], a["counters"], n=n, k=k, ngram=ngram,
-                                           greedy=greedy, cut=cut, chained=chained))
+        return calls.state_first(spec_loop(params, cache, seen, a.get("tok"), a.get("pos"), a["limit"], a["table"],
+                                           a.get("history"), a["slots"], a["rows"], a.get("counters"), n=n, k=k,
+                                           ngram=ngram, greedy=greedy, cut=cut, chained=chained))
     return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram", "greedy", "cut", "chained"),
                    compiler_options=compiler_options)
 
@@ -178,24 +176,25 @@ def spec_program(spec_loop, treedef, compiler_options: dict | None = None):
 def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int, rows: dict, max_seqs: int,
                 chained: bool = False) -> tuple[np.ndarray, tuple]:
     """(buffer, layout) of a speculative call over `reqs` in a bucket of b rows (padding rows: limit 0,
-    nothing fed, slot max_seqs): each row's last token, its position, limit, page table row, tokens,
-    slot, sampler settings (rows: Engine._row_inputs of their slots) and output count. chained: the
-    device holds the rows' tokens, positions and counts (the buffer's are left zero)."""
-    tok, pos, limit, counters = (np.zeros(b, np.int32) for _ in range(4))
-    history = np.zeros((b, max_len), np.int32)
-    slots = np.full(b, max_seqs, np.int32)
+    nothing fed, slot max_seqs): each row's limit, page table row, slot and sampler settings (rows:
+    Engine._row_inputs of their slots), and, unless chained (the device holds them), its tokens, last
+    token, position and output count."""
+    limit, slots = np.zeros(b, np.int32), np.full(b, max_seqs, np.int32)
     for i, r in enumerate(reqs):
         slots[i], limit[i] = r.slot, r.end
-        if not chained:
+    h = calls.HostInputs()
+    for name, a in (("limit", limit), ("table", table[np.minimum(slots, len(table) - 1)]), ("slots", slots)):
+        h.add(name, a)
+    h.add_tree("rows", rows)
+    if not chained:
+        tok, pos, counters = (np.zeros(b, np.int32) for _ in range(3))
+        history = np.zeros((b, max_len), np.int32)
+        for i, r in enumerate(reqs):
             ids = r.token_ids(r.n_tokens)
             history[i, :len(ids)] = ids
             tok[i], pos[i], counters[i] = ids[-1], r.cached, len(r.output)
-    h = calls.HostInputs()
-    for name, a in (("tok", tok), ("pos", pos), ("limit", limit), ("table", table[np.minimum(slots, len(table) - 1)]),
-                    ("history", history), ("slots", slots)):
-        h.add(name, a)
-    h.add_tree("rows", rows)
-    h.add("counters", counters)
+        for name, a in (("tok", tok), ("pos", pos), ("history", history), ("counters", counters)):
+            h.add(name, a)
     return h.pack()
 
 

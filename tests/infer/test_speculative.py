@@ -8,7 +8,7 @@ import pytest
 from meshlab.infer import speculative
 from meshlab.infer.engine import Engine
 from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, SamplingParams, row_arrays
-from tests.helpers import assert_greedy_matches
+from tests.helpers import assert_greedy_matches, record_instances
 
 pytestmark = [pytest.mark.xdist_group("speculative"), pytest.mark.cheap_codegen]
 
@@ -51,8 +51,8 @@ def test_a_greedy_step_keeps_the_agreeing_drafts_and_the_models_next_token():
     tokens, kept = speculative.chosen_tokens(logits, drafts, rows, np.zeros(4, np.int32), True, CUT_NONE)
     assert np.asarray(kept).tolist() == [3, 1, 0, 0]
     assert np.asarray(tokens).tolist() == [[5, 6, 7, 8], [5, 0, -1, -1], [1, -1, -1, -1], [3, -1, -1, -1]]
-    pos, limit = np.full(3, 10, np.int32), np.array([99, 12, 10], np.int32)       # none fed at or past the limit
-    assert np.asarray(speculative.kept_tokens(np.array([3, 3, 0]), pos, limit)).tolist() == [4, 2, 0]
+    pos, limit = np.full(3, 10, np.int32), np.array([99, 14, 10], np.int32)       # nothing at or past the limit
+    assert np.asarray(speculative.kept_tokens(np.array([3, 3, 0]), pos, limit)).tolist() == [4, 4, 0]
 
 
 @pytest.mark.parametrize("top_k", [0, 2])
@@ -268,13 +268,7 @@ def test_generate_script_speculates_to_the_same_text(tmp_path, monkeypatch, caps
     import runpy
     from pathlib import Path
     from meshlab.infer import engine
-    made = []
-
-    class Recorded(engine.Engine):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-    monkeypatch.setattr(engine, "Engine", Recorded)
+    made = record_instances(monkeypatch, engine, "Engine")
     monkeypatch.chdir(tmp_path)
     script = str(Path(__file__).resolve().parents[2] / "scripts/generate.py")
     texts = []
