@@ -149,3 +149,16 @@ def check_prompt_logprobs(got, prompt, ref, top, ranked=None):
             assert 1 + np.sum(above > 1e-4) <= rank <= 1 + np.sum(above > -1e-4)
         assert list(alternatives) == best
         np.testing.assert_allclose(list(alternatives.values()), ref[k - 1, best], rtol=1e-4, atol=1e-4)
+
+
+def record_instances(monkeypatch, module, name: str) -> list:
+    """The instances of module.<name> (a class) made while the test runs, in order: the class is
+    replaced there by a subclass that records each (a script that imports it from the module gets it)."""
+    made = []
+
+    class Recorded(getattr(module, name)):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr(module, name, Recorded)
+    return made

@@ -18,6 +18,7 @@ from meshlab import compile_cache
 from meshlab.infer.loading import add_checkpoint_args, load_checkpoint, open_checkpoint, run_tokenizer
 from meshlab.checkpoint import write_run_tokenizer
 from meshlab.tokenizer import ByteTokenizer
+from tests.helpers import record_instances
 
 ROOT = Path(__file__).resolve().parents[2]
 # One xdist worker runs the whole file: the `run` fixture (a training subprocess, ~60 s) is trained once, not once per
@@ -237,13 +238,7 @@ def test_generate_with_fp8_storage(clean, monkeypatch, capsys, flag):
     float8_e4m3fn matrices, and each completes."""
     import runpy
     from meshlab.infer import engine
-    made = []
-
-    class Recorded(engine.ContiguousGenerator):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-    monkeypatch.setattr(engine, "ContiguousGenerator", Recorded)
+    made = record_instances(monkeypatch, engine, "ContiguousGenerator")
     monkeypatch.chdir(clean)
     generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
     generate["main"](["--checkpoint", "random:tiny", "--prompt", "ab", "--max-new-tokens", "3", flag, "fp8",
