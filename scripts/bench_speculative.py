@@ -27,6 +27,8 @@ def main(argv=None):
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--length", type=int, default=256, help="prompt tokens a window")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated after each window")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="the engine's max_len (default: what a window and its tokens need); a server's is larger")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else request i samples with seed i")
     ap.add_argument("--append-docs", default=None, help="also append the table to this file")
     args = ap.parse_args(argv)
@@ -36,12 +38,12 @@ def main(argv=None):
         prompts = windows(args.data, tok, args.windows, args.length)
     except (ValueError, OSError) as e:
         sys.exit(f"bench_speculative: {e}")
-    max_len = -(-(args.length + args.max_tokens) // 16) * 16
+    max_len = -(-max(args.length + args.max_tokens, args.max_len or 0) // 16) * 16
     rows = measure(md, params, prompts, ks, args.max_tokens, args.temperature, prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_min=args.prompt_lookup_min, max_len=max_len, page_size=16, chunk=256, steps_per_call=8)
     setting = (f"{Path(args.checkpoint).name}, {args.windows} windows of {args.length} from {Path(args.data).name}, "
                f"{args.max_tokens} tokens at temperature {args.temperature:g}, lookup "
-               f"{args.prompt_lookup_min}-{args.prompt_lookup_max}")
+               f"{args.prompt_lookup_min}-{args.prompt_lookup_max}, max_len {max_len}")
     text = table(rows, setting)
     print(text)
     if args.append_docs:

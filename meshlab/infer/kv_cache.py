@@ -228,7 +228,30 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
         return "flash"
 
 
-def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False, cached=None):
+def span_attention(q, cache, layer, page_table, start, count, interpret: bool = False):
+    """q [b, t, h, d], row i's queries at positions start[i] + j, the first count[i] real, through the
+    paged prompt kernel (pages read in place up to the row's last real query), or None where its GPU
+    tiles cannot take the shape. t is padded up to a power of two that the kernel's query tiles take
+    (a GQA group of 4 and t = 5: 8), so a speculative step's k + 1 tokens need no program of their own;
+    the padding queries attend to nothing and come back as zeros, sliced off."""
+    from pallas_kernels.paged_prefill import paged_prefill_attention, prefill_plan
+    from pallas_kernels.paged_tiles import pow2_at_least, prefill_block_sizes
+    b, t, h, d = q.shape
+    page_size, kvh = cache["k"].shape[2:4]
+    for width in (pow2_at_least(t) << i for i in range(4)):
+        try:
+            prefill_plan(prefill_block_sizes(), b, width, kvh, page_table.shape[1], page_size, h // kvh, d)
+        except ValueError:
+            continue
+        qp = jnp.pad(q, ((0, 0), (0, width - t), (0, 0), (0, 0)))                     # [b, width, h, d]
+        o = paged_prefill_attention(qp, cache["k"], cache["v"], page_table, start, start + count, layer,
+                                    block_sizes=prefill_block_sizes(), interpret=interpret)
+        return o[:, :t]                                                                # [b, t, h, d]
+    return None
+
+
+def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: bool = False, cached=None,
+                 spans: bool = False):
     """The Attend of the paged layout; page_table [b, max_pages] int32 (unused entries may be any page).
 
     cached [b, t] bool or None: tokens whose K/V already lie in a shared prefix page (a fully cached
@@ -243,6 +266,12 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     (pallas_kernels.paged_attention.paged_decode_attention); the model uses it when it has them
     concatenated (serving layers="fused"). impl="pallas_unfused": the kernel without that fusion
     (XLA's RoPE and scatter around it), kept for the benchmark's A/B.
+
+    spans=True: each row's t tokens sit at consecutive positions from positions[:, 0], its valid ones
+    first (a speculative step: the row's token, then its drafts). With impl="pallas" and t > 1 they
+    attend through the paged prompt kernel (`span_attention`), which reads the row's pages up to its
+    last valid token, where the gather would copy the table's full width (max_len, not the context)
+    for every layer.
     """
     def lengths():
         return jnp.where(valid[:, 0], positions[:, 0] + 1, 0)
@@ -263,6 +292,10 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
             o = paged_attention(q[:, 0], new["k"], new["v"], page_table, lengths(), layer,   # layer read in place
                                 block_sizes=decode_block_sizes(q.shape[0], fused=False), interpret=interpret)
             return o[:, None], new
+        if spans and impl in ("pallas", "pallas_unfused"):
+            o = span_attention(q, new, layer, page_table, positions[:, 0], jnp.sum(valid, axis=1), interpret)
+            if o is not None:
+                return o, new
         return gathered_attention(q, new, layer, page_table, positions), new
 
     def fused(layer, qkv, inv_freq, cache):

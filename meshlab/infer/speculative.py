@@ -9,10 +9,12 @@ k + 1 tokens and keeps the drafts up to the first one rejected, then the model's
 probability the model gives it and otherwise draws without it (speculative sampling), so the tokens
 are greedy decoding's (equal in float32; bf16 kernels may round a near-tie another way in a k +
 1-token step) or distributed as plain sampling's. A step where no row drafts feeds the rows' tokens
-alone. Drafts and their checks stay on the device: a call's n steps carry each row's tokens, and
-the call leaves them in the cache (SPEC), so the next call chains from there as decode calls do (the
-host uploads a row's tokens only when its rows change) and the host reads one back while the device
-runs the next. The rows change only after a call is read back (no step is planned over it).
+alone. On a GPU the k + 1 tokens attend through the paged prompt kernel (kv_cache.span_attention), so
+a step reads the row's pages, not the table's full width. Drafts and their checks stay on the device:
+a call's n steps carry each row's tokens, and the call leaves them in the cache (SPEC), so the next
+call chains from there as decode calls do (the host uploads a row's tokens only when its rows change)
+and the host reads one back while the device runs the next. The rows change only after a call is
+read back (no step is planned over it).
 
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
 that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one
@@ -122,7 +124,7 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
         b, L = history.shape
 
         def forward(cache, fed, positions, valid):
-            attend = kv_cache.paged_attend(positions, valid, table, impl, interpret)
+            attend = kv_cache.paged_attend(positions, valid, table, impl, interpret, spans=True)
             h, cache = serving.forward(model, fed, positions, cache, attend, unroll=unroll, layers=per_layer,
                                        kernels=kernels)                           # [b, t, d]
             return model.logits(h)[..., :vocab], cache                            # [b, t, V] fp32

@@ -188,9 +188,31 @@ def test_every_kept_draft_saves_a_step(tiny, plain, monkeypatch, oracle):
         assert eng.stats["spec_accepted"] == 0 and eng.stats["spec_drafted"] == 0
 
 
+@pytest.mark.parametrize("t,h,kvh,d", [(2, 4, 2, 16), (3, 8, 2, 64), (5, 8, 2, 64), (7, 4, 4, 16), (8, 32, 8, 64)])
+def test_span_attention_equals_the_gather_over_the_valid_queries(t, h, kvh, d):
+    """A speculative step's k + 1 queries (consecutive positions, the valid ones first) through the paged
+    prompt kernel, t padded to its query tile, equal the gather + dense causal attention on every valid
+    query: rows at the table's start, mid-page, at its end, and with one valid token; GQA 1, 2 and 4."""
+    import jax.numpy as jnp
+    from meshlab.infer import kv_cache
+    rng = np.random.default_rng(t)
+    page_size, max_pages, b = 4, 6, 4
+    cache = {n: jnp.asarray(rng.normal(size=(2, 30, page_size, kvh, d)), jnp.float32) for n in "kv"}
+    table = jnp.asarray(np.stack([rng.permutation(np.arange(1, 30))[:max_pages] for _ in range(b)]), jnp.int32)
+    start = jnp.asarray([0, 5, page_size * max_pages - t, 9], jnp.int32)
+    count = jnp.asarray([t, t, t, 1], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    want = kv_cache.gathered_attention(q, cache, 1, table, start[:, None] + jnp.arange(t)[None])
+    got = kv_cache.span_attention(q, cache, 1, table, start, count, interpret=True)
+    assert got is not None and got.shape == q.shape
+    valid = np.arange(t)[None, :] < np.asarray(count)[:, None]                    # [b, t]
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got)[~valid], 0.0)
+
+
 def test_speculative_calls_over_the_gpus_layout(tiny, plain):
     """An engine as a GPU runs it (the Pallas kernels, here in interpret mode; the layers' [n, k] matrices):
-    its k + 1-token steps run the prompt path's GEMMs and attention, to the same greedy tokens."""
+    its k + 1-token steps run the prompt path's GEMMs and the paged prompt kernel, to the same greedy tokens."""
     md, params, _ = tiny
     eng = _engine(md, params, max_seqs=2, impl="pallas", interpret=True, layers="kernels")
     sp = [SamplingParams(max_tokens=m) for m in (40, 33)]
