@@ -25,7 +25,8 @@ import numpy as np
 
 from meshlab.bench.timing import median_time
 from meshlab.infer import kv_cache
-from meshlab.infer.engine import ContiguousGenerator, Engine, make_programs, serving_params
+from meshlab.infer.engine import ContiguousGenerator, Engine
+from meshlab.infer.programs import make_programs, serving_params
 from meshlab.infer.sampler import SamplingParams, row_arrays
 from meshlab.plan.hlo import COMPUTATION, shape_bytes
 

@@ -35,10 +35,9 @@ from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
-from meshlab.infer.programs import (BIAS, COUNTS, CONCATENATED, FUSED, HIDDEN, LAST, MASK, SPEC,  # noqa: F401
-                                    LAYER_MODES, TOP_LOGPROBS, _fuse, _unfused_placeholders, check_quantize, default_impl,
+from meshlab.infer.programs import (BIAS, COUNTS, TOP_LOGPROBS, add_own_entries, check_quantize, default_impl,
                                     default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
-                                    make_programs, page_end_rows, placement, serving_params)
+                                    placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
 from meshlab.infer.scoring import ScoreStore, Scoring
@@ -51,6 +50,12 @@ NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 # a reference. At the default level (4) a llama3_1b fp8 engine's first 2k prompt compiled for 30 s on an
 # H100 (bf16: 5 s); at level 1 for 7 s, its TTFT the same (10.8 against 11.2 ms uncached).
 FP8_PACKED_OPTIONS = {"xla_gpu_autotune_level": 1}
+
+# Engine.stats: counts since the engine was made ("_s": seconds), read by /metrics and the benchmarks
+STATS = ("requests_finished", "prompt_tokens", "generated_tokens", "steps", "device_calls", "preemptions", "busy_s",
+         "prefill_tokens", "prefix_hit_tokens", "decode_calls", "packed_calls", "compiles", "compile_s", "host_s",
+         "device_wait_s", "aborted", "chained_calls", "dispatch_s", "first_token_calls", "head_calls", "unread_calls",
+         "overlapped_calls", "scored_tokens", "guided_requests", "spec_calls", "spec_drafted", "spec_accepted")
 
 
 class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Speculation):
@@ -93,13 +98,10 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
     benchmark's first-token profile times both).
 
     first_token_decode: a step whose prompt rows each have one token left runs one decode step
-    (False: a packed row, the benchmark's A/B). compiler_options: XLA options per program kind,
-    {"packed": {...}, "decode": {...}, "first": {...}} (jax.jit's compiler_options), e.g. {"packed":
-    {"xla_gpu_enable_command_buffer": ""}}: a packed step's program without CUDA graphs (the
-    benchmark's first-token profile times both). "first": the one-step decode calls of first tokens
-    (_first_tokens) compiled apart from the decode calls, with these options (without command
-    buffers a prompt met before took 2.5 ms to its first token against 2.2 with them on the H200:
-    the host launches the step's ~110 kernels one by one; docs/benchmarks.md).
+    (False: a packed row, the benchmark's A/B). compiler_options: jax.jit's per program kind (packed,
+    decode, head; "first": the first tokens' one-step decode calls compiled apart), e.g. {"packed":
+    {"xla_gpu_enable_command_buffer": ""}}: without CUDA graphs, which the first-token profile times
+    (H200: a prompt met before took 2.5 ms to its first token against 2.2 with them; docs/benchmarks.md).
 
     guided_steps: the steps of a decode call while a request held to a grammar runs (meshlab.infer.guided):
     a guided row is fed at the first only (its next mask needs its token on the host), the others at
@@ -123,9 +125,9 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
     bytes, so num_pages can double in the same memory; any layers, impl and mesh. With the Pallas
     kernels, pages are added where it would be 2-4 GiB per K/V (kv_cache.pages_past_wrap says why).
 
-    speculative_tokens=k > 0: speculative decoding by prompt lookup (k drafts a step, looked up by the
-    row's last prompt_lookup_max down to prompt_lookup_min tokens) for decode calls of at most
-    speculative_max_batch rows without logprobs or penalties; meshlab.infer.speculative says how.
+    speculative_tokens=k > 0: speculative decoding by prompt lookup (k drafts a step, looked up by the row's last
+    prompt_lookup_max down to prompt_lookup_min tokens) for decode calls of at most speculative_max_batch
+    rows without logprobs or penalties; meshlab.infer.speculative says how.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,
@@ -173,18 +175,11 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self.packed_fn, self.loop_fn = make_engine_programs(md, impl, interpret, layers, prefill)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers, quantize)
-            self.cache = kv_cache.init_paged(md.cfg, num_pages, page_size, kv_dtype, rules=rules, mesh=mesh)
-            if self.reuse_hidden:
-                self.cache[HIDDEN] = jnp.zeros((num_pages, md.cfg.d_model), md.cfg.dtype)
-            self.cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
-            self.cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
-            free = bias_row(SamplingParams(), md.cfg.vocab_size)                         # [3, BIAS_WIDTH]: no entry
-            self.cache[BIAS] = jnp.asarray(np.broadcast_to(free, (max_seqs, *free.shape)))
             self._mask_width = mask_words(md.cfg.vocab_size)
-            self.cache[MASK] = jnp.full((max_seqs, self._mask_width), -1, jnp.int32)     # every token allowed
-            if speculative_tokens:
-                self.cache[SPEC] = {"history": jnp.zeros((max_seqs, max_len), jnp.int32),
-                                    "pos": jnp.zeros((max_seqs,), jnp.int32), "count": jnp.zeros((max_seqs,), jnp.int32)}
+            self.cache = add_own_entries(
+                kv_cache.init_paged(md.cfg, num_pages, page_size, kv_dtype, rules=rules, mesh=mesh), md, max_seqs, max_len,
+                free_bias=bias_row(SamplingParams(), md.cfg.vocab_size), mask_width=self._mask_width,
+                reuse_hidden=self.reuse_hidden, speculative=speculative_tokens > 0)
             self.seen = jnp.zeros((max_seqs, md.cfg.vocab_size), bool)
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
@@ -199,8 +194,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self.packed_call = calls.packed_program(self.packed_fn, treedef, opts.get("packed"),
                                                 self._pinned[1] if pinned_inputs else None)
         self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
-        self.first_call = (calls.decode_program(self.loop_fn, treedef, opts["first"]) if "first" in opts
-                           else self.decode_call)
+        self.first_call = calls.decode_program(self.loop_fn, treedef, opts["first"]) if "first" in opts else self.decode_call
         if speculative_tokens:
             self.spec_call = spec_program(make_spec_loop(md, impl, interpret, layers), treedef, opts.get("decode"))
         self.head_weights, head_treedef = jax.tree.flatten(head_params(self.params))
@@ -248,13 +242,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self._waited = 0.0                       # this step's seconds waiting for the device
         # entered around each wait for the device: a server lets its other threads run only then
         self.device_wait: Callable = contextlib.nullcontext
-        self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
-                      "device_calls": 0, "preemptions": 0, "busy_s": 0.0, "prefill_tokens": 0,
-                      "prefix_hit_tokens": 0, "decode_calls": 0, "packed_calls": 0, "compiles": 0,
-                      "compile_s": 0.0, "host_s": 0.0, "device_wait_s": 0.0, "aborted": 0, "chained_calls": 0,
-                      "dispatch_s": 0.0, "first_token_calls": 0, "head_calls": 0, "unread_calls": 0,
-                      "overlapped_calls": 0, "scored_tokens": 0, "guided_requests": 0, "spec_calls": 0,
-                      "spec_drafted": 0, "spec_accepted": 0}
+        self.stats = {name: 0.0 if name.endswith("_s") else 0 for name in STATS}
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, on_event=None):

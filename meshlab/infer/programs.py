@@ -76,6 +76,23 @@ SPEC = "spec"
 OWN = (HIDDEN, LAST, COUNTS, BIAS, MASK, SPEC)    # the engine's entries of the cache dict, beside K and V
 
 
+def add_own_entries(cache: dict, md, max_seqs: int, max_len: int, *, free_bias, mask_width: int,
+                    reuse_hidden: bool, speculative: bool) -> dict:
+    """cache (kv_cache.init_paged's) with the engine's OWN entries added, each as a fresh request
+    leaves it: no token, no counts, free_bias (sampler.bias_row of the defaults, [3, BIAS_WIDTH]) in
+    every slot, every token allowed; HIDDEN with reuse_hidden, SPEC with speculative calls."""
+    if reuse_hidden:
+        cache[HIDDEN] = jnp.zeros((cache["k"].shape[1], md.cfg.d_model), md.cfg.dtype)
+    cache[LAST] = jnp.zeros((max_seqs,), jnp.int32)
+    cache[COUNTS] = jnp.zeros((max_seqs, md.cfg.vocab_size), jnp.int32)
+    cache[BIAS] = jnp.broadcast_to(jnp.asarray(free_bias), (max_seqs, *free_bias.shape))
+    cache[MASK] = jnp.full((max_seqs, mask_width), -1, jnp.int32)
+    if speculative:
+        cache[SPEC] = {"history": jnp.zeros((max_seqs, max_len), jnp.int32),
+                       "pos": jnp.zeros((max_seqs,), jnp.int32), "count": jnp.zeros((max_seqs,), jnp.int32)}
+    return cache
+
+
 LAYER_MODES = ("split", "fused", "kernels", "scan", "unroll")
 CONCATENATED = ("fused", "kernels")     # modes whose layers are pairs (params, their projections rearranged: _fuse)
 FUSED = {("attn", "wqkv"): ("wq", "wk", "wv"), ("mlp", "w_gate_up"): ("w_gate", "w_up")}   # concat axis 1

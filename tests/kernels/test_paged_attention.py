@@ -333,7 +333,7 @@ def test_one_token_stream_carries_the_zero_row():
     from flax import nnx
     import models
     from meshlab.infer import kv_cache
-    from meshlab.infer.engine import _unfused_placeholders, serving_params
+    from meshlab.infer.programs import _unfused_placeholders, serving_params
     from models import model_def, serving
     cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", n_layers=2)
     md = model_def(cfg)
