@@ -313,3 +313,21 @@ def test_the_benchmark_rows_compare_each_k_with_plain_decoding(tiny):
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] > 0 for r in rows)
     lines = table(rows, "tiny").splitlines()
     assert len(lines) == 4 and lines[3].split(" | ")[3] == "2"
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_calls_on_the_shipped_paths(tiny):
+    """On one GPU, the engine's defaults (Pallas kernels, kernels layers; the k + 1 queries through the
+    paged prompt kernel): every token is the full forward's argmax up to fp32 rounding (XLA's GPU dots
+    may round through TF32, hence 2e-2), with drafts made and kept."""
+    import jax.numpy as jnp
+    md, params, fwd = tiny
+    eng = Engine(md, params, max_len=256, max_seqs=4, page_size=16, chunk=64, speculative_tokens=4)
+    assert (eng.impl, eng.layers) == ("pallas", "kernels")
+    sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
+    for r in eng.generate(_prompts(), sp):
+        seq = r.prompt + r.output
+        logits = np.asarray(fwd(params, jnp.asarray([seq], jnp.int32)))[0, len(r.prompt) - 1:len(seq) - 1]
+        chosen = logits[np.arange(len(r.output)), r.output]
+        np.testing.assert_array_less(logits.max(-1) - chosen, 2e-2)
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0
