@@ -18,8 +18,9 @@ read back (no step is planned over it).
 
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
 that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one
-token it keeps. Rows asking for logprobs or changing their logits before the draw (penalties, bias,
-grammars, token masks, min_tokens) decode as before, and so does a call of more than
+token it keeps. A row asking for logprobs gets each kept token's from the logits that chose it (those
+of the raw model, as every call reports them). Rows changing their logits before the draw (penalties,
+bias, grammars, token masks, min_tokens) decode as before, and so does a call of more than
 `speculative_max_batch` rows: a step over b (k + 1) tokens stops being a weight stream as b grows.
 """
 from __future__ import annotations
@@ -29,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlab.infer import calls, kv_cache
+from meshlab.infer.calls import logprob_rows
 from meshlab.infer.packed import Flight
-from meshlab.infer.programs import LAST, SPEC, _bind, _split_own
+from meshlab.infer.programs import LAST, SPEC, TOP_LOGPROBS, _bind, _logprobs, _split_own
 from meshlab.infer.sampler import draw_keys, draw_logits, penalised_row
 from models import serving
 
@@ -101,19 +103,21 @@ def kept_tokens(kept, pos, limit):
 
 def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str = "split"):
     """spec_loop(params, cache, seen, tok, pos, limit, table, history, slots, rows, counters, n, k, ngram,
-    greedy, cut, chained) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token
+    greedy, cut, chained, logprobs) -> (outputs, cache, seen): n speculative steps over rows [b] whose last token
     tok sits at position pos (fed while below limit), history [b, L] each row's tokens (positions
     0..pos), rows and counters as sampler.sample's; ngram (shortest, longest) the suffixes looked up.
     chained: tok, pos, history and counters (None) are instead the state the last call left for each
     slot in the cache's SPEC and LAST entries (slots [b]; padding max_seqs), where every call leaves
     its own. A step where no row drafts runs a one-token forward (the decode kernels where the layers
     have them), so text that never repeats costs about what plain decoding does. Outputs "tokens" [n, b,
-    k + 1] (chosen_tokens'; a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed)."""
+    k + 1] (chosen_tokens'; a step's first `count` are kept), "count" [n, b], "drafted" [n, b] (drafts fed);
+    with logprobs (None, 0 or TOP_LOGPROBS, as Engine._flags), each token's as programs._head reports
+    them: "logprob" [n, b, k + 1], "top_logprob" and "top_id" [n, b, k + 1, top]."""
     vocab = md.cfg.vocab_size
     unroll, kernels = layers == "unroll", layers == "kernels"
 
     def spec_loop(params, cache, seen, tok, pos, limit, table, history, slots, rows, counters, n: int, k: int,
-                  ngram: tuple, greedy: bool, cut: int, chained: bool):
+                  ngram: tuple, greedy: bool, cut: int, chained: bool, logprobs=None):
         model, per_layer = _bind(md, params, layers)
         cache, own = _split_own(cache)
         steps = jnp.arange(k + 1)
@@ -129,6 +133,16 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
                                        kernels=kernels)                           # [b, t, d]
             return model.logits(h)[..., :vocab], cache                            # [b, t, V] fp32
 
+        def choose(logits, drafts):
+            """(chosen_tokens' tokens [b, t] and kept [b], the tokens' logprobs padded to k + 1 along t)."""
+            tokens, kept = chosen_tokens(logits, drafts, rows, counters, greedy, cut)
+            if logprobs is None:
+                return tokens, kept, {}
+            t = logits.shape[1]
+            lps = _logprobs(logits.reshape(b * t, vocab), jnp.maximum(tokens, 0).reshape(-1), logprobs and TOP_LOGPROBS)
+            pad = lambda a: jnp.pad(a.reshape(b, t, *a.shape[1:]), [(0, 0), (0, k + 1 - t)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+            return tokens, kept, dict(zip(("logprob", "top_logprob", "top_id"), map(pad, lps)))   # [b, k + 1(, top)]
+
         def body(carry, _):
             cache, history, tok, pos, counters = carry
             positions = pos[:, None] + steps                                      # [b, k + 1]
@@ -138,41 +152,41 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
             def check(cache):                   # each row's token and its drafts
                 fed = jnp.concatenate([tok[:, None], jnp.maximum(drafts, 0)], axis=1)          # [b, k + 1]
                 logits, cache = forward(cache, fed, positions, valid)
-                return chosen_tokens(logits, drafts, rows, counters, greedy, cut), cache
+                return choose(logits, drafts), cache
 
             def plain(cache):                   # no draft in any row: its token alone
                 logits, cache = forward(cache, tok[:, None], pos[:, None], valid[:, :1])       # [b, 1, V]
-                tokens, kept = chosen_tokens(logits, drafts[:, :0], rows, counters, greedy, cut)
-                return (jnp.pad(tokens, ((0, 0), (0, k)), constant_values=-1), kept), cache
-            (tokens, kept), cache = jax.lax.cond(jnp.any(drafts >= 0), check, plain, cache)
+                tokens, kept, lps = choose(logits, drafts[:, :0])
+                return (jnp.pad(tokens, ((0, 0), (0, k)), constant_values=-1), kept, lps), cache
+            (tokens, kept, lps), cache = jax.lax.cond(jnp.any(drafts >= 0), check, plain, cache)
             count = kept_tokens(kept, pos, limit)                                 # [b]
             at = jnp.where(steps < count[:, None], positions + 1, L)              # [b, k + 1]; L: dropped
             history = history.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
             last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
             drafted = jnp.sum(drafts >= 0, axis=1).astype(jnp.int32)
             carry = (cache, history, jnp.where(count > 0, last, tok), pos + count, counters + count)
-            return carry, (tokens, count, drafted)
+            return carry, (tokens, count, drafted, lps)
 
-        (cache, history, tok, pos, counters), (tokens, count, drafted) = jax.lax.scan(
+        (cache, history, tok, pos, counters), (tokens, count, drafted, lps) = jax.lax.scan(
             body, (cache, history, tok, pos, counters), None, length=n)
         own[LAST] = own[LAST].at[slots].set(tok, mode="drop")                     # for a call chained behind
         own[SPEC] = {"history": state["history"].at[slots].set(history, mode="drop"),
                      "pos": state["pos"].at[slots].set(pos, mode="drop"),
                      "count": state["count"].at[slots].set(counters, mode="drop")}
-        return {"tokens": tokens, "count": count, "drafted": drafted}, dict(cache, **own), seen
+        return {"tokens": tokens, "count": count, "drafted": drafted, **lps}, dict(cache, **own), seen
     return spec_loop
 
 
 def spec_program(spec_loop, treedef, compiler_options: dict | None = None):
     """spec_loop taking (weights, cache, seen, buf, layout) as calls.decode_program's: the buffer holds
     spec_inputs' arrays (a chained call's only limit, table, slots and rows)."""
-    def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut, chained):
+    def call(weights, cache, seen, buf, layout, n, k, ngram, greedy, cut, chained, logprobs=None):
         params, a = jax.tree.unflatten(treedef, weights), calls.unpack(buf, layout)
         return calls.state_first(spec_loop(params, cache, seen, a.get("tok"), a.get("pos"), a["limit"], a["table"],
                                            a.get("history"), a["slots"], a["rows"], a.get("counters"), n=n, k=k,
-                                           ngram=ngram, greedy=greedy, cut=cut, chained=chained))
-    return jax.jit(call, donate_argnums=(1, 2), static_argnames=("layout", "n", "k", "ngram", "greedy", "cut", "chained"),
-                   compiler_options=compiler_options)
+                                           ngram=ngram, greedy=greedy, cut=cut, chained=chained, logprobs=logprobs))
+    return jax.jit(call, donate_argnums=(1, 2), compiler_options=compiler_options,
+                   static_argnames=("layout", "n", "k", "ngram", "greedy", "cut", "chained", "logprobs"))
 
 
 def spec_inputs(reqs, b: int, table: np.ndarray, max_len: int, rows: dict, max_seqs: int,
@@ -204,11 +218,11 @@ class Speculation:
     """Speculative decode calls for an `Engine` (its scheduler, programs, flags and stats)."""
 
     def _speculates(self, decodes) -> bool:
-        """Whether a decode call of these rows speculates: on, few enough rows, none asking for logprobs
-        or changing its logits before the draw (penalties, bias, a grammar or token mask, min_tokens)."""
+        """Whether a decode call of these rows speculates: on, few enough rows, none changing its logits
+        before the draw (penalties, bias, a grammar or token mask, min_tokens)."""
         if not self.speculative_tokens or len(decodes) > self.speculative_max_batch:
             return False
-        return all(r.params.logprobs is None and not penalised_row(r.params) for r in decodes)
+        return not any(penalised_row(r.params) for r in decodes)
 
     def _speculate(self, decodes, chained: bool = False):
         """A speculative call of steps_per_call steps over `decodes`, left running (a Flight, read back by
@@ -226,15 +240,15 @@ class Speculation:
         b = next(x for x in self.DECODE if x >= m)
         slots = np.full(b, s.max_seqs, np.int32)
         slots[:m] = [r.slot for r in decodes]
-        greedy, _, cut = self._flags(slots[:m])
+        greedy, logprobs, cut = self._flags(slots[:m])
         rows = self._row_inputs(np.minimum(slots, s.max_seqs - 1))
         buf, layout = spec_inputs(decodes, b, s.table, s.max_len, rows, s.max_seqs, chained)
-        out = self._launch(("spec", b, n, k, greedy, cut, chained), self.spec_call, buf, layout=layout, n=n, k=k,
-                           ngram=self.prompt_lookup, greedy=greedy, cut=cut, chained=chained)
+        out = self._launch(("spec", b, n, k, greedy, logprobs, cut, chained), self.spec_call, buf, layout=layout, n=n,
+                           k=k, ngram=self.prompt_lookup, greedy=greedy, cut=cut, chained=chained, logprobs=logprobs)
         self.stats["steps"] += n
         self.stats["spec_calls"] += 1
         self.stats["chained_calls"] += chained
-        return Flight(out, None, [], list(decodes), n, spec=True)
+        return Flight(out, logprobs, [], list(decodes), n, spec=True)
 
     def _chain_spec(self, f):
         """The speculative call after `f` (in flight), from the rows' state it leaves on the device; None
@@ -246,13 +260,18 @@ class Speculation:
         return self._speculate(f.decodes, chained=True)
 
     def _land_spec(self, f) -> None:
-        """Read back a speculative call and emit its rows' tokens: each step's first `count` of a row."""
+        """Read back a speculative call and emit its rows' tokens (and logprobs): each step's first `count`
+        of a row."""
         out = self._fetch(f.out)
         m = len(f.decodes)
         count = out["count"][:, :m]                                                 # [n, m]
         self.stats["spec_drafted"] += int(out["drafted"][:, :m].sum())
         self.stats["spec_accepted"] += int(np.maximum(count - 1, 0).sum())
+        kept = np.arange(out["tokens"].shape[2])[None, :, None] < count[:, None, :]  # [n, k + 1, m]
+        lps = logprob_rows(out, 1) if f.logprobs is not None else None              # per row, [n (k + 1)] entries
         for i, r in enumerate(f.decodes):
             r.cached += int(count[:, i].sum())
             if r.finish_reason is None:
-                self._emit(r, np.concatenate([out["tokens"][j, i, :count[j, i]] for j in range(f.n)]))
+                mine = kept[:, :, i].reshape(-1)                                    # step-major, as logprob_rows
+                self._emit(r, out["tokens"][:, i].reshape(-1)[mine],
+                           [e for e, keep in zip(lps[i], mine) if keep] if lps else None)

@@ -37,7 +37,7 @@ class Warmup:
         steps and of one, which runs when pages for more are short or a request is held to a grammar;
         first-token and head calls; every packed shape) by calling each on padding only: nothing is
         written, no request is touched. A server does this before its first request (WARMUP_KINDS: the
-        flags of each kind of request; the speculative calls too, when on, for kinds without logprobs). score:
+        flags of each kind of request; the speculative calls too, when on, for kinds without score). score:
         the packed shapes' prompt-logprob flag (scoring._score_flag). report(key, seconds) after each
         program compiled. limit: compile at most this many (a server's engine thread warms while idle,
         one program at a time). Returns the number of programs compiled (those compiled before are
@@ -47,11 +47,11 @@ class Warmup:
         cut = CUT_NONE if greedy else cut
         flags = dict(greedy=greedy, logprobs=logprobs, cut=cut)
 
-        def run(key, call, buf, flagged=True, **kw):
+        def run(key, call, buf, **kw):
             if key not in self._programs and (limit is None or self.stats["compiles"] - before < limit):
-                _, t0, t1 = self._call(key, call, buf, **kw, **(flags if flagged else {}))
+                _, t0, t1 = self._call(key, call, buf, **kw, **flags)
                 report and report(key, t1 - t0)
-        spec_k = self.speculative_tokens if logprobs is None and score is None else 0
+        spec_k = self.speculative_tokens if score is None else 0
         spec_rows = next(b for b in self.DECODE if b >= min(self.speculative_max_batch, b_max))
         with placement(self.rules, self.mesh):
             for b in self.DECODE:
@@ -61,9 +61,8 @@ class Warmup:
                     run(("decode", b, n, greedy, logprobs, cut), self.decode_call, buf, layout=layout, n=n)
                     for chained in (False, True) if spec_k and b <= spec_rows else ():   # padding: limit 0
                         spec_buf, spec_layout = spec_inputs([], b, s.table, s.max_len, self._row_inputs(z), b_max, chained)
-                        run(("spec", b, n, spec_k, greedy, cut, chained), self.spec_call, spec_buf, flagged=False,
-                            layout=spec_layout, n=n, k=spec_k, ngram=self.prompt_lookup, greedy=greedy, cut=cut,
-                            chained=chained)
+                        run(("spec", b, n, spec_k, greedy, logprobs, cut, chained), self.spec_call, spec_buf,
+                            layout=spec_layout, n=n, k=spec_k, ngram=self.prompt_lookup, chained=chained)
                 if not self.first_token_decode:   # its one-step program is never called: not compiled
                     continue
                 slots = self._first_slots(b)

@@ -7,6 +7,7 @@ import pytest
 
 from meshlab.infer import speculative
 from meshlab.infer.engine import Engine
+from meshlab.infer.programs import TOP_LOGPROBS
 from meshlab.infer.sampler import CUT_NONE, CUT_TOP_K, SamplingParams, row_arrays
 from tests.helpers import assert_greedy_matches, record_instances
 
@@ -138,18 +139,41 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     assert out == plain[0][:plain[0].index(stop) + 1]
 
 
-def test_rows_that_want_logprobs_or_penalties_or_are_too_many_do_not_speculate(tiny, plain):
+def test_penalised_rows_or_too_many_do_not_speculate(tiny, plain):
     md, params, _ = tiny
     eng = _engine(md, params, speculative_max_batch=2)
     sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
     assert [r.output for r in eng.generate(_prompts(), sp)] == plain
     # three rows decode plainly (over the limit); the two left after the shortest ends speculate
     assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] > 0
-    for params_ in (SamplingParams(max_tokens=20, logprobs=1), SamplingParams(max_tokens=20, repetition_penalty=1.2),
+    for params_ in (SamplingParams(max_tokens=20, repetition_penalty=1.2),
                     SamplingParams(max_tokens=20, temperature=0.8, logit_bias={3: 1.0})):
         before = eng.stats["spec_calls"]
         eng.generate([_prompts()[0]], params_)
         assert eng.stats["spec_calls"] == before
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_rows_with_logprobs_speculate_and_get_each_kept_tokens(tiny, plain, top):
+    """A row asking for logprobs speculates, to plain greedy's tokens; each token's logprob (and its top
+    alternatives) is the full forward's log-softmax there, drafts kept or the model's own alike; a row
+    without logprobs in the same calls gets none."""
+    import jax
+    import jax.numpy as jnp
+    from tests.helpers import check_prompt_logprobs
+    md, params, fwd = tiny
+    eng = _engine(md, params)
+    sp = [SamplingParams(max_tokens=m, logprobs=top if i != 1 else None) for i, m in enumerate((40, 33, 47))]
+    reqs = eng.generate(_prompts(), sp)
+    assert [r.output for r in reqs] == plain
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0 and eng.stats["decode_calls"] == 0
+    assert reqs[1].logprobs == []
+    for r in (reqs[0], reqs[2]):
+        seq = r.prompt + r.output
+        ref = np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([seq], jnp.int32))[0], axis=-1))
+        # as prompt logprobs are checked: entry k is token seq[k]'s, alternatives after the row before
+        got = [None] + [(lp, alternatives, None) for lp, alternatives in r.logprobs]
+        check_prompt_logprobs(got, seq[len(r.prompt) - 1:], ref[len(r.prompt) - 1:], top)
 
 
 def test_sampled_rows_speculate(tiny, plain):
@@ -255,6 +279,10 @@ def test_warmup_compiles_the_speculative_calls(tiny, plain):
     out = eng.generate([_prompts()[0]], SamplingParams(max_tokens=40))[0].output
     assert out == plain[0] and eng.stats["spec_calls"] > 0
     assert eng.stats["compiles"] == compiled                      # nothing left to compile at the first request
+    assert eng.warmup(logprobs=TOP_LOGPROBS) > 0                  # the logprobs kind's speculative calls too
+    compiled, calls = eng.stats["compiles"], eng.stats["spec_calls"]
+    eng.generate([_prompts()[0]], SamplingParams(max_tokens=40, logprobs=2))
+    assert eng.stats["spec_calls"] > calls and eng.stats["compiles"] == compiled
 
 
 def test_serve_speculates_greedy_requests_and_counts_the_drafts(tmp_path, monkeypatch):
