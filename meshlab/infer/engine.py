@@ -127,7 +127,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
 
     speculative_tokens=k > 0: speculative decoding by prompt lookup (k drafts a step, looked up by the row's last
     prompt_lookup_max down to prompt_lookup_min tokens) for decode calls of at most speculative_max_batch
-    rows without logprobs or penalties; meshlab.infer.speculative says how.
+    rows, none held to a token mask; meshlab.infer.speculative says how.
     """
 
     def __init__(self, md, params, *, max_len: int, max_seqs: int = 8, page_size: int = 16,

@@ -311,6 +311,23 @@ def allowed_bits(allowed, vocab: int):
     return ((allowed[:, ids // 32] >> (ids % 32)) & 1).astype(bool)
 
 
+def penalties(logits, rows: dict, counters, seen, counts=None, bias=None, allowed=None):
+    """The logits a row's draw (or argmax) sees, sample's arguments as it takes them: tokens outside its
+    mask at -inf, its logit bias while its counter is below an entry's until, the repetition penalty on
+    seen tokens, the presence and frequency penalties on its counts."""
+    pen = logits
+    if allowed is not None:
+        pen = jnp.where(allowed_bits(allowed, logits.shape[-1]), pen, -jnp.inf)
+    if bias is not None:
+        ids, values, until = bias_entries(bias)
+        values = jnp.where(counters[:, None] < until, values, 0.0)                      # [b, BIAS_WIDTH]
+        pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")
+    pen = _penalise(pen, seen, rows["penalty"])
+    if counts is not None:
+        pen = pen - rows["frequency"][:, None] * counts - rows["presence"][:, None] * (counts > 0)
+    return pen
+
+
 def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, counts=None, bias=None, allowed=None,
            cut: int = CUT_TOP_K):
     """logits [b, V] fp32 (real vocabulary only); rows: row_arrays on device; counters [b] int32;
@@ -323,16 +340,7 @@ def sample(logits, rows: dict, counters, seen, greedy: bool | None = None, count
     None decides on device (no bias or grammar then). cut: a static promise of the cuts the rows set
     (`cuts`): the draw skips finding the others."""
     def full(_):
-        pen = logits
-        if allowed is not None:
-            pen = jnp.where(allowed_bits(allowed, logits.shape[-1]), pen, -jnp.inf)
-        if bias is not None:
-            ids, values, until = bias_entries(bias)
-            values = jnp.where(counters[:, None] < until, values, 0.0)                  # [b, BIAS_WIDTH]
-            pen = pen.at[jnp.arange(pen.shape[0])[:, None], ids].add(values, mode="drop")
-        pen = _penalise(pen, seen, rows["penalty"])
-        if counts is not None:
-            pen = pen - rows["frequency"][:, None] * counts - rows["presence"][:, None] * (counts > 0)
+        pen = penalties(logits, rows, counters, seen, counts, bias, allowed)
         return jnp.where(rows["temperature"] > 0, _draw(pen, rows, counters, cut), jnp.argmax(pen, axis=-1))
 
     argmax = lambda _: jnp.argmax(logits, axis=-1)

@@ -19,9 +19,11 @@ read back (no step is planned over it).
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
 that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one
 token it keeps. A row asking for logprobs gets each kept token's from the logits that chose it (those
-of the raw model, as every call reports them). Rows changing their logits before the draw (penalties,
-bias, grammars, token masks, min_tokens) decode as before, and so does a call of more than
-`speculative_max_batch` rows: a step over b (k + 1) tokens stops being a weight stream as b grows.
+of the raw model, as every call reports them). Penalties, logit bias and min_tokens change each
+position's logits as plain decoding would there (stepwise_penalties: the drafts before it seen and
+counted). Rows held to a token mask (a grammar, allowed or banned tokens: the host sets it before each
+step) decode as before, and so does a call of more than `speculative_max_batch` rows: a step over
+b (k + 1) tokens stops being a weight stream as b grows.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ import numpy as np
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.packed import Flight
-from meshlab.infer.programs import LAST, SPEC, TOP_LOGPROBS, _bind, _logprobs, _split_own
-from meshlab.infer.sampler import draw_keys, draw_logits, penalised_row
+from meshlab.infer.programs import BIAS, COUNTS, LAST, SPEC, TOP_LOGPROBS, _bind, _logprobs, _split_own
+from meshlab.infer.sampler import draw_keys, draw_logits, penalties
 from models import serving
 
 
@@ -94,6 +96,22 @@ def chosen_tokens(logits, drafts, rows, counters, greedy: bool, cut: int):
     return jnp.where(j < kept[:, None], padded, jnp.where(j == kept[:, None], own, -1)), kept
 
 
+def stepwise_penalties(logits, fed, valid, rows, counters, seen_rows, count_rows, bias_rows):
+    """logits [b, t, V] after each fed token [b, t] (the row's token, then its drafts; valid [b, t]) -> the
+    logits each position's draw sees (sampler.penalties) with the row's state as plain decoding would have
+    it there: the fed tokens up to the position seen, the drafts up to it generated (counted), the counter
+    advanced by the position. seen_rows / count_rows [b, V] and bias_rows (or None) as the step starts."""
+    b, t, vocab = logits.shape
+    hot = jax.nn.one_hot(jnp.where(valid, fed, vocab), vocab, dtype=jnp.int32)          # [b, t, V]; padding: none
+    seen = seen_rows[:, None] | (jnp.cumsum(hot, axis=1) > 0)                             # [b, t, V]
+    counts = None if count_rows is None else count_rows[:, None] + jnp.cumsum(hot.at[:, 0].set(0), axis=1)
+    flat = lambda a: a.reshape(b * t, *a.shape[2:])                                       # noqa: E731 - [b t, ...]
+    each = lambda a: jnp.repeat(a, t, axis=0)                                             # noqa: E731 - a row per position
+    pen = penalties(flat(logits), jax.tree.map(each, rows), (counters[:, None] + jnp.arange(t)).reshape(-1), flat(seen),
+                    None if counts is None else flat(counts), None if bias_rows is None else each(bias_rows))
+    return pen.reshape(b, t, vocab)
+
+
 def kept_tokens(kept, pos, limit):
     """Tokens a step keeps per row [b]: its kept drafts and the model's own token after them; none for a
     row at or past its limit (padding, or a row that reached its end). No draft is fed at the limit or
@@ -126,6 +144,7 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
             at = jnp.minimum(slots, state["pos"].shape[0] - 1)
             tok, pos, counters, history = own[LAST][at], state["pos"][at], state["count"][at], state["history"][at]
         b, L = history.shape
+        at_slots = jnp.minimum(slots, seen.shape[0] - 1)                          # padding rows read the last slot's
 
         def forward(cache, fed, positions, valid):
             attend = kv_cache.paged_attend(positions, valid, table, impl, interpret, spans=True)
@@ -133,9 +152,12 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
                                        kernels=kernels)                           # [b, t, d]
             return model.logits(h)[..., :vocab], cache                            # [b, t, V] fp32
 
-        def choose(logits, drafts):
-            """(chosen_tokens' tokens [b, t] and kept [b], the tokens' logprobs padded to k + 1 along t)."""
-            tokens, kept = chosen_tokens(logits, drafts, rows, counters, greedy, cut)
+        def choose(logits, drafts, counters, fed, valid, seen_rows, count_rows):
+            """(chosen_tokens' tokens [b, t] and kept [b] over the logits each position's draw sees, the
+            tokens' logprobs (of the raw logits) padded to k + 1 along t)."""
+            pen = logits if greedy else stepwise_penalties(logits, fed, valid, rows, counters, seen_rows, count_rows,
+                                                           own[BIAS][at_slots] if BIAS in own else None)
+            tokens, kept = chosen_tokens(pen, drafts, rows, counters, greedy, cut)
             if logprobs is None:
                 return tokens, kept, {}
             t = logits.shape[1]
@@ -144,31 +166,42 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
             return tokens, kept, dict(zip(("logprob", "top_logprob", "top_id"), map(pad, lps)))   # [b, k + 1(, top)]
 
         def body(carry, _):
-            cache, history, tok, pos, counters = carry
+            cache, seen, counts, history, tok, pos, counters = carry
             positions = pos[:, None] + steps                                      # [b, k + 1]
             valid = positions < limit[:, None]
             drafts = jnp.where(valid[:, 1:], propose(history, pos + 1, k, ngram[1], ngram[0]), -1)   # [b, k]
+            fed = jnp.concatenate([tok[:, None], jnp.maximum(drafts, 0)], axis=1)              # [b, k + 1]
+            seen_rows = None if greedy else seen[at_slots]                                     # [b, V]
+            count_rows = None if counts is None else counts[at_slots]
 
             def check(cache):                   # each row's token and its drafts
-                fed = jnp.concatenate([tok[:, None], jnp.maximum(drafts, 0)], axis=1)          # [b, k + 1]
                 logits, cache = forward(cache, fed, positions, valid)
-                return choose(logits, drafts), cache
+                return choose(logits, drafts, counters, fed, valid, seen_rows, count_rows), cache
 
             def plain(cache):                   # no draft in any row: its token alone
                 logits, cache = forward(cache, tok[:, None], pos[:, None], valid[:, :1])       # [b, 1, V]
-                tokens, kept, lps = choose(logits, drafts[:, :0])
+                tokens, kept, lps = choose(logits, drafts[:, :0], counters, fed[:, :1], valid[:, :1], seen_rows, count_rows)
                 return (jnp.pad(tokens, ((0, 0), (0, k)), constant_values=-1), kept, lps), cache
             (tokens, kept, lps), cache = jax.lax.cond(jnp.any(drafts >= 0), check, plain, cache)
             count = kept_tokens(kept, pos, limit)                                 # [b]
+            if not greedy:                      # the row's token and its kept drafts are seen, its kept tokens generated
+                rows_at = jnp.broadcast_to(slots[:, None], (b, k + 1))
+                seen = seen.at[rows_at, jnp.where((steps == 0) & valid[:, :1] | (steps > 0) & (steps < count[:, None]),
+                                                  fed, vocab)].set(True, mode="drop")
+                if counts is not None:
+                    counts = counts.at[rows_at, jnp.where(steps < count[:, None], tokens, vocab)].add(1, mode="drop")
             at = jnp.where(steps < count[:, None], positions + 1, L)              # [b, k + 1]; L: dropped
             history = history.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
             last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
             drafted = jnp.sum(drafts >= 0, axis=1).astype(jnp.int32)
-            carry = (cache, history, jnp.where(count > 0, last, tok), pos + count, counters + count)
+            carry = (cache, seen, counts, history, jnp.where(count > 0, last, tok), pos + count, counters + count)
             return carry, (tokens, count, drafted, lps)
 
-        (cache, history, tok, pos, counters), (tokens, count, drafted, lps) = jax.lax.scan(
-            body, (cache, history, tok, pos, counters), None, length=n)
+        counts = None if greedy else own.get(COUNTS)
+        (cache, seen, counts, history, tok, pos, counters), (tokens, count, drafted, lps) = jax.lax.scan(
+            body, (cache, seen, counts, history, tok, pos, counters), None, length=n)
+        if counts is not None:
+            own[COUNTS] = counts
         own[LAST] = own[LAST].at[slots].set(tok, mode="drop")                     # for a call chained behind
         own[SPEC] = {"history": state["history"].at[slots].set(history, mode="drop"),
                      "pos": state["pos"].at[slots].set(pos, mode="drop"),
@@ -218,11 +251,11 @@ class Speculation:
     """Speculative decode calls for an `Engine` (its scheduler, programs, flags and stats)."""
 
     def _speculates(self, decodes) -> bool:
-        """Whether a decode call of these rows speculates: on, few enough rows, none changing its logits
-        before the draw (penalties, bias, a grammar or token mask, min_tokens)."""
+        """Whether a decode call of these rows speculates: on, few enough rows, none held to a token mask
+        (a grammar, allowed or banned tokens: the host sets it before each step)."""
         if not self.speculative_tokens or len(decodes) > self.speculative_max_batch:
             return False
-        return not any(penalised_row(r.params) for r in decodes)
+        return not any(r in self.masked for r in decodes)
 
     def _speculate(self, decodes, chained: bool = False):
         """A speculative call of steps_per_call steps over `decodes`, left running (a Flight, read back by

@@ -139,15 +139,15 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     assert out == plain[0][:plain[0].index(stop) + 1]
 
 
-def test_penalised_rows_or_too_many_do_not_speculate(tiny, plain):
+def test_masked_rows_or_too_many_do_not_speculate(tiny, plain):
     md, params, _ = tiny
     eng = _engine(md, params, speculative_max_batch=2)
     sp = [SamplingParams(max_tokens=m) for m in (40, 33, 47)]
     assert [r.output for r in eng.generate(_prompts(), sp)] == plain
     # three rows decode plainly (over the limit); the two left after the shortest ends speculate
     assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] > 0
-    for params_ in (SamplingParams(max_tokens=20, repetition_penalty=1.2),
-                    SamplingParams(max_tokens=20, temperature=0.8, logit_bias={3: 1.0})):
+    for params_ in (SamplingParams(max_tokens=20, allowed_token_ids=list(range(100))),
+                    SamplingParams(max_tokens=20, temperature=0.8, bad_words_ids=[[3]])):
         before = eng.stats["spec_calls"]
         eng.generate([_prompts()[0]], params_)
         assert eng.stats["spec_calls"] == before
@@ -210,6 +210,45 @@ def test_every_kept_draft_saves_a_step(tiny, plain, monkeypatch, oracle):
         assert eng.stats["spec_accepted"] == decoded - -(-decoded // (k + 1))
     else:
         assert eng.stats["spec_accepted"] == 0 and eng.stats["spec_drafted"] == 0
+
+
+PENALISED = [SamplingParams(max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={7: 2.0}),
+             SamplingParams(max_tokens=33, presence_penalty=0.8, min_tokens=30, stop_token_ids=[12]),
+             SamplingParams(max_tokens=47, temperature=0.9, seed=4, repetition_penalty=1.2, frequency_penalty=0.3)]
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_penalised_rows_speculate_to_plain_decodings_tokens(tiny, monkeypatch, oracle):
+    """Penalties, logit bias and min_tokens read each position's state as plain decoding has it there (the
+    drafts before it seen and counted, the counter advanced): drafts that are greedy decoding's own tokens
+    are all kept, to its tokens; with no drafts the one-token steps give plain decoding's tokens, a seeded
+    sampled row's too (its draws keyed by its counter). Kept drafts change a sampled row's draws, not their
+    distribution (test_sampled_tokens_are_distributed_as_plain_sampling)."""
+    md, params, _ = tiny
+    prompts = _prompts()
+    want = [r.output for r in _engine(md, params, k=0).generate(prompts, PENALISED)]
+    full = [np.array(p + w + [0] * 8, np.int32) for p, w in zip(prompts, want)]
+    calls = []
+
+    def drafts(history, length, k_, ngram, shortest):
+        import jax.numpy as jnp
+        at = length[:, None] + jnp.arange(k_)
+        if not oracle:
+            return jnp.full(at.shape, -1, jnp.int32)
+        row = calls[-1]                       # one request a call (max_seqs=1): the text it continues
+        return jnp.asarray(full[row])[jnp.minimum(at, len(full[row]) - 1)]
+    monkeypatch.setattr(speculative, "propose", drafts)
+    k = 3
+    for i, (prompt, sp) in enumerate(zip(prompts, PENALISED)):
+        if oracle and sp.temperature > 0:
+            continue
+        calls.append(i)
+        eng = _engine(md, params, k=k, max_seqs=1)
+        assert eng.generate([prompt], sp)[0].output == want[i], i
+        assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] == 0
+        decoded = len(want[i]) - 1
+        kept = decoded - -(-decoded // (k + 1)) if oracle else 0
+        assert eng.stats["spec_accepted"] == kept, i
 
 
 @pytest.mark.parametrize("t,h,kvh,d", [(2, 4, 2, 16), (3, 8, 2, 64), (5, 8, 2, 64), (7, 4, 4, 16), (8, 32, 8, 64)])
