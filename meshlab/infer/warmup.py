@@ -37,7 +37,7 @@ class Warmup:
         steps and of one, which runs when pages for more are short or a request is held to a grammar;
         first-token and head calls; every packed shape) by calling each on padding only: nothing is
         written, no request is touched. A server does this before its first request (WARMUP_KINDS: the
-        flags of each kind of request; the speculative calls too, when on, for kinds without score). score:
+        flags of each kind of request; the speculative calls too, when on, for every kind but scoring). score:
         the packed shapes' prompt-logprob flag (scoring._score_flag). report(key, seconds) after each
         program compiled. limit: compile at most this many (a server's engine thread warms while idle,
         one program at a time). Returns the number of programs compiled (those compiled before are
