@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
-    from meshlab.infer.loading import add_checkpoint_args, add_storage_args, open_checkpoint, stop_token_ids, storage_kwargs
+    from meshlab.infer.loading import (add_checkpoint_args, add_speculative_args, add_storage_args, open_checkpoint,
+                                      speculative_kwargs, stop_token_ids, storage_kwargs)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(ap)
     ap.add_argument("--prompt", required=True)
@@ -24,8 +25,7 @@ def main(argv=None):
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
-    ap.add_argument("--speculative-tokens", type=int, default=0,
-                    help="draft tokens a step checks, by prompt lookup (serve.py's; 0: off)")
+    add_speculative_args(ap, batch=False)
     add_storage_args(ap)
     args = ap.parse_args(argv)
     from meshlab.infer.engine import ContiguousGenerator, Engine
@@ -41,7 +41,7 @@ def main(argv=None):
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         if args.speculative_tokens:    # the serving engine's speculative calls, over one row
             gen = Engine(md, params, max_len=-(-need // 16) * 16, max_seqs=1, chunk=chunk, rules=rules, mesh=mesh,
-                         speculative_tokens=args.speculative_tokens, **storage_kwargs(args))
+                         **speculative_kwargs(args), **storage_kwargs(args))
         else:
             gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,
                                       rules=rules, mesh=mesh, **storage_kwargs(args))

@@ -161,6 +161,27 @@ def storage_kwargs(args) -> dict:
     return {"quantize": None if args.quantize == "none" else args.quantize, "kv_cache_dtype": args.kv_cache_dtype}
 
 
+def add_speculative_args(ap, batch: bool = True) -> None:
+    """The speculative decoding flags serve.py and generate.py share (to Engine through speculative_kwargs);
+    batch: also --speculative-max-batch (a server's; generate.py decodes one row)."""
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="draft tokens a step checks, by prompt lookup, for requests without a token mask "
+                         "(0: off; meshlab/infer/speculative.py says where it pays)")
+    ap.add_argument("--prompt-lookup-max", type=int, default=3, help="the longest suffix a draft is looked up by, tokens")
+    ap.add_argument("--prompt-lookup-min", type=int, default=1, help="the shortest suffix a draft is looked up by, tokens")
+    if batch:
+        ap.add_argument("--speculative-max-batch", type=int, default=4, help="speculate while at most this many rows decode")
+
+
+def speculative_kwargs(args) -> dict:
+    """add_speculative_args' values as Engine's arguments."""
+    kw = {"speculative_tokens": args.speculative_tokens, "prompt_lookup_max": args.prompt_lookup_max,
+          "prompt_lookup_min": args.prompt_lookup_min}
+    if hasattr(args, "speculative_max_batch"):
+        kw["speculative_max_batch"] = args.speculative_max_batch
+    return kw
+
+
 def open_checkpoint(args):
     """(rules, mesh, cfg, md, params, tokenizer) from add_checkpoint_args' values. --cpu-devices is
     applied first: it must precede the first use of a JAX backend; the compile cache (its line on stderr)

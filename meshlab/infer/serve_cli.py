@@ -11,7 +11,7 @@ import time
 
 
 def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse.ArgumentParser:
-    from meshlab.infer.loading import add_checkpoint_args, add_storage_args
+    from meshlab.infer.loading import add_checkpoint_args, add_speculative_args, add_storage_args
     ap = argparse.ArgumentParser(description=description)
     add_checkpoint_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
@@ -33,12 +33,7 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                          "kernels: [n, k] matrices, Pallas decode matmuls at batch 1; "
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
     add_storage_args(ap)
-    ap.add_argument("--speculative-tokens", type=int, default=0,
-                    help="draft tokens a step checks, by prompt lookup, for requests without logprobs or penalties "
-                         "(0: off; meshlab/infer/speculative.py says where it pays)")
-    ap.add_argument("--prompt-lookup-max", type=int, default=3, help="the longest suffix a draft is looked up by, tokens")
-    ap.add_argument("--prompt-lookup-min", type=int, default=1, help="the shortest suffix a draft is looked up by, tokens")
-    ap.add_argument("--speculative-max-batch", type=int, default=4, help="speculate while at most this many rows decode")
+    add_speculative_args(ap)
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
     ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
@@ -92,7 +87,7 @@ def start_server(args):
     from meshlab.infer import kv_cache
     from meshlab.infer.programs import weights_summary
     from meshlab.infer.engine import Engine
-    from meshlab.infer.loading import open_checkpoint, stop_token_ids, storage_kwargs
+    from meshlab.infer.loading import open_checkpoint, speculative_kwargs, stop_token_ids, storage_kwargs
     from meshlab.infer.server import Server
     from meshlab.infer.tools import tool_format
     from meshlab.infer.warmup import WARMUP_KINDS
@@ -101,9 +96,7 @@ def start_server(args):
     engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                     num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                     max_step_tokens=args.max_step_tokens, impl=args.attention, layers=args.layers, rules=rules,
-                    mesh=mesh, speculative_tokens=args.speculative_tokens, prompt_lookup_max=args.prompt_lookup_max,
-                    prompt_lookup_min=args.prompt_lookup_min,
-                    speculative_max_batch=args.speculative_max_batch, **storage_kwargs(args))
+                    mesh=mesh, **speculative_kwargs(args), **storage_kwargs(args))
     print(f"{weights_summary(engine.params)}; {kv_cache.summary(engine.cache)}", file=sys.stderr, flush=True)
     warm = args.warmup == "on" or (args.warmup == "auto" and jax.default_backend() != "cpu")
     if warm:
