@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup: the drafts against a numpy reference, the tokens a step keeps,
-and the engine's greedy tokens with speculation equal to those without (float32, CPU)."""
+the engine's tokens with speculation equal to those without (greedy, penalised, and seeded sampling with
+no draft; float32, CPU), the logprobs it reports, and its attention over the paged cache."""
 import re
 
 import numpy as np
@@ -189,66 +190,44 @@ def test_sampled_rows_speculate(tiny, plain):
     assert first == again and len(first) == 30 and eng.stats["decode_calls"] == 0
 
 
+# (prompt, settings): plain greedy; greedy with repetition and frequency penalties and a logit bias; greedy with
+# a presence penalty and min_tokens holding a stop token; seeded sampling with penalties
+SCRIPTED = [(0, SamplingParams(max_tokens=40)),
+            (0, SamplingParams(max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={7: 2.0})),
+            (1, SamplingParams(max_tokens=33, presence_penalty=0.8, min_tokens=30, stop_token_ids=[12])),
+            (2, SamplingParams(max_tokens=47, temperature=0.9, seed=4, repetition_penalty=1.2, frequency_penalty=0.3))]
+
+
 @pytest.mark.parametrize("oracle", [True, False])
-def test_every_kept_draft_saves_a_step(tiny, plain, monkeypatch, oracle):
-    """Drafts that are the greedy continuation are all kept (k + 1 tokens a step); drafts that never are
-    cost nothing but the step: the same tokens either way."""
+def test_scripted_drafts_give_plain_decodings_tokens(tiny, monkeypatch, oracle):
+    """Drafts that are greedy decoding's own tokens are all kept (k + 1 tokens a step), to its tokens;
+    with no drafts the one-token steps give plain decoding's tokens, a seeded sampled row's too (its draws
+    keyed by its counter). Penalties, logit bias and min_tokens read each position's state as plain
+    decoding has it there (the drafts before it seen and counted, the counter advanced). Kept drafts change
+    a sampled row's draws, not their distribution (test_sampled_tokens_are_distributed_as_plain_sampling)."""
     md, params, _ = tiny
-    prompt, k = _prompts()[0], 3
-    full = np.array(prompt + plain[0] + [0] * 8, np.int32)
+    prompts = [_prompts()[i] for i, _ in SCRIPTED]
+    want = [r.output for r in _engine(md, params, k=0).generate(prompts, [sp for _, sp in SCRIPTED])]
+    text = [None]                             # what the request being decoded continues (one a call: max_seqs=1)
 
     def drafts(history, length, k_, ngram, shortest):
         import jax.numpy as jnp
         at = length[:, None] + jnp.arange(k_)
-        return jnp.asarray(full)[at] if oracle else jnp.full(at.shape, -1, jnp.int32)
-    monkeypatch.setattr(speculative, "propose", drafts)
-    eng = _engine(md, params, k=k, max_seqs=1)
-    out = eng.generate([prompt], SamplingParams(max_tokens=40))[0].output
-    assert out == plain[0]
-    decoded = len(out) - 1                                                    # the first comes from the prompt's step
-    if oracle:
-        assert eng.stats["spec_accepted"] == decoded - -(-decoded // (k + 1))
-    else:
-        assert eng.stats["spec_accepted"] == 0 and eng.stats["spec_drafted"] == 0
-
-
-PENALISED = [SamplingParams(max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={7: 2.0}),
-             SamplingParams(max_tokens=33, presence_penalty=0.8, min_tokens=30, stop_token_ids=[12]),
-             SamplingParams(max_tokens=47, temperature=0.9, seed=4, repetition_penalty=1.2, frequency_penalty=0.3)]
-
-
-@pytest.mark.parametrize("oracle", [True, False])
-def test_penalised_rows_speculate_to_plain_decodings_tokens(tiny, monkeypatch, oracle):
-    """Penalties, logit bias and min_tokens read each position's state as plain decoding has it there (the
-    drafts before it seen and counted, the counter advanced): drafts that are greedy decoding's own tokens
-    are all kept, to its tokens; with no drafts the one-token steps give plain decoding's tokens, a seeded
-    sampled row's too (its draws keyed by its counter). Kept drafts change a sampled row's draws, not their
-    distribution (test_sampled_tokens_are_distributed_as_plain_sampling)."""
-    md, params, _ = tiny
-    prompts = _prompts()
-    want = [r.output for r in _engine(md, params, k=0).generate(prompts, PENALISED)]
-    full = [np.array(p + w + [0] * 8, np.int32) for p, w in zip(prompts, want)]
-    calls = []
-
-    def drafts(history, length, k_, ngram, shortest):
-        import jax.numpy as jnp
-        at = length[:, None] + jnp.arange(k_)
-        if not oracle:
+        if text[0] is None:
             return jnp.full(at.shape, -1, jnp.int32)
-        row = calls[-1]                       # one request a call (max_seqs=1): the text it continues
-        return jnp.asarray(full[row])[jnp.minimum(at, len(full[row]) - 1)]
+        return jnp.asarray(text[0])[jnp.minimum(at, len(text[0]) - 1)]
     monkeypatch.setattr(speculative, "propose", drafts)
     k = 3
-    for i, (prompt, sp) in enumerate(zip(prompts, PENALISED)):
+    for i, ((_, sp), prompt) in enumerate(zip(SCRIPTED, prompts)):
         if oracle and sp.temperature > 0:
             continue
-        calls.append(i)
+        text[0] = np.array(prompt + want[i], np.int32) if oracle else None    # read when the engine's programs trace
         eng = _engine(md, params, k=k, max_seqs=1)
         assert eng.generate([prompt], sp)[0].output == want[i], i
         assert eng.stats["spec_calls"] > 0 and eng.stats["decode_calls"] == 0
-        decoded = len(want[i]) - 1
+        decoded = len(want[i]) - 1                                            # the first comes from the prompt's step
         kept = decoded - -(-decoded // (k + 1)) if oracle else 0
-        assert eng.stats["spec_accepted"] == kept, i
+        assert (eng.stats["spec_accepted"], bool(eng.stats["spec_drafted"])) == (kept, oracle), i
 
 
 @pytest.mark.parametrize("t,h,kvh,d", [(2, 4, 2, 16), (3, 8, 2, 64), (5, 8, 2, 64), (7, 4, 4, 16), (8, 32, 8, 64)])
