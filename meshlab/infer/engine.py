@@ -99,7 +99,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
 
     first_token_decode: a step whose prompt rows each have one token left runs one decode step
     (False: a packed row, the benchmark's A/B). compiler_options: jax.jit's per program kind (packed,
-    decode, head; "first": the first tokens' one-step decode calls compiled apart), e.g. {"packed":
+    decode, head, spec; "first": the first tokens' one-step decode calls compiled apart), e.g. {"packed":
     {"xla_gpu_enable_command_buffer": ""}}: without CUDA graphs, which the first-token profile times
     (H200: a prompt met before took 2.5 ms to its first token against 2.2 with them; docs/benchmarks.md).
 
@@ -184,10 +184,10 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         # the same programs taking the weights as a flat list and the host inputs as one buffer (calls.py)
         self.weights, treedef = jax.tree.flatten(self.params)
         opts = compiler_options or {}
-        if set(opts) - {"packed", "decode", "first", "head"}:
+        if set(opts) - {"packed", "decode", "first", "head", "spec"}:
             raise ValueError(f"compiler_options={compiler_options!r}: give XLA options per program kind, "
                              "e.g. {'packed': {'xla_gpu_enable_command_buffer': ''}} (kinds: packed, decode, first, "
-                             "head)")
+                             "head, spec)")
         if quantize:
             opts = {**opts, "packed": {**FP8_PACKED_OPTIONS, **opts.get("packed", {})}}
         self._pinned = calls.pinned_shardings(self.cache["k"]) if pinned_inputs else None
@@ -196,7 +196,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self.decode_call = calls.decode_program(self.loop_fn, treedef, opts.get("decode"))
         self.first_call = calls.decode_program(self.loop_fn, treedef, opts["first"]) if "first" in opts else self.decode_call
         if speculative_tokens:
-            self.spec_call = spec_program(make_spec_loop(md, impl, interpret, layers), treedef, opts.get("decode"))
+            self.spec_call = spec_program(make_spec_loop(md, impl, interpret, layers), treedef, opts.get("spec"))
         self.head_weights, head_treedef = jax.tree.flatten(head_params(self.params))
         self.head_call = calls.head_program(make_head_program(md), head_treedef, opts.get("head"))
         self._forget = jax.jit(lambda seen, slot: seen.at[slot].set(False), donate_argnums=0)

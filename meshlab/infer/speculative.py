@@ -14,7 +14,10 @@ a step reads the row's pages, not the table's full width. Drafts and their check
 a call's n steps carry each row's tokens, and the call leaves them in the cache (SPEC), so the next
 call chains from there as decode calls do (the host uploads a row's tokens only when its rows change)
 and the host reads one back while the device runs the next. The rows change only after a call is
-read back (no step is planned over it).
+read back (no step is planned over it). A step's choice between the two forwards is a lax.cond, whose
+predicate XLA:GPU reads back to the host (a sync each step); as a CUDA-graph conditional node
+(Engine(compiler_options={"spec": ...}) with CONDITIONAL command buffers) the call ran 3-5% slower on an
+H100 (docs/archive/benchmarks-diary.md).
 
 Where it pays: text that repeats its context (code edits, extraction, quoting a document, a chat
 that restates the question); elsewhere a step with a draft costs a k + 1-token forward for the one

@@ -131,7 +131,8 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup[1]) for p, o in zip(_prompts(), outs)], axis=0)
     assert (eng.stats["spec_drafted"], eng.stats["spec_accepted"]) == (drafted, kept)
     assert kept > 0
-    unchained = _engine(md, params, chain_decode=False)
+    # (and its speculative program compiled with options of its own: command buffers off)
+    unchained = _engine(md, params, chain_decode=False, compiler_options={"spec": {"xla_gpu_enable_command_buffer": ""}})
     assert [r.output for r in unchained.generate(_prompts(), sp)] == plain and unchained.stats["chained_calls"] == 0
     assert (unchained.stats["spec_drafted"], unchained.stats["spec_accepted"]) == (drafted, kept)
     # a stop token mid-call: the tokens after it are dropped, the request ends there
@@ -286,6 +287,8 @@ def test_bad_speculation_settings_are_refused(tiny):
         _engine(md, params, k=-1)
     with pytest.raises(ValueError, match="prompt_lookup_min=3 <= prompt_lookup_max=2"):
         _engine(md, params, prompt_lookup_max=2, prompt_lookup_min=3)
+    with pytest.raises(ValueError, match="kinds: packed, decode, first, head, spec"):
+        _engine(md, params, compiler_options={"speculative": {}})
 
 
 def test_warmup_compiles_the_speculative_calls(tiny, plain):
