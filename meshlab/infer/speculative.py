@@ -37,8 +37,8 @@ import numpy as np
 from meshlab.infer import calls, kv_cache
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.packed import Flight
-from meshlab.infer.programs import BIAS, COUNTS, LAST, SPEC, TOP_LOGPROBS, _bind, _logprobs, _split_own
-from meshlab.infer.sampler import draw_keys, draw_logits, penalties
+from meshlab.infer.programs import BIAS, COUNTS, LAST, SPEC, TOP_LOGPROBS, _bind, _logprobs, _mark, _split_own
+from meshlab.infer.sampler import count_sampled, draw_keys, draw_logits, penalties
 from models import serving
 
 
@@ -188,11 +188,11 @@ def make_spec_loop(md, impl: str = "xla", interpret: bool = False, layers: str =
             (tokens, kept, lps), cache = jax.lax.cond(jnp.any(drafts >= 0), check, plain, cache)
             count = kept_tokens(kept, pos, limit)                                 # [b]
             if not greedy:                      # the row's token and its kept drafts are seen, its kept tokens generated
-                rows_at = jnp.broadcast_to(slots[:, None], (b, k + 1))
-                seen = seen.at[rows_at, jnp.where((steps == 0) & valid[:, :1] | (steps > 0) & (steps < count[:, None]),
-                                                  fed, vocab)].set(True, mode="drop")
+                rows_at = jnp.broadcast_to(slots[:, None], (b, k + 1)).reshape(-1)             # [b (k + 1)]
+                fed_seen = (steps == 0) & valid[:, :1] | (steps > 0) & (steps < count[:, None])
+                seen = _mark(seen, rows_at, fed.reshape(-1), fed_seen.reshape(-1))
                 if counts is not None:
-                    counts = counts.at[rows_at, jnp.where(steps < count[:, None], tokens, vocab)].add(1, mode="drop")
+                    counts = count_sampled(counts, rows_at, tokens.reshape(-1), (steps < count[:, None]).reshape(-1))
             at = jnp.where(steps < count[:, None], positions + 1, L)              # [b, k + 1]; L: dropped
             history = history.at[jnp.arange(b)[:, None], at].set(tokens, mode="drop")
             last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]

@@ -131,8 +131,7 @@ def test_speculative_greedy_equals_plain_greedy(tiny, plain):
     drafted, kept = np.sum([simulated_lookup(p, o, 3, eng.prompt_lookup[1]) for p, o in zip(_prompts(), outs)], axis=0)
     assert (eng.stats["spec_drafted"], eng.stats["spec_accepted"]) == (drafted, kept)
     assert kept > 0
-    # (and its speculative program compiled with options of its own: command buffers off)
-    unchained = _engine(md, params, chain_decode=False, compiler_options={"spec": {"xla_gpu_enable_command_buffer": ""}})
+    unchained = _engine(md, params, chain_decode=False)
     assert [r.output for r in unchained.generate(_prompts(), sp)] == plain and unchained.stats["chained_calls"] == 0
     assert (unchained.stats["spec_drafted"], unchained.stats["spec_accepted"]) == (drafted, kept)
     # a stop token mid-call: the tokens after it are dropped, the request ends there
@@ -289,6 +288,11 @@ def test_bad_speculation_settings_are_refused(tiny):
         _engine(md, params, prompt_lookup_max=2, prompt_lookup_min=3)
     with pytest.raises(ValueError, match="kinds: packed, decode, first, head, spec"):
         _engine(md, params, compiler_options={"speculative": {}})
+    # the spec kind's options reach the speculative program, and only it: the prompt is prefilled first
+    eng = _engine(md, params, compiler_options={"spec": {"xla_not_a_flag": "1"}})
+    with pytest.raises(Exception, match="xla_not_a_flag"):
+        eng.generate([_prompts()[0]], SamplingParams(max_tokens=8))
+    assert eng.stats["packed_calls"] > 0 and eng.stats["spec_calls"] == 0
 
 
 def test_warmup_compiles_the_speculative_calls(tiny, plain):
