@@ -44,7 +44,7 @@ def check_stream(port: int) -> str:
     """Usage in every chunk (vLLM's continuous_usage_stats): a random model's tokens are mostly ids
     without text under the byte tokenizer, and a chunk without new text is not sent otherwise."""
     t0 = time.perf_counter()
-    status, payload = post(port, {"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": True,
+    status, payload = post(port, {"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": True, "temperature": 0,
                                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     events = [e[6:] for e in payload.splitlines() if e.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]", (status, payload[:300])
@@ -127,7 +127,7 @@ def main(argv=None):
         if "serving" not in line:
             sys.exit(f"serve.py did not start (exit {proc.wait()}): {line}")
         port = int(line.rsplit(":", 1)[1])
-        post(port, {"prompt": "warm up", "max_tokens": 16})          # compiles before the timed checks
+        post(port, {"prompt": "warm up", "max_tokens": 16, "temperature": 0})          # compiles before the timed checks
         for name, check in (("stream", check_stream), ("disconnect", check_disconnect),
                             ("n=2 logprobs", check_n_logprobs), ("output forms", check_forms)):
             try:

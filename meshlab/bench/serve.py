@@ -453,10 +453,10 @@ def server_rows(engine, bw: float, ttft_len=2048, n=256, ctx=2048, reps: int = 3
     out = []
     try:
         prompt = list(range(1, ctx - n // 2))
-        _post(srv.port, {"prompt": prompt, "max_tokens": n})                  # warm
+        _post(srv.port, {"prompt": prompt, "max_tokens": n, "temperature": 0})                  # warm
 
         def run(m):
-            t, body = _post(srv.port, {"prompt": prompt, "max_tokens": m})
+            t, body = _post(srv.port, {"prompt": prompt, "max_tokens": m, "temperature": 0})
             assert body["usage"]["completion_tokens"] == m, body["usage"]   # greedy, no stop: all m tokens
             return t
         tpot, tpots = _tpot(run, n, reps)
@@ -467,7 +467,7 @@ def server_rows(engine, bw: float, ttft_len=2048, n=256, ctx=2048, reps: int = 3
                                  f"({min(1 / t for t in tpots):.0f}-{max(1 / t for t in tpots):.0f} tok/s); "
                                  f"{1 / tpot / roof:.0%} of the roofline"}))
         rng = np.random.default_rng(3)
-        ts = [_post(srv.port, {"prompt": _prompt(rng, engine, ttft_len), "max_tokens": 1})[0] for _ in range(reps)]
+        ts = [_post(srv.port, {"prompt": _prompt(rng, engine, ttft_len), "max_tokens": 1, "temperature": 0})[0] for _ in range(reps)]
         out.append(emit({"section": "ttft", "setting": f"http prompt={ttft_len}", "value": float(np.median(ts)) * 1e3,
                          "unit": "ms", "note": f"uncached, median of {reps} fresh prompts (whole request)"}))
     finally:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from typing import Any, Optional
 
 from meshlab.infer.sampler import SamplingParams
 
 MAX_TOP_LOGPROBS = 20          # OpenAI's chat limit (completions: 5); vLLM allows 20 for both
+DEFAULT_TEMPERATURE = 1.0      # OpenAI's, for a request that names none (its clients send none unless set)
 
 
 class BadRequest(Exception):
@@ -305,8 +307,12 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
-    seed = body_field(body, "seed", int, 0, 0, 2 ** 31 - n)
-    kw = {"temperature": body_field(body, "temperature", float, 0.0), "top_p": body_field(body, "top_p", float, 1.0),
+    seed = body_field(body, "seed", int, None, 0, 2 ** 31 - n)
+    if seed is None:                    # unseeded requests draw apart, as OpenAI's do
+        seed = secrets.randbelow(2 ** 31 - n)
+    beamed = body.get("use_beam_search") is True          # ranks by the raw logprobs: no temperature to default
+    kw = {"temperature": body_field(body, "temperature", float, 0.0 if beamed else DEFAULT_TEMPERATURE),
+          "top_p": body_field(body, "top_p", float, 1.0),
           "top_k": body_field(body, "top_k", int, 0), "min_p": body_field(body, "min_p", float, 0.0, 0.0, 1.0),
           "repetition_penalty": body_field(body, "repetition_penalty", float, 1.0),
           "include_stop_str_in_output": body_field(body, "include_stop_str_in_output", bool, False),
@@ -461,7 +467,12 @@ def completion_logprobs(text: TokenText, output, entries, offset: int, before: d
         piece, shown, _ = text(t)
         out["tokens"].append(shown)
         out["token_logprobs"].append(None if entry is None else float(entry[0]))
-        out["top_logprobs"].append(None if entry is None else {text(a)[1]: float(v) for a, v in entry[1].items()})
+        if entry is None:
+            out["top_logprobs"].append(None)
+        else:                           # OpenAI: the chosen token always among them, so up to logprobs + 1 entries
+            top = {text(a)[1]: float(v) for a, v in entry[1].items()}
+            top.setdefault(shown, float(entry[0]))
+            out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(piece)
     return out

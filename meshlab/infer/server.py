@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine (Starlette on uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with `"stream": true` for server-sent
-events), GET /v1/models, /health, /metrics (Prometheus text: meshlab/infer/metrics.py), and vLLM's
+events), GET /v1/models (and /v1/models/<name>), /health, /metrics (Prometheus text: meshlab/infer/metrics.py), and vLLM's
 POST /tokenize and /detokenize (a prompt's token count against the context). The request schemas are in
 meshlab/infer/api.py; one request's choices and their answer (whole or streamed) are
 meshlab/infer/http_call.py's `Call`. One engine thread runs `Engine.step` while there is work, so
@@ -220,8 +220,14 @@ class Server:
                 self._authorize(request)
             except BadRequest as e:
                 return error(e)
-            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "meshlab",
-                                                             "max_model_len": self.engine.sched.max_len}]})
+            card = {"id": self.model_name, "object": "model", "owned_by": "meshlab", "max_model_len": self.engine.sched.max_len}
+            name = request.path_params.get("model")
+            if name is None:
+                return JSONResponse({"object": "list", "data": [card]})
+            if name != self.model_name:                     # the route OpenAI's client.models.retrieve(name) calls
+                return error(BadRequest(f"unknown model {name!r}; this server serves {self.model_name!r}", status=404,
+                                        param="model"))
+            return JSONResponse(card)
 
         async def tokens(request):
             try:
@@ -246,6 +252,7 @@ class Server:
                                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health or /metrics",
                                     status=404))
         return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+                                 Route("/v1/models/{model:path}", models),
                                  Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/tokenize", tokens, methods=["POST"]), Route("/detokenize", tokens, methods=["POST"])],

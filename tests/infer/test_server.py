@@ -53,6 +53,9 @@ def test_health_models_metrics(server):
     assert call(server, "GET", "/health") == (200, {"status": "ok", "warming": False})
     status, body = call(server, "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "tiny" and body["data"][0]["max_model_len"] == 128
+    assert call(server, "GET", "/v1/models/tiny") == (200, body["data"][0])        # OpenAI's models.retrieve
+    status, err = call(server, "GET", "/v1/models/gpt-4")
+    assert status == 404 and "unknown model 'gpt-4'" in err["error"]["message"]
     _, text = call(server, "GET", "/metrics")
     assert "# TYPE meshlab_time_to_first_token_seconds histogram" in text
     assert "# TYPE meshlab_requests_finished_total counter" in text and "# TYPE meshlab_requests_running gauge" in text
@@ -442,7 +445,7 @@ def test_streams_wake_the_event_loop_at_most_once_per_engine_step(server, monkey
     eng, steps = server.engine, [0]
     step = eng.step
     monkeypatch.setattr(eng, "step", lambda: steps.__setitem__(0, steps[0] + 1) or step())
-    bodies = [{"prompt": p, "max_tokens": 12, "logprobs": 0} for p in ("a = ", "def f", "import", "x")]
+    bodies = [{"prompt": p, "max_tokens": 12, "logprobs": 0, "temperature": 0} for p in ("a = ", "def f", "import", "x")]
     whole = [call(server, "POST", "/v1/completions", b)[1]["choices"][0] for b in bodies]
     before, streamed = server.deliveries, [None] * len(bodies)
 

@@ -158,7 +158,7 @@ def test_response_format_holds_the_output_to_json(server):
     reply = json.loads(resp["choices"][0]["message"]["content"])
     assert reply["answer"] in ("yes", "no") and 0 <= reply["n"] <= 99 and resp["choices"][0]["finish_reason"] == "stop"
     status, text = call(server, "POST", "/v1/completions", {"prompt": "data = ", "max_tokens": 60, "stream": True,
-                                                          "response_format": {"type": "json_object"}})
+                                                          "temperature": 0, "response_format": {"type": "json_object"}})
     content, finish = sse_text(text, chat=False)
     assert status == 200 and isinstance(json.loads(content), dict) and finish == "stop"
     assert scrape(server)["meshlab_guided_requests_total"] >= 2
@@ -282,7 +282,7 @@ def _tool_calls_of(server):
     assert tc["type"] == "function" and tc["id"].startswith("call_")
     assert (tc["function"]["name"], set(args)) in (("weather", {"city"}), ("clock", {"utc"}))
     status, text = call(server, "POST", "/v1/chat/completions", {
-        "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": 60, "stream": True,
+        "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": 60, "stream": True, "temperature": 0,
         "tool_choice": {"type": "function", "function": {"name": "clock"}}})
     chunks = [json.loads(e[6:]) for e in text.splitlines() if e.startswith("data: {")]
     last = chunks[-1]["choices"][0]

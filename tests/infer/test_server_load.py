@@ -88,7 +88,7 @@ def test_engine_host_work_and_chunk_formatting_never_interleave(server, monkeypa
 def test_continuous_usage_counts_every_token(server):
     """stream_options.continuous_usage_stats (vLLM's): each chunk carries the choice's tokens so far, and
     a chunk goes out for every step that added tokens, even one that adds no visible text."""
-    body = {"prompt": "def f(x):", "max_tokens": 24, "stream": True,
+    body = {"prompt": "def f(x):", "max_tokens": 24, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     status, payload = post(server, body)
     chunks = events(payload)
@@ -155,6 +155,6 @@ def test_token_id_prompts_are_decoded_only_for_echo(server):
     ids = list(b"def f(x):")
     status, text = post(server, {"prompt": ids, "max_tokens": 0, "echo": True})
     assert status == 200 and json.loads(text)["choices"][0]["text"] == "def f(x):"
-    whole = json.loads(post(server, {"prompt": ids, "max_tokens": 6})[1])["choices"][0]["text"]
-    assert whole == json.loads(post(server, {"prompt": "def f(x):", "max_tokens": 6})[1])["choices"][0]["text"]
+    whole = json.loads(post(server, {"prompt": ids, "max_tokens": 6, "temperature": 0})[1])["choices"][0]["text"]
+    assert whole == json.loads(post(server, {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0})[1])["choices"][0]["text"]
     assert post(server, {"prompt": ids[:3] + [True], "max_tokens": 2})[0] == 400

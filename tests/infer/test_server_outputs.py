@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.xdist_group("server"), pytest.mark.cheap_codegen]   # 
 
 
 def test_completion_stream_equals_whole(server):
-    body = {"model": "tiny", "prompt": "def main(", "max_tokens": 12}
+    body = {"model": "tiny", "prompt": "def main(", "max_tokens": 12, "temperature": 0}
     status, whole = call(server, "POST", "/v1/completions", body)
     assert status == 200 and whole["object"] == "text_completion"
     assert whole["usage"]["prompt_tokens"] == 9 and whole["choices"][0]["finish_reason"] in ("length", "stop")
@@ -45,7 +45,7 @@ def test_generate_script_streams(tmp_path):
 
 
 def test_stop_string_truncates(server):
-    body = {"prompt": "while True:", "max_tokens": 16}
+    body = {"prompt": "while True:", "max_tokens": 16, "temperature": 0}
     text = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
     i = next((i for i in range(2, len(text)) if text[i] not in "\ufffd"), None)
     if i is None:
@@ -60,7 +60,7 @@ def test_stop_string_truncates(server):
 
 
 def test_echo_and_zero_max_tokens(server):
-    body = {"prompt": "def f(x):", "max_tokens": 6}
+    body = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
     plain = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
     echoed = call(server, "POST", "/v1/completions", dict(body, echo=True))[1]
     assert echoed["choices"][0]["text"] == "def f(x):" + plain
@@ -71,6 +71,27 @@ def test_echo_and_zero_max_tokens(server):
     default = call(server, "POST", "/v1/completions", {"prompt": "def f(x):"})[1]          # OpenAI's default: 16
     assert default["usage"]["completion_tokens"] == 16 or default["choices"][0]["finish_reason"] == "stop"
     assert default["usage"]["completion_tokens"] <= 16
+
+
+def test_requests_sample_unless_told_not_to(server):
+    """As OpenAI's API: a request without `temperature` samples at 1, and one without `seed` draws its own
+    (two such requests differ, over a random model's near-flat 16-token draws); a seed repeats its
+    answer, and temperature 0 gives the greedy one whatever the seed."""
+    body = {"prompt": "def f(x):", "max_tokens": 16}
+    text = lambda **kw: call(server, "POST", "/v1/completions", dict(body, **kw))[1]["choices"][0]["text"]  # noqa: E731
+    assert text() != text()
+    assert text(seed=7) == text(seed=7) == text(seed=7, temperature=1.0) != text(seed=7, temperature=0)
+    assert text(temperature=0) == text(temperature=0, seed=1)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token(server):
+    """OpenAI's completions: top_logprobs always hold the sampled token, so up to logprobs + 1 entries
+    (logprobs 0: the chosen token alone), each with the logprob token_logprobs gives it."""
+    body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 1.5, "seed": 3}
+    for k in (0, 1):
+        lp = call(server, "POST", "/v1/completions", dict(body, logprobs=k))[1]["choices"][0]["logprobs"]
+        for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[tok] == chosen and len(top) <= k + 1 and (k or len(top) == 1)
 
 
 def test_n_choices_are_seeded_copies(server):
@@ -174,7 +195,7 @@ def _reference_logprobs(srv, prompt_ids, output_ids):
 
 
 def test_completion_logprobs_match_the_model(server):
-    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3}
+    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3, "temperature": 0}
     status, resp = call(server, "POST", "/v1/completions", body)
     choice = resp["choices"][0]
     lp = choice["logprobs"]
@@ -199,7 +220,7 @@ def test_logprobs_name_token_ids_when_asked(server):
     texts are equal stay apart (ids >= 256 all decode to "" under the byte tokenizer: as text they
     would share one top_logprobs key); each named id's logprob is the model's at that id."""
     prompt = ByteTokenizer().encode("def g(")
-    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3, "return_tokens_as_token_ids": True}
+    body = {"prompt": "def g(", "max_tokens": 6, "logprobs": 3, "return_tokens_as_token_ids": True, "temperature": 0}
     status, resp = call(server, "POST", "/v1/completions", body)
     lp = resp["choices"][0]["logprobs"]
     assert status == 200 and all(t.startswith("token_id:") for t in lp["tokens"])
@@ -289,11 +310,12 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     ref = _reference_logprobs(server, ids[:1], ids[1:])                               # row k: after ids[:k + 1]
     for k in range(1, n):
         assert abs(lp["token_logprobs"][k] - ref[k - 1][ids[k]]) < 1e-4
-        (best,) = lp["top_logprobs"][k].values()
-        assert best == pytest.approx(ref[k - 1].max(), abs=1e-4) and best >= lp["token_logprobs"][k] - 1e-6
+        top = lp["top_logprobs"][k]                    # the best token, and the prompt's own when another
+        assert len(top) <= 2 and top[lp["tokens"][k]] == lp["token_logprobs"][k]
+        assert max(top.values()) == pytest.approx(ref[k - 1].max(), abs=1e-4)
     assert lp["text_offset"][:3] == [0, 1, 2] and lp["text_offset"][n] == len(choice["text"]) - 1
     assert lp["token_logprobs"][n] == pytest.approx(max(lp["top_logprobs"][n].values()), abs=1e-5)   # greedy
-    plain = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 1})[1]["choices"][0]["text"]
+    plain = call(server, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 1, "temperature": 0})[1]["choices"][0]["text"]
     assert choice["text"] == ByteTokenizer().decode(ids) + plain      # the token the scoring pass answered with
     stored = lambda: scrape(server)["meshlab_prompt_tokens_score_cached_total"]   # noqa: E731
     before = stored()
@@ -384,7 +406,7 @@ def test_allowed_token_ids_and_bad_words_hold_the_output(server):
     """vLLM's allowed_token_ids keeps every output token among them, greedy and drawn; its bad_words keeps
     a one-token word out of the output, and a longer word's last token out after the rest of it (the
     greedy answer's first two tokens as the word: the answer begins with the first, then turns away)."""
-    body = {"prompt": "def f(x):", "max_tokens": 8, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {"prompt": "def f(x):", "max_tokens": 8, "logprobs": 0, "return_tokens_as_token_ids": True, "temperature": 0}
 
     def ids(extra):
         status, resp = call(server, "POST", "/v1/completions", dict(body, **extra))
@@ -405,7 +427,7 @@ def test_vllm_sampling_extras(server):
     answer as they say: min_p 1 keeps only the best token, so a draw at temperature 1 answers as greedy;
     a token forced by logit_bias stops the answer when it is the model's end token or in stop_token_ids,
     not when ignore_eos drops the end token, and only after min_tokens others."""
-    body = {"prompt": "def f(x):", "max_tokens": 8}
+    body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
     greedy = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
     for seed in (1, 2):
         drawn = call(server, "POST", "/v1/completions", dict(body, temperature=1.0, min_p=1.0, seed=seed))[1]
