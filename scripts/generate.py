@@ -12,18 +12,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
-    from meshlab.infer.loading import (add_checkpoint_args, add_speculative_args, add_storage_args, open_checkpoint,
-                                      speculative_kwargs, stop_token_ids, storage_kwargs)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from meshlab.infer.loading import (HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args,
+                                      open_checkpoint, speculative_kwargs, stop_token_ids, storage_kwargs)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     add_checkpoint_args(ap)
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="draw among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="draw among the most likely tokens holding this probability")
     ap.add_argument("--min-p", type=float, default=0.0, help="keep tokens within this fraction of the best's probability")
-    ap.add_argument("--repetition-penalty", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="divides the logits of tokens already seen (1: off)")
+    ap.add_argument("--seed", type=int, default=0, help="the draws' seed (sampling only)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     add_speculative_args(ap, batch=False)
     add_storage_args(ap)

@@ -12,6 +12,7 @@ training wrote beside them (`meshlab.checkpoint.write_run_tokenizer`). Nothing i
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -126,6 +127,16 @@ def serving_placement(rules: str | None, mesh: str | None):
         raise ValueError(f"--mesh {mesh} needs --rules (a rule file that says how the weights are sharded)")
     r = load_rules(rules)
     return r, make_mesh(mesh or r.mesh)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except where its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.required:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_checkpoint_args(ap) -> None:

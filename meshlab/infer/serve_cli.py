@@ -11,15 +11,15 @@ import time
 
 
 def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse.ArgumentParser:
-    from meshlab.infer.loading import add_checkpoint_args, add_speculative_args, add_storage_args
-    ap = argparse.ArgumentParser(description=description)
+    from meshlab.infer.loading import HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args
+    ap = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     add_checkpoint_args(ap)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    ap.add_argument("--model-name", default="meshlab")
+    ap.add_argument("--model-name", default="meshlab", help="the model id /v1/models lists and requests name")
     ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
     ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page (the prefix cache shares whole pages)")
     ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
     ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")

@@ -135,6 +135,21 @@ def test_mesh_without_rules_is_one_clear_error():
         open_checkpoint(args)
 
 
+def test_help_shows_the_defaults(capsys):
+    """--help names each flag's default (the port, the context, the sampling settings), once: not where
+    the help text already says it, and not for flags without one."""
+    import runpy
+    from meshlab.infer.serve_cli import serve_parser
+    text = " ".join(serve_parser().format_help().split())
+    assert "(default: 8000)" in text and "(default: 2048)" in text and "(default: 127.0.0.1)" in text
+    assert "(default: every row full)" in text and "(default: None)" not in text and "(default: False)" not in text
+    generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
+    with pytest.raises(SystemExit):
+        generate["main"](["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0: greedy (default: 0.0)" in text and "(default: 64)" in text and "--seed SEED the draws' seed" in text
+
+
 def test_an_unknown_warmup_kind_is_one_clear_error():
     """serve.py --warmup-kinds names kinds of requests (meshlab/infer/warmup.py); a typo stops it before loading."""
     import runpy
