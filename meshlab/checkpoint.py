@@ -54,6 +54,11 @@ def _log(msg: str) -> None:
         print(f"meshlab checkpoint: {msg}", file=sys.stderr, flush=True)
 
 
+def _leaf_name(path) -> str:
+    """A state leaf's key path as orbax names it (opt.1.0.mu.embed), whatever the node types."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 @jax.jit
 def fingerprint(state) -> jax.Array:
     """Per-leaf (sum, sum of |x|) as one small replicated vector: a cheap integrity check.
@@ -159,6 +164,7 @@ class Checkpointer:
             if step not in steps:
                 raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
                                       f"complete steps: {steps or 'none'}")
+            self._check_same_model(abstract_state, step)
             try:
                 return self._restore_one(abstract_state, step)
             except Exception as e:  # noqa: BLE001 - any failure here means the step is unusable
@@ -167,6 +173,7 @@ class Checkpointer:
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory} to resume from; start without --resume "
                                   "or point checkpoint.dir at the run's checkpoints")
+        self._check_same_model(abstract_state, steps[-1])
         for s in reversed(steps):
             try:
                 return self._restore_one(abstract_state, s)
@@ -175,6 +182,30 @@ class Checkpointer:
                 self._quarantine(s, "corrupt")
         raise CheckpointError(f"every checkpoint in {self.directory} is damaged (moved aside as corrupt-step-N); "
                               "start a fresh run")
+
+    def _check_same_model(self, abstract_state, step: int) -> None:
+        """A CheckpointError, before anything is read or moved, when the step's stored leaves differ from
+        `abstract_state`'s in name or shape (a run resumed with other model dimensions): that is
+        another model, not a damaged checkpoint. Unreadable metadata passes, for the restore to judge."""
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", ocp.args.StandardRestore)
+        try:
+            with _absl_errors_only():
+                stored = ocp.CheckpointManager(self.directory, handler_registry=registry).item_metadata(step)["state"]
+            have = {_leaf_name(path): tuple(m.shape) for path, m in jax.tree_util.tree_leaves_with_path(stored)}
+        except Exception:  # noqa: BLE001 - damage, which the restore finds and handles
+            return
+        want = {_leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+        differ = sorted((k for k in want.keys() | have.keys() if want.get(k) != have.get(k)),
+                        key=lambda k: (not k.startswith("params."), k))           # the parameters first
+        if differ:
+            shown = "; ".join(f"{k}: stored {have.get(k, 'absent')}, this run {want.get(k, 'absent')}"
+                              for k in differ[:3])
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds another model's state than this run's ({shown}"
+                + (f"; {len(differ) - 3} more" if len(differ) > 3 else "") + "). Resume with the model settings the "
+                "run was trained with (its config.yaml; drop the model overrides) or start a fresh run in another "
+                "run directory; no checkpoint was touched")
 
     def _restore_one(self, abstract_state, step: int):
         got = self.mgr.restore(step, args=ocp.args.Composite(

@@ -175,3 +175,14 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
 
 def to_yaml(cfg: TrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def schedule_changes(saved_config: str | None, cfg: TrainConfig) -> str:
+    """The schedule settings (steps, optim.*) that differ between a checkpoint's config and this run's,
+    as "key: old -> new" ('' when none, or the checkpoint predates its config)."""
+    if not saved_config:
+        return ""
+    old, new = yaml.safe_load(saved_config), yaml.safe_load(to_yaml(cfg))
+    keys = [("steps", old.get("steps"), new.get("steps"))]
+    keys += [(f"optim.{k}", (old.get("optim") or {}).get(k), v) for k, v in (new.get("optim") or {}).items()]
+    return ", ".join(f"{k}: {a} -> {b}" for k, a, b in keys if a != b)

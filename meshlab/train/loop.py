@@ -32,8 +32,8 @@ from meshlab.profile_summary import ProfileWindow
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
 from meshlab.train import fit
-from meshlab.train.config import TrainConfig, to_yaml
-from meshlab.train.metrics import MetricsWriter, Progress, plot_loss
+from meshlab.train.config import TrainConfig, schedule_changes, to_yaml
+from meshlab.train.metrics import MetricsWriter, Progress, plot_loss, read_metrics, this_run
 from meshlab.train.optimizer import host_schedule, make_optimizer
 from meshlab.train.state import abstract_state, init_state, state_specs
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
@@ -272,6 +272,12 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
     if changed and jax.process_index() == 0:
         print(f"meshlab: warning: data settings changed since the checkpoint {changed}; "
               "the batches after the resume differ from the original run's", file=sys.stderr)
+    schedule = schedule_changes(meta.get("config"), cfg)
+    if schedule and jax.process_index() == 0:
+        print(f"meshlab: warning: the learning-rate schedule changed since the checkpoint ({schedule}); the "
+              f"steps after {meta['step']} follow the new one, whose rate there differs from what the run "
+              "was heading to (steps is the schedule's length: to extend a run, expect the jump or re-warm)",
+              file=sys.stderr)
     return state, int(meta["step"])
 
 
@@ -285,7 +291,7 @@ def _check_resume_step(cfg: TrainConfig, step: int | None, ckpt, restored: bool 
     raise ValueError(f"the {what} in {ckpt.directory} is step {step} and steps={cfg.steps}: nothing to "
                      f"train. --steps is the run's total (the learning-rate schedule's length), not the steps "
                      f"to add: pass --steps N with N > {step} to continue"
-                     + (" (config.yaml was rewritten; no checkpoint was touched)" if restored else ""))
+                     + (" (no checkpoint was touched)" if restored else ""))
 
 
 def _meta(tr: Trainer, step: int) -> dict:
@@ -313,7 +319,8 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
             raise
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        if not cfg.checkpoint.resume:       # a resume writes it once its checkpoint has restored
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
         write_run_tokenizer(cfg.data.corpus, run_dir)   # serving reads the tokenizer from the run dir
     distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     if write and not cfg.checkpoint.resume:
@@ -325,13 +332,15 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     try:
         with StopRequest() as stop:   # the step and eval programs carry their own rules (Layout.jit)
             state, start = _start_state(tr, ckpt, fp16)
+            if is_main and cfg.checkpoint.resume:
+                (run_dir / "config.yaml").write_text(to_yaml(cfg))
             result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog)
     finally:
         watchdog.stop()
         if ckpt is not None:
             ckpt.close()   # waits for async saves of good states, even when the run failed
     if is_main and result["rows"]:
-        plot_loss(run_dir, result["rows"])
+        plot_loss(run_dir, this_run(read_metrics(run_dir)))   # the whole run, across its resumes
     if is_main and cfg.sample_tokens and "interrupted" not in result:
         result["sample"] = write_sample(tr, result["state"], run_dir)
     return result

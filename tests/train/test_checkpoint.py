@@ -80,6 +80,31 @@ def test_resume_is_exact(uninterrupted, tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 3, 4]   # appended, never rewritten
 
 
+def test_resume_as_another_model_touches_nothing(uninterrupted, tmp_path):
+    """A resume whose model overrides change a parameter's shape is refused, naming the leaf; the run's
+    checkpoints stay where they are (not moved aside as damaged) and its config.yaml keeps its settings."""
+    run, _ = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = (copy / "config.yaml").read_text()
+    for resume in ("latest", "4"):
+        with pytest.raises(CheckpointError, match=r"another model's state .*embed: stored \(\d+, 32\), this run "
+                                                  r"\(\d+, 64\)"):
+            loop.train(cfg(copy, extra=[f"checkpoint.resume={resume}", "model.d_model=64"]), progress=False)
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["2", "4"]
+    assert (copy / "config.yaml").read_text() == before
+
+
+def test_schedule_changes_name_what_a_resume_changes():
+    """A resume under other steps or optimizer settings is told the learning-rate schedule changed."""
+    from meshlab.train.config import schedule_changes, to_yaml
+    from tests.helpers import small_config
+    saved = to_yaml(small_config(steps=40))
+    assert schedule_changes(saved, small_config(steps=40)) == ""
+    assert schedule_changes(saved, small_config(steps=60, extra=["optim.lr=3e-2"])) == "steps: 40 -> 60, optim.lr: 0.01 -> 0.03"
+    assert schedule_changes(None, small_config(steps=60)) == ""
+
+
 def test_restore_onto_other_rules_and_mesh(uninterrupted, tmp_path):
     """Saved with fsdp on 8 devices, restored with tp on 4 devices (data=2,tensor=2): resharded
     on load by orbax from abstract targets with the new shardings."""
