@@ -42,7 +42,16 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def this_run(rows: list[dict]) -> list[dict]:
+    """metrics.jsonl's rows from the run's last fresh start on (its resumes included): a run directory
+    trained again from scratch appends to the file, as resumes do."""
+    starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
+    return rows[starts[-1]:] if starts else rows
+
+
 def plot_loss(run_dir: Path, rows: list[dict]) -> Path:
+    """loss.png of the step rows among `rows` (those with a loss)."""
+    rows = [r for r in rows if "loss" in r and "event" not in r]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

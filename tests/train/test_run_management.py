@@ -83,3 +83,13 @@ def test_fresh_run_keeps_old_checkpoints(reference, tmp_path):
     kept = [p for p in run.iterdir() if p.name.startswith("checkpoints.previous-")]
     assert kept and sorted(Checkpointer(kept[0]).steps()) == [2, 4]
     assert Checkpointer(run / "checkpoints").steps() == [3, 4]
+
+
+def test_loss_plot_takes_the_whole_run_across_resumes():
+    """loss.png draws the run's steps since its last fresh start, resumes included: a resumed run's plot
+    is not only its last launch, and a run directory trained again from scratch starts over."""
+    from meshlab.train.metrics import this_run
+    old = [{"event": "start", "step": 0}, {"step": 1, "loss": 5.0}]
+    run = [{"event": "start", "step": 0}, {"step": 1, "loss": 4.0}, {"event": "resume", "step": 1},
+           {"step": 2, "loss": 3.0, "val_loss": 3.5}, {"event": "summary", "step": 2}]
+    assert this_run(old + run) == run and this_run(run[1:]) == run[1:]
