@@ -59,13 +59,20 @@ def resolve_sizes(spec, num_devices: int) -> dict[str, int]:
     if fill:
         if num_devices % known:
             raise MeshError(f"mesh {format_sizes(sizes)}: the fixed axes multiply to {known}, which does not divide "
-                            f"the {num_devices} devices; change the sizes or the device count")
+                            f"the {num_devices} devices; change the sizes or the device count{_cpu_hint(known)}")
         sizes[fill[0]] = num_devices // known
     total = math.prod(sizes.values())
     if total != num_devices:
         raise MeshError(f"mesh {format_sizes(sizes)} needs {total} devices but {num_devices} are present; "
-                        f"make the sizes multiply to {num_devices} (or use -1 on one axis to fill)")
+                        f"make the sizes multiply to {num_devices} (or use -1 on one axis to fill){_cpu_hint(total)}")
     return sizes
+
+
+def _cpu_hint(devices: int) -> str:
+    """On a CPU, where the device count is a flag: how to get `devices` of them."""
+    if jax.default_backend() != "cpu":
+        return ""
+    return f" (on a CPU, --cpu-devices N simulates N devices: e.g. {8 if 8 % devices == 0 else devices})"
 
 
 def format_sizes(sizes: Mapping[str, int]) -> str:

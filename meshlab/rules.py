@@ -135,7 +135,7 @@ class Rules:
                 if shape[i] % n:
                     raise RulesError(f"{self.path}: rule `{name}: {list(axes)}` splits dimension {i} of {path or 'array'} "
                                      f"(shape {tuple(shape)}) into {n} shards, which does not divide {shape[i]}; "
-                                     "change the mesh or the rule")
+                                     f"change the mesh (--mesh with {'x'.join(axes)} dividing {shape[i]}) or the rule")
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         while parts and parts[-1] is None:
             parts.pop()

@@ -17,8 +17,8 @@ def parse(argv):
     p.add_argument("--config", default="default", help="shipped config name or path to a YAML file")
     p.add_argument("--rules", help="shipped rule file name (e.g. fsdp_tp) or path to a YAML file")
     p.add_argument("--mesh", help="mesh spec overriding the rule file's, e.g. data=2,fsdp=2,tensor=2")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--run-dir")
+    p.add_argument("--steps", type=int, help="the run's total steps (the learning-rate schedule's length; default: the config's)")
+    p.add_argument("--run-dir", help="where the run writes config, metrics, checkpoints (default: runs/default)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
                    help="continue from the run directory's latest checkpoint (or STEP)")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (CPU only)")
