@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from meshlab.train.metrics import this_run  # noqa: E402
+
 PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
           ("mfu", "MFU (datasheet peak)"))
 
@@ -25,10 +28,7 @@ def load_run(run_dir: Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             print(f"warning: {path}:{n} is not JSON (a line cut by a crash?); skipped", file=sys.stderr)
-    starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
-    rows = rows[starts[-1]:] if starts else rows
-    by_step = {r["step"]: r for r in rows if "loss" in r}   # later rows win
-    return [by_step[s] for s in sorted(by_step)]
+    return this_run(rows)
 
 
 def label_of(run_dir: Path) -> str:
@@ -60,8 +60,11 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.get_lines():   # MFU is empty where no peak is known (CPU)
+        if ax.get_lines():
             ax.legend(fontsize=8)
+        else:                # MFU where no device has a datasheet peak (a CPU)
+            ax.text(0.5, 0.5, "n/a: no datasheet peak for this device", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

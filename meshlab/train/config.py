@@ -107,12 +107,11 @@ def _config_file(name_or_path: str) -> Path:
 
 
 def _all_keys(node, prefix="") -> list[str]:
+    """The settable keys: leaves, not their sections (`optim.lr`, not `optim`)."""
     out = []
     for k, v in node.items():
         key = f"{prefix}{k}"
-        out.append(key)
-        if OmegaConf.is_dict(v):
-            out += _all_keys(v, key + ".")
+        out += _all_keys(v, key + ".") if OmegaConf.is_dict(v) else [key]
     return out
 
 

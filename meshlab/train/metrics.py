@@ -43,15 +43,16 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def this_run(rows: list[dict]) -> list[dict]:
-    """metrics.jsonl's rows from the run's last fresh start on (its resumes included): a run directory
-    trained again from scratch appends to the file, as resumes do."""
+    """The step rows (those with a loss) of metrics.jsonl's rows from the run's last fresh start on,
+    by step; for a step logged twice (a resume from an earlier checkpoint) the later row. A run
+    directory trained again from scratch appends to the file, as resumes do."""
     starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
-    return rows[starts[-1]:] if starts else rows
+    by_step = {r["step"]: r for r in (rows[starts[-1]:] if starts else rows) if "loss" in r and "event" not in r}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def plot_loss(run_dir: Path, rows: list[dict]) -> Path:
-    """loss.png of the step rows among `rows` (those with a loss)."""
-    rows = [r for r in rows if "loss" in r and "event" not in r]
+    """loss.png of step rows (this_run's)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -90,6 +90,7 @@ def test_loss_plot_takes_the_whole_run_across_resumes():
     is not only its last launch, and a run directory trained again from scratch starts over."""
     from meshlab.train.metrics import this_run
     old = [{"event": "start", "step": 0}, {"step": 1, "loss": 5.0}]
-    run = [{"event": "start", "step": 0}, {"step": 1, "loss": 4.0}, {"event": "resume", "step": 1},
-           {"step": 2, "loss": 3.0, "val_loss": 3.5}, {"event": "summary", "step": 2}]
-    assert this_run(old + run) == run and this_run(run[1:]) == run[1:]
+    run = [{"event": "start", "step": 0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.9},
+           {"event": "resume", "step": 1}, {"step": 2, "loss": 3.0, "val_loss": 3.5}, {"event": "summary", "step": 2}]
+    want = [run[1], run[4]]                       # step 2 as the resume from step 1 logged it again
+    assert this_run(old + run) == want and this_run(run[1:]) == want
