@@ -48,10 +48,12 @@ def main(argv=None) -> int:
     print(f"{cfg.name}: {cfg.matmul_param_count() / 1e9:.2f}B matmul params, batch {batch} x {a.seq} tokens, "
           f"{a.devices} devices on {a.hosts} host(s), {hw.name}")
     print(f"attention FLOPs pass the projections+MLP above S = {compute.crossover_seq(cfg):.0f}\n")
-    head = f"{'#':>3} {'rules':<11} {'mesh':<26} {'remat':<19} {'k':>2} {'mem/dev':>10} {'compute':>9} {'comm':>9} {'step':>9} {'MFU':>5}"
-    print(head)
+    rw = max([len("rules")] + [len(p.rules) for p in good[:a.top] + bad])    # the rule file column fits its names
+    print("k: micro-batches a step (data.microbatches); step: compute plus the communication it does not hide\n")
+    print(f"{'#':>3} {'rules':<{rw}} {'mesh':<26} {'remat':<19} {'k':>2} {'mem/dev':>10} {'compute':>9} {'comm':>9} "
+          f"{'step':>9} {'MFU':>5}")
     for i, p in enumerate(good[:a.top], 1):
-        print(f"{i:>3} {p.rules:<11} {p.mesh_string:<26} {p.remat:<19} {p.microbatches:>2} {account.fmt_bytes(p.mem_bytes):>10} "
+        print(f"{i:>3} {p.rules:<{rw}} {p.mesh_string:<26} {p.remat:<19} {p.microbatches:>2} {account.fmt_bytes(p.mem_bytes):>10} "
               f"{p.compute_s * 1e3:>7.1f}ms {p.comm['total'] * 1e3:>7.1f}ms {p.step_s * 1e3:>7.1f}ms {p.mfu:>5.0%}")
     if not good:
         print("  (no plan fits: more devices, a smaller batch or sequence, or a larger --hardware)")
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
         if key in seen:
             continue
         seen.add(key)
-        print(f"  {p.rules:<11} {p.mesh_string:<26} {p.remat:<19} k={p.microbatches}: {p.reason}")
+        print(f"  {p.rules:<{rw}} {p.mesh_string:<26} {p.remat:<19} k={p.microbatches}: {p.reason}")
     if a.explain and good:
         print("\n" + search.explain(good[min(a.explain, len(good)) - 1], cfg, hw))
     if a.out and good:

@@ -20,14 +20,16 @@ def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) 
     fb = account.fmt_bytes
     sizes = {a: s for a, s in mesh.shape.items() if s > 1}
     lines = [f"rules {rules.name} ({rules.path}), mesh {sizes or 'single device'}, ZeRO stage "
-             f"{memory.zero_stage(rules)} (state: {rules.state})",
-             f"{'parameter':<34} {'shape':<22} {'params spec':<28} {'params/dev':>10} {'grads spec':<28} {'opt spec':<28}"]
+             f"{memory.zero_stage(rules)} (state: {rules.state})"]
     params = account.param_table(md, rules, mesh, "params")
     grads = account.param_table(md, rules, mesh, "grads")
     opt = account.param_table(md, rules, mesh, "optimizer")
-    for p, g, o in zip(params, grads, opt):
-        lines.append(f"{p.path:<34} {str(p.shape):<22} {str(tuple(p.spec)):<28} {fb(p.bytes_per_device):>10} "
-                     f"{str(tuple(g.spec)):<28} {str(tuple(o.spec)):<28}")
+    rows = [("parameter", "shape", "params spec", "params/dev", "grads spec", "opt spec")]
+    rows += [(p.path, str(p.shape), str(tuple(p.spec)), fb(p.bytes_per_device), str(tuple(g.spec)), str(tuple(o.spec)))
+             for p, g, o in zip(params, grads, opt)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]       # columns as wide as their longest cell
+    lines += [" ".join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+              for r in rows]
     st = memory.state_memory(md, rules, mesh)
     n = md.param_count()
     lines.append(f"\n{n:,} parameters; per device: params (fp32, = master) {fb(st['params'])}, grads (fp32 accumulator) "
