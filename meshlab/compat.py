@@ -18,14 +18,65 @@ CPU_FAST_COMPILE = "--xla_backend_optimization_level=1"
 CPU_COLLECTIVE_ORDER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
+def unique_collective_channels() -> None:
+    """Give each collective JAX lowers a channel id of its own (this JAX gives every one id 1).
+
+    XLA's CPU backend keys a collective's rendezvous on (run, device group, channel id) and orders a
+    device's collectives by their start only, so a collective outside the layer scan (the final norm's
+    FSDP gather, the step's token count) may run while the scan's gathers over the same group do: with
+    one id they met in one rendezvous (4 arrivals for 2 devices: an abort, a hang or a segfault;
+    `train.py --rules fsdp_ep --cpu-devices 8` cold, 4 of 4). Ids restart at 2^20 in each lowered module,
+    so a program's HLO, and its compile-cache key, are the same every run. JAX internals: where they
+    differ (another JAX), nothing is patched."""
+    import contextvars
+    import itertools
+    import types
+    try:
+        from jax._src import core as _core
+        from jax._src.interpreters import mlir as _mlir
+        from jax._src.lax import parallel as _parallel
+        lower, uncacheable = _mlir.lower_jaxpr_to_module, _mlir._uncacheable_primitives
+        _ = _mlir.COLLECTIVE_CHANNEL_ID
+    except (ImportError, AttributeError):
+        return
+    if getattr(_mlir, "_meshlab_unique_channels", False):
+        return
+    ids = contextvars.ContextVar("meshlab_channel_ids", default=None)
+
+    def lower_jaxpr_to_module(*args, **kwargs):
+        token = ids.set(itertools.count(1 << 20))       # above the module's own (host callback) channels
+        try:
+            return lower(*args, **kwargs)
+        finally:
+            ids.reset(token)
+
+    class UniqueChannels(types.ModuleType):
+        _meshlab_unique_channels = True
+
+        @property
+        def COLLECTIVE_CHANNEL_ID(self):                # noqa: N802 (read by lax.parallel per collective)
+            counter = ids.get()
+            return next(counter) if counter is not None else 1
+
+    # JAX reuses one lowering for equal equations, which would copy one id onto several collectives
+    uncacheable.update(v for v in vars(_parallel).values() if isinstance(v, _core.Primitive))
+    _mlir.lower_jaxpr_to_module = lower_jaxpr_to_module
+    _mlir.__class__ = UniqueChannels
+
+
 def set_cpu_devices(n: int) -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends."""
+    unique_collective_channels()
     flags = os.environ.get("XLA_FLAGS", "")
     for flag in (f"--xla_force_host_platform_device_count={n}", CPU_FAST_COMPILE, CPU_COLLECTIVE_ORDER):
         if flag.split("=")[0] not in flags:          # a flag the user set keeps the user's value
             flags = f"{flags} {flag}"
     os.environ["XLA_FLAGS"] = flags.strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA:CPU orders a device's collectives by start only (a collective after a layer-scan loop may run
+    # during it) and each waits in its rendezvous on a thread of a pool as large as the device count, so
+    # waiting collectives could hold every thread the loops needed: 4 threads a device.
+    os.environ.setdefault("PJRT_NPROC", str(4 * n))
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except (AttributeError, RuntimeError):  # older jax, or backend already up: XLA_FLAGS covers it
