@@ -25,11 +25,6 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from meshlab import compat  # noqa: E402
-
-if not os.environ.get("MESHLAB_TEST_GPU"):
-    compat.unique_collective_channels()   # as scripts with --cpu-devices lower them (meshlab.compat)
-
 jax.config.update("jax_enable_x64", False)
 
 # One persistent compile cache per run, shared by the xdist workers (made by the first process that
