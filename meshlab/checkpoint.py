@@ -54,11 +54,6 @@ def _log(msg: str) -> None:
         print(f"meshlab checkpoint: {msg}", file=sys.stderr, flush=True)
 
 
-def _leaf_name(path) -> str:
-    """A state leaf's key path as orbax names it (opt.1.0.mu.embed), whatever the node types."""
-    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 @jax.jit
 def fingerprint(state) -> jax.Array:
     """Per-leaf (sum, sum of |x|) as one small replicated vector: a cheap integrity check.
@@ -189,13 +184,18 @@ class Checkpointer:
         another model, not a damaged checkpoint. Unreadable metadata passes, for the restore to judge."""
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.StandardRestore)
+        def shapes(tree) -> dict:         # leaf name as orbax writes it (opt.1.0.mu.embed) -> shape
+            return {jax.tree_util.keystr(path, simple=True, separator="."): tuple(x.shape)
+                    for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+        mgr = ocp.CheckpointManager(self.directory, handler_registry=registry)
         try:
             with _absl_errors_only():
-                stored = ocp.CheckpointManager(self.directory, handler_registry=registry).item_metadata(step)["state"]
-            have = {_leaf_name(path): tuple(m.shape) for path, m in jax.tree_util.tree_leaves_with_path(stored)}
+                have = shapes(mgr.item_metadata(step)["state"])
         except Exception:  # noqa: BLE001 - damage, which the restore finds and handles
             return
-        want = {_leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+        finally:
+            mgr.close()
+        want = shapes(abstract_state)
         differ = sorted((k for k in want.keys() | have.keys() if want.get(k) != have.get(k)),
                         key=lambda k: (not k.startswith("params."), k))           # the parameters first
         if differ:

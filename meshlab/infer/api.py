@@ -201,10 +201,11 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     if tool_call and asked:
         raise BadRequest(f"`{asked}` and a required tool call both fix the reply's form; send one", param=asked)
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
+    beamed = body_field(body, "use_beam_search", bool, False)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
-                       ranks=scores is not None, bad_words=bad_words)
+                       ranks=scores is not None, bad_words=bad_words, beamed=beamed)
     beam = None                                # vLLM's use_beam_search: its length_penalty (meshlab.infer.beam)
-    if body_field(body, "use_beam_search", bool, False):
+    if beamed:
         from meshlab.infer.beam import BeamError, check_beam
         try:
             check_beam(params[0], n, stream or max_tokens == 0 or (choice is not None and choice.auto))
@@ -297,7 +298,7 @@ def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len:
 
 
 def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None,
-              ranks: bool = False, bad_words=()) -> list:
+              ranks: bool = False, bad_words=(), beamed: bool = False) -> list:
     """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
     when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks."""
     allowed = body.get("allowed_token_ids")
@@ -310,7 +311,7 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     seed = body_field(body, "seed", int, None, 0, 2 ** 31 - n)
     if seed is None:                    # unseeded requests draw apart, as OpenAI's do
         seed = secrets.randbelow(2 ** 31 - n)
-    beamed = body.get("use_beam_search") is True          # ranks by the raw logprobs: no temperature to default
+    # beam search ranks by the raw logprobs: it has no temperature to default to
     kw = {"temperature": body_field(body, "temperature", float, 0.0 if beamed else DEFAULT_TEMPERATURE),
           "top_p": body_field(body, "top_p", float, 1.0),
           "top_k": body_field(body, "top_k", int, 0), "min_p": body_field(body, "min_p", float, 0.0, 0.0, 1.0),

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 import models
-from meshlab.train.optimizer import OptimConfig
+from meshlab.train.optimizer import SCHEDULE_KEYS, OptimConfig
 
 
 class ConfigError(ValueError):
@@ -177,11 +177,11 @@ def to_yaml(cfg: TrainConfig) -> str:
 
 
 def schedule_changes(saved_config: str | None, cfg: TrainConfig) -> str:
-    """The schedule settings (steps, optim.*) that differ between a checkpoint's config and this run's,
-    as "key: old -> new" ('' when none, or the checkpoint predates its config)."""
+    """The learning-rate schedule's settings (steps, optim's SCHEDULE_KEYS) that differ between a
+    checkpoint's config and this run's, as "key: old -> new" ('' when none, or no config was saved)."""
     if not saved_config:
         return ""
-    old, new = yaml.safe_load(saved_config), yaml.safe_load(to_yaml(cfg))
-    keys = [("steps", old.get("steps"), new.get("steps"))]
-    keys += [(f"optim.{k}", (old.get("optim") or {}).get(k), v) for k, v in (new.get("optim") or {}).items()]
+    old = yaml.safe_load(saved_config)
+    keys = [("steps", old.get("steps"), cfg.steps)]
+    keys += [(f"optim.{k}", (old.get("optim") or {}).get(k), getattr(cfg.optim, k)) for k in SCHEDULE_KEYS]
     return ", ".join(f"{k}: {a} -> {b}" for k, a, b in keys if a != b)

@@ -23,6 +23,9 @@ class OptimConfig:
     grad_clip: float = 1.0        # 0 disables clipping
 
 
+SCHEDULE_KEYS = ("lr", "warmup_steps", "decay_steps", "min_lr_ratio")   # what `schedule` reads, with the steps
+
+
 def schedule(cfg: OptimConfig, total_steps: int):
     decay = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay, cfg.lr * cfg.min_lr_ratio)

@@ -95,14 +95,20 @@ def test_resume_as_another_model_touches_nothing(uninterrupted, tmp_path):
     assert (copy / "config.yaml").read_text() == before
 
 
-def test_schedule_changes_name_what_a_resume_changes():
-    """A resume under other steps or optimizer settings is told the learning-rate schedule changed."""
+def test_a_resume_that_changes_the_schedule_says_so(uninterrupted, tmp_path, capsys):
+    """Extending a finished run (more steps) is allowed and warned of: the learning-rate schedule is
+    the longer run's from the resumed step on. Settings outside the schedule (optim.b2) are not named."""
     from meshlab.train.config import schedule_changes, to_yaml
-    from tests.helpers import small_config
-    saved = to_yaml(small_config(steps=40))
-    assert schedule_changes(saved, small_config(steps=40)) == ""
-    assert schedule_changes(saved, small_config(steps=60, extra=["optim.lr=3e-2"])) == "steps: 40 -> 60, optim.lr: 0.01 -> 0.03"
-    assert schedule_changes(None, small_config(steps=60)) == ""
+    run, _ = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    out = loop.train(cfg(copy, steps=5, extra=["checkpoint.resume=latest"]), progress=False)
+    assert len(out["losses"]) == 1                                              # step 5 after step 4
+    assert "the learning-rate schedule changed since the checkpoint (steps: 4 -> 5)" in capsys.readouterr().err
+    saved = to_yaml(cfg(tmp_path))
+    assert schedule_changes(saved, cfg(tmp_path, extra=["optim.b2=0.9"])) == ""
+    assert schedule_changes(saved, cfg(tmp_path, steps=6, extra=["optim.lr=3e-2"])) == "steps: 4 -> 6, optim.lr: 0.01 -> 0.03"
+    assert schedule_changes(None, cfg(tmp_path, steps=6)) == ""
 
 
 def test_restore_onto_other_rules_and_mesh(uninterrupted, tmp_path):
