@@ -72,8 +72,9 @@ class Layout:
     @classmethod
     def build(cls, md, rules, mesh) -> "Layout":
         from meshlab.parallel.pipeline.layout import stored_order
+        order = stored_order(rules, mesh, md.cfg.n_layers)   # first: a stage count that splits no layers says so
         return cls(rules, mesh, *(leaf_specs(md, rules, mesh, k) for k in ("params", "grads", "optimizer")),
-                   batch_spec(rules, mesh), rules.batch_axes(mesh), stored_order(rules, mesh, md.cfg.n_layers))
+                   batch_spec(rules, mesh), rules.batch_axes(mesh), order)
 
     def shardings(self, kind: str) -> dict:
         """NamedShardings of the `kind` tree (params | grads | optimizer)."""

@@ -52,27 +52,34 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
     return sizes
 
 
-def resolve_sizes(spec, num_devices: int) -> dict[str, int]:
+def resolve_sizes(spec, num_devices: int, count_flag: str | None = None) -> dict[str, int]:
+    """Axis sizes for `num_devices`, the one -1 filled. `count_flag` names the flag that sets the device
+    count where the caller has one (a sizes-only tool's --devices); else, on a CPU, --cpu-devices."""
     sizes = parse_mesh_spec(spec)
     known = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:
         if num_devices % known:
             raise MeshError(f"mesh {format_sizes(sizes)}: the fixed axes multiply to {known}, which does not divide "
-                            f"the {num_devices} devices; change the sizes or the device count{_cpu_hint(known)}")
+                            f"the {num_devices} devices; change the sizes or the device count"
+                            f"{_count_hint(known * max(1, -(-num_devices // known)), count_flag)}")
         sizes[fill[0]] = num_devices // known
     total = math.prod(sizes.values())
     if total != num_devices:
         raise MeshError(f"mesh {format_sizes(sizes)} needs {total} devices but {num_devices} are present; "
-                        f"make the sizes multiply to {num_devices} (or use -1 on one axis to fill){_cpu_hint(total)}")
+                        f"make the sizes multiply to {num_devices} (or use -1 on one axis to fill)"
+                        f"{_count_hint(total, count_flag)}")
     return sizes
 
 
-def _cpu_hint(devices: int) -> str:
-    """On a CPU, where the device count is a flag: how to get `devices` of them."""
+def _count_hint(devices: int, count_flag: str | None) -> str:
+    """Where the device count is a flag (a CPU's simulated devices, a sizes-only tool's count): the
+    flag that gives this mesh its `devices`."""
+    if count_flag:
+        return f"; or {count_flag} {devices}"
     if jax.default_backend() != "cpu":
         return ""
-    return f" (on a CPU, --cpu-devices N simulates N devices: e.g. {8 if 8 % devices == 0 else devices})"
+    return f"; or, on a CPU, --cpu-devices {devices} to simulate {devices} devices"
 
 
 def format_sizes(sizes: Mapping[str, int]) -> str:

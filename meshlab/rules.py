@@ -135,7 +135,9 @@ class Rules:
                 if shape[i] % n:
                     raise RulesError(f"{self.path}: rule `{name}: {list(axes)}` splits dimension {i} of {path or 'array'} "
                                      f"(shape {tuple(shape)}) into {n} shards, which does not divide {shape[i]}; "
-                                     f"change the mesh (--mesh with {'x'.join(axes)} dividing {shape[i]}) or the rule")
+                                     f"change the mesh (--mesh with {'x'.join(axes)} dividing {shape[i]}"
+                                     + (f", e.g. {axes[0]}={math.gcd(n, shape[i])} with another axis at -1 to fill the "
+                                        "devices" if len(axes) == 1 else "") + ") or the rule")
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         while parts and parts[-1] is None:
             parts.pop()

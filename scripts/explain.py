@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     try:
         rules = load_rules(a.rules)
         cfg = models.preset(a.model)
-        mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices))
+        mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices, count_flag="--devices"))
         print(describe(model_def(cfg), rules, mesh, a.batch or None, a.seq))
     except (RulesError, MeshError, KeyError) as e:
         print(f"explain.py: {e.args[0] if e.args else e}", file=sys.stderr)

@@ -45,9 +45,15 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    runs = {run: load_run(run) for run in run_dirs}
+    for run in [r for r, rows in runs.items() if not rows]:
+        print(f"warning: {run}/metrics.jsonl has no step rows since its last fresh start (a run stopped before "
+              "its first step?); not drawn", file=sys.stderr)
+    if not any(runs.values()):
+        raise SystemExit("error: no run to draw: none of them has a step row in metrics.jsonl")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for run in run_dirs:
-        rows, label = load_run(run), label_of(run)
+    for run, rows in runs.items():
+        label = label_of(run)
         for ax, (key, title) in zip(axes.flat, PANELS):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]   # MFU n/a: no peak
             if pts:
@@ -56,15 +62,15 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
                 val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
                 if val:
                     ax.plot(*zip(*val), "o--", label=f"{label} val")
-    for ax, (_, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8)
         else:                # MFU where no device has a datasheet peak (a CPU)
-            ax.text(0.5, 0.5, "n/a: no datasheet peak for this device", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            ax.text(0.5, 0.5, "n/a: no datasheet peak for this device" if key == "mfu" else "no rows",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

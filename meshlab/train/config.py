@@ -143,7 +143,8 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
         close = difflib.get_close_matches(str(key), _all_keys(base), n=3, cutoff=0.5)
         raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else "")) from None
     except ValidationError as e:
-        raise ConfigError(f"bad config value for {getattr(e, 'full_key', '?')!r}: {e.msg}") from None
+        # OmegaConf's message goes on with its internals (full_key, reference_type): the first line says it
+        raise ConfigError(f"bad config value for {getattr(e, 'full_key', '?')!r}: {str(e.msg).splitlines()[0]}") from None
     cfg: TrainConfig = OmegaConf.to_object(merged)
     try:
         cfg.model.validate()

@@ -25,7 +25,7 @@ from meshlab.parallel.pipeline import (LayoutError, ScheduleError, bubble, build
 from meshlab.plan import hlo
 from meshlab.plan import pipeline as plan_pp
 from meshlab.train import step as S
-from meshlab.layout import leaf_specs
+from meshlab.layout import Layout, leaf_specs
 from models import model_def
 from tests.helpers import rel_err
 
@@ -263,6 +263,9 @@ def test_layers_that_do_not_divide_give_one_clear_error(setup):
         S.make_loss_and_grads(md, rules_file(setup, 4), mesh, 4)
     with pytest.raises(LayoutError, match=r"4 stages x 2 virtual stages needs model.n_layers divisible by 8"):
         S.make_loss_and_grads(md, rules_file(setup, 4, "interleaved", 2), mesh, 4)
+    # the trainer's layout (built before any step) says it too, not a rule's split error naming one leaf
+    with pytest.raises(LayoutError, match=r"4 stages x 1 virtual stages needs model.n_layers divisible by 4"):
+        Layout.build(md, rules_file(setup, 4), mesh)
 
 
 def test_a_schedule_that_reads_another_layer_order_is_refused(setup):

@@ -1,10 +1,11 @@
 """Every validation path of the core gives one clear message naming what is wrong and the fix."""
 import textwrap
+from pathlib import Path
 
 import jax
 import pytest
 
-from meshlab.mesh import MeshError, make_mesh, parse_mesh_spec
+from meshlab.mesh import MeshError, make_mesh, parse_mesh_spec, resolve_sizes
 from meshlab.rules import RulesError, load_rules, shipped_rules
 from meshlab.train.config import ConfigError, load_config
 from meshlab.train.loop import build_trainer
@@ -89,15 +90,18 @@ def test_dimension_not_divisible_names_file_rule_path_and_shape(tmp_path):
         "mesh: {data: -1}", "mesh: {data: 2, tensor: 4}"))
     with pytest.raises(RulesError, match=r"rule `kv_heads: \['tensor'\]` splits dimension 2 of params\['layers'\]"
                                          r"\['attn'\]\['wk'\] \(shape \(2, 32, 2, 8\)\) into 4 shards.*--mesh with tensor "
-                                         r"dividing 2"):
+                                         r"dividing 2, e.g. tensor=2 with another axis at -1"):
         build_trainer(small_config(path))
 
 
 def test_mesh_errors():
-    with pytest.raises(MeshError, match="needs 6 devices but 8 are present"):
-        make_mesh("data=2,tensor=3")
-    with pytest.raises(MeshError, match=r"does not divide the 8 devices.*--cpu-devices N simulates N devices: e.g. 3"):
-        make_mesh("data=-1,tensor=3")                           # tests run on the CPU: the hint is there
+    # tests run on the CPU: the hint names the simulated-device count this mesh would take
+    with pytest.raises(MeshError, match="needs 2 devices but 8 are present.*; or, on a CPU, --cpu-devices 2 to"):
+        make_mesh("tensor=2")
+    with pytest.raises(MeshError, match=r"does not divide the 8 devices.*--cpu-devices 9 to simulate 9 devices"):
+        make_mesh("data=-1,tensor=3")
+    with pytest.raises(MeshError, match=r"needs 3 devices but 8 are present.*; or --devices 3$"):
+        resolve_sizes("data=3", 8, count_flag="--devices")     # a sizes-only tool names its own flag
     with pytest.raises(MeshError, match="unknown mesh axis 'model'"):
         parse_mesh_spec("model=2")
     with pytest.raises(MeshError, match="more than one -1"):
@@ -121,6 +125,9 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'; did you mean optim.lr") as err:
         load_config("default", ["optim.lrr=1"])
     assert "optim," not in str(err.value) and not str(err.value).endswith("optim?")    # keys, not their sections
+    with pytest.raises(ConfigError, match=r"bad config value for 'optim.lr': Value 'abc' .* Float$") as err:
+        load_config("default", ["optim.lr=abc"])
+    assert "\n" not in str(err.value)       # one line, without OmegaConf's internals
     with pytest.raises(ConfigError, match="unknown model 'llama9'"):
         load_config("default", ["model.name=llama9"])
     with pytest.raises(ConfigError, match="is not key=value"):
@@ -142,3 +149,22 @@ def test_unavailable_attention_is_an_error_not_a_fallback():
             resolve("cudnn")
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
         resolve("flash")
+
+
+def test_plot_metrics_refuses_runs_without_step_rows(tmp_path, capsys):
+    import json
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import plot_metrics
+    empty, good = tmp_path / "empty", tmp_path / "good"
+    for d, rows in ((empty, [{"event": "start", "step": 0}]),
+                    (good, [{"event": "start", "step": 0}] + [{"step": s, "loss": 5.0 - s, "lr": 1e-3,
+                                                               "tokens_per_s": 100.0, "mfu": None} for s in (1, 2)])):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="no run to draw"):
+        plot_metrics.plot([empty], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+    png = plot_metrics.plot([empty, good], tmp_path / "both.png")      # the run with rows is drawn, the other named
+    assert png.stat().st_size > 10_000
+    assert f"{empty}/metrics.jsonl has no step rows" in capsys.readouterr().err

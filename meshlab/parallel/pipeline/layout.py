@@ -71,7 +71,10 @@ def stored_order(rules, mesh, n_layers: int) -> tuple[int, ...] | None:
     file's pipeline when the mesh has stage > 1 and it names virtual > 1, else None (model order)."""
     pipe = rules.strategies.get("pipeline")
     stages = dict(mesh.shape).get("stage", 1)
-    if stages == 1 or not pipe or pipe["virtual"] == 1:
+    if stages == 1 or not pipe:
+        return None
+    if pipe["virtual"] == 1:
+        check_layers(n_layers, stages, 1, f"{rules.path}: ")   # before a rule's split error names a leaf
         return None
     return order_for(n_layers, stages, pipe["virtual"], f"{rules.path}: ")
 
