@@ -81,8 +81,14 @@ def set_cpu_devices(n: int) -> None:
     os.environ.setdefault("PJRT_NPROC", str(4 * n))
     try:
         jax.config.update("jax_num_cpu_devices", n)
-    except (AttributeError, RuntimeError):  # older jax, or backend already up: XLA_FLAGS covers it
+    except AttributeError:                  # older jax: XLA_FLAGS covers it
         pass
+    except RuntimeError:                    # the backends are up: nothing set now reaches them
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise RuntimeError(f"set_cpu_devices({n}): JAX has already started with {have} CPU device(s), and the "
+                               "count is fixed when JAX starts. Call it before anything runs on JAX (in a notebook: "
+                               "restart the kernel and run the cell that calls it first)") from None
 
 
 def make_mesh(devices_array, axis_names):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from meshlab import compat
 
@@ -26,6 +27,17 @@ def test_set_cpu_devices_orders_cpu_collectives_and_keeps_the_users_flags(monkey
     compat.set_cpu_devices(8)
     flags = os.environ["XLA_FLAGS"].split()
     assert chosen in flags and compat.CPU_COLLECTIVE_ORDER not in flags
+
+
+def test_set_cpu_devices_after_jax_started_says_so(monkeypatch):
+    """In a notebook whose kernel already ran JAX the count cannot change: one error saying to restart,
+    not a silent no-op that a later mesh error blames on the mesh."""
+    monkeypatch.setattr(compat, "unique_collective_channels", lambda: None)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    compat.set_cpu_devices(8)                                   # the count the tests started with: fine
+    with pytest.raises(RuntimeError, match=r"set_cpu_devices\(4\): JAX has already started with 8 CPU device.*"
+                                           r"restart the kernel"):
+        compat.set_cpu_devices(4)
 
 
 CHANNELS = """

@@ -468,4 +468,11 @@ class Scheduler:
         return [r for r in decodes if id(r) in live], [row for row in prefills if id(row[0]) in live]
 
     def page_table(self) -> np.ndarray:
-        return self.table
+        """A copy of the page table holding only what rows own now: each live row's pages, 0 (none)
+        elsewhere. The working table keeps the ids a freed row or a shorter successor left behind, which
+        no sequence length reaches (the kernels read a row up to its length), so it is never cleared."""
+        view = np.zeros_like(self.table)
+        for slot, req in enumerate(self.rows):
+            if req is not None:
+                view[slot, :len(req.pages)] = self.table[slot, :len(req.pages)]
+        return view

@@ -184,6 +184,15 @@ def best_per_rules(plans: list[Plan]) -> dict[str, Plan]:
     return out
 
 
+def memory_parts(plan: Plan) -> dict[str, float]:
+    """The plan's bytes per device in parts that add up to mem_bytes: the gradients are among the peak
+    phase's temporaries (its gradient buffers, memory.plan_memory), not a part of their own."""
+    m = plan.memory
+    return {"params": m["state"]["params"], "Adam mu+nu": m["state"]["optimizer"],
+            "activations (peak phase)": m["activations"]["total"],
+            "temporaries (peak phase, gradients in them)": m["temporaries"]["total"]}
+
+
 def plot(plans: list[Plan], path: Path, title: str = "") -> Path:
     """Memory per device (stacked) and estimated step time of each strategy's best plan."""
     import matplotlib
@@ -192,14 +201,10 @@ def plot(plans: list[Plan], path: Path, title: str = "") -> Path:
     best = list(best_per_rules(plans).values())
     best.sort(key=lambda p: p.mem_bytes)
     labels = [f"{p.rules}\n{p.mesh_string}\n{p.remat}, k={p.microbatches}" for p in best]
-    parts = [("params", lambda p: p.memory["state"]["params"]), ("grads", lambda p: p.memory["state"]["grads"]),
-             ("Adam mu+nu", lambda p: p.memory["state"]["optimizer"]),
-             ("activations", lambda p: p.memory["activations"]["total"]),
-             ("temporaries", lambda p: p.memory["temporaries"]["total"])]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(best) * 2), 5))
     bottom = [0.0] * len(best)
-    for name, get in parts:
-        vals = [get(p) / 2 ** 30 for p in best]
+    for name in memory_parts(best[0]):
+        vals = [memory_parts(p)[name] / 2 ** 30 for p in best]
         ax1.bar(labels, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("GiB per device")

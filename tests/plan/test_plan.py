@@ -80,6 +80,8 @@ def test_search_ranks_rejects_and_writes(tmp_path):
     assert {a: s for a, s in rules.mesh.items() if s > 1} == {a: s for a, s in best.mesh.items() if s > 1}
     text = search.explain(best, cfg, HARDWARE["h100"])
     assert "alpha-beta" in text and "MFU" in text and "textbook 16 B/param" in text and "KV cache" in text
+    for p in good:     # the figure's stacked bars are the table's totals
+        assert sum(search.memory_parts(p).values()) == pytest.approx(p.mem_bytes)
     png = search.plot(good, tmp_path / "plan.png", "test")
     assert png.stat().st_size > 1000
 
