@@ -16,7 +16,10 @@ Failure rules: orbax writes into a temporary directory and renames it when compl
 interrupted save never shows up as a step. A step that exists but fails to restore (damaged
 files, missing item, fingerprint mismatch) is moved aside to `corrupt-step-N` -- never
 deleted, never overwritten -- and the previous complete step is used instead, with a warning.
-Asking for a specific step that is missing or damaged is an error naming what exists.
+Asking for a specific step that is missing or damaged is an error naming what exists. A resume
+from a step with later steps after it moves those aside into a sibling directory (the run it
+branches away from; `Checkpointer.set_aside_after`), so the new run's saves are never skipped as
+"already saved" and a later resume never takes the abandoned run's state.
 """
 from __future__ import annotations
 
@@ -36,9 +39,12 @@ import orbax.checkpoint as ocp
 
 from meshlab.parallel.pipeline.layout import META_KEY as LAYER_ORDER, reorder_placed
 
-# Relative tolerance of the fingerprint check: a restore onto another mesh sums the same
-# values in another order (float32), a damaged chunk moves a sum by far more.
+# Tolerance of the fingerprint check, relative to a leaf's sum of |x|: a restore onto another mesh
+# sums the same values in another order (float32), which moves either sum by a rounding error of
+# each term, i.e. by a fraction of sum |x| -- not of the signed sum, which may be near zero (a
+# weight matrix of mean ~0). A damaged chunk moves the sums by far more.
 _FINGERPRINT_RTOL = 1e-4
+_FINGERPRINT_ATOL = 1e-6
 
 
 # Written by orbax (0.12) as the last act of a save; a step directory without it is incomplete.
@@ -60,6 +66,36 @@ def fingerprint(state) -> jax.Array:
     Costs one reduction pass over the state per save and per restore."""
     leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(state)]
     return jnp.stack([jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))]) for x in leaves])
+
+
+def fingerprint_mismatches(have, want) -> list[int]:
+    """Indices of the leaves whose fingerprint rows (sum, sum of |x|) differ by more than summing the
+    same float32 values in another order can explain: each column within _FINGERPRINT_RTOL of the
+    leaf's sum of |x| as stored (damage cannot widen its own tolerance; a NaN is a mismatch).
+    Fingerprints of different shapes (another leaf count) mismatch at every leaf."""
+    have, want = np.asarray(have, np.float64), np.asarray(want, np.float64)
+    if have.shape != want.shape:
+        return list(range(max(len(have), len(want))))
+    scale = np.abs(want[:, 1:2])
+    close = np.abs(have - want) <= _FINGERPRINT_RTOL * scale + _FINGERPRINT_ATOL   # False for a NaN
+    return [int(i) for i in np.flatnonzero(~close.all(axis=1))]
+
+
+def _check_fingerprint(tree, want, what: str) -> None:
+    """A CheckpointError naming the first leaf of `tree` whose values do not match `want` (rows of
+    `fingerprint`, as written at save time)."""
+    have = np.asarray(jax.device_get(fingerprint(tree)), np.float64)
+    want = np.asarray(want, np.float64)
+    bad = fingerprint_mismatches(have, want)
+    if not bad:
+        return
+    if have.shape != want.shape:
+        where = f"{len(want)} leaves stored, {len(have)} restored"
+    else:
+        names = [jax.tree_util.keystr(path, simple=True, separator=".")
+                 for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+        where = f"leaf {names[bad[0]]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+    raise CheckpointError(f"{what} do not match the fingerprint written at save time ({where})")
 
 
 @jax.jit
@@ -163,8 +199,11 @@ class Checkpointer:
             try:
                 return self._restore_one(abstract_state, step)
             except Exception as e:  # noqa: BLE001 - any failure here means the step is unusable
+                others = [s for s in steps if s != step]
+                hint = (f"Resume from another step ({others}) or without a step (the latest good one)" if others
+                        else "It is the only checkpoint: start a fresh run")
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
-                                      f"{_short(e)}. Resume from another step ({steps}) or the latest") from None
+                                      f"{_short(e)}. {hint}") from None
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory} to resume from; start without --resume "
                                   "or point checkpoint.dir at the run's checkpoints")
@@ -215,11 +254,35 @@ class Checkpointer:
             raise CheckpointError("its meta item is missing")
         if int(meta.get("step", -1)) != step:
             raise CheckpointError(f"its meta says step {meta.get('step')}, not {step}")
-        want = np.asarray(meta["fingerprint"], np.float64)
-        have = np.asarray(jax.device_get(fingerprint(state)), np.float64)
-        if want.shape != have.shape or not np.allclose(have, want, rtol=_FINGERPRINT_RTOL, atol=1e-6):
-            raise CheckpointError("its values do not match the fingerprint written at save time")
+        _check_fingerprint(state, meta["fingerprint"], "its values")
         return state, meta
+
+    def set_aside_after(self, step: int) -> Optional[Path]:
+        """After a resume from `step`: move the later steps (the run this resume branches away from)
+        into a sibling directory `<dir>.after-step-<step>-<time>`, itself a checkpoint directory
+        (kept, never deleted), so that the new run's saves of those step numbers land and a later
+        resume cannot take the old run's state for the new one's. Returns that directory, or None
+        when there were no later steps."""
+        later = [s for s in self.steps() if s > step]
+        if not later:
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dst = self.directory.with_name(f"{self.directory.name}.after-step-{step}-{stamp}")
+        if jax.process_index() == 0:
+            n = 1
+            while dst.exists():    # two resumes within a second: never merge into an earlier set
+                n += 1
+                dst = self.directory.with_name(f"{self.directory.name}.after-step-{step}-{stamp}-{n}")
+            dst.mkdir()
+            for s in later:
+                os.replace(self.directory / str(s), dst / str(s))
+            _log(f"resumed from step {step}: the later steps {later} are the run this resume branches away from; "
+                 f"moved to {dst} (checkpoint.dir={dst} resumes them)")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"meshlab_set_aside_after_{step}")
+        self.mgr.reload()
+        return dst
 
     def _quarantine(self, step: int, why: str) -> None:
         """Move a damaged step out of orbax's sight (kept for inspection, never deleted)."""
@@ -307,10 +370,7 @@ def _restore_params_one(mgr, step: int, abstract_params):
     if meta is None or "fingerprint" not in meta:
         raise CheckpointError("its meta item is missing")
     n = len(jax.tree.leaves(params))
-    want = np.asarray(meta["fingerprint"], np.float64)[-n - 1:-1]
-    have = np.asarray(jax.device_get(fingerprint(params)), np.float64)
-    if want.shape != have.shape or not np.allclose(have, want, rtol=_FINGERPRINT_RTOL, atol=1e-6):
-        raise CheckpointError("its parameters do not match the fingerprint written at save time")
+    _check_fingerprint(params, np.asarray(meta["fingerprint"], np.float64)[-n - 1:-1], "its parameters")
     return reorder_placed(params, meta.get(LAYER_ORDER), None, donate=True), meta
 
 

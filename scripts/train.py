@@ -37,6 +37,29 @@ def parse(argv):
     return args
 
 
+def _is_resume_flag(arg: str) -> bool:
+    """--resume, --resume=STEP, and the abbreviations argparse accepts for them (--re, --resu=4)."""
+    name = arg.split("=", 1)[0]
+    return len(name) >= len("--re") and "--resume".startswith(name)
+
+
+def resume_command(argv: list[str]) -> list[str]:
+    """`argv` (the script's path first) as the command that resumes the run: any resume it was
+    started with (--resume, --resume STEP, --resume=STEP, checkpoint.resume=...) dropped, then
+    --resume (the latest checkpoint) added."""
+    out, after_flag = [], False
+    for arg in argv:
+        # a bare --resume may take the next word as its STEP; an override or a flag there stays
+        its_step, after_flag = after_flag and (arg.isdigit() or arg == "latest"), False
+        if its_step or arg.startswith("checkpoint.resume="):
+            continue
+        if _is_resume_flag(arg):
+            after_flag = "=" not in arg
+            continue
+        out.append(arg)
+    return [*out, "--resume"]
+
+
 def main(argv=None):
     args = parse(argv)
     if args.cpu_devices:
@@ -69,9 +92,9 @@ def main(argv=None):
     if jax.process_index() != 0:
         return
     if "interrupted" in result:
-        argv_now = [a for a in (sys.argv if argv is None else ["scripts/train.py", *argv]) if a != "--resume"]
+        command = resume_command(sys.argv if argv is None else ["scripts/train.py", *argv])
         print(f"stopped after step {result['interrupted']}; checkpoint saved in {result['checkpoint_dir']}.\n"
-              f"resume with: python {shlex.join(argv_now)} --resume", flush=True)
+              f"resume with: python {shlex.join(command)}", flush=True)
         return
     losses = result["losses"]
     if losses:

@@ -110,18 +110,25 @@ def build_trainer(cfg: TrainConfig, devices=None) -> Trainer:
 
 
 def check_memory(tr: Trainer) -> None:
-    """Before anything is written or allocated: compile the step against abstract arrays and compare
-    its memory analysis with the device's memory (fit.py). The compiled program then runs the steps
-    (no second compile). Off where the device memory is unknown (CPU, unless device_memory_gib is
-    set) or the step is not a jitted function."""
+    """Before anything is written or allocated: trace and lower the step against abstract arrays, so
+    that a step that cannot be built (a rule file's strategy refusing the model's shapes, a sharding
+    that does not divide) stops the run before its directory is touched. Where the device memory is
+    known (not CPU, unless device_memory_gib is set), also compile it and compare its memory analysis
+    with the device's (fit.py); the compiled program then runs the steps (no second compile). Without
+    it the jitted step's first call reuses this trace and lowering (jax caches both), so the check
+    costs nothing. Off where the step is not a jitted function."""
     cfg = tr.cfg
-    limit, source = fit.device_memory(cfg, tr.mesh.devices.flat[0])
-    if limit is None or not hasattr(tr.step_fn, "lower"):
+    if not hasattr(tr.step_fn, "lower"):
         return
-    fit.check_state(cfg, tr.md, tr.rules, tr.mesh, limit, source)
+    limit, source = fit.device_memory(cfg, tr.mesh.devices.flat[0])
+    if limit is not None:
+        fit.check_state(cfg, tr.md, tr.rules, tr.mesh, limit, source)
     batch = device_batch(tr, tr.batches.batch(0, tr.rows))
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
     state = abstract_state(tr.md, tr.tx, tr.shardings, cfg.model.dtype == "float16")
+    if limit is None:
+        tr.step_fn.lower(state, abstract_batch)
+        return
     try:
         compiled = tr.step_fn.lower(state, abstract_batch).compile()
     except Exception as e:   # XLA autotuning or buffer assignment out of memory: the same one message
@@ -130,6 +137,54 @@ def check_memory(tr: Trainer) -> None:
         raise
     tr.notes.append(fit.check_compiled(cfg, compiled, limit, source))
     tr.step_fn = _FirstCallFallback(compiled, tr.step_fn)
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """A ValueError, before any work, when the run directory (or checkpoint.dir) cannot be one: a path
+    that is a file, or lies under a file or an unwritable directory."""
+    paths = [("run_dir", "--run-dir DIR", Path(cfg.run_dir))]
+    if cfg.checkpoint.dir:
+        paths.append(("checkpoint.dir", "checkpoint.dir=DIR", Path(cfg.checkpoint.dir)))
+    for key, flag, path in paths:
+        path = path.absolute()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{key} {path} is a file, not a directory; pass a directory ({flag}; a missing one is "
+                             "created)")
+        parent = next(p for p in path.parents if p.exists()) if not path.exists() else path
+        if not parent.is_dir():
+            raise ValueError(f"{key} {path} cannot be created: {parent} is a file, not a directory; pass a path "
+                             f"under a directory ({flag})")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{key} {path} cannot be written: {parent} is not writable by this user; pass a "
+                             f"directory you can write to ({flag})")
+
+
+def pipeline_bubble_warning(tr: Trainer) -> str | None:
+    """One line when a pipeline runs fewer micro-batches than it has stages: most of each step is then
+    the schedule's bubble. Names the fraction and the data.microbatches that the rule files advise
+    (4 x stages, or the largest of 4p, 2p, p that the global batch divides into)."""
+    from meshlab.parallel.pipeline.schedules import theory_bubble
+    pipeline = tr.rules.strategies.get("pipeline")
+    p, m = tr.mesh.shape.get("stage", 1), tr.cfg.data.microbatches
+    if not pipeline or p <= 1 or m >= p:
+        return None
+    virtual = int(pipeline.get("virtual") or 1)
+    # zero bubble: the backward split in two fills the idle ticks with weight gradients (plan/pipeline.py)
+    bubble = (p - 1) / (3 * m + p - 1) if pipeline.get("schedule") == "zb" else theory_bubble(p, m, virtual)
+    advice = ""
+    for k in (4, 2, 1):
+        try:
+            tr.rules.check_batch(tr.cfg.data.global_batch, tr.mesh, k * p)
+        except ValueError:
+            continue
+        advice = f"; set data.microbatches={k * p}" + (" (the rule file advises >= 4 x stages)" if k == 4 else
+                                                        f" (4 x stages={4 * p} needs a larger data.global_batch)")
+        break
+    if not advice:
+        advice = (f"; set data.microbatches={4 * p} (the rule file advises >= 4 x stages) with data.global_batch a "
+                  f"multiple of {tr.rules.data_parallel_size(tr.mesh) * 4 * p}")
+    return (f"meshlab: warning: rules {tr.rules.name} run a {p}-stage pipeline with data.microbatches={m}: about "
+            f"{bubble:.0%} of each step is the pipeline's bubble (stages idle){advice}")
 
 
 class _FirstCallFallback:
@@ -265,6 +320,9 @@ def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
     step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
     state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step, layer_order=tr.layout.layer_order)
     _check_resume_step(cfg, int(meta["step"]), ckpt, restored=True)
+    # Steps after the restored one are the run this resume branches away from: set aside, or this
+    # run's saves of those step numbers would be skipped and a later resume would take the old state.
+    ckpt.set_aside_after(int(meta["step"]))
     saved = meta.get("data", {})
     now = {"seed": cfg.data.seed, "global_batch": cfg.data.global_batch, "seq_len": cfg.data.seq_len,
            "corpus": cfg.data.corpus}
@@ -305,9 +363,18 @@ def _meta(tr: Trainer, step: int) -> dict:
 
 def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = True) -> dict:
     """Run up to `cfg.steps` steps; returns {"losses", "state", "run_dir", "rows", "trainer"} and,
-    when stopped by a signal, "interrupted": the step saved."""
+    when stopped by a signal, "interrupted": the step saved.
+
+    Everything that can refuse the run (the run directory's path, the rule file and mesh, the step's
+    trace and the memory check, the validation data, the multi-process agreement, a resume's step)
+    runs before the run directory is written to or its checkpoints are moved, so a run that stops at
+    start leaves the directory as it was."""
+    if write:
+        check_run_dir(cfg)
     tr = build_trainer(cfg, devices)
-    check_memory(tr)   # may stop with fit.OutOfMemoryError: nothing has been written yet
+    check_memory(tr)   # may stop with fit.OutOfMemoryError or a trace error: nothing has been written yet
+    validate = Validator(tr) if cfg.val.every > 0 else None
+    distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0 and write
     ckpt = _checkpointer(cfg, run_dir) if write and cfg.checkpoint.resume else None
@@ -317,12 +384,14 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
         except ValueError:
             ckpt.close()
             raise
+    warning = pipeline_bubble_warning(tr)
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr, flush=True)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.checkpoint.resume:       # a resume writes it once its checkpoint has restored
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
         write_run_tokenizer(cfg.data.corpus, run_dir)   # serving reads the tokenizer from the run dir
-    distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     if write and not cfg.checkpoint.resume:
         set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     if write and ckpt is None:
@@ -334,7 +403,7 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
             state, start = _start_state(tr, ckpt, fp16)
             if is_main and cfg.checkpoint.resume:
                 (run_dir / "config.yaml").write_text(to_yaml(cfg))
-            result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog)
+            result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog, validate)
     finally:
         watchdog.stop()
         if ckpt is not None:
@@ -347,14 +416,13 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
 
 
 def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path, is_main: bool,
-         progress: bool, watchdog) -> dict:
+         progress: bool, watchdog, validate: Validator | None) -> dict:
     cfg = tr.cfg
     writer = MetricsWriter(run_dir, enabled=is_main)
     lr_at = host_schedule(cfg.optim, cfg.steps)
     flops_tok = cfg.model.train_flops_per_token(cfg.data.seq_len)
     ndev = tr.mesh.devices.size
     peak, peak_source = peak_flops(tr.mesh.devices.flat[0], cfg.peak_tflops)
-    validate = Validator(tr) if cfg.val.every > 0 else None
     profiler = ProfileWindow(cfg.profile, run_dir, hlo_text=lambda: _program_text(tr))
     if progress and is_main:
         print(f"meshlab: {cfg.model.name} ({tr.md.param_count():,} params), rules {tr.rules.name}, "

@@ -115,8 +115,9 @@ def test_restore_onto_other_rules_and_mesh(uninterrupted, tmp_path):
     """Saved with fsdp on 8 devices, restored with tp on 4 devices (data=2,tensor=2): resharded
     on load by orbax from abstract targets with the new shardings."""
     run, losses = uninterrupted
-    c = cfg(tmp_path, rules="tp", mesh="data=2,tensor=2",
-            extra=["checkpoint.resume=2", f"checkpoint.dir={run / 'checkpoints'}"])
+    ckdir = tmp_path / "ck"           # a copy: the resume from 2 sets the fixture's step 4 aside
+    shutil.copytree(run / "checkpoints", ckdir)
+    c = cfg(tmp_path, rules="tp", mesh="data=2,tensor=2", extra=["checkpoint.resume=2", f"checkpoint.dir={ckdir}"])
     out = loop.train(c, devices=jax.devices()[:4], progress=False)
     assert out["trainer"].mesh.devices.size == 4
     np.testing.assert_allclose(out["losses"], losses[2:], rtol=1e-5)
@@ -241,3 +242,115 @@ def test_poisoned_state_is_never_saved(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="refusing to save step 4"):
         loop.train(cfg(tmp_path), progress=False)
     assert Checkpointer(tmp_path / "checkpoints").steps() == [2]
+
+
+def test_fingerprint_check_takes_reordered_sums_and_rejects_a_changed_value():
+    """Summing a leaf in another order (another mesh) moves its sums by a rounding error of its terms,
+    a fraction of its sum of |x|: accepted even where the signed sum is near zero. A changed value, a
+    NaN or another leaf count is a mismatch, named by leaf index."""
+    from meshlab.checkpoint import fingerprint, fingerprint_mismatches
+    # params.layers.attn.wk of a pp_dp run saved on data=4,stage=2 and restored on data=2,stage=4
+    want = [[3.32295895e-04, 1.31003998e+02], [12.5, 40.0]]
+    have = [[3.30179930e-04, 1.31004013e+02], [12.5, 40.0]]
+    assert not np.allclose(have, want, rtol=1e-4, atol=1e-6)       # the rounding is real: a test of the signed sum fails it
+    assert fingerprint_mismatches(have, want) == []
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    changed, poisoned = x.copy(), x.copy()
+    changed[17] += 10.0
+    poisoned[3] = np.nan
+
+    def fp(*leaves):
+        return np.asarray(fingerprint(list(leaves)), np.float64)
+    assert fingerprint_mismatches(fp(x, x[::-1].copy()), fp(x, x)) == []
+    assert fingerprint_mismatches(fp(x, changed), fp(x, x)) == [1]
+    assert fingerprint_mismatches(fp(poisoned, x), fp(x, x)) == [0]
+    assert fingerprint_mismatches(fp(x), fp(x, x)) == [0, 1]
+
+
+def test_restore_onto_another_mesh_accepts_a_near_zero_sum_and_rejects_a_flipped_bit(tmp_path, monkeypatch):
+    """A leaf of mean ~0 saved sharded over 8 devices restores onto one device and onto a 2x4 mesh (its
+    sum, added in another order, lands outside 1e-4 of itself). A step whose stored values differ from
+    its fingerprint (one exponent bit flipped) is refused by number, naming the leaf and only the other
+    steps, and is moved aside by a resume of the latest."""
+    import meshlab.checkpoint as checkpoint
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    x -= np.float32(x.astype(np.float64).mean())                   # signed sum ~1e-4, sum |x| ~1.3e4
+    saved = {"w": jax.device_put(x, NamedSharding(jax.make_mesh((8,), ("a",)), P("a"))), "step": np.int32(1)}
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(1, saved, {})
+    one = SingleDeviceSharding(jax.devices()[0])
+    mesh24 = jax.make_mesh((2, 4), ("a", "b"))
+    targets = {"one device": (one, one), "2x4": (NamedSharding(mesh24, P("b", "a")), NamedSharding(mesh24, P()))}
+    stored = np.asarray(read_meta(tmp_path / "ck", 1)["fingerprint"])
+    on_one = np.asarray(checkpoint.fingerprint(jax.device_put(saved, one)), np.float64)
+    assert not np.allclose(on_one, stored, rtol=1e-4, atol=1e-6), "the test needs a sum that moves with the order"
+    for name, (sharding, replicated) in targets.items():
+        abstract = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                    "step": jax.ShapeDtypeStruct((), np.int32, sharding=replicated)}
+        state, meta = ck.restore(abstract, step=1)
+        np.testing.assert_array_equal(np.asarray(state["w"]), x, err_msg=name)
+        assert state["w"].sharding == sharding and meta["step"] == 1
+
+    flipped = x.copy()
+    flipped.view(np.int32)[3, 5] ^= 1 << 30                           # one exponent bit of one value
+    real = checkpoint.fingerprint
+    monkeypatch.setattr(checkpoint, "fingerprint", lambda state: real(dict(saved, step=np.int32(2))) if state is damaged
+                        else real(state))
+    damaged = {"w": jax.device_put(flipped, NamedSharding(jax.make_mesh((8,), ("a",)), P("a"))), "step": np.int32(2)}
+    ck.save(2, damaged, {})
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"step 2 .* cannot be restored: .*fingerprint .*\(leaf w\)\. Resume from "
+                                              r"another step \(\[1\]\)") as err:
+        ck.restore(abstract, step=2)
+    assert "[1, 2]" not in str(err.value)
+    state, meta = ck.restore(abstract)                                # the latest: falls back to step 1
+    assert meta["step"] == 1 and ck.steps() == [1]
+    assert any(p.name.startswith("corrupt-step-2") for p in (tmp_path / "ck").iterdir())
+    ck.close()
+
+
+def test_resume_from_an_earlier_step_sets_the_later_ones_aside(uninterrupted, tmp_path, capsys):
+    """Resumed from step 2 of a run with checkpoints 2 and 4 (another learning rate): step 4 of the old run
+    moves to a sibling checkpoint directory (said on stderr), so the new run's step 4 is saved and a later
+    resume takes the new run's state. A resume refused after the restore (nothing to train) moves nothing."""
+    run, losses = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    old_meta = read_meta(copy / "checkpoints", 4)
+    with pytest.raises(ValueError, match="nothing to train"):
+        loop.train(cfg(copy, extra=["checkpoint.resume=4"]), progress=False)
+    assert sorted(p.name for p in copy.iterdir() if p.name.startswith("checkpoints")) == ["checkpoints"]
+
+    out = loop.train(cfg(copy, extra=["checkpoint.resume=2", "optim.lr=3e-2"]), progress=False)
+    assert out["losses"][1] != losses[3]                                      # another run from step 3 on
+    err = capsys.readouterr().err
+    aside = [p for p in copy.iterdir() if p.name.startswith("checkpoints.after-step-2-")]
+    assert len(aside) == 1 and f"later steps [4] are the run this resume branches away from; moved to {aside[0]}" in err
+    assert "already saved" not in err
+    assert Checkpointer(aside[0]).steps() == [4] and read_meta(aside[0], 4) == old_meta   # kept as it was
+    assert Checkpointer(copy / "checkpoints").steps() == [2, 4]
+    assert "lr: 0.03" in read_meta(copy / "checkpoints", 4)["config"] and "lr: 0.03" in (copy / "config.yaml").read_text()
+    assert "lr: 0.03" not in old_meta["config"]
+
+
+def _tree(root: Path) -> dict:
+    """Every path under `root` with the SHA-256 of its bytes (None for a directory)."""
+    import hashlib
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("resume", [None, "latest"])
+def test_a_run_whose_step_cannot_be_built_leaves_the_run_dir_as_it_was(uninterrupted, tmp_path, resume):
+    """A rule file that refuses the model at trace time (ulysses: 4 heads over 8 context shards) stops a fresh
+    run or a resume before anything in the run directory is written or moved: no checkpoints set aside, no
+    config.yaml rewritten, no start row."""
+    run, _ = uninterrupted
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    before = _tree(copy)
+    extra = [f"checkpoint.resume={resume}"] if resume else []
+    with pytest.raises(ValueError, match=r"ulysses attention needs .* heads \(4\) divisible by the context size \(8\)"):
+        loop.train(cfg(copy, rules="cp_ulysses", mesh="data=1,context=8", steps=6, extra=extra), progress=False)
+    assert _tree(copy) == before
