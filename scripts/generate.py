@@ -5,10 +5,15 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# SamplingParams' fields, as this script's flags
+FLAGS = {"max_tokens": "--max-new-tokens ", "temperature": "--temperature ", "top_k": "--top-k ", "top_p": "--top-p ",
+         "min_p": "--min-p ", "repetition_penalty": "--repetition-penalty ", "seed": "--seed "}
 
 
 def main(argv=None):
@@ -28,15 +33,24 @@ def main(argv=None):
     add_speculative_args(ap, batch=False)
     add_storage_args(ap)
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        ap.error("--prompt is empty; give some text to continue")
     from meshlab.infer.engine import ContiguousGenerator, Engine
     from meshlab.infer.sampler import SamplingParams
     try:
         rules, mesh, cfg, md, params, tok = open_checkpoint(args)
         ids = tok.encode(args.prompt)
+        if not ids:
+            raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
         stop = stop_token_ids(tok)
-        sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop_token_ids=stop).validate(cfg.vocab_size)
+        try:
+            sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed, stop_token_ids=stop).validate(cfg.vocab_size)
+        except ValueError as e:       # its words name SamplingParams' fields: name the flags instead
+            raise ValueError(re.sub(r"^(\w+)=", lambda m: FLAGS.get(m[1], m[0]), str(e))) from None
         need = len(ids) + args.max_new_tokens
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         if args.speculative_tokens:    # the serving engine's speculative calls, over one row
@@ -59,11 +73,14 @@ def main(argv=None):
         shown = len(text)
 
     sys.stdout.write(args.prompt)
-    if isinstance(gen, Engine):
-        gen.add_request(ids, sp, on_event=lambda _req, new, _done: [on_token(0, t) for t in new])
-        gen.run()
-    else:
-        gen.generate([ids], sp, on_token=on_token)
+    try:
+        if isinstance(gen, Engine):
+            gen.add_request(ids, sp, on_event=lambda _req, new, _done: [on_token(0, t) for t in new])
+            gen.run()
+        else:
+            gen.generate([ids], sp, on_token=on_token)
+    except ValueError as e:           # the generators' checks of the request (each flag is checked above)
+        sys.exit(f"\ngenerate: {e}")
     sys.stdout.write(tok.decode(out)[shown:] + "\n")
 
 

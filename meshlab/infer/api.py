@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 from typing import Any, Optional
 
@@ -30,9 +31,19 @@ DEFAULT_TEMPERATURE = 1.0      # OpenAI's, for a request that names none (its cl
 
 
 class BadRequest(Exception):
-    def __init__(self, message, status=400, param=None, retry_after=None):
+    """An error answer: its HTTP status, and OpenAI's error fields `param` (the request field at fault)
+    and `code` (a machine-readable reason, as OpenAI's "context_length_exceeded"; mostly None)."""
+
+    def __init__(self, message, status=400, param=None, retry_after=None, code=None):
         super().__init__(message)
-        self.status, self.param, self.retry_after = status, param, retry_after
+        self.status, self.param, self.retry_after, self.code = status, param, retry_after, code
+
+
+@dataclasses.dataclass
+class ToolCallParams(SamplingParams):
+    """The SamplingParams of a reply held to one tool call (tool_choice "required" or a named function):
+    the reply is the call's JSON, so `visible` shows a reply that ends before the call is whole (cut by
+    max_tokens or a stop string) as no text, never as a piece of JSON."""
 
 
 @dataclasses.dataclass
@@ -136,15 +147,16 @@ def plain_chat_prompt(messages: list, tools: Optional[list] = None, add_generati
 
 
 def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n: int, tool_format=None,
-          trust_templates: bool = False) -> Plan:
+          trust_templates: bool = False, vocab_size: Optional[int] = None) -> Plan:
     """Validate a request body into a Plan (raises BadRequest). tool_format: the tools.ToolFormat of
     tool_choice "auto" (None: the one the tokenizer's chat template writes); trust_templates: a chat
-    request's own `chat_template` formats its messages (else it is a 400)."""
+    request's own `chat_template` formats its messages (else it is a 400); vocab_size: the model's, which
+    token ids (the prompt's, logit_bias's, stop_token_ids', allowed_token_ids') must lie below."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if body.get("model") not in (None, model_name):
         raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {model_name!r}",
-                         status=404, param="model")
+                         status=404, param="model", code="model_not_found")
     for name, (used, instead) in UNSUPPORTED.items():
         if body.get(name) is not None and used(body[name], body):
             raise BadRequest(f"`{name}` is not supported by this server; {instead}", param=name)
@@ -154,15 +166,21 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                                     else (*_completion_prompts(body.get("prompt"), tok), None, ""))
     if not all(prompts):
         raise BadRequest("the prompt encodes to no tokens; send some text", param="prompt")
+    if vocab_size is not None and any(min(p) < 0 or max(p) >= vocab_size for p in prompts):
+        raise BadRequest(f"prompt token ids must lie in [0, {vocab_size}) (this model's vocabulary)",
+                         param="messages" if chat else "prompt")
     n = body_field(body, "n", int, 1, 1, max_n)
     stream = body_field(body, "stream", bool, False)
     echo = body_field(body, "echo", bool, False)
-    keep = body_field(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens; -1: the context
+    limit = _max_tokens(body, chat, echo)
+    keep = body_field(body, "truncate_prompt_tokens", int, None, -1)       # vLLM's: the last k tokens
     if keep == 0:
-        raise BadRequest("`truncate_prompt_tokens` must be >= 1 (the prompt's last tokens kept), or -1 (the context)",
-                         param="truncate_prompt_tokens")
+        raise BadRequest("`truncate_prompt_tokens` must be >= 1 (the prompt's last tokens kept), or -1 (as many as "
+                         "the context holds beside max_tokens)", param="truncate_prompt_tokens")
     if keep is not None:
-        keep = max_len if keep == -1 else keep
+        # -1: the context less max_tokens, so the reply fits (a chat request without max_tokens, whose default is
+        # the rest of the context, keeps all but one position); vLLM keeps the whole context, leaving no room
+        keep = max(max_len - (1 if limit is None else limit), 1) if keep == -1 else keep
         texts = [t if len(p) <= keep else None for t, p in zip(texts, prompts)]   # a cut prompt's echo: its ids decoded
         prompts = [p[-keep:] for p in prompts]
     skip = body_field(body, "skip_special_tokens", bool, True)
@@ -171,7 +189,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     texts = [(decode(p) if echo else "") if t is None else t for t, p in zip(texts, prompts)]
     if chat and echo and choice is not None:
         raise BadRequest("`echo` with `tools`: send one of them", param="echo")
-    logprobs, max_tokens = _logprobs_and_length(body, chat, echo, max(map(len, prompts)), max_len)
+    logprobs, max_tokens = _logprobs_and_length(body, chat, limit, max(map(len, prompts)), max_len)
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and stream):
         raise BadRequest("`stream_options` must be an object and needs `stream: true`", param="stream_options")
@@ -203,7 +221,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     scored = max((k for k in (prompt_logprobs, scores) if k is not None), default=None)
     beamed = body_field(body, "use_beam_search", bool, False)
     params = _sampling(body, n, max(max_tokens, 1), logprobs, stop_ids, scored, choice.grammar() if tool_call else grammar,
-                       ranks=scores is not None, bad_words=bad_words, beamed=beamed)
+                       ranks=scores is not None, bad_words=bad_words, beamed=beamed, vocab_size=vocab_size,
+                       kind=ToolCallParams if tool_call else SamplingParams)
     beam = None                                # vLLM's use_beam_search: its length_penalty (meshlab.infer.beam)
     if beamed:
         from meshlab.infer.beam import BeamError, check_beam
@@ -274,38 +293,58 @@ def _template(body, tok, trust: bool):
         raise BadRequest(f"`chat_template`: {e}", param="chat_template") from None
 
 
-def _logprobs_and_length(body, chat: bool, echo: bool, prompt_len: int, max_len: int):
-    """(top logprobs per token or None, max_tokens), with OpenAI's defaults and bounds."""
+def _max_tokens(body, chat: bool, echo: bool) -> Optional[int]:
+    """The request's max_tokens with OpenAI's bounds: completions default to 16 (0 only with echo); None
+    for a chat request without one (its default, the rest of the context, depends on the prompt)."""
+    if chat:
+        max_tokens = body_field(body, "max_completion_tokens", int, None, 1)
+        return body_field(body, "max_tokens", int, max_tokens, 1)
+    max_tokens = body_field(body, "max_tokens", int, 16, 0)
+    if max_tokens == 0 and not echo:
+        raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
+    return max_tokens
+
+
+def _logprobs_and_length(body, chat: bool, max_tokens: Optional[int], prompt_len: int, max_len: int):
+    """(top logprobs per token or None, max_tokens: chat's default the rest of the context), checked
+    against the context."""
     if chat:
         want = body_field(body, "logprobs", bool, False)
         top = body_field(body, "top_logprobs", int, None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not want:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         logprobs = (top or 0) if want else None
-        max_tokens = body_field(body, "max_completion_tokens", int, None, 1)
-        max_tokens = body_field(body, "max_tokens", int, max_tokens, 1)
         if max_tokens is None:                 # chat default: the rest of the context
             max_tokens = max(max_len - prompt_len, 1)
     else:
         logprobs = body_field(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
-        max_tokens = body_field(body, "max_tokens", int, 16, 0)
-        if max_tokens == 0 and not echo:
-            raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
     if prompt_len + max_tokens > max_len:
         raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} exceeds the context of "
-                         f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens")
+                         f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens",
+                         code="context_length_exceeded")
     return logprobs, max_tokens
 
 
+# The request field a SamplingParams.validate message is about, by the field it names first (most are the
+# request's own names; the rest are named so here). Messages about what the server sets itself name none.
+_PARAM_OF = {name: name for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                     "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids",
+                                     "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+                                     "stop", "include_stop_str_in_output")}
+_PARAM_OF["bad_words_ids"] = "bad_words"
+
+
 def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None,
-              ranks: bool = False, bad_words=(), beamed: bool = False) -> list:
-    """One SamplingParams per choice: the same settings, seeds seed + i; the first scores the prompt
-    when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks."""
+              ranks: bool = False, bad_words=(), beamed: bool = False, vocab_size: Optional[int] = None,
+              kind: type = SamplingParams) -> list:
+    """One `kind` (SamplingParams) per choice: the same settings, seeds seed + i; the first scores the
+    prompt when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks;
+    checked against vocab_size when given."""
     allowed = body.get("allowed_token_ids")
     if allowed is not None and not (isinstance(allowed, list) and allowed and all(type(t) is int for t in allowed)):
         raise BadRequest("`allowed_token_ids` must be a non-empty list of token ids", param="allowed_token_ids")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else stop
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
     seed = body_field(body, "seed", int, None, 0, 2 ** 31 - n)
@@ -329,12 +368,13 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
         raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")
     stop_ids = tuple(extra) + (() if body_field(body, "ignore_eos", bool, False) else tuple(stop_ids))
     try:
-        return [SamplingParams(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
-                               logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs,
-                               prompt_ranks=ranks and not i, **kw).validate()
+        return [kind(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
+                     logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs,
+                     prompt_ranks=ranks and not i, **kw).validate(vocab_size)
                 for i in range(n)]
     except ValueError as e:
-        raise BadRequest(str(e)) from None
+        named = re.match(r"[a-z_]+", str(e))
+        raise BadRequest(str(e), param=_PARAM_OF.get(named and named.group())) from None
 
 
 def _logit_bias(bias) -> dict:
@@ -391,13 +431,32 @@ def detokenize(body, tok) -> dict:
 # -- responses ---------------------------------------------------------------------------------
 
 def visible(req, final: bool) -> str:
-    """Text safe to show so far: never a half UTF-8 character, never a possible stop-string prefix."""
-    text = req.text
+    """Text safe to show so far: never a half UTF-8 character, never a possible stop-string prefix. A
+    stop token that ended the reply is not in it (unless include_stop_str_in_output), as vLLM's: a
+    special one decodes to nothing anyway, but another (stop_token_ids: a space, a newline) has text.
+    A reply held to a tool call (ToolCallParams) shows only when its call is whole JSON."""
+    p = req.params
+    if (req.finish_reason == "stop" and req.text_stop is None and req.output and req.output[-1] in p.stop_token_ids
+            and not p.include_stop_str_in_output and p.skip_special_tokens):   # else output_decoder cut it already
+        text = req.decoded(len(req.output) - 1)
+    else:
+        text = req.text
+    if isinstance(p, ToolCallParams):
+        # a call cut short is no call and no content: finish_reason "length" (or "stop") says why it is empty
+        return text if final and _whole_json(text) else ""
     if final:
         return text
     text = text.rstrip("\ufffd")
     hold = max((len(s) - 1 for s in req.params.stop), default=0)
     return text[:len(text) - hold] if hold else text
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0) -> int:
@@ -421,9 +480,12 @@ def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0)
 
 
 def _token_bytes(tok, t: int, s: str) -> bytes:
+    """Token t's bytes, its decoded text being s: its own (a byte-level vocabulary's token may be part of
+    a UTF-8 character, s then U+FFFD) where the tokenizer knows them, else s's."""
     if not hasattr(tok, "tk"):                          # byte tokenizer: ids 0..255 are the bytes
         return bytes([t]) if 0 <= t < 256 else b""
-    return s.encode("utf-8")
+    own = tok.token_bytes(t) if s and hasattr(tok, "token_bytes") else None   # s empty: a special token skipped
+    return s.encode("utf-8") if own is None else own
 
 
 class TokenText:

@@ -260,7 +260,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
             raise AdmissionError(f"prompt token ids must lie in [0, {self.md.cfg.vocab_size})")
         prompt = ids.tolist()
         s = self.sched
-        need = len(prompt) + params.max_tokens
+        need = len(prompt) + params.max_tokens - 1          # Request.end: its last output token is never fed
         if need > s.max_len or -(-need // s.page_size) > s.pool.total:
             s.add(Request(prompt, params))            # raises the precise AdmissionError
         req = Request(prompt, params, on_event=on_event, t_arrival=time.perf_counter(), ids=ids.astype(np.int32),

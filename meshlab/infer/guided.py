@@ -157,7 +157,7 @@ def bad_words_ids(words, tok) -> list:
     if not words:
         return []
     if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise FormError("`bad_words` must be a list of non-empty strings", param="bad_words")
+        raise FormError("`bad_words` must be a list of words, each with some non-blank character", param="bad_words")
     out = []
     for word in words:
         plain, spaced = tok.encode(word.lstrip()), tok.encode(" " + word.lstrip())

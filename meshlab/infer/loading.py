@@ -39,12 +39,50 @@ class HFTokenizer:
         self.vocab_size = self.tk.get_vocab_size()
         self.stop_token_ids = list(stop_token_ids)
         self.chat_template = _chat_template(path.parent)
+        # a byte-level BPE vocabulary (GPT-2's, Llama 3's, Qwen's): each token string spells its bytes
+        # in GPT-2's byte-to-unicode alphabet; added tokens are their own text
+        self.byte_level = _byte_level(self.tk)
+        self.added = set(self.tk.get_added_tokens_decoder()) if self.byte_level else set()
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, t: int) -> bytes | None:
+        """Token t's own bytes (what OpenAI's logprobs call `bytes`), read off a byte-level vocabulary,
+        where a token may hold part of a UTF-8 character (its decoded text alone is then U+FFFD, whose
+        bytes are not the token's); None for other vocabularies and added tokens."""
+        if not self.byte_level or t in self.added:
+            return None
+        piece = self.tk.id_to_token(t)
+        if piece is None or any(c not in _UNICODE_TO_BYTE for c in piece):
+            return None
+        return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+
+
+def _gpt2_unicode_to_byte() -> dict:
+    """GPT-2's byte-level alphabet inverted: the printable Latin-1 bytes stand for themselves, the other
+    bytes for the code points from 256 up, in byte order (the `tokenizers` ByteLevel table)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+_UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
+
+
+def _byte_level(tk) -> bool:
+    """Whether a `tokenizers` Tokenizer is byte-level: its decoder or pre-tokenizer is ByteLevel, alone
+    or in a Sequence (their serialized state names the parts)."""
+    def parts(state):
+        return [state, *(p for key in ("decoders", "pretokenizers") for s in state.get(key) or [] for p in parts(s))]
+    for component in (tk.decoder, tk.pre_tokenizer):
+        if component is not None and any(p.get("type") == "ByteLevel"
+                                         for p in parts(json.loads(component.__getstate__()))):
+            return True
+    return False
 
 
 class ChatTemplate:
@@ -221,10 +259,11 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
     if spec.startswith("random:"):
         _, name, *seed = spec.split(":")
         cfg = dataclasses.replace(models.preset(name), **({"dtype": dtype} if dtype else {}), **cfg_overrides)
+        tok = check_vocab(ByteTokenizer(), cfg, spec)
         params = random_params(cfg, int(seed[0]) if seed else 0)
         if rules is not None and mesh is not None:
             params = jax.device_put(params, _shardings(model_def(cfg), rules, mesh))
-        return cfg, model_def(cfg), params, ByteTokenizer()
+        return cfg, model_def(cfg), params, tok
     path = Path(spec)
     if not path.exists():
         raise CheckpointError(f"checkpoint {spec!r} does not exist; pass a Hugging Face directory, a meshlab run "
@@ -234,10 +273,20 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
         cfg, md, params = load_hf(path, rules=rules, mesh=mesh, **over)
         tok = (HFTokenizer(path / "tokenizer.json", _hf_eos(path)) if (path / "tokenizer.json").is_file()
                else ByteTokenizer())
-        return cfg, md, params, tok
+        return cfg, md, params, check_vocab(tok, cfg, path)
     if (path / "config.yaml").is_file():
         return _load_run(path, dtype, rules, mesh, cfg_overrides)
     raise CheckpointError(f"{path}: neither a Hugging Face checkpoint (config.json) nor a meshlab run (config.yaml)")
+
+
+def check_vocab(tok, cfg, where):
+    """tok, when the model has an embedding row for each of its ids; else a CheckpointError naming both
+    sizes (every prompt holding the tokenizer's last ids would otherwise be refused, per request)."""
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                              f"{cfg.vocab_size}, so ids >= {cfg.vocab_size} have no embedding; serve the model "
+                              "with the tokenizer it was trained with")
+    return tok
 
 
 def _hf_eos(path: Path) -> list[int]:
@@ -270,7 +319,8 @@ def run_model_config(path: Path, overrides: dict):
     if unknown:
         raise CheckpointError(f"{path}/config.yaml: model fields {unknown} are unknown to this meshlab's "
                               f"{type(base).__name__}; serve the run with the meshlab version that trained it")
-    cfg = dataclasses.replace(base, **fields, **overrides)
+    # the caller's overrides (--dtype) win over the run's own fields: config.yaml names its dtype always
+    cfg = dataclasses.replace(base, **{**fields, **overrides})
     cfg.validate()
     return cfg, raw
 
@@ -308,5 +358,6 @@ def _load_run(path: Path, dtype, rules, mesh, overrides: dict):
         shardings = jax.tree.map(lambda _: one, md.abstract)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), md.abstract, shardings)
     ckpt_dir = (raw.get("checkpoint") or {}).get("dir") or path / "checkpoints"
+    tok = check_vocab(run_tokenizer(path, raw), cfg, path)       # before the restore: a mismatch is found at once
     params, _ = restore_params(ckpt_dir, target)   # model order, whatever order a pipeline stored
-    return cfg, md, params, run_tokenizer(path, raw)
+    return cfg, md, params, tok

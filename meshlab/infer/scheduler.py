@@ -214,7 +214,7 @@ class Scheduler:
 
     # -- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> Request:
-        need = len(req.prompt) + req.params.max_tokens
+        need = req.end                # KV positions it fills: its last output token is sampled, never fed
         if need > self.max_len:
             raise AdmissionError(f"prompt of {len(req.prompt)} tokens + max_tokens={req.params.max_tokens} exceeds "
                                  f"the context of {self.max_len} tokens; shorten the prompt or lower max_tokens")
@@ -315,7 +315,7 @@ class Scheduler:
                 self.counts["prefix_waits"] += 1
                 continue
             idx = np.asarray(hit, np.intp)                    # converted once for the three uses below
-            need = -(-(req.n_tokens + 1) // self.page_size) - len(hit)
+            need = -(-min(req.n_tokens + 1, req.end) // self.page_size) - len(hit)   # never past its end
             if need + self.pool.unreferenced(idx) > self.pool.available:
                 break
             self.waiting.popleft()

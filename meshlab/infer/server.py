@@ -9,12 +9,14 @@ concurrent requests share decode steps; the HTTP side is one asyncio loop, so a 
 thread.
 
 Limits, each answered at once: a body over `max_body_bytes` is 413; a body not received within
-`body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests
-in flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a
-Retry-After). With `api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). `drain`
-refuses new requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that
-disconnects has its requests aborted (`Engine.abort`: slot and pages freed at the next step). Every
-error is JSON {"error": {"message", "type", "param"}}.
+`body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests in
+flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a Retry-After;
+a request that alone makes more than `max_waiting` engine requests is 400: no retry fits it). With
+`api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). `drain` refuses new
+requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that disconnects has its
+requests aborted (`Engine.abort`: slot and pages freed at the next step). Every error is JSON {"error":
+{"message", "type", "param", "code"}}, as OpenAI's (param: the request field at fault, code: a reason such
+as "context_length_exceeded"; each may be null).
 """
 from __future__ import annotations
 
@@ -226,7 +228,7 @@ class Server:
                 return JSONResponse({"object": "list", "data": [card]})
             if name != self.model_name:                     # the route OpenAI's client.models.retrieve(name) calls
                 return error(BadRequest(f"unknown model {name!r}; this server serves {self.model_name!r}", status=404,
-                                        param="model"))
+                                        param="model", code="model_not_found"))
             return JSONResponse(card)
 
         async def tokens(request):
@@ -265,7 +267,8 @@ class Server:
             return
         got = request.headers.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-            raise BadRequest("missing or wrong API key: send the header `Authorization: Bearer <key>`", status=401)
+            raise BadRequest("missing or wrong API key: send the header `Authorization: Bearer <key>`", status=401,
+                             code="invalid_api_key")
 
     async def _body(self, request) -> dict:
         """The JSON body, read with a size limit and a timeout (never waits on a short body)."""
@@ -294,6 +297,10 @@ class Server:
             raise BadRequest(f"request body is not valid JSON: {e}") from None
 
     def _admit(self, n: int):
+        if n > self.max_waiting:              # never admitted, however empty the queue: not worth a retry
+            raise BadRequest(f"this request makes {n} engine requests (n times the prompts), more than the server "
+                             f"queues at once (max_waiting {self.max_waiting}, serve.py --max-waiting); lower `n` or "
+                             "send fewer prompts per request", param="n")
         if self.engine_error:
             raise BadRequest("the engine failed; restart the server (see its log)", status=503, retry_after=60)
         if self.draining:
@@ -314,7 +321,8 @@ class Server:
             self._authorize(request)
             body = await self._body(request)
             plan = api.parse(body, chat, self.tok, self.model_name, self.engine.sched.max_len,
-                             self.stop_token_ids, self.max_n, self.tool_format, self.trust_templates)
+                             self.stop_token_ids, self.max_n, self.tool_format, self.trust_templates,
+                             vocab_size=self.engine.md.cfg.vocab_size)
             self._admit(plan.choices)
             call = Call(self, plan) if plan.beam is None else BeamCall(self, plan)
         except BadRequest as e:
@@ -355,4 +363,5 @@ def error(e: BadRequest):
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
             503: "server_overloaded"}.get(e.status, "invalid_request_error")
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param}}, e.status, headers=headers)
+    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, e.status,
+                        headers=headers)

@@ -101,14 +101,14 @@ def test_prompt_logprobs_equal_the_full_forward(tiny, engine, monkeypatch):
     md, params, fwd = tiny
     ref_of = lambda p: np.asarray(jax.nn.log_softmax(fwd(params, jnp.asarray([p], jnp.int32))[0], axis=-1))  # noqa: E731
     rng = np.random.default_rng(3)
-    for n in (1, 2, 8, 9, 17, 51):       # 51 and its one token: the whole cache (13 pages of 4)
+    for n in (1, 2, 8, 9, 17, 52):       # 52: the whole cache (13 pages of 4; its one token is sampled, never fed)
         prompt = rng.integers(0, md.cfg.vocab_size, n).tolist()
         check_prompt_logprobs(engine.prompt_logprobs(prompt, top=2, ranks=n % 2 == 1), prompt, ref_of(prompt), 2,
                                ranked=n % 2 == 1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.prompt_logprobs([1, 2], top=21)
     with pytest.raises(AdmissionError):
-        engine.prompt_logprobs(list(range(52)))        # and its one token: 14 pages
+        engine.prompt_logprobs(list(range(53)))        # 14 pages
     # Four at once, two tops and a plain request among them: they share steps and preempt each other.
     prompts = [rng.integers(0, md.cfg.vocab_size, n).tolist() for n in (21, 14, 30, 9)]
     tops = [2, 0, 3, None]

@@ -15,7 +15,8 @@ import jax
 import pytest
 
 from meshlab import compile_cache
-from meshlab.infer.loading import add_checkpoint_args, load_checkpoint, open_checkpoint, run_tokenizer
+from meshlab.infer.hf import CheckpointError
+from meshlab.infer.loading import add_checkpoint_args, load_checkpoint, open_checkpoint, run_model_config, run_tokenizer
 from meshlab.checkpoint import write_run_tokenizer
 from meshlab.tokenizer import ByteTokenizer
 from tests.helpers import record_instances
@@ -122,7 +123,40 @@ def test_restore_reshards_onto_one_device(run, clean, monkeypatch):
     assert cfg.name == "tiny" and isinstance(tok, ByteTokenizer)
     assert all(len(x.sharding.device_set) == 1 for x in leaves)
     assert [x.shape for x in leaves] == [a.shape for a in jax.tree.leaves(md.abstract)]
+    # a dtype override (serve.py / generate.py --dtype, notebook 05's dtype=) wins over config.yaml's own
+    cfg, md, params, _ = load_checkpoint(str(run), dtype="bfloat16")
+    assert cfg.dtype == "bfloat16" and md.cfg.dtype == "bfloat16"
     assert list(clean.iterdir()) == []
+
+
+def test_a_dtype_override_wins_over_the_runs_config(tmp_path):
+    (tmp_path / "config.yaml").write_text("model:\n  name: tiny\n  dtype: float32\n  n_layers: 3\n")
+    cfg, _ = run_model_config(tmp_path, {"dtype": "bfloat16"})
+    assert (cfg.dtype, cfg.n_layers) == ("bfloat16", 3)
+    assert run_model_config(tmp_path, {})[0].dtype == "float32"
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_load(tmp_path):
+    """A tokenizer with ids the model has no embedding for: one error at load naming both sizes (not a 400
+    blaming each prompt that holds one), for a run and for a Hugging Face directory."""
+    import dataclasses
+    import numpy as np
+    import models
+    from tokenizers import Tokenizer, models as tk_models
+    from meshlab.infer.hf import save_hf
+    from models import model_def
+    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("model:\n  name: tiny\n  vocab_size: 200\n")       # the byte tokenizer: 257
+    with pytest.raises(CheckpointError, match="the tokenizer has 257 tokens but the model's vocab_size is 200"):
+        load_checkpoint(str(run_dir))
+    Tokenizer(tk_models.WordLevel({f"w{i}": i for i in range(280)} | {"[UNK]": 280}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32")
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), model_def(cfg).abstract)
+    save_hf(hf_dir, cfg, zeros, tokenizer_json=tmp_path / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=f"the tokenizer has 281 tokens but the model's vocab_size is {cfg.vocab_size}"):
+        load_checkpoint(str(hf_dir))
 
 
 def test_mesh_without_rules_is_one_clear_error():
@@ -244,6 +278,20 @@ def test_serve_with_an_fp8_kv_cache(clean, monkeypatch):
         conn.close()
     finally:
         server.stop()
+    assert list(clean.iterdir()) == []
+
+
+def test_generate_names_its_flags_in_its_errors(clean, monkeypatch, capsys):
+    """generate.py's bad input is one line naming the flag, not a traceback nor SamplingParams' field names."""
+    import runpy
+    monkeypatch.chdir(clean)
+    generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
+    for argv, words in ((["--prompt", ""], "--prompt is empty"), (["--prompt", "a", "--max-new-tokens", "0"],
+                                                                  "--max-new-tokens must be >= 1, got 0"),
+                        (["--prompt", "a", "--top-p", "0"], "generate: --top-p 0.0 must be a number in (0, 1]")):
+        with pytest.raises(SystemExit) as stop:
+            generate["main"](["--checkpoint", "random:tiny", "--compile-cache", "", *argv])
+        assert words in (str(stop.value.code) + capsys.readouterr().err), argv
     assert list(clean.iterdir()) == []
 
 

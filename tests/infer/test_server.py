@@ -149,6 +149,8 @@ def test_tokenize_and_detokenize(server):
     ("/v1/completions", {"prompt": ["a", 3]}, None, 400, "a list of those"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "a list of those"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ""}, None, 400, "non-empty string"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["  "]}, None, 400, "non-blank"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400,
      "logprobs: true"),
@@ -176,6 +178,30 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, path, body, raw, 
     got, resp = call(server, "POST", path, body, raw)
     assert got == status and words in resp["error"]["message"], resp
     assert call(server, "GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"min_tokens": 40, "max_tokens": 8}, "min_tokens"), ({"min_tokens": 2, "guided_choice": ["a"]}, "min_tokens"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"300": 1}}, "logit_bias"),
+    ({"stop_token_ids": [300]}, "stop_token_ids"), ({"allowed_token_ids": [300]}, "allowed_token_ids"),
+    ({"prompt": [1, 300]}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"), ({"stop": ""}, "stop"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
+])
+def test_error_bodies_name_the_field_at_fault(server, body, param):
+    """OpenAI's error body: message, type, param (the field at fault, here the sampling fields and token ids
+    the sampler's checks refuse; ids against the model's vocabulary of 257) and code (null unless a known
+    reason)."""
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": "x", **body})
+    assert status == 400 and resp["error"]["param"] == param, resp
+    assert resp["error"]["type"] == "invalid_request_error" and resp["error"]["code"] is None
+
+
+def test_error_codes_name_known_reasons(server):
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": "x" * 200, "max_tokens": 4})
+    assert status == 400 and resp["error"]["code"] == "context_length_exceeded" and resp["error"]["param"] == "max_tokens"
+    status, resp = call(server, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"})
+    assert status == 404 and resp["error"]["code"] == "model_not_found" and resp["error"]["param"] == "model"
 
 
 def test_concurrent_equals_one_at_a_time(server):
@@ -229,18 +255,26 @@ def test_short_body_is_400_and_others_are_served_meanwhile(server):
     assert time.perf_counter() - t0 < 15
 
 
-def test_size_and_load_limits(server):
+def test_size_and_load_limits(server, monkeypatch):
+    """Bodies over the size limit get 413; more requests in flight than max_concurrent 429, and more engine
+    requests than max_waiting can queue beside those waiting 503, both with Retry-After; a request that alone
+    makes more engine requests than max_waiting (n, prompts) can never be queued: 400 naming n."""
     status, resp = call(server, "POST", "/v1/completions", raw=json.dumps({"prompt": "x" * 5000}).encode())
     assert status == 413 and "over the limit" in resp["error"]["message"]
     chunked = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                    + b"".join(b"400\r\n" + b" " * 1024 + b"\r\n" for _ in range(5)) + b"0\r\n\r\n")
     assert chunked.startswith("HTTP/1.1 413")
+    monkeypatch.setattr(server, "max_waiting", 2)
+    status, err = call(server, "POST", "/v1/completions", {"prompt": ["x", "y"], "n": 2, "max_tokens": 2})
+    assert status == 400 and err["error"]["param"] == "n" and "4 engine requests" in err["error"]["message"]
+    assert "max_waiting 2" in err["error"]["message"]
+    monkeypatch.setattr(server.engine.inbox, "qsize", lambda: 1)      # one engine request already waiting
     for attr, code in (("max_concurrent", 429), ("max_waiting", 503)):
         old = getattr(server, attr)
-        setattr(server, attr, 0)
+        setattr(server, attr, 0 if attr == "max_concurrent" else 2)
         try:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x"}))
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "n": 2}))
             resp = conn.getresponse()
             assert resp.status == code and int(resp.getheader("Retry-After")) >= 1
             assert "retry later" in json.loads(resp.read())["error"]["message"]
@@ -263,6 +297,7 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
                 resp = conn.getresponse()
                 err = json.loads(resp.read())["error"]
                 assert resp.status == 401 and err["type"] == "authentication_error" and "Bearer" in err["message"]
+                assert err["code"] == "invalid_api_key"
                 conn.close()
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         conn.request("POST", "/v1/completions", body=body, headers={"Authorization": "Bearer sesame"})

@@ -289,6 +289,14 @@ def _tool_calls_of(server):
     assert status == 200 and last["finish_reason"] == "tool_calls"
     assert last["delta"]["tool_calls"][0]["function"]["name"] == "clock"
     assert isinstance(json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"])["utc"], bool)
+    for stream in (False, True):          # a call cut by max_tokens: no call, and none of its JSON as content
+        status, resp = call(server, "POST", "/v1/chat/completions", {
+            "messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": "required", "max_tokens": 5,
+            "stream": stream})
+        got = sse_text(resp, chat=True) if stream else (resp["choices"][0]["message"]["content"],
+                                                        resp["choices"][0]["finish_reason"])
+        assert status == 200 and got == ("", "length"), resp
+        assert stream or "tool_calls" not in resp["choices"][0]["message"]
     status, resp = call(server, "POST", "/v1/chat/completions", {     # tools alone: "auto", the reply free
         "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": 8})
     assert status == 200 and resp["choices"][0]["finish_reason"] in ("stop", "length"), resp

@@ -139,7 +139,8 @@ def test_several_prompts_answer_in_prompt_order(server):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     """vLLM's truncate_prompt_tokens k: the prompt's last k tokens only (left truncation), as if sent
-    alone (usage, greedy answer, echo); -1 keeps as many as the context holds; a prompt already short is kept."""
+    alone (usage, greedy answer, echo); -1 keeps as many as the context holds beside max_tokens (a chat
+    request without max_tokens: all but one position); a prompt already short is kept."""
     ids = ByteTokenizer().encode("the first part is dropped; the end is kept")
     body = {"prompt": "the first part is dropped; the end is kept", "max_tokens": 6, "temperature": 0}
     status, cut = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=10, echo=True))
@@ -150,6 +151,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     for keep in (-1, len(ids), 100):
         same = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=keep))[1]
         assert same["usage"] == full["usage"] and same["choices"][0]["text"] == full["choices"][0]["text"]
+    status, cut = call(server, "POST", "/v1/completions", dict(body, prompt="y" * 200, truncate_prompt_tokens=-1))
+    assert status == 200 and cut["usage"] == {"prompt_tokens": 122, "completion_tokens": 6, "total_tokens": 128}, cut
+    status, cut = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 200}],
+                                                                "truncate_prompt_tokens": -1, "temperature": 0})
+    assert status == 200 and cut["usage"]["prompt_tokens"] == 127 and cut["usage"]["completion_tokens"] == 1, cut
     for bad in (0, -2, "10"):
         status, err = call(server, "POST", "/v1/completions", dict(body, truncate_prompt_tokens=bad))
         assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
@@ -252,6 +258,28 @@ def test_chat_logprobs_format(server):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def test_logprobs_bytes_are_the_tokens_own(templated_tokenizer, tmp_path):
+    """OpenAI's logprobs `bytes` of a token holding part of a UTF-8 character (the byte-level BPE of a
+    tokenizer.json: "é" is two tokens of one byte each, each decoding to U+FFFD alone) are the token's own
+    bytes, read off its vocabulary string, not U+FFFD's; whole characters and added tokens keep their
+    text's; a vocabulary that is not byte-level falls back to the decoded text's bytes."""
+    from tokenizers import Tokenizer, models as tk_models
+    from meshlab.infer.loading import HFTokenizer
+    tok = templated_tokenizer
+    ids = tok.encode("é!")
+    assert len(ids) == 3 and tok.byte_level
+    entries = [(-1.0, {t: -1.0}) for t in ids]
+    content = api.chat_logprobs(api.TokenText(tok), ids, entries)["content"]
+    assert [e["bytes"] for e in content] == [(0xC3,), (0xA9,), (ord("!"),)]
+    assert [e["token"] for e in content] == ["bytes:\\xc3", "bytes:\\xa9", "!"]
+    eot = tok.stop_token_ids[0]
+    assert api.TokenText(tok, skip_special_tokens=False)(eot) == ("<|eot|>", "<|eot|>", tuple(b"<|eot|>"))
+    assert api.TokenText(tok)(eot) == ("", "", ())                       # skipped: no text, no bytes
+    Tokenizer(tk_models.WordLevel({"\u00e9": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    word = HFTokenizer(tmp_path / "tokenizer.json")
+    assert not word.byte_level and api.TokenText(word)(0) == ("é", "é", tuple("é".encode()))
+
+
 def test_covered_tokens_decode_once_when_the_text_shows_them_all():
     """The tokens a streamed chunk's logprobs cover: one decoding when the shown text holds all of
     them (the usual case), not one per new token; a held-back tail still bounds them."""
@@ -332,6 +360,18 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     streamed = sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), [])
     assert streamed[0] is None and np.allclose(streamed[1:], lp["token_logprobs"][1:], atol=1e-6)
     assert "".join(c["text"] for c in chunks) == choice["text"]
+
+
+def test_a_prompt_that_fills_the_context_is_scored(server):
+    """lm-evaluation-harness's rolling loglikelihood sends windows of the whole context with max_tokens 0,
+    echo and logprobs: the prompt is scored though no output token would fit beside it."""
+    ids = (ByteTokenizer().encode("def fill(x): return x  # ") * 8)[:128]          # the server's context: 128
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, resp
+    lp = resp["choices"][0]["logprobs"]
+    assert resp["usage"]["completion_tokens"] == 0 and len(lp["tokens"]) == 128 and lp["token_logprobs"][0] is None
+    ref = _reference_logprobs(server, ids[:1], ids[1:])
+    assert np.allclose(lp["token_logprobs"][1:], [row[t] for row, t in zip(ref, ids[1:])], atol=1e-4)
 
 
 def _reference_beam_search(srv, prompt, width, steps, stops, penalty):
@@ -426,7 +466,8 @@ def test_vllm_sampling_extras(server):
     """min_p, ignore_eos, stop_token_ids and min_tokens (vLLM's extras, which its clients send) change the
     answer as they say: min_p 1 keeps only the best token, so a draw at temperature 1 answers as greedy;
     a token forced by logit_bias stops the answer when it is the model's end token or in stop_token_ids,
-    not when ignore_eos drops the end token, and only after min_tokens others."""
+    not when ignore_eos drops the end token, and only after min_tokens others; a stop token's text stays
+    out of the reply, whole and streamed (as vLLM's), unless include_stop_str_in_output."""
     body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
     greedy = call(server, "POST", "/v1/completions", body)[1]["choices"][0]["text"]
     for seed in (1, 2):
@@ -443,5 +484,19 @@ def test_vllm_sampling_extras(server):
     assert again["usage"]["completion_tokens"] == 1
     z = dict(body, logit_bias={str(ord("z")): 100})
     assert call(server, "POST", "/v1/completions", z)[1]["choices"][0]["text"] == "z" * 8
-    got = call(server, "POST", "/v1/completions", dict(z, stop_token_ids=[ord("z")]))[1]["choices"][0]
-    assert got["text"] == "z" and got["finish_reason"] == "stop"
+    got = call(server, "POST", "/v1/completions", dict(z, stop_token_ids=[ord("z")], logprobs=0))[1]
+    assert got["choices"][0]["text"] == "" and got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"]["completion_tokens"] == 1 and got["choices"][0]["logprobs"]["tokens"] == []
+    _, payload = call(server, "POST", "/v1/completions", dict(z, stop_token_ids=[ord("z")], stream=True))
+    assert sse_text(payload, chat=False) == ("", "stop")
+    kept = dict(z, stop_token_ids=[ord("z")], include_stop_str_in_output=True)
+    assert call(server, "POST", "/v1/completions", kept)[1]["choices"][0]["text"] == "z"
+    _, payload = call(server, "POST", "/v1/completions", dict(kept, stream=True))
+    assert sse_text(payload, chat=False) == ("z", "stop")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "logit_bias": {str(ord("z")): 100}, "stop_token_ids": [ord("z")]}
+    for stream in (False, True):
+        status, resp = call(server, "POST", "/v1/chat/completions", dict(chat, stream=stream))
+        got = sse_text(resp, chat=True) if stream else (resp["choices"][0]["message"]["content"],
+                                                        resp["choices"][0]["finish_reason"])
+        assert status == 200 and got == ("", "stop")
