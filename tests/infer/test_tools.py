@@ -7,6 +7,7 @@ import pytest
 
 from meshlab.infer import api
 from meshlab.infer.http_call import Call
+from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.tools import TOOL_FORMATS, ToolError, parse_tools, tool_format
 
 NAMES = {"weather", "clock"}
@@ -60,8 +61,8 @@ class _Reply:
     """A request whose reply is written by the test, one byte-token at a time."""
 
     def __init__(self, text):
-        self.full, self.output, self.finish_reason = text, [], "stop"
-        self.params, self.logprobs = types.SimpleNamespace(stop=()), []
+        self.full, self.output, self.finish_reason, self.text_stop = text, [], "stop", None
+        self.params, self.logprobs = SamplingParams(), []
 
     @property
     def text(self):
