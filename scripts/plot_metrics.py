@@ -52,16 +52,16 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     if not any(runs.values()):
         raise SystemExit("error: no run to draw: none of them has a step row in metrics.jsonl")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for run, rows in runs.items():
-        label = label_of(run)
+    for i, (run, rows) in enumerate(runs.items()):
+        label, color = label_of(run), f"C{i}"      # one colour a run in every panel, its val line too
         for ax, (key, title) in zip(axes.flat, PANELS):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]   # MFU n/a: no peak
             if pts:
-                ax.plot(*zip(*pts), label=label)
+                ax.plot(*zip(*pts), color=color, label=label)
             if key == "loss":
                 val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
                 if val:
-                    ax.plot(*zip(*val), "o--", label=f"{label} val")
+                    ax.plot(*zip(*val), "o--", color=color, label=f"{label} val")
     for ax, (key, title) in zip(axes.flat, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -161,6 +161,11 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
     if r.isdigit() and int(r) > cfg.steps:   # == steps: refused after the restore (a damaged step errs first)
         raise ConfigError(f"--resume {r} is past steps={cfg.steps}: nothing would be trained; pass --steps "
                           f"greater than {r} (the run's total, not the steps to add)")
+    if cfg.profile.start_step >= cfg.steps:   # the window would never open: nothing written, nothing said
+        raise ConfigError(f"profile.start_step={cfg.profile.start_step} is not a step of this run (steps 0.."
+                          f"{cfg.steps - 1}): no profile would be written; lower it or raise --steps")
+    if cfg.profile.start_step >= 0 and cfg.profile.num_steps < 1:
+        raise ConfigError(f"profile.num_steps={cfg.profile.num_steps} must be >= 1")
     if cfg.device_memory_gib < 0 or cfg.peak_tflops < 0:
         raise ConfigError("device_memory_gib and peak_tflops must be >= 0 (0: the device's own figure)")
     if not resolve:

@@ -28,8 +28,12 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
+            # Step rows only, under their own names; an event row (start, resume, the summary) is no point
+            # of a curve: its median tokens/s or wall-clock time would join the per-step series.
+            if "event" in row:
+                return
             for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:

@@ -128,6 +128,8 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"bad config value for 'optim.lr': Value 'abc' .* Float$") as err:
         load_config("default", ["optim.lr=abc"])
     assert "\n" not in str(err.value)       # one line, without OmegaConf's internals
+    with pytest.raises(ConfigError, match=r"profile.start_step=10 is not a step of this run \(steps 0..3\)"):
+        load_config("default", ["steps=4", "profile.start_step=10"])
     with pytest.raises(ConfigError, match="unknown model 'llama9'"):
         load_config("default", ["model.name=llama9"])
     with pytest.raises(ConfigError, match="is not key=value"):
@@ -168,3 +170,16 @@ def test_plot_metrics_refuses_runs_without_step_rows(tmp_path, capsys):
     png = plot_metrics.plot([empty, good], tmp_path / "both.png")      # the run with rows is drawn, the other named
     assert png.stat().st_size > 10_000
     assert f"{empty}/metrics.jsonl has no step rows" in capsys.readouterr().err
+
+
+def test_tensorboard_gets_step_rows_only(tmp_path):
+    """A summary or start row is no point of a curve (its median tokens/s would join the per-step series)."""
+    from meshlab.train.metrics import MetricsWriter
+    got = []
+    writer = MetricsWriter(tmp_path)
+    writer.tb = type("TB", (), {"add_scalar": lambda self, k, v, s: got.append((k, v, s)), "close": lambda self: None})()
+    writer.write({"event": "start", "step": 0, "time": 1.7e9})
+    writer.write({"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "skipped": True})
+    writer.write({"event": "summary", "step": 1, "tokens_per_s": 90.0, "from_step": 1})
+    assert got == [("loss", 5.0, 1), ("tokens_per_s", 100.0, 1)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3     # the record keeps every row
