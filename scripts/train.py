@@ -5,6 +5,7 @@ Several processes (one per host): set MESHLAB_COORDINATOR/MESHLAB_NUM_PROCESSES/
 pass --coordinator/--num-processes/--process-id, or launch under Slurm / Open MPI
 (scripts/launch_slurm.sh). See docs/running.md."""
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -89,6 +90,12 @@ def main(argv=None):
     except (ConfigError, ValueError, FileNotFoundError, FloatingPointError, CheckpointError,
             distributed.DistributedError, OutOfMemoryError) as e:
         sys.exit(f"error: {e}")
+    except Exception as e:
+        lost = distributed.peer_failure(e)
+        if lost is None:
+            raise
+        print(f"error: {lost}", file=sys.stderr, flush=True)
+        os._exit(3)   # as the watchdog does: JAX's shutdown would wait at its barrier for the dead peer, then abort
     if jax.process_index() != 0:
         return
     if "interrupted" in result:

@@ -123,6 +123,26 @@ def check_same_run(config_text: str, timeout_s: int = 120) -> None:
                                "overrides and code checkout")
 
 
+# What a collective's runtime error says when a peer process died or lost its connection mid-step (gloo on
+# CPU hosts, NCCL on GPUs, the coordination service): the watchdog's timeout is longer than the step that fails.
+_PEER_LOST = ("Gloo", "NCCL", "Connection reset", "connection closed", "Socket closed", "Broken pipe",
+              "UNAVAILABLE", "heartbeat")
+
+
+def peer_failure(e: BaseException) -> Optional[str]:
+    """In a run of several processes: one line saying a peer is gone, when `e` is a collective or
+    coordination error that says so; None for anything else (including every error of a 1-process run)."""
+    if jax.process_count() < 2 or type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+        return None
+    text = str(e)
+    if not any(s.lower() in text.lower() for s in _PEER_LOST):
+        return None
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+    return (f"a collective of this {jax.process_count()}-process run failed on process {jax.process_index()} "
+            f"({first}): another process stopped or lost its connection. Restart every process with --resume "
+            "once all hosts are healthy")
+
+
 class Watchdog:
     """Background thread: publish this process's progress, and stop when a peer is dead or hung.
 

@@ -157,3 +157,22 @@ def test_watchdog_names_the_peer(peer, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert exits == [3] or exits[:1] == [3]
     assert ("process 1 has not reported" if peer == "dead" else "process 1 is at step 3 (hung?)") in err, err
+
+
+def test_a_collective_that_lost_its_peer_is_one_line(monkeypatch):
+    """A peer killed mid-step fails the next collective before the watchdog's timeout: train.py prints
+    this line instead of the runtime's traceback (and exits without JAX's barrier wait for the dead)."""
+    from meshlab.train import distributed
+
+    class JaxRuntimeError(Exception):   # the type's name is what peer_failure reads (jax moved it between versions)
+        pass
+    lost = JaxRuntimeError("UNKNOWN: Gloo ReduceScatter failed: [../gloo/transport/tcp/pair.cc:589] Connection reset "
+                           "by peer\nmore lines")
+    assert distributed.peer_failure(lost) is None                      # one process: no peer to blame
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    msg = distributed.peer_failure(lost)
+    assert msg.startswith("a collective of this 2-process run failed on process 0 (UNKNOWN: Gloo ReduceScatter")
+    assert "more lines" not in msg and "--resume" in msg
+    assert distributed.peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")) is None
+    assert distributed.peer_failure(ValueError("Gloo")) is None
