@@ -379,28 +379,44 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_META = "tokenizer_meta.json"
 
 
+def corpus_tokenizer(corpus: str) -> Path | None:
+    """The tokenizer.json a prepared corpus was tokenized with; None for byte tokens (the stdlib corpus,
+    a corpus without meta.json, or one prepared with `byte`). meta.json's path is looked for relative to
+    the corpus directory first (prepare_data copies the tokenizer there), then as written; a ValueError
+    naming the fix when it is nowhere, since a run on it could be neither sampled nor served."""
+    corpus_meta = Path(corpus) / "meta.json"
+    if corpus == "stdlib" or not corpus_meta.is_file():
+        return None
+    spec = json.loads(corpus_meta.read_text()).get("tokenizer", "byte")
+    if spec == "byte":
+        return None
+    for src in (Path(corpus) / spec, Path(spec)):   # an absolute spec makes both the same path
+        src = src / "tokenizer.json" if src.is_dir() else src
+        if src.is_file():
+            return src
+    raise ValueError(f"the corpus {corpus} was tokenized with {spec}, which is not there now (looked in {corpus} "
+                     "and the current directory); a run on it could not decode its tokens. Copy that tokenizer.json "
+                     f"to {Path(corpus) / spec} (or prepare the corpus again with scripts/prepare_data.py, which "
+                     "keeps a copy in the corpus directory)")
+
+
 def write_run_tokenizer(corpus: str, run_dir: str | os.PathLike) -> None:
     """Record the run's tokenizer in its directory, so serving needs only the run directory:
     `tokenizer_meta.json` ({"tokenizer": "byte" | "tokenizer.json", "eod_id", "vocab_size"}) and, for a
     corpus prepared with a tokenizer.json, a copy of it (and of its tokenizer_config.json, if any).
-    A corpus without meta.json is taken as byte tokens, as the training data loader does."""
+    A corpus without meta.json is taken as byte tokens, as the training data loader does; a corpus
+    whose tokenizer.json cannot be found is a ValueError (corpus_tokenizer)."""
     run_dir = Path(run_dir)
     meta = {"tokenizer": "byte", "eod_id": 256, "vocab_size": 257}
+    src = corpus_tokenizer(corpus)
     corpus_meta = Path(corpus) / "meta.json"
     if corpus != "stdlib" and corpus_meta.is_file():
         cm = json.loads(corpus_meta.read_text())
         meta.update({k: cm[k] for k in ("eod_id", "vocab_size") if k in cm})
-        spec = cm.get("tokenizer", "byte")
-        if spec != "byte":
-            src = Path(spec)
-            src = src / "tokenizer.json" if src.is_dir() else src
-            if not src.is_file():
-                _log(f"the corpus {corpus} was tokenized with {spec}, which is not there now; serving this run "
-                     f"needs a copy of that tokenizer.json in {run_dir}")
-                return
-            for name in TOKENIZER_FILES:
-                f = src if name == "tokenizer.json" else src.with_name(name)
-                if f.is_file():
-                    (run_dir / name).write_bytes(f.read_bytes())
-            meta["tokenizer"] = "tokenizer.json"
+    if src is not None:
+        for name in TOKENIZER_FILES:
+            f = src if name == "tokenizer.json" else src.with_name(name)
+            if f.is_file():
+                (run_dir / name).write_bytes(f.read_bytes())
+        meta["tokenizer"] = "tokenizer.json"
     (run_dir / TOKENIZER_META).write_text(json.dumps(meta, indent=1))

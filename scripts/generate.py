@@ -16,6 +16,20 @@ FLAGS = {"max_tokens": "--max-new-tokens ", "temperature": "--temperature ", "to
          "min_p": "--min-p ", "repetition_penalty": "--repetition-penalty ", "seed": "--seed "}
 
 
+def trained_seq_len(checkpoint: str) -> int | None:
+    """data.seq_len of a meshlab run directory's config.yaml: the context the model was trained at
+    (None for other checkpoints, or a config without it)."""
+    config = Path(checkpoint) / "config.yaml"
+    if not config.is_file():
+        return None
+    import yaml
+    try:
+        seq_len = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("seq_len")
+    except (yaml.YAMLError, AttributeError):
+        return None   # loading the checkpoint reads config.yaml too, and names what is wrong with it
+    return seq_len if isinstance(seq_len, int) else None
+
+
 def main(argv=None):
     from meshlab.infer.loading import (HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args,
                                       open_checkpoint, speculative_kwargs, stop_token_ids, storage_kwargs)
@@ -35,6 +49,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.chunk < 1:
+        ap.error(f"--chunk must be >= 1 (prompt tokens per prefill call), got {args.chunk}")
     if not args.prompt:
         ap.error("--prompt is empty; give some text to continue")
     from meshlab.infer.engine import ContiguousGenerator, Engine
@@ -52,6 +68,11 @@ def main(argv=None):
         except ValueError as e:       # its words name SamplingParams' fields: name the flags instead
             raise ValueError(re.sub(r"^(\w+)=", lambda m: FLAGS.get(m[1], m[0]), str(e))) from None
         need = len(ids) + args.max_new_tokens
+        trained = trained_seq_len(args.checkpoint)
+        if trained is not None and need > trained:
+            print(f"generate: warning: the prompt ({len(ids)} tokens) and --max-new-tokens {args.max_new_tokens} "
+                  f"reach {need} tokens, past the run's trained context of {trained} (data.seq_len); the text "
+                  "beyond it is likely to degrade", file=sys.stderr, flush=True)
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
         if args.speculative_tokens:    # the serving engine's speculative calls, over one row
             gen = Engine(md, params, max_len=-(-need // 16) * 16, max_seqs=1, chunk=chunk, rules=rules, mesh=mesh,

@@ -4,7 +4,9 @@ python scripts/prepare_data.py INPUTS... --tokenizer byte|PATH/tokenizer.json --
 Inputs: text files (one document each), JSONL (one document per line, field --text-field),
 Parquet (column --text-field; needs pyarrow). Output: DIR/train.bin and DIR/val.bin (uint16,
 or uint32 for vocabularies over 65536 tokens) with an end-of-document token after every
-document, and DIR/meta.json. Then train with `data.corpus=DIR`.
+document, and DIR/meta.json. A tokenizer.json (and its tokenizer_config.json, if any) is copied
+into DIR, and meta.json names that copy, so the corpus keeps its tokenizer wherever it is moved
+or trained from. Then train with `data.corpus=DIR`.
 
 Resumable: each input becomes DIR/parts/NNNNN.{train,val}.bin, written atomically and
 recorded in DIR/parts/done.json; a rerun skips inputs already done (same path, size, mtime)
@@ -43,8 +45,17 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.is_file():
             raise PrepareError(f"--tokenizer {spec!r}: no such tokenizer.json; pass 'byte' or a path to one")
-        from tokenizers import Tokenizer as HFTokenizer
-        self._tok = HFTokenizer.from_file(str(path))
+        self.path = path
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise PrepareError(f"--tokenizer {spec}: reading a tokenizer.json needs the tokenizers library "
+                               "(pip install tokenizers)") from None
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:   # the Rust parser's one exception type for every malformed file
+            raise PrepareError(f"{path} is not a tokenizer.json (tokenizers could not read it: {e}); pass a "
+                               "Hugging Face tokenizer.json, or 'byte'") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         names = [eod_token] if eod_token else list(EOD_CANDIDATES)
         ids = [(n, self._tok.token_to_id(n)) for n in names]
@@ -171,6 +182,20 @@ def prepare(inputs: list[str], tokenizer: str, out: str, val_fraction: float = 0
     return _concatenate(out_dir, parts, len(paths), tok, first_doc, done)
 
 
+def _copy_tokenizer(tok: Tokenizer, out_dir: Path) -> str:
+    """meta.json's "tokenizer": `byte`, or `tokenizer.json`, a copy in out_dir (read relative to it)."""
+    if tok._tok is None:
+        return tok.spec
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = tok.path if name == "tokenizer.json" else tok.path.with_name(name)
+        dst = out_dir / name
+        if src.is_file() and not (dst.exists() and dst.samefile(src)):
+            tmp = dst.with_name(name + ".tmp")
+            tmp.write_bytes(src.read_bytes())
+            os.replace(tmp, dst)
+    return "tokenizer.json"
+
+
 def _concatenate(out_dir: Path, parts: Path, n_files: int, tok: Tokenizer, n_docs: int, done: dict) -> dict:
     totals = {}
     for split in ("train", "val"):
@@ -178,7 +203,7 @@ def _concatenate(out_dir: Path, parts: Path, n_files: int, tok: Tokenizer, n_doc
         totals[split] = _write_atomic(out_dir / f"{split}.bin", arrays, tok.dtype)
     if totals["train"] == 0:
         raise PrepareError("no training tokens: the inputs are empty")
-    meta = {"tokenizer": tok.spec, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+    meta = {"tokenizer": _copy_tokenizer(tok, out_dir), "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
             "dtype": np.dtype(tok.dtype).name, "documents": n_docs, "tokens": totals,
             "val_fraction": done["settings"]["val_fraction"]}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -203,6 +228,10 @@ def main(argv=None):
     print(f"{meta['documents']} documents -> {meta['tokens']['train']:,} train / {meta['tokens']['val']:,} val "
           f"tokens ({meta['dtype']}, vocab {meta['vocab_size']}) in {args.out}; "
           f"train with data.corpus={args.out} model.vocab_size>={meta['vocab_size']}")
+    if meta["tokens"]["val"] == 0:
+        print(f"note: the validation split is empty ({meta['documents']} documents at --val-fraction "
+              f"{meta['val_fraction']}): train on it with val.every=0, or prepare again with a --val-fraction that "
+              "sends at least one document to validation")
 
 
 if __name__ == "__main__":

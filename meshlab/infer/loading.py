@@ -25,30 +25,22 @@ from flax import nnx
 
 import models
 from meshlab.infer.hf import CheckpointError, load_hf
-from meshlab.tokenizer import ByteTokenizer
+from meshlab.tokenizer import ByteTokenizer, TokenizerJson
 
 
-class HFTokenizer:
-    """tokenizer.json through the `tokenizers` library, with the encode/decode the server uses, and
-    the directory's chat template (tokenizer_config.json or chat_template.jinja) when it has one."""
+class HFTokenizer(TokenizerJson):
+    """tokenizer.json with what the server adds: its stop tokens, each token's own bytes, and the
+    directory's chat template (tokenizer_config.json or chat_template.jinja) when it has one."""
 
     def __init__(self, path, stop_token_ids=()):
-        from tokenizers import Tokenizer
         path = Path(path)
-        self.tk = Tokenizer.from_file(str(path))
-        self.vocab_size = self.tk.get_vocab_size()
+        super().__init__(path)
         self.stop_token_ids = list(stop_token_ids)
         self.chat_template = _chat_template(path.parent)
         # a byte-level BPE vocabulary (GPT-2's, Llama 3's, Qwen's): each token string spells its bytes
         # in GPT-2's byte-to-unicode alphabet; added tokens are their own text
         self.byte_level = _byte_level(self.tk)
         self.added = set(self.tk.get_added_tokens_decoder()) if self.byte_level else set()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, t: int) -> bytes | None:
         """Token t's own bytes (what OpenAI's logprobs call `bytes`), read off a byte-level vocabulary,

@@ -68,6 +68,8 @@ class TokenWindows:
     """Random-access source of [seq_len + 1] windows of a memory-mapped token file."""
 
     def __init__(self, path: str | os.PathLike, seq_len: int, dtype: str = "uint16"):
+        if os.path.getsize(path) == 0:   # np.memmap's own error names neither the file nor the cause
+            raise ValueError(f"{path} is empty: it holds no tokens; prepare it again from non-empty inputs")
         self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         n = (len(self.tokens) - 1) // seq_len

@@ -22,11 +22,10 @@ from jax.sharding import NamedSharding
 
 import models
 from meshlab import rules as rules_mod
-from meshlab.checkpoint import Checkpointer, write_run_tokenizer
+from meshlab.checkpoint import Checkpointer, corpus_tokenizer, write_run_tokenizer
 from meshlab.layout import Layout, to_shardings
 from meshlab.parallel.pipeline.layout import reorder
 from meshlab.mesh import make_mesh, format_sizes
-from meshlab.tokenizer import ByteTokenizer
 from meshlab.peak import measured_gemm_flops, mfu, peak_flops
 from meshlab.profile_summary import ProfileWindow
 from meshlab.train import data as data_mod
@@ -70,6 +69,10 @@ def load_batches(cfg: TrainConfig, split: str = "train"):
     if not path.exists():
         raise FileNotFoundError(f"token file {path} not found; prepare the data first (scripts/prepare_data.py)")
     meta = check_corpus(cfg, Path(data_dir))
+    if split == "val" and path.stat().st_size == 0:
+        raise ValueError(f"val.bin of {data_dir} is empty, so there is nothing to validate on (val.every="
+                         f"{cfg.val.every}); prepare the corpus with --val-fraction > 0 (and enough documents for "
+                         "at least one to go to validation), or set val.every=0")
     windows = data_mod.TokenWindows(path, cfg.data.seq_len, dtype=meta.get("dtype", "uint16"))
     return data_mod.GlobalBatches(windows, cfg.data.global_batch, cfg.data.seed, cfg.data.segment_docs,
                                   eod_id=meta.get("eod_id", data_mod.EOD))
@@ -87,6 +90,7 @@ def check_corpus(cfg: TrainConfig, data_dir: Path) -> dict:
                          f"the model has vocab_size={cfg.model.vocab_size}; set model.vocab_size={meta['vocab_size']}")
     if meta.get("dtype", "uint16") not in ("uint16", "uint32"):
         raise ValueError(f"{data_dir}/meta.json: token dtype {meta['dtype']!r} must be uint16 or uint32")
+    corpus_tokenizer(str(data_dir))   # its tokenizer.json must be there: sample.txt and serving decode with it
     return meta
 
 
@@ -497,7 +501,14 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
         extra = None
         if validate and done % cfg.val.every == 0:
             with watchdog.paused():
-                extra = {"val_loss": validate(state["params"])}
+                # The step finishes first, so that the validation pass is timed alone and taken off the
+                # step's clock: step_ms (and tokens/s) of a validation step are the step's own.
+                jax.block_until_ready(pending)
+                t_val = time.perf_counter()
+                val_loss = validate(state["params"])
+                val_s = time.perf_counter() - t_val
+                t_prev += val_s
+                extra = {"val_loss": val_loss, "val_ms": val_s * 1e3}
         stopping = stop.requested(done)
         if extra or stopping or (ckpt and ckpt.should_save(done)) or done == cfg.steps:
             # A checkpoint (or a val row) only after this step's own numbers are checked finite.
@@ -550,8 +561,12 @@ def _program_text(tr: Trainer) -> str | None:
 
 
 def write_sample(tr: Trainer, state, run_dir: Path) -> str:
+    """run_dir/sample.txt: the prompt and its continuation, in the corpus's tokenizer (the one
+    write_run_tokenizer copied into run_dir for serving)."""
+    from meshlab.tokenizer import ByteTokenizer, TokenizerJson
     from models.sample import sample_tokens
-    tok = ByteTokenizer()
+    src = corpus_tokenizer(tr.cfg.data.corpus)
+    tok = ByteTokenizer() if src is None else TokenizerJson(src)
     # Gathered onto one device once (not a host copy passed to every token's call, which would
     # move the whole model host -> device per token).
     params = jax.device_put(reorder(jax.device_get(state["params"]), tr.layout.layer_order, None), jax.devices()[0])

@@ -1,5 +1,6 @@
 """Batches are a function of (seed, step, row); packed documents get segment ids and positions."""
 import numpy as np
+import pytest
 
 from meshlab.tokenizer import ByteTokenizer
 from meshlab.train.data import GlobalBatches, make_example, TokenWindows
@@ -33,6 +34,12 @@ def test_iterator_yields_the_same_batches_as_direct_indexing(tmp_path):
 def test_uint32_token_files(tmp_path):
     w = windows(tmp_path, dtype="uint32", vocab=100_000)
     assert w[0].max() >= 65536 or w[1].max() >= 65536
+
+
+def test_an_empty_token_file_is_named(tmp_path):
+    (tmp_path / "val.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'val.bin'} is empty: it holds no tokens"):
+        TokenWindows(tmp_path / "val.bin", 16)
 
 
 def test_packed_documents_restart_positions_and_mask_the_boundary():

@@ -1,8 +1,12 @@
 """scripts/prepare_data.py: text and JSONL in, token files out (byte and a tokenizer.json
-trained here, offline), EOD separators, a train/val split, resumability, clear errors; then a
-model trains on the result with data.corpus=DIR."""
+trained here, offline, and kept in the corpus), EOD separators, a train/val split, resumability,
+clear errors; then a model trains on the result with data.corpus=DIR, samples and serves in its
+tokenizer, and an empty validation split or a missing tokenizer is refused at start."""
+import importlib.util
 import json
+import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -64,6 +68,25 @@ def test_bad_inputs_are_named(inputs, tmp_path):
         pd.prepare([str(bad)], "byte", tmp_path / "b", progress=False)
     with pytest.raises(pd.PrepareError, match="no such tokenizer.json"):
         pd.prepare(paths, str(d / "missing.json"), tmp_path / "c", progress=False)
+    (d / "bad.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(SystemExit) as e:   # valid JSON, but no tokenizer: one line, no traceback
+        pd.main([paths[0], "--tokenizer", str(d / "bad.json"), "--out", str(tmp_path / "d"), "--quiet"])
+    assert str(e.value.code).startswith(f"error: {d / 'bad.json'} is not a tokenizer.json (tokenizers could not "
+                                        "read it: ") and "\n" not in str(e.value.code)
+
+
+def test_an_empty_val_split_is_noted_and_refused_by_validation(inputs, tmp_path, capsys):
+    from meshlab.train.loop import load_batches
+    from tests.helpers import small_config
+    _, paths, _ = inputs
+    out = tmp_path / "corpus"
+    pd.main([*paths, "--out", str(out), "--val-fraction", "0", "--quiet"])
+    printed = capsys.readouterr().out
+    assert "0 val tokens" in printed and "note: the validation split is empty" in printed and "val.every=0" in printed
+    cfg = small_config(extra=[f"data.corpus={out}", "val.every=2"])
+    load_batches(cfg, "train")
+    with pytest.raises(ValueError, match=rf"val.bin of {out} is empty.*--val-fraction > 0.*or set val.every=0"):
+        load_batches(cfg, "val")
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +105,19 @@ def tokenizer_json(inputs, tmp_path_factory):
     return path
 
 
-def test_tokenizer_json_path_and_training_on_it(inputs, tokenizer_json, tmp_path):
+def test_tokenizer_json_path_and_training_on_it(inputs, tokenizer_json, tmp_path, monkeypatch, capsys):
     from tokenizers import Tokenizer
+    import models.sample
+    from meshlab.train import loop
     from meshlab.train.loop import train
     from tests.helpers import one_device, small_config
     _, paths, texts = inputs
     out = tmp_path / "corpus"
-    meta = pd.prepare(paths, str(tokenizer_json), out, val_fraction=0.25, progress=False)
+    # a --tokenizer relative to the cwd of preparing, then training from another one: the corpus holds a copy
+    monkeypatch.chdir(tokenizer_json.parent)
+    meta = pd.prepare(paths, tokenizer_json.name, out, val_fraction=0.25, progress=False)
+    monkeypatch.chdir(tmp_path)
+    assert meta["tokenizer"] == "tokenizer.json" and (out / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()
     tok = Tokenizer.from_file(str(tokenizer_json))
     eod = tok.token_to_id("<|endoftext|>")
     assert meta["eod_id"] == eod and meta["vocab_size"] <= 300
@@ -99,11 +128,74 @@ def test_tokenizer_json_path_and_training_on_it(inputs, tokenizer_json, tmp_path
     with pytest.raises(ValueError, match="set model.vocab_size"):
         train(small_config("dp", mesh="data=1", steps=1, extra=[f"data.corpus={out}", "model.vocab_size=100"]),
               devices=one_device(), progress=False, write=False)
-    res = train(small_config("dp", mesh="data=1", steps=2, extra=[f"data.corpus={out}",
-                                                                  f"model.vocab_size={meta['vocab_size']}"]),
-                devices=one_device(), progress=False, write=False)
+    # sample.txt in the corpus's tokenizer: the prompt it encodes and the ids it decodes (the sampler is
+    # stubbed: the decoding is under test, not the model); validation is slowed down by a known second,
+    # which the step's clock must not count
+    sampled = tok.encode("return x", add_special_tokens=False).ids
+    seen = {}
+    monkeypatch.setattr(models.sample, "sample_tokens", lambda md, params, prompt, *a, **k: seen.setdefault("p", prompt)
+                        and sampled)
+    validate = loop.Validator.__call__
+    monkeypatch.setattr(loop.Validator, "__call__", lambda self, params: time.sleep(1.0) or validate(self, params))
+    run_dir = tmp_path / "run"
+    res = train(small_config("dp", mesh="data=1", steps=2, tmp_path=run_dir, extra=[
+        f"data.corpus={out}", f"model.vocab_size={meta['vocab_size']}", "sample_tokens=8", "sample_prompt=def f",
+        "val.every=2", "val.batches=1"]), devices=one_device(), progress=False)
     assert len(res["losses"]) == 2 and all(np.isfinite(res["losses"]))
     assert res["losses"][0] == pytest.approx(np.log(meta["vocab_size"]), rel=0.2)
+    assert seen["p"] == tok.encode("def f", add_special_tokens=False).ids
+    assert (run_dir / "sample.txt").read_text() == "def f" + tok.decode(sampled) and "return x" in res["sample"]
+    assert (run_dir / "tokenizer.json").read_bytes() == tokenizer_json.read_bytes()
+    val_row = res["rows"][-1]
+    assert val_row["step"] == 2 and np.isfinite(val_row["val_loss"]) and val_row["val_ms"] >= 1000
+    assert val_row["step_ms"] < 1000, "the validation pass is not the step's time"
+    assert val_row["tokens_per_s"] == pytest.approx(16 * 32 / (val_row["step_ms"] / 1e3))
+    # generate.py serves the run past its trained context (data.seq_len=32) with one warning line
+    _generate_script().main(["--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "40"])
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        f"generate: warning: the prompt ({len(seen['p'])} tokens) and --max-new-tokens 40 reach {len(seen['p']) + 40} "
+        "tokens, past the run's trained context of 32 (data.seq_len); the text beyond it is likely to degrade"]
+
+
+def test_a_corpus_tokenizer_is_found_beside_the_corpus_or_refused_at_start(tokenizer_json, tmp_path, monkeypatch):
+    """An older meta.json's relative path is read against the corpus directory; one found nowhere stops the
+    run before anything is written (a run on it could not be sampled or served)."""
+    from meshlab.checkpoint import corpus_tokenizer
+    from meshlab.train.loop import train
+    from tests.helpers import small_config
+    corpus = tmp_path / "corpus"
+    (corpus / "tok").mkdir(parents=True)
+    shutil.copy(tokenizer_json, corpus / "tok" / "tokenizer.json")
+    np.zeros(4096, np.uint16).tofile(corpus / "train.bin")
+    (corpus / "meta.json").write_text(json.dumps({"tokenizer": "tok/tokenizer.json", "vocab_size": 300, "eod_id": 0}))
+    monkeypatch.chdir(tmp_path)   # not the corpus: the path is read against the corpus
+    assert corpus_tokenizer(str(corpus)) == corpus / "tok" / "tokenizer.json"
+    (corpus / "meta.json").write_text(json.dumps({"tokenizer": "gone/tokenizer.json", "vocab_size": 300, "eod_id": 0}))
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"the corpus {corpus} was tokenized with gone/tokenizer.json, which is not "
+                                         rf"there now .*Copy that tokenizer.json to {corpus}/gone/tokenizer.json"):
+        train(small_config(tmp_path=run, extra=[f"data.corpus={corpus}", "model.vocab_size=300"]), progress=False)
+    assert not run.exists()
+
+
+def _generate_script():
+    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_checks_chunk_and_warns_past_the_trained_context(tmp_path, capsys):
+    generate = _generate_script()
+    for chunk in ("0", "-4"):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--checkpoint", "random:tiny", "--prompt", "x", "--chunk", chunk])
+        assert e.value.code == 2
+        assert f"--chunk must be >= 1 (prompt tokens per prefill call), got {chunk}" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("data:\n  seq_len: 128\n")
+    assert generate.trained_seq_len(str(tmp_path)) == 128
+    assert generate.trained_seq_len("random:tiny") is None
 
 
 def test_parquet_gives_the_same_tokens_as_jsonl(inputs, tmp_path):
