@@ -42,18 +42,22 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     return cfg
 
 
-def config_to_hf(cfg: LlamaConfig, max_position: int = 8192) -> dict:
+def config_to_hf(cfg: LlamaConfig, max_position: int = 8192, *, dtype: str | None = None,
+                 eos_token_id: int | None = None, bos_token_id: int | None = None) -> dict:
+    """HF config.json for cfg; dtype: the stored tensors' (default cfg.dtype); the special token ids
+    are written when known."""
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
           "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
           "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-          "hidden_act": "silu", "max_position_embeddings": max_position, "torch_dtype": cfg.dtype,
+          "hidden_act": "silu", "max_position_embeddings": max_position, "torch_dtype": dtype or cfg.dtype,
           "attention_bias": False, "mlp_bias": False}
     if cfg.rope_scaling_factor:
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
                               "low_freq_factor": cfg.rope_low_freq_factor,
                               "high_freq_factor": cfg.rope_high_freq_factor,
                               "original_max_position_embeddings": cfg.rope_original_max_position}
+    hf.update({k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None})
     return hf
 
 

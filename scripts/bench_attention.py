@@ -14,12 +14,13 @@ import datetime
 import json
 import os
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlab.bench import ptxas
+from meshlab.bench import diary, ptxas
 from meshlab.bench.timing import median_time  # noqa: E402
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 
@@ -129,7 +130,7 @@ def bench_bwd_alone(s, d, causal, names, tracker=None):
                 row["dkv_ms"] = timeit(jax.jit(lambda *a, cfg=cfg: fb.dkv_call(*a, cfg)),
                                        q, k, v, do, lse, output_grad_rowsum(out, do)) * 1e3
         except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            row["error"] = describe(e)
         if tracker:
             row["ptxas"] = [dataclasses.asdict(r) for r in tracker.new()]
     return rows
@@ -155,10 +156,34 @@ def timeit(f, *args, warmup=10, reps=10):
     return median_time(f, *args, warmup=warmup, reps=reps, inner=5)
 
 
+def unavailable(name, backend):
+    """Why impl `name` cannot run on `backend` ("gpu", "cpu", ...), or None: cuDNN and the Mosaic GPU
+    kernels have no CPU or interpret-mode path."""
+    if backend == "gpu":
+        return None
+    if name == "cudnn":
+        return f"cuDNN attention needs an NVIDIA GPU, not on {backend}"
+    if "mgpu" in name:
+        return f"a Mosaic GPU kernel: needs a Hopper (sm_90) GPU, not on {backend}"
+    return None
+
+
+def describe(e):
+    """An exception as one line; one without a message (a bare assert) names where it was raised."""
+    msg = str(e).splitlines()[0][:160] if str(e).strip() else ""
+    if not msg and e.__traceback__ is not None:
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        msg = f"no message, raised at {os.path.basename(last.filename)}:{last.lineno}"
+    return f"{type(e).__name__}: {msg}"
+
+
 def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
     b, h = TOKENS // s, HD // d
     if h % KV_GROUP:
         return dict(impl=name, S=s, D=d, B=b, H=h, causal=causal, error=f"{h} heads: not a multiple of --kv-group")
+    why = unavailable(name, jax.default_backend())
+    if why:
+        return dict(impl=name, S=s, D=d, B=b, H=h, causal=causal, error=why)
     q, k, v, do = random_inputs(s + d + causal, b, s, h, d)
     # checking: only the checked rows carry a cotangent; timing uses the full random dO (never zeros)
     do_chk = do.at[:, : s - CHECK_ROWS].set(0)
@@ -196,7 +221,7 @@ def bench_shape(name, fn, s, d, causal, fwd_only, ref_cache):
                 t = timeit(fwdbwd, q, k, v, do)
                 row.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row["error"] = describe(e)
     return row
 
 
@@ -274,7 +299,7 @@ def parse_shape(spec):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", help="where the rows go (default: $OUT, else a temporary directory)")
     ap.add_argument("--plan", default="second", choices=("first", "second", "third", "mgpu", "tiles", "tiles2",
                                                        "fused", "bwd", "full", "full64", "full128"))
     ap.add_argument("--bwd-alone", default=None, help="S,D,causal[;...]: first time the backward kernels alone "
@@ -290,6 +315,7 @@ def main():
                     help="record each Mosaic kernel's registers and spills (ptxas -v) in its rows and in "
                          "OUT/ptxas.md; the raw reports go to DUMP_DIR (default /tmp/meshlab_ptxas)")
     args = ap.parse_args()
+    args.out = str(diary.out_dir("bench_attention", args.out))
     tracker = ptxas.Tracker(ptxas.enable(args.ptxas)) if args.ptxas else None   # before any compile
     global TOKENS, HD, INTERPRET, CHECK_ROWS, KV_GROUP
     KV_GROUP = args.kv_group
@@ -330,8 +356,8 @@ def main():
             print(json.dumps(row), flush=True)
     write_md(rows, os.path.join(args.out, "attention_rows.md"), dev)
     if args.append_docs:  # off on the lent GPU, whose copy of the repo does not come back
-        with open(args.append_docs, "a") as f:
-            f.write("\n" + open(os.path.join(args.out, "attention_rows.md")).read())
+        diary.append("\n" + open(os.path.join(args.out, "attention_rows.md")).read(), path=args.append_docs,
+                     backend=jax.default_backend())
     print(open(os.path.join(args.out, "attention_rows.md")).read())
     if tracker:
         table = ptxas.markdown(ptxas.read(tracker.dir))
@@ -345,8 +371,14 @@ def _cell(r, k):
         return "ERR"
     if r.get(k) == "FAIL":
         return "FAIL"
-    v = r.get(f"{k}_tflops")
-    return f"{v:.0f}" if v is not None else "-"
+    return tflops_text(r.get(f"{k}_tflops"))
+
+
+def tflops_text(v):
+    """A rate with enough digits to tell CPU-sized rates apart (0.00123, not 0)."""
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.3g}"
 
 
 def write_md(rows, path, dev):
@@ -365,6 +397,8 @@ def write_md(rows, path, dev):
         heads = f"{HD // d}" if KV_GROUP == 1 else f"{HD // d}/{HD // d // KV_GROUP}kv"
         lines.append(f"| {today} | {dev} | {jax.__version__} | {TOKENS // s}x{s}x{heads}x{d} | {c} | "
                      + " | ".join(cells) + f" | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |")
+    errors = dict.fromkeys(f"ERR {r['impl']}: {r['error']}" for r in rows if r.get("error"))
+    lines += ["", *errors] if errors else []
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the variants' children run this file without PYTHONPATH
+from meshlab.bench.diary import DIARY  # noqa: E402
 from meshlab.bench.collectives import OPS, parse_bytes, sweep, use_cpu_devices  # noqa: E402
 from meshlab.bench.collectives_variants import VARIANTS, child_variant, sweep_then_variants  # noqa: E402
 
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-max-bytes", default="64MiB", help="check hand-written ops against lax up to this size")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices")
     ap.add_argument("--out", default=str(ROOT / "profiles" / "collectives.json"))
-    ap.add_argument("--markdown", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
+    ap.add_argument("--markdown", default=str(DIARY), help="the diary its rows go to (a GPU run's only)")
     ap.add_argument("--variants", default="", help=f"'all' or a comma list of {', '.join(VARIANTS)}, or ad hoc "
                     "NAME@KEY=VALUE[@KEY=VALUE] (environment; XLA_FLAGS appended): each in its own process after the "
                     "sweep (which then also runs in its own process, so no process holds the GPUs twice)")

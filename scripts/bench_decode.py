@@ -116,7 +116,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from meshlab.bench import DEFAULT_PRESET, preset_arg  # noqa: E402
+from meshlab.bench import DEFAULT_PRESET, diary, preset_arg  # noqa: E402
 from meshlab.bench.decode_jobs import JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
 
 def _gemv_tuned(rows) -> dict:
@@ -260,7 +260,7 @@ def main():
     ap.add_argument("--preset", default=DEFAULT_PRESET, type=preset_arg,
                     help="the model shape measured (random weights, bf16); rows of another than "
                          f"{DEFAULT_PRESET} carry its name")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
+    ap.add_argument("--docs", default=str(diary.DIARY))
     ap.add_argument("--job", choices=list(JOBS), help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -297,12 +297,11 @@ def main():
     for r in rows:
         if r["section"] == "profile" and "kernels" in r:
             print(profile_table(r))
-    if meta.get("backend") == "gpu":                        # real measurements only
+    if diary.records(meta.get("backend", "unknown"), args.docs):   # the jobs' backend; this process starts no JAX
         block = ("\n### bench_decode.py, one call (" + f"{time.perf_counter() - t0:.0f} s; jobs {','.join(jobs)})\n\n"
                  + table)
         (out / "benchmarks_append.md").write_text(block)
-        with open(args.docs, "a") as fh:
-            fh.write(block)
+        diary.append(block, backend=meta["backend"], path=args.docs)
         print(f"appended {table.count(chr(10)) - 2} rows to {args.docs} and {out / 'benchmarks_append.md'}")
     print(f"total {time.perf_counter() - t0:.0f} s; files in {out}")
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from meshlab.bench import diary  # noqa: E402
 
 
 def parse(argv=None):
@@ -173,9 +174,7 @@ def main(argv=None):
         text += report_peers(peers, {r["matmul_dtype"]: r for r in runs.values()})
         runs["torch_peers"] = peers
     print(text)
-    if jax.default_backend() == "gpu":
-        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-            f.write(text)
+    diary.append(text, backend=jax.default_backend())
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_fp8.json").write_text(json.dumps(runs, indent=1))

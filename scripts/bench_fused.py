@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlab.bench import diary  # noqa: E402
 from meshlab.bench.timing import median_time  # noqa: E402
 from pallas_kernels import cross_entropy_onepass as onepass
 from pallas_kernels import fused_cross_entropy as ce
@@ -240,9 +241,9 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--interpret", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--out", help="where its files go (default: $OUT, else a temporary directory)")
     a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)
+    a.out = str(diary.out_dir("bench_fused", a.out))
     rows = []
     ops = a.ops.split(",")
     k = jax.random.split(jax.random.key(1), 6)

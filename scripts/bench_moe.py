@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
+from meshlab.bench import diary  # noqa: E402
 from meshlab.bench.timing import median_time  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
@@ -207,8 +208,7 @@ def write(dev, gemm, train, peer, args):
                          "(one device: no all-to-all to hide, only the pieces' partial weight-gradient sums).")
     text = "\n".join(lines) + "\n"
     print(text)
-    with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-        f.write(text)
+    diary.append(text, backend=jax.default_backend())
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_moe.json").write_text(json.dumps({"gemm": gemm, "train": train, "peer": peer},

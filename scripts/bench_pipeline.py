@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
+from meshlab.bench import diary  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.parallel.pipeline import bubble, build, runner, theory_bubble  # noqa: E402
 from meshlab.parallel.pipeline.schedules import COLS  # noqa: E402
@@ -105,8 +106,7 @@ def main():
     text = "\n".join(lines) + "\n"
     print(text)
     if not a.no_record:
-        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-            f.write(text)
+        diary.append(text, backend=jax.default_backend())
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_pipeline.json").write_text(json.dumps(out, indent=1))
 

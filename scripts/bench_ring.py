@@ -3,7 +3,7 @@ the plain kernels (our Pallas FlashAttention, cuDNN), causal, S = 8k..32k, bf16,
 
 Each result is first checked against a float32 reference on the last CHECK_ROWS query rows of
 batch 0 (forward; and dq/dk/dv with dO zero outside those rows, which makes the sliced reference
-exact); over the tolerance it is a FAIL, not a time. Prints a table, writes it to $OUT, and
+exact); over the tolerance it is a FAIL, not a time. Prints a table, writes it to --out ($OUT or a temp dir), and
 appends dated rows to docs/archive/benchmarks-diary.md under "## Context parallel".
 Usage: PYTHONPATH=$PWD python3 scripts/bench_ring.py [--budget-s 400] [--out $OUT] [--smoke]
 """
@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from meshlab.bench import diary  # noqa: E402
 from meshlab.bench.timing import median_time  # noqa: E402
 from meshlab.parallel.ring_attention import ring_attention  # noqa: E402
 from pallas_kernels.attention import xla_attention  # noqa: E402
@@ -131,7 +132,7 @@ def append_docs(path, text):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=400)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", help="where bench_ring.md goes (default: $OUT, else a temporary directory)")
     ap.add_argument("--docs", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                    "docs", "archive", "benchmarks-diary.md"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
@@ -162,10 +163,9 @@ def main():
         results.append((f"1x{s}x{h}/{kvh}x{d}", rows))
     text = table(results, dev)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_ring.md"), "w") as f:
+    with open(diary.out_dir("bench_ring", args.out) / "bench_ring.md", "w") as f:
         f.write(text)
-    if not smoke:
+    if not smoke and diary.records(jax.default_backend(), args.docs):
         append_docs(args.docs, text)
         print(f"appended to {args.docs}; wall {time.time() - t0:.0f}s")
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from meshlab.bench import diary  # noqa: E402
 FUSED = "loss_impl=dense,fused_swiglu=0,fused_norm=0,fused_rope=0"
 
 
@@ -254,9 +255,7 @@ def write(rows, devices, peak):
                      f"{100 * r['mfu_989']:.1f}% | {r['gib']:.1f} | {eff} | {r['step_ms']:.0f} | {plan} | {note} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if devices[0].platform != "cpu":   # only real measurements go into the record
-        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-            f.write(text)
+    diary.append(text, backend=devices[0].platform)
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_scaling.md").write_text(text)

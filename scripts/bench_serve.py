@@ -57,7 +57,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from meshlab.bench import DEFAULT_PRESET, preset_arg  # noqa: E402
+from meshlab.bench import DEFAULT_PRESET, diary, preset_arg  # noqa: E402
+from meshlab.xla_flags import on_gpu  # noqa: E402
 
 DEFAULT_PROMPTS, DEFAULT_OUTPUTS = (128, 1024), (64, 256)
 # jobs of meshlab/bench/serve_kinds.py over the offline engine: job -> its function there
@@ -295,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
                     help="prompt-chunk attention of the offline engine (auto: flash on GPU)")
     ap.add_argument("--http-logprobs", action="store_true",
                     help="HTTP clients also ask for the chosen tokens' logprobs (the offline run does not)")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "archive" / "benchmarks-diary.md"))
+    ap.add_argument("--docs", default=str(diary.DIARY))
     ap.add_argument("--job", help=argparse.SUPPRESS)
     return ap
 
@@ -327,8 +328,7 @@ def main():
                  f"{''.join('; ' + part for part in run_parts(args))})\n\n")
         block += "".join(line for line in table.splitlines(keepends=True) if "| sim |" not in line)
         (out / "benchmarks_append.md").write_text(block)
-        with open(args.docs, "a") as fh:
-            fh.write(block)
+        diary.append(block, backend="gpu" if on_gpu() else "cpu", path=args.docs)   # the jobs ran in children
     print(f"total {time.perf_counter() - t0:.0f} s; files in {out}")
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from meshlab.bench import diary  # noqa: E402
 
 
 def main(argv=None):
@@ -47,8 +48,7 @@ def main(argv=None):
     text = table(rows, setting)
     print(text)
     if args.append_docs:
-        with open(args.append_docs, "a") as f:
-            f.write(f"\n{text}\n")
+        diary.append(f"\n{text}\n", path=args.append_docs)
 
 
 if __name__ == "__main__":

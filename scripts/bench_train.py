@@ -5,7 +5,8 @@ peer (own process; `--peer-json` takes its line when it ran before JAX took the 
     PYTHONPATH=$PWD python3 scripts/bench_train.py [--steps 8] [--profile] [--variants ...]
     ... --variants A B --rounds 3     # A B A B A B: each compiled once, the median round reported
     ... --tokens text                 # byte text as train.py's embedded corpus feeds (default: random ids)
-Appends dated rows to docs/archive/benchmarks-diary.md. The batch is chosen from the compiled memory analysis.
+Appends dated rows to docs/archive/benchmarks-diary.md (meshlab/bench/diary.py). Needs a GPU: on another
+backend it stops at once. The batch is chosen from the compiled memory analysis.
 """
 import argparse
 import datetime
@@ -25,6 +26,7 @@ import numpy as np  # noqa: E402
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
+from meshlab.bench import diary  # noqa: E402
 from meshlab.bench.train import StepRunner, pick_batch, torch_gemm_tflops  # noqa: E402
 from meshlab.peak import measured_gemm_flops, peak_flops  # noqa: E402
 
@@ -62,15 +64,18 @@ def main():
     p.add_argument("--tokens", default="random", choices=("random", "text"),
                    help="the batch: ids uniform over the vocabulary, or byte text as train.py's corpus feeds")
     args = p.parse_args()
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":   # every default variant but one runs cuDNN attention or Mosaic GPU kernels
+        sys.exit(f"error: bench_train.py times training on one GPU; JAX's backend here is {dev.platform}. "
+                 "To check a training step on a CPU, run `make train` (the tiny model on simulated devices).")
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = R.load_rules("dp")
-    dev = jax.devices()[0]
-    hbm = dev.memory_stats().get("bytes_limit", 80e9) if dev.platform == "gpu" else 8e9
+    hbm = dev.memory_stats().get("bytes_limit", 80e9)
     peak, peak_src = peak_flops(dev, args.peak_tflops)
     if peak is None:
         sys.exit(f"error: {peak_src}")
-    gemm = {"jax": measured_gemm_flops(dev) / 1e12 if dev.platform == "gpu" else None,
-            "torch": {} if args.no_torch_gemm or dev.platform != "gpu" else torch_gemm_tflops(),
+    gemm = {"jax": measured_gemm_flops(dev) / 1e12,
+            "torch": {} if args.no_torch_gemm else torch_gemm_tflops(),
             "peak": peak_src}
     print(f"device {dev.device_kind}; MFU peak: {peak_src}; HBM {hbm / 2**30:.0f} GiB")
     print(f"bf16 GEMM 8192^3 measured (its own figure, not MFU's peak): {gemm_text(gemm)}", flush=True)
@@ -215,11 +220,7 @@ def write_rows(dev, peak, gemm, rows, peer, args):
     else:
         lines.append(f"\npeer: not measured ({peer.get('error', 'skipped')[:200]})")
     text = "\n".join(lines) + "\n"
-    path = ROOT / "docs" / "archive" / "benchmarks-diary.md"
-    if not path.exists():
-        path.write_text("# Benchmarks\n")
-    with path.open("a") as f:
-        f.write(text)
+    diary.append(text, backend=dev.platform)
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_train.json").write_text(json.dumps({"rows": rows, "peer": peer, "gemm_tflops": gemm},

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from meshlab.bench import diary  # noqa: E402
 
 
 def parse(argv=None):
@@ -105,9 +106,8 @@ def main(argv=None):
     rounds = measure(args, shape)
     text = report(args, shape, rounds)
     print(text)
-    if any(r["ours"] for r in rounds) and on_gpu():
-        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-            f.write(text)
+    if any(r["ours"] for r in rounds):
+        diary.append(text, backend="gpu" if on_gpu() else "cpu")     # train.py measured in its own process
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import jax  # noqa: E402
 
 import models  # noqa: E402
 from meshlab import rules as R  # noqa: E402
+from meshlab.bench import diary  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.bench.train import time_steps  # noqa: E402
 
@@ -62,8 +63,7 @@ def main():
                      f"{r.get('program_gib', '')} | {r.get('loss', '')} |")
     text = "\n".join(lines) + "\n"
     if not args.no_record:
-        with (ROOT / "docs" / "archive" / "benchmarks-diary.md").open("a") as f:
-            f.write(text)
+        diary.append(text, backend=dev.platform)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_zero.json").write_text(json.dumps({"rows": rows, "xla_flags": FLAGS}, indent=1))
     print(text)

@@ -24,6 +24,8 @@ import re
 import time
 from pathlib import Path
 
+from meshlab.bench import diary
+
 OPS = ("broadcast", "reduce", "all-reduce", "scatter", "gather", "all-gather", "reduce-scatter", "all-to-all",
        "ppermute", "ring all-gather", "ring all-reduce")
 
@@ -356,6 +358,10 @@ def report(rows, prof, a):
               f"{v['note']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(prof, indent=1))
-    append_markdown(rows, prof, Path(a.markdown))
-    print(f"wrote {a.out}; appended to {a.markdown}")
+    print(f"wrote {a.out}")
+    if diary.records(prof["platform"], a.markdown):
+        append_markdown(rows, prof, Path(a.markdown))
+        print(f"appended to {a.markdown}")
+    else:
+        print(f"not appended to {a.markdown}: only a GPU run is recorded")
 

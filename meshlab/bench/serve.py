@@ -383,12 +383,32 @@ def prefix_ttft(engine, n: int = 2048, tail: int = 16, reps: int = 5, tag: str =
     return rows
 
 
+def tpot_between(t_short: float, t_long: float, tokens: int) -> float:
+    """Seconds per token from two timed runs that differ by `tokens` decode steps; NaN when the longer
+    run took no longer (timer noise over tiny work, as on a CPU): the difference measures nothing."""
+    dt = t_long - t_short
+    return dt / tokens if dt > 0 and tokens > 0 else float("nan")
+
+
+def sweep_row(b: int, ctx: int, tag: str, t_short: float, t_long: float, tokens: int, roof: float) -> dict:
+    """engine_sweep's row for batch b: tokens/s and TPOT from the two timings, or NaN with a note."""
+    tpot = tpot_between(t_short, t_long, tokens)
+    row = {"section": "sweep", "setting": f"engine b={b} ctx={ctx}{tag}", "value": b / tpot, "unit": "tok/s",
+           "batch": b, "tpot_ms": tpot * 1e3, "frac_roofline": b / tpot / roof}
+    if tpot != tpot:
+        row["note"] = (f"not measurable: {tokens} more tokens took {(t_long - t_short) * 1e3:+.2f} ms "
+                       f"({t_short * 1e3:.2f} vs {t_long * 1e3:.2f} ms), within timer noise")
+    else:
+        row["note"] = f"TPOT {tpot * 1e3:.2f} ms; {b / tpot / roof:.0%} of the roofline {roof:.0f} tok/s"
+    return row
+
+
 def _tpot(run, n: int, reps: int) -> tuple[float, list]:
     """(median, all) of `reps` TPOTs: (time of n tokens - time of 1) / (n - 1), each pair run back to back."""
     tpots = []
     for _ in range(reps):
         t1 = run(1)
-        tpots.append((run(n) - t1) / (n - 1))
+        tpots.append(tpot_between(t1, run(n), n - 1))
     return float(np.median(tpots)), tpots
 
 
@@ -426,12 +446,9 @@ def engine_sweep(engine, bw: float, batches, ctx: int = 2048, n: int = 128, tag:
         _time(engine, prompts, m)                                           # compiles the cached-tail step
         _time(engine, prompts, n)                                           # and the timed run's mixed steps
         t_m = _time(engine, prompts, m)
-        tpot = (_time(engine, prompts, n) - t_m) / (n - m)
+        t_n = _time(engine, prompts, n)
         roof = roofline(engine, bw, ctx, b) if bw else float("nan")
-        out.append(emit({"section": "sweep", "setting": f"engine b={b} ctx={ctx}{tag}", "value": b / tpot,
-                         "unit": "tok/s", "batch": b, "tpot_ms": tpot * 1e3, "frac_roofline": b / tpot / roof,
-                         "note": f"TPOT {tpot * 1e3:.2f} ms; {b / tpot / roof:.0%} of the roofline "
-                                 f"{roof:.0f} tok/s"}))
+        out.append(emit(sweep_row(b, ctx, tag, t_m, t_n, n - m, roof)))
     return out
 
 

@@ -141,9 +141,31 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
     return cfg, md, params
 
 
-def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=None) -> None:
-    """Write config.json + model.safetensors (one file) in HF layout; dtype defaults to the params' own."""
+def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=None, *,
+            eos_token_id: int | None = None, bos_token_id: int | None = None) -> None:
+    """Write a HF Llama directory: model.safetensors (one file), config.json, generation_config.json and,
+    with `tokenizer_json`, tokenizer.json + tokenizer_config.json.
+
+    dtype: the stored tensors' (default: the params' own); config.json's torch_dtype names it.
+    eos_token_id: the token that ends a sequence, written to config.json and generation_config.json (where
+    transformers and meshlab's loader look) and as tokenizer_config.json's eos_token. Default: the run's
+    own (`default_eos`): the eod_id of tokenizer_meta.json or the eos_token of tokenizer_config.json
+    beside `tokenizer_json`, or the byte tokenizer's end-of-document id without one. bos_token_id: the
+    same, from tokenizer_config.json's bos_token (the byte tokenizer has none).
+    """
     path = Path(path)
+    tk = None
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+        tokenizer_json = Path(tokenizer_json)
+        tk = Tokenizer.from_file(str(tokenizer_json))
+    if eos_token_id is None:
+        eos_token_id = default_eos(tokenizer_json, tk, cfg)
+    if bos_token_id is None and tk is not None:
+        bos_token_id = _special_id(tokenizer_json, tk, "bos_token")
+    for name, t in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
+        if t is not None and not 0 <= t < cfg.vocab_size:
+            raise CheckpointError(f"save_hf: {name}={t} is not a token id of the model (vocab_size {cfg.vocab_size})")
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for km in llama_hf.key_map(cfg):
@@ -153,6 +175,36 @@ def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=N
             w = km.to_hf(leaf[i] if km.stacked else leaf, cfg)
             tensors[km.hf.format(i=i)] = np.ascontiguousarray(w)
     write_safetensors(path / "model.safetensors", tensors)
-    (path / "config.json").write_text(json.dumps(llama_hf.config_to_hf(cfg), indent=2))
-    if tokenizer_json is not None:
-        (path / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    stored = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(CODES[next(iter(tensors.values())).dtype])
+    special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
+    (path / "config.json").write_text(json.dumps(llama_hf.config_to_hf(cfg, dtype=stored, **special), indent=2))
+    (path / "generation_config.json").write_text(json.dumps(special, indent=2))
+    if tk is not None:
+        (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+        src = tokenizer_json.with_name("tokenizer_config.json")
+        tc = json.loads(src.read_text()) if src.is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key, t in (("eos_token", eos_token_id), ("bos_token", bos_token_id)):
+            if t is not None and tk.id_to_token(t) is not None:
+                tc[key] = tk.id_to_token(t)
+        (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+
+
+def default_eos(tokenizer_json: Path | None, tk, cfg) -> int | None:
+    """The end-of-sequence id a run trained with: beside its tokenizer.json, tokenizer_meta.json's eod_id
+    (meshlab/checkpoint.py:write_run_tokenizer) or tokenizer_config.json's eos_token; None when neither
+    names one. Without a tokenizer.json the run used byte tokens: their end-of-document id."""
+    if tokenizer_json is None:
+        from meshlab.tokenizer import EOD
+        return EOD if cfg.vocab_size > EOD else None
+    meta = tokenizer_json.with_name("tokenizer_meta.json")
+    if meta.is_file() and json.loads(meta.read_text()).get("eod_id") is not None:
+        return int(json.loads(meta.read_text())["eod_id"])
+    return _special_id(tokenizer_json, tk, "eos_token")
+
+
+def _special_id(tokenizer_json: Path, tk, key: str) -> int | None:
+    """The id of tokenizer_config.json's `key` token (a string or {"content": ...}) beside tokenizer_json."""
+    f = tokenizer_json.with_name("tokenizer_config.json")
+    tok = json.loads(f.read_text()).get(key) if f.is_file() else None
+    tok = tok.get("content") if isinstance(tok, dict) else tok
+    return tk.token_to_id(tok) if tok else None

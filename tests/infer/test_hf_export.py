@@ -1,0 +1,68 @@
+"""save_hf writes what HF's loaders and meshlab's read: the EOS (config.json, generation_config.json,
+tokenizer_config.json) the run stops at, and the dtype the tensors are stored in."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from meshlab.infer.hf import CheckpointError, SafetensorsDir, load_hf, save_hf
+from meshlab.infer.loading import load_checkpoint, run_tokenizer, stop_token_ids
+from models import model_def
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32")
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), model_def(cfg).abstract)
+    return cfg, params
+
+
+def write_run_tokenizer(run):
+    """A run dir's tokenizer as training records it: tokenizer.json + tokenizer_meta.json naming the EOD id."""
+    from tokenizers import Tokenizer, models as tk_models
+    run.mkdir()
+    vocab = {"<unk>": 0, "<s>": 1, "hello": 2, "world": 3, "</s>": 4}
+    Tokenizer(tk_models.WordLevel(vocab, unk_token="<unk>")).save(str(run / "tokenizer.json"))
+    (run / "tokenizer_meta.json").write_text(json.dumps({"tokenizer": "tokenizer.json", "eod_id": 4}))
+
+
+def test_export_keeps_the_runs_eos(tmp_path, tiny):
+    cfg, params = tiny
+    run, out = tmp_path / "run", tmp_path / "hf"
+    write_run_tokenizer(run)
+    save_hf(out, cfg, params, tokenizer_json=run / "tokenizer.json")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 4
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 4
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    _, _, _, tok = load_checkpoint(str(out))
+    assert stop_token_ids(tok) == stop_token_ids(run_tokenizer(run, {})) == [4]
+
+
+def test_explicit_ids_win_and_bad_ones_are_refused(tmp_path, tiny):
+    cfg, params = tiny
+    run = tmp_path / "run"
+    write_run_tokenizer(run)
+    save_hf(tmp_path / "hf", cfg, params, tokenizer_json=run / "tokenizer.json", eos_token_id=3, bos_token_id=1)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["eos_token_id"], hf["bos_token_id"]) == (3, 1)
+    tc = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (tc["eos_token"], tc["bos_token"]) == ("world", "<s>")
+    with pytest.raises(CheckpointError, match=f"eos_token_id={cfg.vocab_size} is not a token id"):
+        save_hf(tmp_path / "bad", cfg, params, eos_token_id=cfg.vocab_size)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_byte_token_export_names_the_end_of_document_id_and_stored_dtype(tmp_path, tiny):
+    cfg, params = tiny
+    save_hf(tmp_path / "hf", cfg, params, dtype="bfloat16")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["eos_token_id"], hf["torch_dtype"]) == (256, "bfloat16")
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 256}
+    assert not (tmp_path / "hf" / "tokenizer_config.json").exists()      # no HF tokenizer to configure
+    st = SafetensorsDir(tmp_path / "hf")
+    assert {meta["dtype"] for _, _, meta in st.entries.values()} == {"BF16"}
+    assert load_hf(tmp_path / "hf")[0].dtype == "bfloat16"
