@@ -3,6 +3,7 @@ inputs and error measure of the attention kernel tests."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,12 @@ def record_instances(monkeypatch, module, name: str) -> list:
             made.append(self)
     monkeypatch.setattr(module, name, Recorded)
     return made
+
+
+def script_module(name: str):
+    """scripts/<name>.py imported as a module (the scripts are files, not a package), its main() unrun."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"{name}_script", Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

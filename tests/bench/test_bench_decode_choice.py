@@ -1,22 +1,19 @@
 """bench_decode.py's parent side: the tiles and layers a later job measures come from earlier rows
 (and the child side's reading of them, meshlab/bench/decode_jobs.py)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from meshlab.bench import decode_jobs as dj
+from tests.helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bd():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("bench_decode")
 
 
 def _row(job, section, setting, value, **extra):

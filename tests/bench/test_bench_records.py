@@ -1,7 +1,6 @@
 """What the benchmark scripts leave behind: the project's diary rows from a GPU run only, files outside the working
 tree, rates that are never negative, and error cells that say why."""
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import pytest
 
 from meshlab.bench import collectives, diary
 from meshlab.bench.serve import sweep_row, tpot_between
+from tests.helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,10 +64,7 @@ def test_a_timing_difference_that_is_not_positive_is_no_rate():
 
 @pytest.fixture(scope="module")
 def bench_attention():
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "scripts" / "bench_attention.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("bench_attention")
 
 
 def test_attention_cells_keep_cpu_rates_and_say_why_an_impl_failed(bench_attention, tmp_path):

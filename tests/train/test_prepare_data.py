@@ -2,7 +2,6 @@
 trained here, offline, and kept in the corpus), EOD separators, a train/val split, resumability,
 clear errors; then a model trains on the result with data.corpus=DIR, samples and serves in its
 tokenizer, and an empty validation split or a missing tokenizer is refused at start."""
-import importlib.util
 import json
 import shutil
 import sys
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from meshlab.train import data as data_mod
+from tests.helpers import script_module
 from tests.train.test_checkpoint import ROOT, compile_cache  # noqa: F401 (autouse fixture)
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -180,10 +180,7 @@ def test_a_corpus_tokenizer_is_found_beside_the_corpus_or_refused_at_start(token
 
 
 def _generate_script():
-    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("generate")
 
 
 def test_generate_checks_chunk_and_warns_past_the_trained_context(tmp_path, capsys):
