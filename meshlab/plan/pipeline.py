@@ -113,7 +113,7 @@ def bubble_line(rules, mesh, microbatches: int, n_layers: int) -> str:
     sched = schedule(rules, mesh, microbatches, n_layers)
     b = schedules.bubble(sched)
     p, m, v = sched.stages, sched.microbatches, sched.virtual
-    theory = (p - 1) / (3 * m + p - 1) if sched.name == "zb" else schedules.theory_bubble(p, m, v)
+    theory = schedules.theory_bubble(p, m, v, sched.name)
     return (f"  bubble ({sched.name}, p={p}, M={m}, v={v}): textbook {theory:.1%}; this table {b['idle']:.1%} of op "
             f"ticks idle over {b['ticks']} ticks; {b['lockstep']:.1%} of lockstep time (a tick lasts its costliest "
             f"op: F=1, B=2, BI=W=1), which the step time above includes; {sched.slots['res']} micro-batches in flight")

@@ -173,8 +173,7 @@ def pipeline_bubble_warning(tr: Trainer) -> str | None:
     if not pipeline or p <= 1 or m >= p:
         return None
     virtual = int(pipeline.get("virtual") or 1)
-    # zero bubble: the backward split in two fills the idle ticks with weight gradients (plan/pipeline.py)
-    bubble = (p - 1) / (3 * m + p - 1) if pipeline.get("schedule") == "zb" else theory_bubble(p, m, virtual)
+    bubble = theory_bubble(p, m, virtual, pipeline.get("schedule") or "")
     advice = ""
     for k in (4, 2, 1):
         try:

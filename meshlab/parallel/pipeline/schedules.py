@@ -373,8 +373,11 @@ def bubble(sched: Schedule) -> dict:
             "time": float(tick_len.sum())}
 
 
-def theory_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
-    """The textbook fraction of idle time: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved."""
+def theory_bubble(stages: int, microbatches: int, virtual: int = 1, schedule: str = "") -> float:
+    """The textbook fraction of idle time: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
+    (p-1)/(3m+p-1) for zero bubble (the weight-gradient passes fill 1F1B's idle ticks)."""
+    if schedule == "zb":
+        return (stages - 1) / (3 * microbatches + stages - 1)
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
