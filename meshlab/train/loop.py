@@ -515,8 +515,15 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
             pending = None
         if ckpt and (ckpt.should_save(done) or stopping or (done == cfg.steps and cfg.checkpoint.at_end)):
             with watchdog.paused():
-                ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps,
-                          layer_order=tr.layout.layer_order)
+                # save() waits for the step (its finiteness check) and copies the state to the host
+                # before it returns: taken off the next step's clock and written as its own row.
+                t_save = time.perf_counter()
+                saved = ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps,
+                                  layer_order=tr.layout.layer_order)
+                save_s = time.perf_counter() - t_save
+                t_prev += save_s
+            if saved:
+                writer.write({"event": "checkpoint", "step": done, "save_ms": save_s * 1e3})
         if stopping:
             interrupted = done
             break

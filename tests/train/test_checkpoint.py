@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -59,9 +60,21 @@ def cfg(tmp, rules="fsdp", mesh=None, steps=4, extra=()):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """fsdp on 8 devices, 4 steps, checkpoints at 2 and 4."""
+    """fsdp on 8 devices, 4 steps, checkpoints at 2 and 4; the save at step 2 slowed down by a known
+    second (test_a_save_is_off_the_step_clock)."""
     run = tmp_path_factory.mktemp("full")
-    out = loop.train(cfg(run), progress=False)
+    real_save = Checkpointer.save
+
+    def slow_save(self, step, *a, **k):
+        if step == 2:
+            time.sleep(1.0)
+        return real_save(self, step, *a, **k)
+
+    Checkpointer.save = slow_save
+    try:
+        out = loop.train(cfg(run), progress=False)
+    finally:
+        Checkpointer.save = real_save
     return run, out["losses"]
 
 
@@ -78,6 +91,17 @@ def test_resume_is_exact(uninterrupted, tmp_path):
     rows = read_metrics(copy)
     assert any(r.get("event") == "resume" and r["step"] == 2 for r in rows)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 3, 4]   # appended, never rewritten
+
+
+def test_a_save_is_off_the_step_clock(uninterrupted):
+    """A checkpoint save blocks the loop (the state's finiteness, its copy to the host): its time is
+    its own row, never the next step's step_ms and tokens/s."""
+    run, _ = uninterrupted
+    rows = read_metrics(run)
+    saves = {r["step"]: r["save_ms"] for r in rows if r.get("event") == "checkpoint"}
+    assert sorted(saves) == [2, 4] and saves[2] >= 1000, saves
+    step3 = next(r for r in rows if r.get("step") == 3 and "loss" in r)
+    assert step3["step_ms"] < 1000, "the save at step 2 is not step 3's time"
 
 
 def test_resume_as_another_model_touches_nothing(uninterrupted, tmp_path):

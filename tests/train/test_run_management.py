@@ -61,8 +61,9 @@ def test_sigterm_saves_then_resume_continues_exactly(reference, tmp_path):
     res = loop.train(cfg(run, extra), progress=False)
     assert res["losses"] == ref[saved[-1]:]
     rows = read_metrics(run)
-    events = [r["event"] for r in rows if "event" in r]
-    assert events == ["start", "resume"]
+    events = [(r["event"], r["step"]) for r in rows if "event" in r]
+    assert [e for e, _ in events if e != "checkpoint"] == ["start", "resume"]
+    assert ("checkpoint", saved[-1]) in events and all(r["save_ms"] > 0 for r in rows if r.get("event") == "checkpoint")
     assert [r["step"] for r in rows if "loss" in r][-len(res["losses"]):] == list(range(saved[-1] + 1, 5))
     assert any("val_loss" in r and r["val_loss"] > 0 for r in rows)
     assert list((run / "profile").rglob("*.xplane.pb")), "profile trace written"
