@@ -1,6 +1,6 @@
 """Collectives over each mesh axis, timed through shard_map; alpha and BW fitted per axis.
 
-    PYTHONPATH=$PWD python3 scripts/bench_collectives.py --mesh data=-1 --out profiles/h200.json
+    PYTHONPATH=$PWD python3 scripts/bench_collectives.py --mesh data=-1 --out $OUT/h200.json
     python scripts/bench_collectives.py --cpu-devices 8 --mesh data=2,tensor=4 --max-bytes 1MiB
     # 2 GPUs: the four NCCL collectives 1 MiB .. 4 GiB, then why psum trails torch
     ... --ops all-reduce,all-gather,reduce-scatter,all-to-all,ppermute --min-bytes 1MiB --max-bytes 4GiB --variants all
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the variants' children run this file without PYTHONPATH
-from meshlab.bench.diary import DIARY  # noqa: E402
+from meshlab.bench.diary import DIARY, out_dir  # noqa: E402
 from meshlab.bench.collectives import OPS, parse_bytes, sweep, use_cpu_devices  # noqa: E402
 from meshlab.bench.collectives_variants import VARIANTS, child_variant, sweep_then_variants  # noqa: E402
 
@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--check-max-bytes", default="64MiB", help="check hand-written ops against lax up to this size")
     ap.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices")
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "collectives.json"))
+    ap.add_argument("--out", default="", help="the fitted profile's JSON (the planner's --hardware file); default "
+                    "$OUT/collectives.json, else <tmp>/meshlab_bench_collectives/collectives.json")
     ap.add_argument("--markdown", default=str(DIARY), help="the diary its rows go to (a GPU run's only)")
     ap.add_argument("--variants", default="", help=f"'all' or a comma list of {', '.join(VARIANTS)}, or ad hoc "
                     "NAME@KEY=VALUE[@KEY=VALUE] (environment; XLA_FLAGS appended): each in its own process after the "
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mp-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-json", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.out = a.out or str(out_dir("bench_collectives") / "collectives.json")
     if a.cpu_devices:   # each process of a multi-process variant gets its share; jax.distributed joins them
         use_cpu_devices(a.cpu_devices, a.mp_size)
     try:

@@ -9,7 +9,8 @@ estimate beside each measurement. One process sees every GPU (no multi-process l
     ... --runs llama3_1b:dp:1,llama3_1b:fsdp:2,llama3_8b:fsdp:2,llama3_1b:cp_ring:2:32768
         --model-over attention=cudnn,loss_impl=pallas,fused_swiglu=1,fused_norm=1,remat=none
         --model-over llama3_8b:remat=save_dots_no_batch,per_device_batch=2 --model-over seq65536:remat=full
-CPU check of the mechanics: --cpu-devices 8 --models tiny --seq 64 --per-device-batch 2 --dtype float32.
+CPU check of the mechanics: --cpu-devices 8 --models tiny --seq 64 --per-device-batch 2 --dtype float32
+(tiny has 2 kv heads: tp over 4 and 8 devices are rows "not run", the rule file refusing the split).
 
 Global batch = per-device batch x GPUs (the same tokens per GPU under every rule file, as DDP runs;
 --batch-per replica gives per-device batch x data-parallel size instead); context-parallel runs at
@@ -95,7 +96,7 @@ def signature(rules, mesh) -> tuple:
             repr(sorted(rules.strategies.items())), batch)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama3_1b,llama3_3b,llama3_8b")
     p.add_argument("--rules", default="dp,zero1,zero2,fsdp,tp,fsdp_tp,fsdp_tp_sp,fsdp_cp")
@@ -120,7 +121,7 @@ def main():
     p.add_argument("--hardware", default="h200", help="planner hardware: h200 or a profile .json from bench_collectives")
     p.add_argument("--cpu-devices", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", help="float32 for the CPU check (XLA:CPU fails on some bf16 steps)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.cpu_devices:
         from meshlab.compat import set_cpu_devices
         set_cpu_devices(args.cpu_devices)
@@ -211,7 +212,10 @@ def main():
                 cfg.remat = args.oom_remat
             setting["remat"] = cfg.remat
             plan = evaluate(model_def(cfg), rules, dict(mesh.shape), batch, seq, cfg.remat, 1, hw)
-        except Exception as e:  # a variant that fails (OOM, indivisible shapes) is a row, not the end
+        except R.RulesError as e:  # the model does not split on this mesh (tp past kv_heads): not a failure
+            record({"run": label, "error": f"not run: {str(e).split(': ', 1)[-1]}", "run_s": time.perf_counter() - t_run})
+            continue
+        except Exception as e:  # a variant that fails (OOM) is a row, not the end
             record({"run": label, "error": f"{type(e).__name__}: {str(e)[:200]}", "run_s": time.perf_counter() - t_run})
             took[model] = max(took.get(model, 0), time.perf_counter() - t_run)
             continue
@@ -234,7 +238,7 @@ def main():
 def write(rows, devices, peak):
     import jax
     lines = [f"\n### Scaling ({datetime.date.today()}, {len(devices)} x {devices[0].device_kind}, jax {jax.__version__})\n",
-             f"MFU against the measured per-device matmul rate ({peak / 1e12:.0f} TFLOP/s) and against 989 TFLOP/s; "
+             f"MFU against the measured per-device matmul rate ({peak / 1e12:.3g} TFLOP/s) and against 989 TFLOP/s; "
              "efficiency = tokens/s per GPU over the same model and sequence on 1 GPU; planner = meshlab.plan "
              "estimate.\n",
              "| run | global batch | tokens/s per GPU | MFU (measured peak) | MFU (989) | program GiB/GPU | efficiency | "
@@ -242,7 +246,8 @@ def write(rows, devices, peak):
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | | FAILED: {r['error']} | | | | | | | |")
+            why = r["error"] if r["error"].startswith("not run") else f"FAILED: {r['error']}"
+            lines.append(f"| {r['run']} | | {why} | | | | | | | |")
             continue
         eff = f"{100 * r['eff']:.0f}%" if r["eff"] else "-"
         plan = (f"{r['plan_ms']:.0f}" if r["plan_ms"] else "-") + (f" (planner: {r['plan_note'][:50]})" if r["plan_note"] else "")

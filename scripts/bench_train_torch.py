@@ -2,18 +2,22 @@
 fused AdamW. Prints one JSON line. Run in its own process (it must not share the GPU with JAX)."""
 import argparse
 import json
+import sys
 import time
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=8)
     a = p.parse_args()
+    try:   # after the arguments: --help needs neither
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        sys.exit(f"bench_train_torch.py: the torch peer needs torch and transformers ({e}); install them, or run "
+                 "bench_train.py --no-peer")
     cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
                       rope_theta=500000.0, tie_word_embeddings=True,

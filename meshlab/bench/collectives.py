@@ -358,7 +358,7 @@ def report(rows, prof, a):
               f"{v['note']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(prof, indent=1))
-    print(f"wrote {a.out}")
+    print(f"wrote {a.out} (the planner reads it: scripts/plan.py --hardware {a.out})")
     if diary.records(prof["platform"], a.markdown):
         append_markdown(rows, prof, Path(a.markdown))
         print(f"appended to {a.markdown}")

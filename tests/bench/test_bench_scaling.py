@@ -68,6 +68,17 @@ def test_rule_files_that_are_one_program_on_two_devices(bs):
     assert all(len(v) == 1 for v in sig.values() if v != ["tp", "fsdp_tp"])
 
 
+def test_a_mesh_the_model_cannot_split_on_is_not_run_not_failed(bs, capsys, monkeypatch):
+    """tiny (2 kv heads) under tp over 4 devices: the rule file refuses the split before anything
+    compiles; the row says why, as a run not made, not as a failure."""
+    monkeypatch.delenv("OUT", raising=False)
+    bs.main(["--models", "tiny", "--rules", "tp", "--gpus", "4", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| tiny tp x4"))
+    assert "| not run: rule `kv_heads: ['tensor']` splits dimension 2" in row and "does not divide 2" in row
+    assert "FAILED" not in out
+
+
 def test_torch_peer_phases():
     bt = _load("bench_scaling_torch")
     assert bt._bytes("1GiB") == 2**30 and bt._bytes("64MiB") == 2**26
