@@ -15,6 +15,10 @@ json_object / json_schema holds the output to JSON, and vLLM's `structured_outpu
 guided_* fields) to a JSON schema, a regex, a list of choices or a grammar (meshlab.infer.guided);
 chat `tools` with tool_choice "required" or a named function make the reply a tool call, and with
 "auto" (the default) calls are read back out of the model's reply (meshlab.infer.tools).
+
+A field this server does not know is ignored, as vLLM ignores it (OpenAI refuses it), so a client that
+sends a newer field still gets its answer; a known field of the wrong type is a 400, also one that
+does not change the answer (`user`, `parallel_tool_calls`).
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ class Plan:
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     beam: Optional[float] = None       # vLLM's use_beam_search (width n): its length_penalty; None: sampled choices
     reply_prefix: str = ""             # vLLM's chat echo: what each reply begins with (the last message's content)
+    one_call: bool = False             # parallel_tool_calls false: a reply's first tool call only
 
     @property
     def submits(self) -> bool:
@@ -92,7 +97,7 @@ def body_field(body, name, typ, default=None, lo=None, hi=None):
     kind = {int: "an integer", bool: "true or false", float: "a number", str: "a string"}[typ]
     ok = isinstance(v, bool) if typ is bool else (not isinstance(v, bool) and isinstance(
         v, (int, float) if typ is float else typ))
-    if not ok or (lo is not None and v < lo) or (hi is not None and v > hi):
+    if not ok or (lo is not None and not v >= lo) or (hi is not None and not v <= hi):    # NaN is out too
         rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
         raise BadRequest(f"`{name}` must be {kind}{rng}, got {v!r}", param=name)
     return v
@@ -169,6 +174,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     if vocab_size is not None and any(min(p) < 0 or max(p) >= vocab_size for p in prompts):
         raise BadRequest(f"prompt token ids must lie in [0, {vocab_size}) (this model's vocabulary)",
                          param="messages" if chat else "prompt")
+    body_field(body, "user", str)              # OpenAI's end-user id: checked, not used
+    one_call = not body_field(body, "parallel_tool_calls", bool, True)
     n = body_field(body, "n", int, 1, 1, max_n)
     stream = body_field(body, "stream", bool, False)
     echo = body_field(body, "echo", bool, False)
@@ -235,7 +242,7 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
                 tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
-                prompt_scores=scores, beam=beam, reply_prefix=last if echo else "")
+                prompt_scores=scores, beam=beam, reply_prefix=last if echo else "", one_call=one_call)
 
 
 def _chat_prompt(body, tok, trust_templates: bool = False):
@@ -296,9 +303,9 @@ def _template(body, tok, trust: bool):
 def _max_tokens(body, chat: bool, echo: bool) -> Optional[int]:
     """The request's max_tokens with OpenAI's bounds: completions default to 16 (0 only with echo); None
     for a chat request without one (its default, the rest of the context, depends on the prompt)."""
-    if chat:
-        max_tokens = body_field(body, "max_completion_tokens", int, None, 1)
-        return body_field(body, "max_tokens", int, max_tokens, 1)
+    if chat:                                   # OpenAI's max_tokens is deprecated for max_completion_tokens: it wins
+        max_tokens = body_field(body, "max_tokens", int, None, 1)
+        return body_field(body, "max_completion_tokens", int, max_tokens, 1)
     max_tokens = body_field(body, "max_tokens", int, 16, 0)
     if max_tokens == 0 and not echo:
         raise BadRequest("`max_tokens` must be >= 1 (0 is meant with `echo`: the prompt back)", param="max_tokens")
@@ -318,6 +325,10 @@ def _logprobs_and_length(body, chat: bool, max_tokens: Optional[int], prompt_len
             max_tokens = max(max_len - prompt_len, 1)
     else:
         logprobs = body_field(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    if prompt_len + min(max_tokens, 1) > max_len:   # no max_tokens fits it: the prompt is at fault, as OpenAI names it
+        room = " (the prompt and at least one generated token)" if max_tokens else ""
+        raise BadRequest(f"the prompt is {prompt_len} tokens, the context holds {max_len}{room}; shorten the prompt",
+                         param="messages" if chat else "prompt", code="context_length_exceeded")
     if prompt_len + max_tokens > max_len:
         raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} exceeds the context of "
                          f"{max_len}; shorten the prompt or lower max_tokens", param="max_tokens",
@@ -351,9 +362,10 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     if seed is None:                    # unseeded requests draw apart, as OpenAI's do
         seed = secrets.randbelow(2 ** 31 - n)
     # beam search ranks by the raw logprobs: it has no temperature to default to
-    kw = {"temperature": body_field(body, "temperature", float, 0.0 if beamed else DEFAULT_TEMPERATURE),
+    # top_k: vLLM's "off" is 0 or -1 (its older default, which its clients still send)
+    kw = {"temperature": body_field(body, "temperature", float, 0.0 if beamed else DEFAULT_TEMPERATURE, 0.0, 2.0),
           "top_p": body_field(body, "top_p", float, 1.0),
-          "top_k": body_field(body, "top_k", int, 0), "min_p": body_field(body, "min_p", float, 0.0, 0.0, 1.0),
+          "top_k": max(body_field(body, "top_k", int, 0, -1), 0), "min_p": body_field(body, "min_p", float, 0.0, 0.0, 1.0),
           "repetition_penalty": body_field(body, "repetition_penalty", float, 1.0),
           "include_stop_str_in_output": body_field(body, "include_stop_str_in_output", bool, False),
           "skip_special_tokens": body_field(body, "skip_special_tokens", bool, True),

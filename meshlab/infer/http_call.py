@@ -12,6 +12,12 @@ import uuid
 
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
+from meshlab.infer.scheduler import AdmissionError
+
+
+# A stream's last event when the engine fails mid-answer: OpenAI's error object, as a 500 body's
+ENGINE_FAILED = {"message": "the engine failed while answering; see the server's log", "type": "server_error",
+                 "param": None, "code": None}
 
 
 def _ignore(*_):
@@ -35,6 +41,7 @@ class Call:
         self.echoed = [False] * n             # the echoed prompt sent (with prompt logprobs: at the choice's first event)
         self.shown = [0] * n                  # characters of each choice's text already streamed
         self.lp_sent = [0] * n                # tokens whose logprobs were streamed
+        self.lp_end = [None] * n              # completions: the text_offset after them (None: the echo's length)
         self.counted = [0] * n                # tokens counted in the last chunk's usage (continuous usage)
         head = {"id": self.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
                 "created": self.created, "model": server.model_name}
@@ -46,9 +53,9 @@ class Call:
                 for i in range(0, n, self.n):
                     self.reqs[i] = server.engine.add_request(plan.prompts[i // self.n], plan.params[0],
                                                              on_event=self._on_event(i))
-            except ValueError as e:           # AdmissionError included
+            except ValueError as e:           # a grammar llguidance refuses, or more KV pages than the cache has
                 self.close()
-                raise BadRequest(str(e)) from None
+                raise BadRequest(str(e), param="max_tokens" if isinstance(e, AdmissionError) else None) from None
         server.wake.set()
 
     def _on_event(self, i: int):
@@ -198,9 +205,10 @@ class Call:
 
     def _calls(self, i: int, text: str) -> tuple:
         """(content, tool_calls or None) of choice i's whole reply."""
-        if self.plan.tool_format is not None:
-            return self.plan.tool_format.read(text, self.plan.tool_names)
-        return text, None
+        if self.plan.tool_format is None:
+            return text, None
+        content, calls = self.plan.tool_format.read(text, self.plan.tool_names)
+        return content, calls[:1] if calls and self.plan.one_call else calls
 
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False, calls=None) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
@@ -215,6 +223,8 @@ class Call:
         usage = ""
         if self.plan.continuous_usage:         # this choice's tokens so far (vLLM's continuous_usage_stats)
             usage = f', "usage": {json.dumps(api.usage(len(self.plan.prompts[i // self.n]), self.counted[i]))}'
+        elif self.plan.include_usage:          # OpenAI's: every chunk before the usage chunk has a null usage
+            usage = ', "usage": null'
         return f"{self.head}{json.dumps(choice)}]{usage}}}\n\n".encode()
 
     def _delta(self, i: int, final: bool) -> bytes | None:
@@ -240,8 +250,12 @@ class Call:
         grew = self.plan.continuous_usage and n > self.counted[i]   # a chunk for every new token then
         if not new and k == k0 and not final and not grew:
             return echo or None
-        offset = self.shown[i] + len(self._echoed(i))
+        # text_offset goes on from the last token streamed, as in the whole answer (a token's offset moves by its own
+        # text, U+FFFD for part of a character, which the shown text may still hold back)
+        offset = len(self._echoed(i)) if self.lp_end[i] is None else self.lp_end[i]
         lp = self._logprobs(i, k0, k, offset) if k > k0 or final else None
+        if lp is not None and not self.plan.chat:
+            self.lp_end[i] = offset + sum(len(self._token_text()(t)[0]) for t in self.reqs[i].output[k0:k])
         self.shown[i], self.lp_sent[i], self.counted[i] = len(text), k, n
         return echo + self._chunk(i, new, self._finish(i) if final else None, lp)
 
@@ -280,7 +294,7 @@ class Call:
             while not all(self.done):
                 ready = await self._ready()
                 if self.failed:
-                    yield f"data: {json.dumps({'error': {'message': 'the engine failed', 'type': 'server_error'}})}\n\n"
+                    yield f"data: {json.dumps({'error': ENGINE_FAILED})}\n\n"
                     return
                 with self.server.host_lock:           # not while the engine thread works on the host
                     chunks = [c for c in (self._delta(i, done) for i, done in sorted(ready.items())) if c]

@@ -15,7 +15,8 @@ a request that alone makes more than `max_waiting` engine requests is 400: no re
 `api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). `drain` refuses new
 requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that disconnects has its
 requests aborted (`Engine.abort`: slot and pages freed at the next step). Every error is JSON {"error":
-{"message", "type", "param", "code"}}, as OpenAI's (param: the request field at fault, code: a reason such
+{"message", "type", "param", "code"}}, as OpenAI's (type: invalid_request_error for the client's fault, 401 and
+404 included, "requests" for 429, server_error for 5xx; param: the request field at fault, code: a reason such
 as "context_length_exceeded"; each may be null).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from meshlab.infer import api
 from meshlab.infer.api import BadRequest
 from meshlab.infer.guided import Grammars
 from meshlab.infer.beam_call import BeamCall
-from meshlab.infer.http_call import Call
+from meshlab.infer.http_call import ENGINE_FAILED, Call
 from meshlab.infer.metrics import CONTENT_TYPE, ServerMetrics, StatsLog
 
 
@@ -47,6 +48,7 @@ class Server:
                  idle_warmup=(), api_key: str | None = None, stats_interval: float = 0.0, log=None,
                  trust_request_chat_template: bool = False):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.created = int(time.time())       # /v1/models' `created`: when this server loaded the model
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
         self.trust_templates = trust_request_chat_template   # a chat request's own chat_template formats it
         # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
@@ -222,7 +224,8 @@ class Server:
                 self._authorize(request)
             except BadRequest as e:
                 return error(e)
-            card = {"id": self.model_name, "object": "model", "owned_by": "meshlab", "max_model_len": self.engine.sched.max_len}
+            card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshlab",
+                    "max_model_len": self.engine.sched.max_len}
             name = request.path_params.get("model")
             if name is None:
                 return JSONResponse({"object": "list", "data": [card]})
@@ -308,7 +311,7 @@ class Server:
                              status=503, retry_after=5)
         if self.inflight >= self.max_concurrent:
             raise BadRequest(f"{self.inflight} requests in flight, the limit is {self.max_concurrent}; retry later",
-                             status=429, retry_after=1)
+                             status=429, retry_after=1, code="rate_limit_exceeded")
         waiting = len(self.engine.sched.waiting) + self.engine.inbox.qsize()
         if waiting + n > self.max_waiting:
             raise BadRequest(f"the engine queue is full ({waiting} requests waiting); retry later",
@@ -336,7 +339,7 @@ class Server:
         finally:
             call.close()
         if call.failed:
-            return error(BadRequest("the engine failed while answering; see the server's log", status=500))
+            return error(BadRequest(ENGINE_FAILED["message"], status=500))
         if not finished:
             return Response(status_code=499)                       # nobody reads it
         with self.host_lock:
@@ -360,8 +363,9 @@ class _Task:
 
 def error(e: BadRequest):
     from starlette.responses import JSONResponse
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
-            503: "server_overloaded"}.get(e.status, "invalid_request_error")
+    # OpenAI's types: a client's fault (401 and 404 included) is an invalid_request_error, a rate limit's type
+    # is "requests" (code rate_limit_exceeded), the server's fault a server_error
+    kind = "requests" if e.status == 429 else "server_error" if e.status >= 500 else "invalid_request_error"
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}, e.status,
                         headers=headers)

@@ -108,7 +108,8 @@ def test_tokenize_and_detokenize(server):
 @pytest.mark.parametrize("path,body,raw,status,words", [
     ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, None, 404, "unknown model"),
-    ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 4}, None, 400, "exceeds the context of 128"),
+    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, None, 400, "exceeds the context of 128"),
+    ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 4}, None, 400, "the context holds 128"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, None, 400, "max_tokens"),
@@ -154,7 +155,7 @@ def test_tokenize_and_detokenize(server):
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, None, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400,
      "logprobs: true"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "exceeds the context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "the context holds"),
     ("/v1/completions", [1, 2], None, 400, "JSON object"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, None, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
@@ -181,7 +182,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, path, body, raw, 
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
     ({"min_tokens": 40, "max_tokens": 8}, "min_tokens"), ({"min_tokens": 2, "guided_choice": ["a"]}, "min_tokens"),
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"300": 1}}, "logit_bias"),
     ({"stop_token_ids": [300]}, "stop_token_ids"), ({"allowed_token_ids": [300]}, "allowed_token_ids"),
@@ -198,7 +199,7 @@ def test_error_bodies_name_the_field_at_fault(server, body, param):
 
 
 def test_error_codes_name_known_reasons(server):
-    status, resp = call(server, "POST", "/v1/completions", {"prompt": "x" * 200, "max_tokens": 4})
+    status, resp = call(server, "POST", "/v1/completions", {"prompt": "x" * 100, "max_tokens": 40})
     assert status == 400 and resp["error"]["code"] == "context_length_exceeded" and resp["error"]["param"] == "max_tokens"
     status, resp = call(server, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"})
     assert status == 404 and resp["error"]["code"] == "model_not_found" and resp["error"]["param"] == "model"
@@ -296,7 +297,7 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
                 conn.request(method, path, body=body if method == "POST" else None, headers=headers)
                 resp = conn.getresponse()
                 err = json.loads(resp.read())["error"]
-                assert resp.status == 401 and err["type"] == "authentication_error" and "Bearer" in err["message"]
+                assert resp.status == 401 and err["type"] == "invalid_request_error" and "Bearer" in err["message"]
                 assert err["code"] == "invalid_api_key"
                 conn.close()
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
@@ -463,8 +464,10 @@ def test_engine_failure_ends_requests_in_flight(stream):
     srv = Server(_BrokenEngine(), ByteTokenizer(), "tiny", "127.0.0.1", 0).start()
     try:
         status, resp = call(srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": stream})
-        if stream:
-            assert status == 200 and '"the engine failed"' in resp
+        if stream:                    # the last event is OpenAI's error object, every field present
+            err = json.loads([e for e in resp.splitlines() if e.startswith("data: {")][-1][6:])["error"]
+            assert status == 200 and "engine failed" in err["message"]
+            assert err["type"] == "server_error" and err["param"] is None and err["code"] is None
         else:
             assert status == 500 and "engine failed" in resp["error"]["message"]
         assert call(srv, "GET", "/health")[0] == 503

@@ -9,6 +9,7 @@ from meshlab.infer import api
 from meshlab.infer.http_call import Call
 from meshlab.infer.sampler import SamplingParams
 from meshlab.infer.tools import TOOL_FORMATS, ToolError, parse_tools, tool_format
+from meshlab.tokenizer import ByteTokenizer
 
 NAMES = {"weather", "clock"}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
@@ -124,3 +125,20 @@ def test_a_stream_without_a_call_sends_all_its_text(fmt, text):
     chunks = _stream(_call(fmt, text))
     assert "".join(c["delta"].get("content", "") for c in chunks) == text
     assert chunks[-1]["finish_reason"] == "stop" and all("tool_calls" not in c["delta"] for c in chunks)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(stream):
+    """OpenAI's parallel_tool_calls false: at most one call, whichever way the reply comes back."""
+    text = '{"name": "clock", "arguments": {"utc": true}}; {"name": "weather", "arguments": {}}'
+    call = _call("json", text)
+    call.plan.one_call = True
+    if stream:
+        calls = _stream(call)[-1]["delta"]["tool_calls"]
+    else:
+        call.reqs[0].output = [ord(c) for c in text]
+        calls = call.whole()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["clock"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    assert api.parse(dict(body, parallel_tool_calls=False), True, ByteTokenizer(), "m", 512, [256], 1).one_call
+    assert not api.parse(body, True, ByteTokenizer(), "m", 512, [256], 1).one_call
