@@ -22,15 +22,19 @@ from meshlab.rules import RulesError, load_rules  # noqa: E402
 from models import model_def  # noqa: E402
 
 
+PRESETS = ", ".join(n for *_, presets in models.ARCHITECTURES.values() for n in presets)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rules", required=True, help="shipped rule file name or path to a .yaml")
-    ap.add_argument("--model", required=True, help="preset name (tiny, llama3_1b, llama3_3b, llama3_8b)")
+    ap.add_argument("--model", required=True, help="preset name: " + PRESETS)
     ap.add_argument("--mesh", default="", help="e.g. data=1,fsdp=-1,tensor=2 (default: the rule file's)")
     ap.add_argument("--devices", type=int, default=8, help="device count a -1 axis fills (default 8)")
     ap.add_argument("--batch", type=int, default=0, help="global batch for the MoE all-to-all bytes (default: 1 row "
                     "per data-parallel rank)")
-    ap.add_argument("--seq", type=int, default=4096, help="sequence length for the MoE all-to-all bytes")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length for the MoE all-to-all bytes and the pipeline "
+                    "stages' FLOPs per token")
     a = ap.parse_args(argv)
     try:
         rules = load_rules(a.rules)

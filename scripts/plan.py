@@ -18,9 +18,12 @@ from meshlab.plan.hardware import HardwareError, get_hardware  # noqa: E402
 from meshlab.rules import RulesError  # noqa: E402
 
 
+PRESETS = ", ".join(n for *_, presets in models.ARCHITECTURES.values() for n in presets)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="preset name (tiny, llama3_1b, llama3_3b, llama3_8b)")
+    ap.add_argument("--model", required=True, help="preset name: " + PRESETS)
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--hosts", type=int, default=1)
     ap.add_argument("--batch", type=int, default=0, help="global batch in sequences (default: 2 per device)")

@@ -18,6 +18,9 @@ ACTIVATIONS = {
 
 def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) -> str:
     fb = account.fmt_bytes
+    if mesh.shape["stage"] > 1:   # what training would refuse is an error here too, not a table
+        from meshlab.plan.pipeline import check_model
+        check_model(md.cfg, rules)
     sizes = {a: s for a, s in mesh.shape.items() if s > 1}
     lines = [f"rules {rules.name} ({rules.path}), mesh {sizes or 'single device'}, ZeRO stage "
              f"{memory.zero_stage(rules)} (state: {rules.state})"]
@@ -43,9 +46,9 @@ def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) 
         except Exception as e:   # a rule missing for an activation name is worth seeing, not fatal here
             spec = f"error: {e}"
         lines.append(f"  {what:<28} {str(names):<56} {spec}")
-    if mesh.shape["stage"] > 1:   # which layers sit on which stage; the embedding/head imbalance (FLOPs at S=4096)
+    if mesh.shape["stage"] > 1:   # which layers sit on which stage; the embedding/head imbalance (FLOPs at seq)
         from meshlab.plan.pipeline import stage_table
-        lines += [""] + stage_table(md.cfg, rules, mesh, 4096)
+        lines += [""] + stage_table(md.cfg, rules, mesh, seq)
     return "\n".join(lines)
 
 

@@ -47,6 +47,10 @@ class Local:
     c: int            # bytes of the compute dtype
     t: int            # tensor-parallel size (activations all-reduced over it)
     sp: bool          # residual stream split over `tensor` (sequence parallelism)
+    fe: int = 0       # a mixture of experts: each expert's width per device (its `mlp` split)
+    fs: int = 0       # and the shared expert's (`act_mlp`, as the dense MLP)
+    xp: float = 1.0   # expert dispatch buffers over the device's own assignments (dropless: the expert
+                      # group's size, the exact worst case each side holds; capacity: E*C / (S*k))
 
 
 def _size(rules, mesh, name) -> int:
@@ -60,12 +64,27 @@ def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int
     attn_split = _size(rules, mesh, "act_attn_seq")
     ring = rules.strategies.get("attention") == "ring"
     t = mesh.shape["tensor"]
+    fe, fs, xp = _expert_sizes(cfg, rules, mesh, seq)
     return Local(b=b, s=seq // seq_split, s_attn=seq // attn_split, s_kv=seq // attn_split if ring else seq,
                  h=cfg.n_heads // _size(rules, mesh, "act_heads"),
                  kvh=max(cfg.n_kv_heads // _size(rules, mesh, "act_kv_heads"), 1),
                  f=cfg.mlp_dim // _size(rules, mesh, "act_mlp"), v=cfg.padded_vocab // _size(rules, mesh, "act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
-                 sp="tensor" in rules.axes("act_seq", mesh))
+                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp)
+
+
+def _expert_sizes(cfg, rules, mesh, seq: int) -> tuple[int, int, float]:
+    """(expert width, shared expert width, dispatch buffer factor) per device; zeros for a dense model."""
+    if not hasattr(cfg, "n_experts"):
+        return 0, 0, 1.0
+    from meshlab.parallel import experts
+    mode = {**experts.DEFAULT, **(rules.strategies.get("experts") or {})}
+    if mode["dispatch"] == "capacity":
+        cap = experts.row_capacity(seq, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
+        xp = cfg.n_experts * cap / (seq * cfg.top_k)
+    else:
+        xp = float(_size(rules, mesh, "experts"))
+    return cfg.expert_mlp_dim // _size(rules, mesh, "mlp"), cfg.shared_mlp_dim // _size(rules, mesh, "act_mlp"), xp
 
 
 # -- model state -------------------------------------------------------------------------------
@@ -107,15 +126,25 @@ def _trace(cfg, policy: str, attention: str) -> tuple:
     """Residuals autodiff saves for `cfg` (local sizes, 2 layers), traced once with a probe sequence
     length P on one row: per array, its elements and how many of its dims are P (1: grows with S,
     2: S^2, e.g. XLA attention's [b,h,S,S] softmax). Returns (per-layer, head) lists of
-    (elements per row at S=P, itemsize, P-dims). Tracing only: no compile, no allocation."""
-    dims = {cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab}
-    probe = next(p for p in _PROBES if p not in dims)
+    (elements per row at S=P, itemsize, P-dims), and per layer residual whether it is an expert
+    dispatch buffer (a dim of P * top_k: the row's assignments). Tracing only: no compile, no allocation."""
+    probe = next(p for p in _PROBES if not any(x % p == 0 for x in _model_dims(cfg)))
     layer, head = _residuals(cfg, policy, attention, probe)
 
+    # A dim that is a multiple of P grows with S too: a mixture of experts' dispatch flattens its
+    # rows' assignments to [b * S * k, ..].
     def entry(aval, per_layer):   # stacked [n_layers=2, ...]: one layer is half of it
         n = int(np.prod(aval.shape)) // (2 if per_layer else 1)
-        return (n, aval.dtype.itemsize, sum(1 for x in aval.shape if x == probe), probe)
-    return tuple(entry(a, True) for a in layer), tuple(entry(a, False) for a in head)
+        return (n, aval.dtype.itemsize, sum(1 for x in aval.shape if x and x % probe == 0), probe)
+    dispatch = tuple(probe * getattr(cfg, "top_k", 0) in a.shape for a in layer)
+    return tuple(entry(a, True) for a in layer), tuple(entry(a, False) for a in head), dispatch
+
+
+def _model_dims(cfg) -> set[int]:
+    """Every size of the model that a residual can have besides the sequence (and the batch of 1)."""
+    dims = {cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.mlp_dim, cfg.padded_vocab}
+    dims |= {getattr(cfg, k) for k in ("n_experts", "top_k", "expert_mlp_dim", "shared_mlp_dim") if hasattr(cfg, k)}
+    return {x for x in dims if x}
 
 
 def _residuals(cfg, policy: str, attention: str, seq: int) -> tuple[list, list]:
@@ -198,7 +227,9 @@ def _scale(entries, rows: int, seq: int, stream=None, stream_seq: int = 0) -> in
 
 def local_config(cfg, lc: "Local"):
     """The model one device runs: heads, MLP and vocab divided by their tensor split."""
-    return dataclasses.replace(cfg, n_heads=lc.h, n_kv_heads=lc.kvh, mlp_dim=lc.f, vocab_size=lc.v, vocab_multiple=1)
+    experts = dict(expert_mlp_dim=lc.fe, shared_mlp_dim=lc.fs) if hasattr(cfg, "n_experts") else {}
+    return dataclasses.replace(cfg, n_heads=lc.h, n_kv_heads=lc.kvh, mlp_dim=lc.f, vocab_size=lc.v, vocab_multiple=1,
+                               **experts)
 
 
 def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> dict:
@@ -221,8 +252,11 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
                          "save_dots_attn")
     flash = is_flash(attention)
     local = local_config(cfg, lc)
-    layer, head = _traced(local, policy, "xla")
-    layer_none, _ = _traced(local, "none", "xla")
+    layer, head, dispatch = _traced(local, policy, "xla")
+    layer_none, _, dispatch_none = _traced(local, "none", "xla")
+    # The trace runs the experts on one device; with expert parallelism each side of the exchange
+    # holds xp times the device's own assignments (the dropless receive buffer's worst case).
+    layer, layer_none = _dispatch_scaled(layer, dispatch, lc.xp), _dispatch_scaled(layer_none, dispatch_none, lc.xp)
     split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
     stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
@@ -247,6 +281,10 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
             "loss head": head_bytes, "total": saved + max(recompute, head_bytes),
             "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
                       f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
+
+
+def _dispatch_scaled(entries, dispatch, xp: float) -> tuple:
+    return tuple((n * xp if d else n, size, k, p) for (n, size, k, p), d in zip(entries, dispatch))
 
 
 def gathered_weights(md, rules, mesh, policy: str) -> dict:

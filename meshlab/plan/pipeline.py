@@ -23,6 +23,17 @@ def pipeline_of(rules, mesh) -> dict | None:
     return rules.strategies.get("pipeline") if mesh.shape["stage"] > 1 else None
 
 
+def check_model(cfg, rules) -> None:
+    """The train step cuts a model into stages only where it runs layer by layer with nothing beside
+    the activations crossing stages (meshlab/train/step.py, stage_fns): a mixture of experts' router
+    losses do not, so training refuses it on stage > 1 and the planner must not rank it there."""
+    import models
+    if hasattr(models.model_class(cfg), "hidden_and_aux"):
+        raise schedules.ScheduleError(f"{rules.name}: model {cfg.name!r} does not run as a pipeline (its router "
+                                      "losses do not cross stages); use a mesh with stage=1, for a mixture of "
+                                      "experts ep, fsdp_ep or fsdp_tp_ep")
+
+
 def schedule(rules, mesh, microbatches: int, n_layers: int) -> schedules.Schedule:
     pipe = rules.strategies.get("pipeline")
     if pipe is None:

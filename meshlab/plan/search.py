@@ -98,9 +98,12 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
             n = math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
             if dim % n:
                 raise RulesError(f"{name} ({dim}) is not divisible by its {n} shards")
-        sched = pipeline_plan.schedule(rules, mesh, k, md.cfg.n_layers) if mesh.shape["stage"] > 1 else None
+        sched = None
+        if mesh.shape["stage"] > 1:
+            pipeline_plan.check_model(md.cfg, rules)
+            sched = pipeline_plan.schedule(rules, mesh, k, md.cfg.n_layers)
     except (RulesError, ValueError) as e:   # ValueError: a pipeline whose layers or micro-batches do not fit
-        plan.reason = str(e).split(": ", 1)[-1][:160]
+        plan.reason = _short(str(e).split(": ", 1)[-1])
         return plan
     cfg = dataclasses.replace(md.cfg, remat=remat)
     view_md, view_mesh = _stage_view(md, sizes) if sched is not None else (md, mesh)
@@ -125,6 +128,14 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
         return plan
     plan.ok = True
     return plan
+
+
+def _short(reason: str, width: int = 160) -> str:
+    """A rejection in one table row: a long message loses its trailing advice clauses (the planner
+    tries the other meshes itself), never a word cut in half."""
+    while len(reason) > width and "; " in reason:
+        reason = reason.rsplit("; ", 1)[0]
+    return reason if len(reason) <= width else reason[:width].rsplit(" ", 1)[0] + " ..."
 
 
 _STAGE_MODELS: dict = {}

@@ -150,6 +150,14 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
         cfg.model.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    # Counts the loop divides by or counts down with: a bad one would otherwise fail mid-run as a
+    # ZeroDivisionError, or after the first compile.
+    for key, value, low in (("data.microbatches", cfg.data.microbatches, 1), ("data.global_batch", cfg.data.global_batch, 1),
+                            ("data.seq_len", cfg.data.seq_len, 1), ("log_every", cfg.log_every, 1),
+                            ("val.every", cfg.val.every, 0), ("val.batches", cfg.val.batches, 1),
+                            ("sample_tokens", cfg.sample_tokens, 0), ("checkpoint.every", cfg.checkpoint.every, 0)):
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}" + (" (0: off)" if low == 0 else ""))
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} must be stop or skip")
     r = cfg.checkpoint.resume

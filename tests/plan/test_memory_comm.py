@@ -26,7 +26,7 @@ import math
 
 import pytest
 
-from helpers import MESH_FOR, small_config
+from helpers import EP_MESH, MESH_FOR, small_config
 from meshlab.plan import comm, memory
 from meshlab.train import compiled
 from meshlab.train.loop import build_trainer
@@ -92,6 +92,35 @@ def test_temp_estimate_within_20_percent(rules):
     est = mem["estimate_temp"]
     print(f"\n{rules}: compiler temp {m.temp} B, planner {est} B ({est / m.temp - 1:+.1%})")
     assert abs(est / m.temp - 1) <= 0.20
+
+
+def test_moe_temp_estimate_counts_the_dispatch_buffers():
+    """The experts' buffers are flattened to [b * S * k, ..] rows (a multiple of the probe length, so
+    they grow with S) and, dropless over expert=8, hold 8 times the device's own assignments on each
+    side of the exchange. Counting neither, the planner was 63% under the compiler here."""
+    cfg = small_config("ep", EP_MESH["ep"], extra=["model.name=moe_tiny", "model.shared_mlp_dim=0"])
+    m = compiled.measure(cfg, grads=False)
+    _, mem, _ = _plan(cfg)
+    est = mem["estimate_temp"]
+    print(f"\nep moe: compiler temp {m.temp} B, planner {est} B ({est / m.temp - 1:+.1%})")
+    assert abs(est / m.temp - 1) <= 0.20
+
+
+def test_moe_dispatch_activations_grow_with_sequence_and_expert_axis():
+    """Tracing only, at S=4096: one layer's saved residuals in units of one [b*S*k, d] fp32 dispatch array.
+    The seven such arrays were counted at the probe's length (6.6 units, whatever the expert axis)."""
+    from meshlab.plan.search import PlanMesh
+    from meshlab.rules import load_rules
+    from models import model_def, preset
+    cfg = preset("moe_tiny")
+    md, rules = model_def(cfg), load_rules("ep")
+    unit = 2 * 4096 * cfg.top_k * cfg.d_model * 4       # 2 rows per device
+
+    def saved(expert):
+        mesh = PlanMesh({"data": 8 // expert, "expert": expert})
+        return memory.plan_memory(md, rules, mesh, 16, 4096, 1, "none", "cudnn")["activations"]["saved per layer"] / unit
+    one, eight = saved(1), saved(8)
+    assert one > 10 and eight > 4 * one
 
 
 @pytest.mark.parametrize("rules,mesh,extra", [("dp", None, ["model.remat=full"]),

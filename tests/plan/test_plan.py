@@ -154,3 +154,24 @@ def test_residuals_read_the_same_through_the_public_printer():
     a = [(tuple(v.shape), np.dtype(v.dtype).itemsize, d) for v, d in memory._saved_residuals(f, *args)]
     b = [(tuple(v.shape), v.dtype.itemsize, d) for v, d in memory._from_printed(f, *args)]
     assert a == b and ((3, 7), 4) in [x[:2] for x in a]
+
+
+def test_pipeline_plans_of_a_moe_are_rejected_with_the_trainers_reason():
+    """Training refuses a mixture of experts on stage > 1 (its router losses do not cross stages); the
+    planner ranked such plans first for moe_tiny, and explain drew their stage table."""
+    good, bad = search.search(models.preset("moe_tiny"), 8, 16, 128, HARDWARE["h100"], rule_names=["pp_dp", "ep"],
+                              policies=("none",), max_microbatches=1)
+    assert good and all(p.rules == "ep" for p in good)
+    assert {p.reason for p in bad if p.rules == "pp_dp" and p.mesh["stage"] == 2} == {
+        "model 'moe_tiny' does not run as a pipeline (its router losses do not cross stages); use a mesh with "
+        "stage=1, for a mixture of experts ep, fsdp_ep or fsdp_tp_ep"}
+    from meshlab.plan.explain import describe
+    with pytest.raises(ValueError, match="does not run as a pipeline"):
+        describe(model_def(models.preset("moe_tiny")), load_rules("pp_dp"), search.PlanMesh({"data": 4, "stage": 2}))
+
+
+def test_long_rejections_drop_trailing_advice_not_half_a_word():
+    reason = ("rule `layers` splits dimension 0 of params['layers']['attn']['wk'] " + "x" * 60 + " into 8 shards; "
+              "change the mesh (--mesh with stage dividing 2) or the rule")
+    assert search._short(reason) == reason.split("; ")[0]
+    assert search._short("word " * 50).endswith("word ...") and len(search._short("word " * 50)) <= 164

@@ -183,3 +183,13 @@ def test_tensorboard_gets_step_rows_only(tmp_path):
     writer.write({"event": "summary", "step": 1, "tokens_per_s": 90.0, "from_step": 1})
     assert got == [("loss", 5.0, 1), ("tokens_per_s", 100.0, 1)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3     # the record keeps every row
+
+
+@pytest.mark.parametrize("override,message", [("data.microbatches=0", "data.microbatches=0 must be >= 1"),
+                                              ("log_every=0", "log_every=0 must be >= 1"),
+                                              ("val.every=-1", r"val.every=-1 must be >= 0 \(0: off\)"),
+                                              ("val.batches=0", "val.batches=0 must be >= 1")])
+def test_counts_below_their_floor_stop_at_load(override, message):
+    """Each was a ZeroDivisionError traceback (microbatches at the batch check, log_every after the first step)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config("default", [override])
