@@ -21,6 +21,18 @@ from meshlab.rules import RulesError  # noqa: E402
 PRESETS = ", ".join(n for *_, presets in models.ARCHITECTURES.values() for n in presets)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
+def _param_line(cfg) -> str:
+    """Matmul parameters (6N's N); a mixture of experts: those one token uses, and all of them."""
+    if hasattr(cfg, "n_experts"):
+        return (f"{_count(cfg.matmul_param_count(active=True))} matmul params active per token "
+                f"({_count(cfg.matmul_param_count(active=False))} in all)")
+    return f"{_count(cfg.matmul_param_count())} matmul params"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="preset name: " + PRESETS)
@@ -48,8 +60,8 @@ def main(argv=None) -> int:
     except (KeyError, ValueError, HardwareError, RulesError) as e:
         print(f"plan.py: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    print(f"{cfg.name}: {cfg.matmul_param_count() / 1e9:.2f}B matmul params, batch {batch} x {a.seq} tokens, "
-          f"{a.devices} devices on {a.hosts} host(s), {hw.name}")
+    print(f"{cfg.name}: {_param_line(cfg)}, batch {batch} x {a.seq} tokens, {a.devices} devices on {a.hosts} host(s), "
+          f"{hw.name}")
     print(f"attention FLOPs pass the projections+MLP above S = {compute.crossover_seq(cfg):.0f}\n")
     rw = max([len("rules")] + [len(p.rules) for p in good[:a.top] + bad])    # the rule file column fits its names
     print("k: micro-batches a step (data.microbatches); step: compute plus the communication it does not hide\n")

@@ -189,7 +189,8 @@ def stage_fns(md: ModelDef, packed: bool = False):
     model = md.bind(md.abstract)
     if not hasattr(model, "layer_fn") or hasattr(model, "hidden_and_aux"):
         raise ValueError(f"model {md.cfg.name!r} has no pipeline stages (its auxiliary losses or its layers do not "
-                         "split into embed_tokens / layer_fn / head_loss); train it on a mesh with stage=1")
+                         "split into embed_tokens / layer_fn / head_loss); train it on a mesh with stage=1"
+                         + (", e.g. under ep, fsdp_ep or fsdp_tp_ep" if hasattr(md.cfg, "n_experts") else ""))
     # Built per call, inside the stage's manual region: the remat wrapper reads the active rules
     # (strategies.fsdp_gather decides whether gathered weights are saved for the backward).
     return StageFns(embed=lambda params, tokens: md.bind(params).embed_tokens(tokens),

@@ -175,3 +175,13 @@ def test_long_rejections_drop_trailing_advice_not_half_a_word():
               "change the mesh (--mesh with stage dividing 2) or the rule")
     assert search._short(reason) == reason.split("; ")[0]
     assert search._short("word " * 50).endswith("word ...") and len(search._short("word " * 50)) <= 164
+
+
+def test_plan_script_header_counts_parameters_at_their_scale():
+    """plan.py's first line: a small model's count is not 0.00B, and a mixture of experts names the
+    weights one token uses beside all of them."""
+    from tests.helpers import script_module
+    plan = script_module("plan")
+    assert plan._param_line(models.preset("tiny")).endswith("M matmul params")
+    assert plan._param_line(models.preset("llama3_1b")) == "1.24B matmul params"
+    assert plan._param_line(models.preset("moe_1b_8e")) == "1.24B matmul params active per token (3.65B in all)"

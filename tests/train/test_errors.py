@@ -193,3 +193,8 @@ def test_counts_below_their_floor_stop_at_load(override, message):
     """Each was a ZeroDivisionError traceback (microbatches at the batch check, log_every after the first step)."""
     with pytest.raises(ConfigError, match=message):
         load_config("default", [override])
+
+
+def test_a_mixture_of_experts_under_a_pipeline_names_the_rule_files_that_run_it():
+    with pytest.raises(ValueError, match=r"has no pipeline stages .* stage=1, e\.g\. under ep, fsdp_ep or fsdp_tp_ep"):
+        build_trainer(small_config("pp_dp", extra=["model.name=moe_tiny"]))
