@@ -163,6 +163,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
                              f"directory you can write to ({flag})")
 
 
+def fp8_experts_warning(model_cfg) -> str | None:
+    """One line when model.matmul_dtype=float8 meets a mixture of experts: the experts' grouped GEMMs
+    (most of its FLOPs) stay in the compute dtype; attention's projections and the shared expert run fp8."""
+    if getattr(model_cfg, "matmul_dtype", "") != "float8" or not hasattr(model_cfg, "n_experts"):
+        return None
+    return (f"meshlab: warning: model.matmul_dtype=float8 on {model_cfg.name}: the routed experts' GEMMs stay "
+            f"{model_cfg.dtype} (no fp8 grouped GEMM); attention's projections and the shared expert run fp8")
+
+
 def pipeline_bubble_warning(tr: Trainer) -> str | None:
     """One line when a pipeline runs fewer micro-batches than it has stages: most of each step is then
     the schedule's bubble. Names the fraction and the data.microbatches that the rule files advise
@@ -387,9 +396,9 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
         except ValueError:
             ckpt.close()
             raise
-    warning = pipeline_bubble_warning(tr)
-    if warning and jax.process_index() == 0:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in (pipeline_bubble_warning(tr), fp8_experts_warning(cfg.model)):
+        if warning and jax.process_index() == 0:
+            print(warning, file=sys.stderr, flush=True)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.checkpoint.resume:       # a resume writes it once its checkpoint has restored

@@ -122,3 +122,13 @@ def test_train_prints_the_pipeline_warning_once_on_stderr(tmp_path, monkeypatch,
             loop.train(small_config("pp_dp", extra=[f"data.microbatches={microbatches}"]), progress=False, write=False)
         err = capsys.readouterr().err
         assert len([x for x in err.splitlines() if "pipeline's bubble" in x]) == lines, err
+
+
+def test_fp8_on_a_mixture_of_experts_says_the_experts_stay_in_the_compute_dtype():
+    import dataclasses
+
+    import models
+    moe, dense = models.preset("moe_tiny"), models.preset("tiny")
+    assert loop.fp8_experts_warning(moe) is None and loop.fp8_experts_warning(dataclasses.replace(dense, matmul_dtype="float8")) is None
+    line = loop.fp8_experts_warning(dataclasses.replace(moe, matmul_dtype="float8"))
+    assert f"routed experts' GEMMs stay {moe.dtype}" in line and line.startswith("meshlab: warning:")
