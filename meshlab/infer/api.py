@@ -1,5 +1,5 @@
-"""The OpenAI request and response schemas the server speaks: parsing and validating a body into
-engine requests, and turning finished (or growing) requests into choices, chunks and logprobs.
+"""The OpenAI request schemas the server speaks: parsing and validating a body into engine requests
+(the answers' text, usage and logprobs objects are meshlab/infer/api_responses.py's).
 
 No I/O here (meshlab/infer/server.py does the HTTP). Every bad field is a BadRequest naming it.
 Behaviour follows OpenAI's API reference where meshlab can honour it, with vLLM's extras (top_k,
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import secrets
 from typing import Any, Optional
 
-from meshlab.infer.sampler import SamplingParams
+from meshlab.infer.api_responses import ToolCallParams
+from meshlab.infer.sampler import SEED_RANGE, SamplingError, SamplingParams
 
 MAX_TOP_LOGPROBS = 20          # OpenAI's chat limit (completions: 5); vLLM allows 20 for both
 DEFAULT_TEMPERATURE = 1.0      # OpenAI's, for a request that names none (its clients send none unless set)
@@ -44,19 +44,12 @@ class BadRequest(Exception):
 
 
 @dataclasses.dataclass
-class ToolCallParams(SamplingParams):
-    """The SamplingParams of a reply held to one tool call (tool_choice "required" or a named function):
-    the reply is the call's JSON, so `visible` shows a reply that ends before the call is whole (cut by
-    max_tokens or a stop string) as no text, never as a piece of JSON."""
-
-
-@dataclasses.dataclass
 class Plan:
     """One HTTP request as the engine sees it: its prompts, and one SamplingParams per copy of each.
     Choice i answers prompt i // n (OpenAI's order: a prompt's n choices together)."""
     prompts: list                      # token ids per prompt (a chat request, or most completions: one)
     prompt_texts: list                 # what echo shows ("" for token ids without echo: never decoded then); chat: the prompts
-    params: list                       # [SamplingParams] * n (seeds seed + i)
+    params: list                       # [SamplingParams] * n (seeds seed + i, modulo 2**31)
     chat: bool
     stream: bool
     echo: bool = False
@@ -67,6 +60,9 @@ class Plan:
     prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs too
     prompt_scores: Optional[int] = None     # vLLM's prompt_logprobs: a prompt_logprobs list beside the choices
     tool_call: bool = False            # each reply is held to a tool call (sent whole when it ends)
+    # tool_choice named the function: OpenAI and vLLM finish its call "stop", keeping "tool_calls" for calls
+    # the model chose to make ("auto", "required")
+    named_call: bool = False
     tool_format: Optional[Any] = None  # the tools.ToolFormat a reply's calls are read back in (auto or a held call)
     tool_names: frozenset = frozenset()   # ... and the functions offered
     token_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
@@ -240,7 +236,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
         beam = body_field(body, "length_penalty", float, 1.0)
     return Plan(prompts, texts, params, chat, stream, echo, logprobs, opts.get("include_usage", False),
                 opts.get("continuous_usage_stats", False), generate=max_tokens > 0, prompt_logprobs=prompt_logprobs,
-                tool_call=tool_call, tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
+                tool_call=tool_call, named_call=tool_call and isinstance(body.get("tool_choice"), dict),
+                tool_format=tool_format if tool_call or (choice is not None and choice.auto) else None,
                 tool_names=frozenset(choice.names) if choice is not None else frozenset(), token_ids=token_ids,
                 prompt_scores=scores, beam=beam, reply_prefix=last if echo else "", one_call=one_call)
 
@@ -336,19 +333,15 @@ def _logprobs_and_length(body, chat: bool, max_tokens: Optional[int], prompt_len
     return logprobs, max_tokens
 
 
-# The request field a SamplingParams.validate message is about, by the field it names first (most are the
-# request's own names; the rest are named so here). Messages about what the server sets itself name none.
-_PARAM_OF = {name: name for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                     "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop_token_ids",
-                                     "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
-                                     "stop", "include_stop_str_in_output")}
-_PARAM_OF["bad_words_ids"] = "bad_words"
+# The request field of a SamplingParams field that the request names otherwise; `grammar` is the server's
+# (from response_format, structured_outputs or tools), whose own checks come first
+_REQUEST_FIELD = {"bad_words_ids": "bad_words", "grammar": None}
 
 
 def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs=None, grammar=None,
               ranks: bool = False, bad_words=(), beamed: bool = False, vocab_size: Optional[int] = None,
               kind: type = SamplingParams) -> list:
-    """One `kind` (SamplingParams) per choice: the same settings, seeds seed + i; the first scores the
+    """One `kind` (SamplingParams) per choice: the same settings, seeds seed + i (modulo 2**31); the first scores the
     prompt when prompt_logprobs is set (every choice shares its prompt), with each token's rank if ranks;
     checked against vocab_size when given."""
     allowed = body.get("allowed_token_ids")
@@ -358,9 +351,11 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise BadRequest("`stop` must be a non-empty string or a list of them", param="stop")
-    seed = body_field(body, "seed", int, None, 0, 2 ** 31 - n)
+    # OpenAI takes any int64 seed; the engine's are int32: folded modulo, so a seed keeps its answer (and one
+    # already in range is itself), and choice i's seed is the same whatever n
+    seed = body_field(body, "seed", int, None, -2 ** 63, 2 ** 63 - 1)
     if seed is None:                    # unseeded requests draw apart, as OpenAI's do
-        seed = secrets.randbelow(2 ** 31 - n)
+        seed = secrets.randbelow(SEED_RANGE)
     # beam search ranks by the raw logprobs: it has no temperature to default to
     # top_k: vLLM's "off" is 0 or -1 (its older default, which its clients still send)
     kw = {"temperature": body_field(body, "temperature", float, 0.0 if beamed else DEFAULT_TEMPERATURE, 0.0, 2.0),
@@ -380,13 +375,12 @@ def _sampling(body, n: int, max_tokens: int, logprobs, stop_ids, prompt_logprobs
         raise BadRequest("`stop_token_ids` must be a list of token ids", param="stop_token_ids")
     stop_ids = tuple(extra) + (() if body_field(body, "ignore_eos", bool, False) else tuple(stop_ids))
     try:
-        return [kind(max_tokens=max_tokens, seed=seed + i, stop=tuple(stop), stop_token_ids=stop_ids,
+        return [kind(max_tokens=max_tokens, seed=(seed + i) % SEED_RANGE, stop=tuple(stop), stop_token_ids=stop_ids,
                      logprobs=logprobs, prompt_logprobs=None if i else prompt_logprobs,
                      prompt_ranks=ranks and not i, **kw).validate(vocab_size)
                 for i in range(n)]
-    except ValueError as e:
-        named = re.match(r"[a-z_]+", str(e))
-        raise BadRequest(str(e), param=_PARAM_OF.get(named and named.group())) from None
+    except SamplingError as e:
+        raise BadRequest(str(e), param=_REQUEST_FIELD.get(e.param, e.param)) from None
 
 
 def _logit_bias(bias) -> dict:
@@ -438,147 +432,3 @@ def detokenize(body, tok) -> dict:
     if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < tok.vocab_size for t in ids):
         raise BadRequest(f"`tokens` must be a list of token ids in [0, {tok.vocab_size})", param="tokens")
     return {"prompt": tok.decode(ids)}
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-def visible(req, final: bool) -> str:
-    """Text safe to show so far: never a half UTF-8 character, never a possible stop-string prefix. A
-    stop token that ended the reply is not in it (unless include_stop_str_in_output), as vLLM's: a
-    special one decodes to nothing anyway, but another (stop_token_ids: a space, a newline) has text.
-    A reply held to a tool call (ToolCallParams) shows only when its call is whole JSON."""
-    p = req.params
-    if (req.finish_reason == "stop" and req.text_stop is None and req.output and req.output[-1] in p.stop_token_ids
-            and not p.include_stop_str_in_output and p.skip_special_tokens):   # else output_decoder cut it already
-        text = req.decoded(len(req.output) - 1)
-    else:
-        text = req.text
-    if isinstance(p, ToolCallParams):
-        # a call cut short is no call and no content: finish_reason "length" (or "stop") says why it is empty
-        return text if final and _whole_json(text) else ""
-    if final:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) - 1 for s in req.params.stop), default=0)
-    return text[:len(text) - hold] if hold else text
-
-
-def _whole_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def covered_tokens(decode, output: list, text: str, final: bool, start: int = 0) -> int:
-    """How many output tokens the shown `text` accounts for (their logprobs go out with it).
-    Final: every token when the text is their whole decoding, else (a stop string cut it) the fewest
-    that cover the text. Not final: the most whose decoding fits within the text shown so far."""
-    if final:
-        if decode(output) == text:
-            return len(output)
-        k = start
-        while k < len(output) and len(decode(output[:k])) < len(text):
-            k += 1
-        return k
-    n = len(output)                       # the engine thread may append meanwhile: decide on these n
-    if len(decode(output[:n]).rstrip("\ufffd")) <= len(text):
-        return n                          # the usual case, in one decode instead of one per new token
-    k = start
-    while k < len(output) and len(decode(output[:k + 1]).rstrip("\ufffd")) <= len(text):
-        k += 1
-    return k
-
-
-def _token_bytes(tok, t: int, s: str) -> bytes:
-    """Token t's bytes, its decoded text being s: its own (a byte-level vocabulary's token may be part of
-    a UTF-8 character, s then U+FFFD) where the tokenizer knows them, else s's."""
-    if not hasattr(tok, "tk"):                          # byte tokenizer: ids 0..255 are the bytes
-        return bytes([t]) if 0 <= t < 256 else b""
-    own = tok.token_bytes(t) if s and hasattr(tok, "token_bytes") else None   # s empty: a special token skipped
-    return s.encode("utf-8") if own is None else own
-
-
-class TokenText:
-    """Each token id's text alone, as OpenAI's logprobs show it, worked out once per id: (its decoded
-    text, its display string, its UTF-8 bytes). A streamed chunk's logprobs name every new token and
-    its alternatives; decoding and formatting them per chunk cost the event loop ~40% of its time
-    under load. At most `limit` ids are kept (then the cache starts again); skip_special_tokens=False:
-    special tokens show their text."""
-
-    def __init__(self, tok, limit: int = 1 << 18, skip_special_tokens: bool = True):
-        self.tok, self.limit, self.known, self.skip = tok, limit, {}, skip_special_tokens
-
-    def __call__(self, t: int) -> tuple:
-        got = self.known.get(t)
-        if got is None:
-            if len(self.known) >= self.limit:
-                self.known.clear()
-            s = self.tok.decode([t]) if self.skip else self.tok.decode([t], skip_special_tokens=False)
-            raw = _token_bytes(self.tok, t, s)
-            # a part of a UTF-8 character: OpenAI's bytes: form
-            shown = "bytes:" + "".join(f"\\x{b:02x}" for b in raw) if "\ufffd" in s else s
-            got = self.known[t] = (s, shown, tuple(raw))
-        return got
-
-
-def token_id_text(text: TokenText):
-    """`text` with each token shown as "token_id:<id>" (vLLM's return_tokens_as_token_ids), so that a
-    client can tell apart tokens whose texts are equal or empty (two ids of the byte tokenizer that
-    both decode to "" would otherwise share one top_logprobs key)."""
-    def shown_as_id(t: int) -> tuple:
-        piece, _, raw = text(t)
-        return piece, f"token_id:{t}", raw
-    return shown_as_id
-
-
-def completion_logprobs(text: TokenText, output, entries, offset: int, before: dict | None = None) -> dict:
-    """OpenAI completions format for output tokens with (logprob, {id: logprob}) entries (None: a
-    prompt's first token, null in both); `offset`: where the first token's text starts in the
-    choice's text; `before`: the lists of tokens shown before these (the echoed prompt's), extended."""
-    out = before or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, entry in zip(output, entries):
-        piece, shown, _ = text(t)
-        out["tokens"].append(shown)
-        out["token_logprobs"].append(None if entry is None else float(entry[0]))
-        if entry is None:
-            out["top_logprobs"].append(None)
-        else:                           # OpenAI: the chosen token always among them, so up to logprobs + 1 entries
-            top = {text(a)[1]: float(v) for a, v in entry[1].items()}
-            top.setdefault(shown, float(entry[0]))
-            out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(piece)
-    return out
-
-
-def chat_logprobs(text: TokenText, output, entries) -> dict:
-    def one(t, lp):
-        _, shown, raw = text(t)
-        return {"token": shown, "logprob": float(lp), "bytes": raw}
-    return {"content": [dict(one(t, lp), top_logprobs=[one(a, v) for a, v in top.items()])
-                        for t, (lp, top) in zip(output, entries)]}
-
-
-def prompt_logprobs_list(text: TokenText, prompt, entries, top: int, by_id: bool = False) -> list:
-    """vLLM's prompt_logprobs: per prompt token (the first null) {"<id>": {logprob, rank, decoded_token}}
-    for the token itself and its `top` most likely alternatives (ranks 1..top), from Request.prompt_logprobs
-    entries (logprob, {id: logprob} best first, rank); by_id: decoded_token as "token_id:<id>"."""
-    def one(t, lp, rank):
-        return {"logprob": float(lp), "rank": int(rank), "decoded_token": text(t)[1] if by_id else text(t)[0]}
-    out = []
-    for t, entry in zip(prompt, entries):
-        if entry is None:
-            out.append(None)
-            continue
-        lp, alternatives, rank = entry
-        shown = {str(a): one(a, v, j + 1) for j, (a, v) in enumerate(list(alternatives.items())[:top])}
-        shown.setdefault(str(t), one(t, lp, rank))
-        out.append(shown)
-    return out
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,6 +1,7 @@
 """One HTTP request's engine requests (its n choices) and its answer: the whole JSON body, or its
 server-sent events as the choices grow (meshlab/infer/server.py routes requests here; the schemas
-are meshlab/infer/api.py's). Runs on the server's event loop; the engine thread hands it events.
+are meshlab/infer/api.py's and api_responses.py's). Runs on the server's event loop; the engine thread
+hands it events.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import time
 import uuid
 
-from meshlab.infer import api
+from meshlab.infer import api, api_responses as responses
 from meshlab.infer.api import BadRequest
 from meshlab.infer.scheduler import AdmissionError
 
@@ -133,19 +134,19 @@ class Call:
 
     # -- output -----------------------------------------------------------------------------
     def _text(self, i: int, final: bool) -> str:
-        return api.visible(self.reqs[i], final) if self.reqs and self.plan.generate else ""
+        return responses.visible(self.reqs[i], final) if self.reqs and self.plan.generate else ""
 
     def _logprobs(self, i: int, start: int, end: int, offset: int, before=None):
         if self.plan.logprobs is None:
             return None
         r, text = self.reqs[i], self._token_text()
         toks, entries = (r.output[start:end], r.logprobs[start:end]) if self.plan.generate else ([], [])
-        return (api.chat_logprobs(text, toks, entries) if self.plan.chat
-                else api.completion_logprobs(text, toks, entries, offset, before))
+        return (responses.chat_logprobs(text, toks, entries) if self.plan.chat
+                else responses.completion_logprobs(text, toks, entries, offset, before))
 
     def _token_text(self):
         text = self.server.special_token_text if self.plan.special_tokens else self.server.token_text
-        return api.token_id_text(text) if self.plan.token_ids else text
+        return responses.token_id_text(text) if self.plan.token_ids else text
 
     def _echoed(self, i: int) -> str:
         if self.plan.chat:
@@ -156,15 +157,15 @@ class Call:
         """Choice i's echoed prompt's logprobs: the prompt's first copy's, put together at its first
         token (the other copies are submitted after it: _on_event)."""
         first = self.reqs[i - i % self.n]
-        return api.completion_logprobs(self._token_text(), self.plan.prompts[i // self.n],
-                                       first.prompt_logprobs or [], 0)
+        return responses.completion_logprobs(self._token_text(), self.plan.prompts[i // self.n],
+                                             first.prompt_logprobs or [], 0)
 
     def _covered(self, i: int, text: str, final: bool, start: int = 0) -> int:
         if self.plan.logprobs is None or not self.plan.generate:
             return 0
         r = self.reqs[i]
         # every decoding asked for is of a prefix of the output: the request keeps its last one
-        return api.covered_tokens(lambda ids: r.decoded(len(ids)), r.output, text, final, start)
+        return responses.covered_tokens(lambda ids: r.decoded(len(ids)), r.output, text, final, start)
 
     def _finish(self, i: int) -> str:
         return self.reqs[i].finish_reason if self.reqs and self.plan.generate else "length"
@@ -178,8 +179,8 @@ class Call:
             choice = {"index": i, "logprobs": lp, "finish_reason": self._finish(i)}
             content, calls = self._calls(i, text)
             if calls:                              # whole calls (not cut by max_tokens)
-                choice.update(message={"role": "assistant", "content": content, "tool_calls": calls},
-                              finish_reason="tool_calls")
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = self._finish(i) if p.named_call else "tool_calls"
             elif p.chat:
                 choice["message"] = {"role": "assistant", "content": self._echoed(i) + text}
             else:
@@ -196,12 +197,12 @@ class Call:
     def _prompt_scores(self, i: int) -> list:
         """Choice i's prompt in vLLM's prompt_logprobs form, from its prompt's first copy's scores."""
         first = self.reqs[i - i % self.n]
-        return api.prompt_logprobs_list(self._token_text(), self.plan.prompts[i // self.n], first.prompt_logprobs,
-                                        self.plan.prompt_scores, self.plan.token_ids)
+        return responses.prompt_logprobs_list(self._token_text(), self.plan.prompts[i // self.n], first.prompt_logprobs,
+                                              self.plan.prompt_scores, self.plan.token_ids)
 
     def _usage(self) -> dict:
         made = sum(len(r.output) for r in self.reqs if r is not None) if self.plan.generate else 0
-        return api.usage(sum(map(len, self.plan.prompts)), made)
+        return responses.usage(sum(map(len, self.plan.prompts)), made)
 
     def _calls(self, i: int, text: str) -> tuple:
         """(content, tool_calls or None) of choice i's whole reply."""
@@ -213,8 +214,8 @@ class Call:
     def _chunk(self, i: int, text: str, finish, logprobs, role: bool = False, calls=None) -> bytes:
         choice = {"index": i, "logprobs": logprobs, "finish_reason": finish}
         if calls:                                  # the tool calls, whole, in the choice's last chunk
-            choice.update(delta={"tool_calls": [dict(index=j, **c) for j, c in enumerate(calls)]},
-                          finish_reason="tool_calls")
+            choice["delta"] = {"tool_calls": [dict(index=j, **c) for j, c in enumerate(calls)]}
+            choice["finish_reason"] = finish if self.plan.named_call else "tool_calls"
         elif self.plan.chat:
             choice["delta"] = dict({"role": "assistant"} if role else {}, **({"content": text} if text or role
                                                                            else {}))
@@ -222,7 +223,7 @@ class Call:
             choice["text"] = text
         usage = ""
         if self.plan.continuous_usage:         # this choice's tokens so far (vLLM's continuous_usage_stats)
-            usage = f', "usage": {json.dumps(api.usage(len(self.plan.prompts[i // self.n]), self.counted[i]))}'
+            usage = f', "usage": {json.dumps(responses.usage(len(self.plan.prompts[i // self.n]), self.counted[i]))}'
         elif self.plan.include_usage:          # OpenAI's: every chunk before the usage chunk has a null usage
             usage = ', "usage": null'
         return f"{self.head}{json.dumps(choice)}]{usage}}}\n\n".encode()

@@ -33,6 +33,16 @@ BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_HELD_STOPS
 # A sampling program's static `cut`: what its draw cuts the vocabulary to (`cuts`); each level does what
 # the ones below it do. OpenAI's API has no top_k (nor min_p), so its clients' steps skip those.
 CUT_NONE, CUT_MIN_P, CUT_TOP_P, CUT_TOP_K = 0, 1, 2, 3     # nothing; min_p's floor; + top_p; + top_k
+SEED_RANGE = 2 ** 31       # seeds ride in int32 rows (row_arrays)
+
+
+class SamplingError(ValueError):
+    """A SamplingParams setting out of range; `param` is the field at fault (the API answers 400 naming
+    the request's field for it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass
@@ -79,62 +89,65 @@ class SamplingParams:
     bad_words_ids: Sequence[Sequence[int]] = ()
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        def bad(msg):
-            raise ValueError(msg)
+        """self, checked (and its stop strings and bad words made tuples); SamplingError names the field."""
+        def bad(param, msg):
+            raise SamplingError(msg, param)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+            bad("max_tokens", f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature={self.temperature!r} must be a number in [0, 100] (0 = greedy)")
+            bad("temperature", f"temperature={self.temperature!r} must be a number in [0, 100] (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+            bad("top_k", f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p={self.top_p!r} must be a number in (0, 1]")
+            bad("top_p", f"top_p={self.top_p!r} must be a number in (0, 1]")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p={self.min_p!r} must be a number in [0, 1] (0 = off)")
+            bad("min_p", f"min_p={self.min_p!r} must be a number in [0, 1] (0 = off)")
         if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 10]")
+            bad("repetition_penalty", f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, 10]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                bad(f"{name}={v!r} must be a number in [-2, 2] (0 = off)")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 31:
-            bad(f"seed={self.seed!r} must be an integer in [0, 2**31)")
+                bad(name, f"{name}={v!r} must be a number in [-2, 2] (0 = off)")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < SEED_RANGE:
+            bad("seed", f"seed={self.seed!r} must be an integer in [0, 2**31) (the engine's int32 seeds; "
+                "meshlab.infer.api folds any int64 into it)")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
-            bad(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+            bad("min_tokens", f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.min_tokens and len(self.stop_token_ids) > MAX_HELD_STOPS:
-            bad(f"min_tokens holds back at most {MAX_HELD_STOPS} stop tokens, not {len(self.stop_token_ids)}")
+            bad("min_tokens", f"min_tokens holds back at most {MAX_HELD_STOPS} stop tokens, not {len(self.stop_token_ids)}")
         if self.min_tokens and self.grammar is not None:
-            bad("min_tokens with a grammar (response_format, structured_outputs, a required tool call): the grammar "
-                "decides where the reply ends; send one of them")
+            bad("min_tokens", "min_tokens with a grammar (response_format, structured_outputs, a required tool call): "
+                "the grammar decides where the reply ends; send one of them")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            bad(f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
+            bad("stop_token_ids", f"stop_token_ids={list(self.stop_token_ids)} must lie in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
-                bad(f"{name}={k!r} must be None (off) or an integer in [0, 20]")
+                bad(name, f"{name}={k!r} must be None (off) or an integer in [0, 20]")
         _check_bias(self.logit_bias, vocab_size, bad)
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
-            bad("grammar must be None or llguidance's grammar text (meshlab.infer.guided.json_grammar)")
+            bad("grammar", "grammar must be None or llguidance's grammar text (meshlab.infer.guided.json_grammar)")
         _check_token_rules(self, vocab_size, bad)
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad(f"stop={list(self.stop)!r} must be a list of non-empty strings")
+            bad("stop", f"stop={list(self.stop)!r} must be a list of non-empty strings")
         if not isinstance(self.include_stop_str_in_output, bool):
-            bad(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be true or false")
+            bad("include_stop_str_in_output",
+                f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be true or false")
         return self
 
 
 def _check_bias(bias, vocab_size, bad) -> None:
     if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS:
-        bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        bad("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
     for t, b in bias.items():
         if isinstance(t, bool) or not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size):
-            bad(f"logit_bias: token {t!r} must be an id in [0, {vocab_size})")
+            bad("logit_bias", f"logit_bias: token {t!r} must be an id in [0, {vocab_size})")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
-            bad(f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
+            bad("logit_bias", f"logit_bias: the bias {b!r} of token {t} must be a number in [-100, 100]")
 
 
 def _is_id(t, vocab_size) -> bool:
@@ -145,13 +158,13 @@ def _check_token_rules(p: SamplingParams, vocab_size, bad) -> None:
     allowed = p.allowed_token_ids
     if allowed is not None and (isinstance(allowed, (str, bytes)) or not allowed
                                 or not all(_is_id(t, vocab_size) for t in allowed)):
-        bad(f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size})")
+        bad("allowed_token_ids", f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size})")
     words = p.bad_words_ids
     if isinstance(words, (str, bytes)) or not all(not isinstance(w, (str, bytes)) and len(w) and
                                                   all(_is_id(t, vocab_size) for t in w) for w in words):
-        bad(f"bad_words_ids must be a list of non-empty lists of token ids in [0, {vocab_size})")
+        bad("bad_words_ids", f"bad_words_ids must be a list of non-empty lists of token ids in [0, {vocab_size})")
     if allowed is not None and set(allowed) <= {w[0] for w in words if len(w) == 1}:
-        bad("bad_words bans every one of allowed_token_ids: nothing could be sampled")
+        bad("bad_words_ids", "bad_words bans every one of allowed_token_ids: nothing could be sampled")
 
 
 def bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:

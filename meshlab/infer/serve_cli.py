@@ -65,7 +65,20 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
     ap.add_argument("--trust-request-chat-template", action="store_true",
                     help="a chat request's own `chat_template` (Jinja, run in a sandbox) formats its messages "
                          "instead of the checkpoint's; off: such a request gets 400 (vLLM's flag)")
+    ap.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGIN,...",
+                    help="comma-separated origins whose browser pages may call the API (CORS), e.g. "
+                         "https://app.example.com,http://localhost:3000; * for any; default: none (vLLM's flag)")
     return ap
+
+
+def _origins(value: str) -> list:
+    """--allowed-origins as a list: browsers send an origin as scheme://host[:port], without a path."""
+    origins = [o.strip() for o in value.split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and ("://" not in o or o.endswith("/")):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: write scheme://host[:port] (no path or "
+                                             "trailing slash), e.g. https://app.example.com")
+    return origins
 
 
 def warmup_kinds(args) -> tuple[list, list]:
@@ -109,7 +122,7 @@ def start_server(args):
                   max_concurrent=args.max_concurrent, max_waiting=args.max_waiting,
                   tool_format=tool_format(args.tool_call_parser, getattr(tok, "chat_template", None)),
                   api_key=args.api_key, stats_interval=args.stats_interval,
-                  trust_request_chat_template=args.trust_request_chat_template,
+                  trust_request_chat_template=args.trust_request_chat_template, allowed_origins=args.allowed_origins,
                   idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
 
 

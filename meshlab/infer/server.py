@@ -12,7 +12,8 @@ Limits, each answered at once: a body over `max_body_bytes` is 413; a body not r
 `body_timeout` seconds (shorter than its Content-Length) is 400; more than `max_concurrent` requests in
 flight is 429, and more than `max_waiting` engine requests not yet admitted is 503 (both with a Retry-After;
 a request that alone makes more than `max_waiting` engine requests is 400: no retry fits it). With
-`api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). `drain` refuses new
+`api_key`, the /v1 and token routes want `Authorization: Bearer <key>` (else 401). With `allowed_origins`,
+browser pages of those origins may call it (CORS: their preflight OPTIONS are answered). `drain` refuses new
 requests and lets those in flight finish (SIGTERM in scripts/serve.py). A client that disconnects has its
 requests aborted (`Engine.abort`: slot and pages freed at the next step). Every error is JSON {"error":
 {"message", "type", "param", "code"}}, as OpenAI's (type: invalid_request_error for the client's fault, 401 and
@@ -33,6 +34,7 @@ import traceback
 
 from meshlab.infer import api
 from meshlab.infer.api import BadRequest
+from meshlab.infer.api_responses import TokenText
 from meshlab.infer.guided import Grammars
 from meshlab.infer.beam_call import BeamCall
 from meshlab.infer.http_call import ENGINE_FAILED, Call
@@ -46,11 +48,12 @@ class Server:
                  stop_token_ids=(), *, max_body_bytes: int = 1 << 20, body_timeout: float = 10.0,
                  max_concurrent: int = 512, max_waiting: int = 1024, max_n: int = 16, tool_format=None,
                  idle_warmup=(), api_key: str | None = None, stats_interval: float = 0.0, log=None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, allowed_origins=()):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.created = int(time.time())       # /v1/models' `created`: when this server loaded the model
         self.tool_format = tool_format        # tool_choice "auto"'s tools.ToolFormat; None: the chat template's
         self.trust_templates = trust_request_chat_template   # a chat request's own chat_template formats it
+        self.allowed_origins = list(allowed_origins)         # browser pages that may call the API (CORS)
         # warmup.WARMUP_KINDS' flags whose programs the engine thread compiles while it has no work, one
         # program at a time (a request then waits at most for the one being compiled)
         self.idle_warmup = list(idle_warmup)
@@ -60,8 +63,8 @@ class Server:
         self.max_concurrent, self.max_waiting, self.max_n = max_concurrent, max_waiting, max_n
         engine.detokenize = tokenizer.decode
         engine.grammars = Grammars(tokenizer, engine.md.cfg.vocab_size)     # response_format's matchers
-        self.token_text = api.TokenText(tokenizer)
-        self.special_token_text = api.TokenText(tokenizer, skip_special_tokens=False)
+        self.token_text = TokenText(tokenizer)
+        self.special_token_text = TokenText(tokenizer, skip_special_tokens=False)
         self.wake = threading.Event()
         self.running = True
         self.draining = False                 # drain(): new requests refused, those in flight finish
@@ -206,6 +209,8 @@ class Server:
     def _app(self):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
         from starlette.responses import JSONResponse, PlainTextResponse
         from starlette.routing import Route
 
@@ -256,12 +261,17 @@ class Server:
             return error(BadRequest(f"no route {request.method} {request.url.path}; try /v1/completions, "
                                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health or /metrics",
                                     status=404))
+        # A browser page of another origin may call the API only when its origin is listed: the middleware
+        # answers its preflight OPTIONS (before the API key check, which a preflight cannot pass: browsers send
+        # no Authorization with it) and marks the answers; unlisted, OPTIONS is the routes' 405 as before.
+        cors = [Middleware(CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])] if self.allowed_origins else []
         return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
                                  Route("/v1/models/{model:path}", models),
                                  Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/tokenize", tokens, methods=["POST"]), Route("/detokenize", tokens, methods=["POST"])],
-                         exception_handlers={HTTPException: not_found})
+                         exception_handlers={HTTPException: not_found}, middleware=cors)
 
     def _authorize(self, request):
         """With an API key set (serve.py --api-key), the /v1 and token routes want `Authorization: Bearer <key>`, as

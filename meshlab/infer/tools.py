@@ -2,9 +2,10 @@
 
 `tool_choice` "required" (one of the tools) or a named function holds the reply to a JSON call,
 {"name": ..., "arguments": {...}}, by the grammar of the tools' parameter schemas
-(meshlab.infer.guided), and returns it as the message's `tool_calls` (finish_reason "tool_calls"; a
-call cut short by max_tokens is no call and shows none of its JSON: finish_reason "length", content
-empty, meshlab.infer.api.ToolCallParams); "none" answers in text. "auto" (OpenAI's default when tools are sent) lets the model answer freely
+(meshlab.infer.guided), and returns it as the message's `tool_calls` (finish_reason "tool_calls", or
+"stop" for a named function, as OpenAI and vLLM answer it; a call cut short by max_tokens is no call and
+shows none of its JSON: finish_reason "length", content empty, meshlab.infer.api_responses.ToolCallParams);
+"none" answers in text. "auto" (OpenAI's default when tools are sent) lets the model answer freely
 and reads its calls back out of the text in the format its family writes (`ToolFormat`: bare
 JSON objects, Llama 3's included; Hermes / Qwen's <tool_call> blocks; Mistral's [TOOL_CALLS] list),
 picked from the chat template or named by `serve.py --tool-call-parser` (a held call is read back as

@@ -44,6 +44,16 @@ def test_openai_bounds_and_types(server, raw, param):
     assert status == 400 and resp["error"]["param"] == param, resp
 
 
+def test_any_int64_seed_repeats_its_answer(server):
+    """OpenAI takes any int64 seed (the engine's are int32: folded): a negative or huge one is served, and again
+    gives the same answer."""
+    body = {"prompt": "ab", "max_tokens": 4, "temperature": 1.0, "n": 2}
+    for seed in (-3, 2 ** 63 - 1):
+        status, first = call(server, "POST", "/v1/completions", dict(body, seed=seed))
+        assert status == 200, first
+        assert call(server, "POST", "/v1/completions", dict(body, seed=seed))[1]["choices"] == first["choices"]
+
+
 def test_top_k_minus_one_is_vllms_off(server):
     body = {"prompt": "ab", "max_tokens": 3, "temperature": 0.7, "seed": 1}
     status, off = call(server, "POST", "/v1/completions", dict(body, top_k=-1))

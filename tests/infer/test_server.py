@@ -1,5 +1,5 @@
 """The OpenAI-compatible server over a real socket as a service: health, models, metrics and token routes,
-bad requests, concurrency, body and load limits, the API key, stats lines, drain, client disconnects, an
+bad requests, concurrency, body and load limits, the API key, CORS origins, stats lines, drain, client disconnects, an
 engine that fails, and idle warmup. The HTTP helpers here serve test_server_outputs.py and test_server_chat.py."""
 import http.client
 import json
@@ -187,7 +187,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, path, body, raw, 
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"300": 1}}, "logit_bias"),
     ({"stop_token_ids": [300]}, "stop_token_ids"), ({"allowed_token_ids": [300]}, "allowed_token_ids"),
     ({"prompt": [1, 300]}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"), ({"stop": ""}, "stop"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": 2 ** 63}, "seed"), ({"seed": 1.5}, "seed"),
 ])
 def test_error_bodies_name_the_field_at_fault(server, body, param):
     """OpenAI's error body: message, type, param (the field at fault, here the sampling fields and token ids
@@ -308,6 +308,46 @@ def test_api_key_guards_the_v1_routes_only(spare_engine):
         assert call(srv, "GET", "/health")[0] == 200 and call(srv, "GET", "/metrics")[0] == 200   # probes need no key
     finally:
         srv.stop()
+
+
+def _preflight(srv, origin: str):
+    """A browser's CORS preflight for a chat request from a page of `origin`: (status, headers lowercased)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+
+
+def test_allowed_origins_answer_cors_preflights(server, spare_engine):
+    """serve.py --allowed-origins: a listed origin's preflight gets the CORS headers (before the API key, which
+    a preflight never carries) and its answers name it; another origin gets none; without the flag OPTIONS is 405."""
+    from meshlab.infer.serve_cli import serve_parser
+    args = serve_parser().parse_args(["--checkpoint", "random:tiny", "--allowed-origins", "https://app.example, http://localhost:3000"])
+    assert args.allowed_origins == ["https://app.example", "http://localhost:3000"]
+    assert serve_parser().parse_args(["--checkpoint", "random:tiny"]).allowed_origins == []
+    srv = Server(spare_engine, ByteTokenizer(), "tiny", "127.0.0.1", 0, api_key="sesame",
+                 allowed_origins=args.allowed_origins).start()
+    try:
+        status, headers = _preflight(srv, "https://app.example")
+        assert status == 200 and headers["access-control-allow-origin"] == "https://app.example", headers
+        assert {m.strip() for m in headers["access-control-allow-methods"].split(",")} == {"GET", "POST", "OPTIONS"}
+        assert {h.strip() for h in headers["access-control-allow-headers"].lower().split(",")} >= {"authorization", "content-type"}
+        status, headers = _preflight(srv, "https://elsewhere.example")
+        assert status == 400 and "access-control-allow-origin" not in headers
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 2}),
+                     headers={"Origin": "http://localhost:3000", "Authorization": "Bearer sesame"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Access-Control-Allow-Origin") == "http://localhost:3000"
+        resp.read()
+        conn.close()
+    finally:
+        srv.stop()
+    status, headers = _preflight(server, "https://app.example")
+    assert status == 405 and "access-control-allow-origin" not in headers
 
 
 def test_stats_lines_while_working_and_quiet_when_idle(spare_engine):

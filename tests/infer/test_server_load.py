@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import models
-from meshlab.infer import api
+from meshlab.infer import api_responses
 from meshlab.infer import server as server_mod
 from meshlab.infer.calls import logprob_rows
 from meshlab.infer.engine import Engine
@@ -128,14 +128,14 @@ def test_token_text_decodes_each_token_once():
         def decode(self, ids):
             seen.append(list(ids))
             return tok.decode(ids)
-    text = api.TokenText(Counting())
+    text = api_responses.TokenText(Counting())
     out, entries = list(b"aab") + [0xE2], [(-0.5, {97: -0.5, 98: -1.0})] * 4
-    first = api.completion_logprobs(text, out, entries, offset=3)
-    assert api.completion_logprobs(text, out, entries, offset=3) == first
+    first = api_responses.completion_logprobs(text, out, entries, offset=3)
+    assert api_responses.completion_logprobs(text, out, entries, offset=3) == first
     assert sorted(map(tuple, seen)) == [(97,), (98,), (0xE2,)]
     assert first["tokens"] == ["a", "a", "b", "bytes:\\xe2"] and first["text_offset"] == [3, 4, 5, 6]
     assert first["top_logprobs"][0] == {"a": -0.5, "b": -1.0}
-    chat = api.chat_logprobs(text, out[3:], entries[3:])["content"][0]
+    chat = api_responses.chat_logprobs(text, out[3:], entries[3:])["content"][0]
     assert chat["token"] == "bytes:\\xe2" and list(chat["bytes"]) == [0xE2]
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshlab.infer import api
+from meshlab.infer import api_responses
 from meshlab.tokenizer import ByteTokenizer
 from tests.infer.http_helpers import call, scrape, sse_text
 
@@ -169,7 +169,7 @@ def test_skip_special_tokens_false_shows_them(server, templated_tokenizer):
     eot = tok.stop_token_ids[0]
     old = server.tok, server.engine.detokenize, server.token_text, server.special_token_text
     server.tok, server.engine.detokenize = tok, tok.decode
-    server.token_text, server.special_token_text = api.TokenText(tok), api.TokenText(tok, skip_special_tokens=False)
+    server.token_text, server.special_token_text = api_responses.TokenText(tok), api_responses.TokenText(tok, skip_special_tokens=False)
     body = {"prompt": "hello", "max_tokens": 3, "logit_bias": {str(eot): 100}, "logprobs": 1}
     try:
         texts = {skip: call(server, "POST", "/v1/completions", dict(body, skip_special_tokens=skip))[1]["choices"][0]
@@ -271,15 +271,15 @@ def test_logprobs_bytes_are_the_tokens_own(templated_tokenizer, tmp_path):
     ids = tok.encode("é!")
     assert len(ids) == 3 and tok.byte_level
     entries = [(-1.0, {t: -1.0}) for t in ids]
-    content = api.chat_logprobs(api.TokenText(tok), ids, entries)["content"]
+    content = api_responses.chat_logprobs(api_responses.TokenText(tok), ids, entries)["content"]
     assert [e["bytes"] for e in content] == [(0xC3,), (0xA9,), (ord("!"),)]
     assert [e["token"] for e in content] == ["bytes:\\xc3", "bytes:\\xa9", "!"]
     eot = tok.stop_token_ids[0]
-    assert api.TokenText(tok, skip_special_tokens=False)(eot) == ("<|eot|>", "<|eot|>", tuple(b"<|eot|>"))
-    assert api.TokenText(tok)(eot) == ("", "", ())                       # skipped: no text, no bytes
+    assert api_responses.TokenText(tok, skip_special_tokens=False)(eot) == ("<|eot|>", "<|eot|>", tuple(b"<|eot|>"))
+    assert api_responses.TokenText(tok)(eot) == ("", "", ())                       # skipped: no text, no bytes
     Tokenizer(tk_models.WordLevel({"\u00e9": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     word = HFTokenizer(tmp_path / "tokenizer.json")
-    assert not word.byte_level and api.TokenText(word)(0) == ("é", "é", tuple("é".encode()))
+    assert not word.byte_level and api_responses.TokenText(word)(0) == ("é", "é", tuple("é".encode()))
 
 
 def test_covered_tokens_decode_once_when_the_text_shows_them_all():
@@ -288,9 +288,9 @@ def test_covered_tokens_decode_once_when_the_text_shows_them_all():
     tok, lengths = ByteTokenizer(), []
     decode = lambda ids: lengths.append(len(ids)) or tok.decode(ids)   # noqa: E731
     out = list(b"hello world")
-    assert api.covered_tokens(decode, out, "hello world", False, start=3) == 11 and lengths == [11]
-    assert api.covered_tokens(decode, out, "hello wo", False, start=3) == 8
-    assert api.covered_tokens(decode, out + [0xE2, 0x82], "hello world", False, start=3) == 13   # half a character
+    assert api_responses.covered_tokens(decode, out, "hello world", False, start=3) == 11 and lengths == [11]
+    assert api_responses.covered_tokens(decode, out, "hello wo", False, start=3) == 8
+    assert api_responses.covered_tokens(decode, out + [0xE2, 0x82], "hello world", False, start=3) == 13   # half a character
 
 
 def test_prompt_logprobs_list_each_prompt_tokens_rank_and_alternatives(server):

@@ -73,9 +73,9 @@ class _Reply:
         return "".join(map(chr, self.output[:k]))
 
 
-def _call(fmt: str, text: str):
-    plan = api.Plan([[1]], [""], [None], chat=True, stream=True, tool_format=TOOL_FORMATS[fmt],
-                    tool_names=frozenset(NAMES))
+def _call(fmt: str, text: str, plan=None):
+    plan = plan or api.Plan([[1]], [""], [None], chat=True, stream=True, tool_format=TOOL_FORMATS[fmt],
+                            tool_names=frozenset(NAMES))
     call = Call.__new__(Call)
     call.server, call.plan, call.n = types.SimpleNamespace(model_name="m"), plan, 1
     call.reqs, call.shown, call.lp_sent, call.counted, call.echoed = [_Reply(text)], [0], [0], [0], [False]
@@ -142,3 +142,26 @@ def test_parallel_tool_calls_false_keeps_the_first_call(stream):
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
     assert api.parse(dict(body, parallel_tool_calls=False), True, ByteTokenizer(), "m", 512, [256], 1).one_call
     assert not api.parse(body, True, ByteTokenizer(), "m", 512, [256], 1).one_call
+
+
+@pytest.mark.parametrize("choice,finish", [({"type": "function", "function": {"name": "clock"}}, "stop"),
+                                           ("required", "tool_calls")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_forced_by_name_finishes_stop(choice, finish, stream):
+    """As OpenAI's and vLLM's: a call of the function tool_choice named ends "stop"; one the model picked
+    under "required" (or "auto") ends "tool_calls"."""
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, clock], "tool_choice": choice,
+            "stream": stream}
+    plan = api.parse(body, True, ByteTokenizer(), "m", 512, [256], 1)
+    text = '{"name": "clock", "arguments": {"utc": true}}'
+    call = _call("json", text, plan)
+    call.reqs[0].params = plan.params[0]
+    if stream:
+        last = _stream(call)[-1]
+        calls = last["delta"]["tool_calls"]
+    else:
+        call.reqs[0].output = [ord(c) for c in text]
+        last = call.whole()["choices"][0]
+        calls = last["message"]["tool_calls"]
+    assert last["finish_reason"] == finish and [c["function"]["name"] for c in calls] == ["clock"]
