@@ -7,6 +7,7 @@ tests/kernels/test_flash_attention_mgpu.py`. On CPU: argument validation, and th
 layout and API errors without a GPU.
 """
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +230,10 @@ def test_causal_8192_d128_gqa4_each_kernel_in_its_own_process_gpu(kernel):
         assert row["status"] == "refused" and row["wall_s"] < 60, row
         assert "fused_bwd=True takes head_dim 64" in row["error"], row
         return
+    if row["status"] != "ok" and os.environ.get("PYTEST_XDIST_WORKER") and "RESOURCE_EXHAUSTED" in str(row):
+        # the child's float32 reference and XLA's autotuning need ~4 GiB buffers that workers sharing the
+        # GPU can hold; alone (no -n), each kernel passes
+        pytest.skip(f"{kernel}: out of GPU memory beside other xdist workers; run this test without -n")
     assert row["status"] == "ok", f"{kernel}: {row['status']} after {row['last_phase']}: {row.get('stderr_tail')}"
     for name, err in row["rel_err"].items():
         assert err < (2e-2 if name == "out" else 5e-2), f"{kernel} {name}: rel err {err:.3g}"
