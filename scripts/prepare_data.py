@@ -16,6 +16,7 @@ and only concatenates. Documents go to validation by their global index (every
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -157,7 +158,10 @@ def prepare(inputs: list[str], tokenizer: str, out: str, val_fraction: float = 0
     parts.mkdir(parents=True, exist_ok=True)
     done_path = parts / "done.json"
     done = json.loads(done_path.read_text()) if done_path.exists() else {}
-    settings = {"tokenizer": tokenizer, "val_fraction": val_fraction, "text_field": text_field, "eod_id": tok.eod_id}
+    # The tokenizer by what it is, not how it was named: the same file under another path resumes, an edited
+    # one at the same path does not (its parts would mix two vocabularies)
+    ident = "byte" if tok._tok is None else "sha256:" + hashlib.sha256(tok.path.read_bytes()).hexdigest()[:16]
+    settings = {"tokenizer": ident, "val_fraction": val_fraction, "text_field": text_field, "eod_id": tok.eod_id}
     if done and done.get("settings") != settings:
         raise PrepareError(f"{out_dir} was started with other settings {done.get('settings')}; "
                            "use another --out or delete it")

@@ -105,6 +105,26 @@ def tokenizer_json(inputs, tmp_path_factory):
     return path
 
 
+def test_resume_knows_the_tokenizer_by_its_contents(inputs, tokenizer_json, tmp_path, monkeypatch):
+    """The same tokenizer.json named another way (its directory, a relative path) resumes without
+    tokenizing again; the file edited in place is other settings, whatever its path."""
+    _, paths, _ = inputs
+    out = tmp_path / "corpus"
+    first = pd.prepare(paths, str(tokenizer_json), out, val_fraction=0.25, progress=False)
+    part = out / "parts" / "00000.train.bin"
+    stamp = part.stat().st_mtime_ns
+    monkeypatch.chdir(tokenizer_json.parent)
+    assert pd.prepare(paths, ".", out, val_fraction=0.25, progress=False) == first
+    assert part.stat().st_mtime_ns == stamp, "a finished input is not tokenized again"
+    edited = tmp_path / "edited" / "tokenizer.json"
+    edited.parent.mkdir()
+    spec = json.loads(tokenizer_json.read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    edited.write_text(json.dumps(spec))
+    with pytest.raises(pd.PrepareError, match="other settings"):
+        pd.prepare(paths, str(edited), out, val_fraction=0.25, progress=False)
+
+
 def test_tokenizer_json_path_and_training_on_it(inputs, tokenizer_json, tmp_path, monkeypatch, capsys):
     from tokenizers import Tokenizer
     import models.sample
