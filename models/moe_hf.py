@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral -> meshlab MoE: config fields and the parameter key map.
+"""Hugging Face Mixtral <-> meshlab MoE: config fields both ways and the parameter key map.
 
 Mixtral is Llama attention with a sparse MoE feed-forward: `block_sparse_moe.gate` [E, d] (the
 router: softmax over experts, top-k, renormalised: models/moe.py's `softmax` + `norm_topk`) and per
@@ -33,13 +33,35 @@ def config_from_hf(hf: dict, **overrides) -> MoeConfig:
     return cfg
 
 
+def config_to_hf(cfg: MoeConfig, **kw) -> dict:
+    """Mixtral's config.json for cfg (kw: llama_hf.config_to_hf's). A run Mixtral cannot express (a
+    shared expert, sigmoid router scores, unnormalised top-k weights) is refused, naming the fields."""
+    other = [why for bad, why in ((cfg.shared_mlp_dim, f"a shared expert (model.shared_mlp_dim={cfg.shared_mlp_dim})"),
+                                  (cfg.router_score != "softmax", f"model.router_score={cfg.router_score}"),
+                                  (not cfg.norm_topk, "model.norm_topk=false")) if bad]
+    if other:
+        raise ValueError(f"{cfg.name} has {', '.join(other)}, which Mixtral's format does not hold; only a run "
+                         "with softmax scores renormalised over the top-k and no shared expert exports")
+    hf = llama_hf.config_to_hf(cfg, **kw)
+    hf.pop("mlp_bias")
+    hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=cfg.expert_mlp_dim,
+              num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+              router_aux_loss_coef=cfg.aux_loss_weight, sliding_window=None)
+    return hf
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertKeyMap(llama_hf.KeyMap):
-    """A stacked expert bank: `hf` names one expert's tensor ({i} layer, {e} expert); `read` stacks them."""
+    """A stacked expert bank: `hf` names one expert's tensor ({i} layer, {e} expert); `read` stacks them,
+    `write` splits one layer's [E, ...] bank into them."""
     n_experts: int = 1
 
     def read(self, get, i) -> np.ndarray:
         return np.stack([np.asarray(get(self.hf.format(i=i, e=e)), np.float32) for e in range(self.n_experts)])
+
+    def write(self, layer, cfg, i) -> dict:
+        bank = self.to_hf(layer, cfg)                                   # [E, out, in]
+        return {self.hf.format(i=i, e=e): bank[e] for e in range(self.n_experts)}
 
 
 def key_map(cfg: MoeConfig) -> list:

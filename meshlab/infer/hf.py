@@ -143,8 +143,8 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
 
 def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=None, *,
             eos_token_id: int | None = None, bos_token_id: int | None = None) -> None:
-    """Write a HF Llama directory: model.safetensors (one file), config.json, generation_config.json and,
-    with `tokenizer_json`, tokenizer.json + tokenizer_config.json.
+    """Write a HF Llama directory (a mixture of experts: Mixtral's): model.safetensors (one file),
+    config.json, generation_config.json and, with `tokenizer_json`, tokenizer.json + tokenizer_config.json.
 
     dtype: the stored tensors' (default: the params' own); config.json's torch_dtype names it.
     eos_token_id: the token that ends a sequence, written to config.json and generation_config.json (where
@@ -166,18 +166,24 @@ def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=N
     for name, t in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id)):
         if t is not None and not 0 <= t < cfg.vocab_size:
             raise CheckpointError(f"save_hf: {name}={t} is not a token id of the model (vocab_size {cfg.vocab_size})")
+    arch = moe_hf if hasattr(cfg, "n_experts") else llama_hf        # a mixture of experts: Mixtral's format
+    special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
+    try:
+        arch.config_to_hf(cfg)                                         # refuses what the format cannot hold
+    except ValueError as e:
+        raise CheckpointError(f"save_hf: {e}") from None
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for km in llama_hf.key_map(cfg):
+    for km in arch.key_map(cfg):
         leaf = np.asarray(jax.device_get(_get(params, km.path)))
         leaf = leaf.astype(dtype) if dtype is not None else leaf
         for i in (range(cfg.n_layers) if km.stacked else [None]):
-            w = km.to_hf(leaf[i] if km.stacked else leaf, cfg)
-            tensors[km.hf.format(i=i)] = np.ascontiguousarray(w)
+            one = leaf[i] if km.stacked else leaf
+            named = km.write(one, cfg, i) if hasattr(km, "write") else {km.hf.format(i=i): km.to_hf(one, cfg)}
+            tensors.update({name: np.ascontiguousarray(w) for name, w in named.items()})
     write_safetensors(path / "model.safetensors", tensors)
     stored = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(CODES[next(iter(tensors.values())).dtype])
-    special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
-    (path / "config.json").write_text(json.dumps(llama_hf.config_to_hf(cfg, dtype=stored, **special), indent=2))
+    (path / "config.json").write_text(json.dumps(arch.config_to_hf(cfg, dtype=stored, **special), indent=2))
     (path / "generation_config.json").write_text(json.dumps(special, indent=2))
     if tk is not None:
         (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())

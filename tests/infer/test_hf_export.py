@@ -66,3 +66,26 @@ def test_byte_token_export_names_the_end_of_document_id_and_stored_dtype(tmp_pat
     st = SafetensorsDir(tmp_path / "hf")
     assert {meta["dtype"] for _, _, meta in st.entries.values()} == {"BF16"}
     assert load_hf(tmp_path / "hf")[0].dtype == "bfloat16"
+
+
+def test_a_mixture_of_experts_exports_as_mixtral_and_loads_back_equal(tmp_path):
+    """A Mixtral-shaped run (softmax router, renormalised top-k, no shared expert) writes Mixtral's
+    config.json and one tensor per expert, and load_hf reads back every leaf exactly; a run with a
+    shared expert is refused before anything is written."""
+    cfg = dataclasses.replace(models.preset("moe_tiny"), shared_mlp_dim=0, dtype="float32")
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), model_def(cfg).abstract)
+    save_hf(tmp_path / "hf", cfg, params)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["model_type"], hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (
+        "mixtral", cfg.n_experts, cfg.top_k, cfg.expert_mlp_dim)
+    assert f"model.layers.1.block_sparse_moe.experts.{cfg.n_experts - 1}.w2.weight" in SafetensorsDir(tmp_path / "hf")
+    back_cfg, _, back = load_hf(tmp_path / "hf")
+    assert (back_cfg.n_experts, back_cfg.top_k, back_cfg.shared_mlp_dim) == (cfg.n_experts, cfg.top_k, 0)
+    back, params = dict(back), dict(params)     # the embedding's padded rows are not a token's: not exported
+    np.testing.assert_array_equal(np.asarray(back.pop("embed")), np.pad(params.pop("embed")[:cfg.vocab_size],
+                                                                         ((0, cfg.padded_vocab - cfg.vocab_size), (0, 0))))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), back, params)
+    with pytest.raises(CheckpointError, match=r"a shared expert \(model.shared_mlp_dim=32\).*Mixtral"):
+        save_hf(tmp_path / "shared", models.preset("moe_tiny"), params)
+    assert not (tmp_path / "shared").exists()

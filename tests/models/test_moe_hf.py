@@ -1,4 +1,5 @@
-"""HF Mixtral -> meshlab MoE: logits match transformers in fp32 (router, top-2 of 4 experts, GQA).
+"""HF Mixtral -> meshlab MoE: logits match transformers in fp32 (router, top-2 of 4 experts, GQA), and
+meshlab's Mixtral export loads back into transformers with the same logits.
 
 Needs the `parity` extra (torch, transformers); skipped where they are absent (CI).
 """
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from meshlab.infer.hf import load_hf  # noqa: E402
+from meshlab.infer.hf import load_hf, save_hf  # noqa: E402
 from tests.helpers import save_hf_with_perturbed_norms  # noqa: E402
 
 
@@ -29,6 +30,10 @@ def test_mixtral_logits_match_transformers(tmp_path, tied):
     assert (ours_cfg.n_experts, ours_cfg.top_k, ours_cfg.expert_mlp_dim) == (4, 2, 48)
     ours = np.asarray(jax.jit(lambda p, x: md.bind(p)(x))(params, jnp.asarray(tokens)))[..., :300]
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+    save_hf(tmp_path / "out", ours_cfg, params)
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        np.testing.assert_allclose(again(torch.tensor(tokens)).logits.numpy(), ref, atol=1e-5, rtol=1e-5)
 
 
 def _bench_moe_torch():
