@@ -25,7 +25,7 @@ import numpy as np
 
 from meshlab.layout import only_axes
 from meshlab.mesh import entry_axes
-from meshlab.plan import account
+from meshlab.plan import account, memory_moe
 from meshlab.plan.compute import is_flash
 
 F32 = 4
@@ -51,6 +51,7 @@ class Local:
     fs: int = 0       # and the shared expert's (`act_mlp`, as the dense MLP)
     xp: float = 1.0   # expert dispatch buffers over the device's own assignments (dropless: the expert
                       # group's size, the exact worst case each side holds; capacity: E*C / (S*k))
+    el: int = 0       # experts per device run as ragged groups (dropless); 0: dense or capacity dispatch
 
 
 def _size(rules, mesh, name) -> int:
@@ -64,27 +65,13 @@ def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int
     attn_split = _size(rules, mesh, "act_attn_seq")
     ring = rules.strategies.get("attention") == "ring"
     t = mesh.shape["tensor"]
-    fe, fs, xp = _expert_sizes(cfg, rules, mesh, seq)
+    fe, fs, xp, el = memory_moe.expert_sizes(cfg, rules, mesh, seq)
     return Local(b=b, s=seq // seq_split, s_attn=seq // attn_split, s_kv=seq // attn_split if ring else seq,
                  h=cfg.n_heads // _size(rules, mesh, "act_heads"),
                  kvh=max(cfg.n_kv_heads // _size(rules, mesh, "act_kv_heads"), 1),
                  f=cfg.mlp_dim // _size(rules, mesh, "act_mlp"), v=cfg.padded_vocab // _size(rules, mesh, "act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
-                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp)
-
-
-def _expert_sizes(cfg, rules, mesh, seq: int) -> tuple[int, int, float]:
-    """(expert width, shared expert width, dispatch buffer factor) per device; zeros for a dense model."""
-    if not hasattr(cfg, "n_experts"):
-        return 0, 0, 1.0
-    from meshlab.parallel import experts
-    mode = {**experts.DEFAULT, **(rules.strategies.get("experts") or {})}
-    if mode["dispatch"] == "capacity":
-        cap = experts.row_capacity(seq, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
-        xp = cfg.n_experts * cap / (seq * cfg.top_k)
-    else:
-        xp = float(_size(rules, mesh, "experts"))
-    return cfg.expert_mlp_dim // _size(rules, mesh, "mlp"), cfg.shared_mlp_dim // _size(rules, mesh, "act_mlp"), xp
+                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el)
 
 
 # -- model state -------------------------------------------------------------------------------
@@ -256,7 +243,8 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     layer_none, _, dispatch_none = _traced(local, "none", "xla")
     # The trace runs the experts on one device; with expert parallelism each side of the exchange
     # holds xp times the device's own assignments (the dropless receive buffer's worst case).
-    layer, layer_none = _dispatch_scaled(layer, dispatch, lc.xp), _dispatch_scaled(layer_none, dispatch_none, lc.xp)
+    layer = memory_moe.dispatch_scaled(layer, dispatch, lc.xp)
+    layer_none = memory_moe.dispatch_scaled(layer_none, dispatch_none, lc.xp)
     split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
     stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
@@ -275,16 +263,15 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps a flash output (models/remat.py)
                             keeps_attention_out=policy == "save_dots_attn" and flash)
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
+    # A mixture of experts' grouped GEMMs copy their ragged operand per local expert in the layer's
+    # backward (xla backend; memory_moe): transients beside the saved residuals, like the recompute.
+    recompute += memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
     head_bytes = _scale(head, lc.b, lc.s_attn, stream[policy][1], lc.s)
     saved = cfg.n_layers * saved_layer
     return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": recompute,
             "loss head": head_bytes, "total": saved + max(recompute, head_bytes),
             "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
                       f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
-
-
-def _dispatch_scaled(entries, dispatch, xp: float) -> tuple:
-    return tuple((n * xp if d else n, size, k, p) for (n, size, k, p), d in zip(entries, dispatch))
 
 
 def gathered_weights(md, rules, mesh, policy: str) -> dict:
@@ -299,18 +286,27 @@ def gathered_weights(md, rules, mesh, policy: str) -> dict:
     rows = account.param_table(md, rules, mesh, "params")
     other = layer = 0
     for r in rows:
-        full = account.bytes_per_device(r.shape, np.float32, _drop(r.spec, rules.batch_axes(mesh)), mesh) // F32 * c
+        full = account.bytes_per_device(r.shape, np.float32, _drop(r.spec, _replica_axes(rules, mesh)), mesh) // F32 * c
         if r.names and r.names[0] == "layers":
             layer += full // r.shape[0]
         else:
             other += full
     if rules.strategies.get("fsdp_gather") == "per_step":   # whole fp32 weights and gradients, all step
-        whole = sum(account.bytes_per_device(r.shape, np.float32, _drop(r.spec, rules.batch_axes(mesh)), mesh)
+        whole = sum(account.bytes_per_device(r.shape, np.float32, _drop(r.spec, _replica_axes(rules, mesh)), mesh)
                     for r in rows)
         return {"loss head": 2 * whole, "layer backward": 2 * whole}
     keep = rules.strategies.get("fsdp_gather", "per_layer") == "keep"
     saved = md.cfg.n_layers * layer if keep else 0
     return {"loss head": other + saved, "layer backward": saved + (0 if keep else layer)}
+
+
+def _replica_axes(rules, mesh) -> tuple:
+    """The batch axes a weight is whole on once gathered (and its gradient before the reduction). An
+    expert axis is a batch axis too, but it splits the experts' weights for good: they are never
+    gathered over it and each rank's gradient is its own experts' (dropped with the others, the
+    experts' gathered weights and layer gradients would count ep times their bytes)."""
+    ep = set(rules.axes("experts", mesh)) if "experts" in rules.rules else set()
+    return tuple(a for a in rules.batch_axes(mesh) if a not in ep)
 
 
 def _drop(spec, axes):
@@ -393,7 +389,7 @@ def _textbook(md, rules, mesh, state) -> dict:
 
 def _model_parallel_params(md, rules, mesh) -> int:
     """Parameters one device holds before ZeRO splits them (tensor/context shards only)."""
-    batch = rules.batch_axes(mesh)
+    batch = _replica_axes(rules, mesh)
     return sum(account.bytes_per_device(r.shape, np.float32, _drop(r.spec, batch), mesh)
                for r in account.param_table(md, rules, mesh, "params")) // F32
 
@@ -405,7 +401,7 @@ def _grads_before_reduce(md, rules, mesh) -> tuple[int, int]:
     gradient, full local size, except under ZeRO-2/3, which reduce-scatter each layer's gradient inside
     the loop and stack only the shards. The layer being differentiated adds its own full local fp32
     gradients (the second number) until they are reduced or written into the stack."""
-    batch = rules.batch_axes(mesh)
+    batch = _replica_axes(rules, mesh)
     rows = account.param_table(md, rules, mesh, "params")
     grads = account.param_table(md, rules, mesh, "grads")
     total = layer = 0
