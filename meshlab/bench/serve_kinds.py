@@ -93,14 +93,15 @@ def _runs(engine, work, settings, section: str, label: str) -> list[tuple[dict, 
     return out
 
 
-def sampled(engine, work, label: str = "engine") -> list[dict]:
+def sampled(engine, work, label: str = "engine", warm: bool = True) -> list[dict]:
     """The offline workload greedy, then sampled at temperature 1 (no cut), at temperature 0.7 with
     top_p 0.9 (an OpenAI client's settings), and with top_k 50 too, in the same engine: output
     tokens/s of each. Sampled rows run the programs without the greedy promise, and those with top_p
-    or top_k the programs that find those cuts (meshlab.infer.sampler)."""
+    or top_k the programs that find those cuts (meshlab.infer.sampler). warm: compile every bucket of
+    those programs first (a timing's compiles would otherwise land in the first run that meets one)."""
     from meshlab.infer.sampler import SamplingParams
     from meshlab.infer.warmup import WARMUP_KINDS
-    for kind in ("sampled", "top_p", "top_k"):
+    for kind in ("sampled", "top_p", "top_k") if warm else ():
         engine.warmup(**WARMUP_KINDS[kind])
     settings = [("greedy", {}), ("temperature 1", {"temperature": 1.0}),
                 ("temperature 0.7, top_p 0.9", {"temperature": 0.7, "top_p": 0.9}),
