@@ -28,6 +28,11 @@ def shard_count(spec, mesh) -> int:
     return n
 
 
+def logical_shards(rules, mesh, name: str) -> int:
+    """Shards of a dimension whose logical name is `name` under `rules` on `mesh`."""
+    return math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
+
+
 def bytes_per_device(shape, dtype, spec, mesh) -> int:
     return int(math.prod(shape) * np.dtype(dtype).itemsize // shard_count(spec, mesh))
 

@@ -19,7 +19,7 @@ compiler's memory analysis.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import numpy as np
 
@@ -54,22 +54,17 @@ class Local:
     el: int = 0       # experts per device run as ragged groups (dropless); 0: dense or capacity dispatch
 
 
-def _size(rules, mesh, name) -> int:
-    return math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
-
-
 def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int = 1) -> Local:
     dp = rules.data_parallel_size(mesh)
     b = max(global_batch // (dp * microbatches), 1)
-    seq_split = _size(rules, mesh, "act_seq")
-    attn_split = _size(rules, mesh, "act_attn_seq")
+    shards = functools.partial(account.logical_shards, rules, mesh)
+    seq_split, attn_split = shards("act_seq"), shards("act_attn_seq")
     ring = rules.strategies.get("attention") == "ring"
     t = mesh.shape["tensor"]
     fe, fs, xp, el = memory_moe.expert_sizes(cfg, rules, mesh, seq)
     return Local(b=b, s=seq // seq_split, s_attn=seq // attn_split, s_kv=seq // attn_split if ring else seq,
-                 h=cfg.n_heads // _size(rules, mesh, "act_heads"),
-                 kvh=max(cfg.n_kv_heads // _size(rules, mesh, "act_kv_heads"), 1),
-                 f=cfg.mlp_dim // _size(rules, mesh, "act_mlp"), v=cfg.padded_vocab // _size(rules, mesh, "act_vocab"),
+                 h=cfg.n_heads // shards("act_heads"), kvh=max(cfg.n_kv_heads // shards("act_kv_heads"), 1),
+                 f=cfg.mlp_dim // shards("act_mlp"), v=cfg.padded_vocab // shards("act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
                  sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el)
 

@@ -13,11 +13,7 @@ Two parts beside what the traced residuals already hold (meshlab/plan/memory.py)
 """
 from __future__ import annotations
 
-import math
-
-
-def _size(rules, mesh, name) -> int:
-    return math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
+from meshlab.plan.account import logical_shards
 
 
 def expert_sizes(cfg, rules, mesh, seq: int) -> tuple[int, int, float, int]:
@@ -28,13 +24,14 @@ def expert_sizes(cfg, rules, mesh, seq: int) -> tuple[int, int, float, int]:
         return 0, 0, 1.0, 0
     from meshlab.parallel import experts
     mode = {**experts.DEFAULT, **(rules.strategies.get("experts") or {})}
-    ep = _size(rules, mesh, "experts")
+    ep = logical_shards(rules, mesh, "experts")
     if mode["dispatch"] == "capacity":
         cap = experts.row_capacity(seq, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
         xp, groups = cfg.n_experts * cap / (seq * cfg.top_k), 0
     else:
         xp, groups = float(ep), cfg.n_experts // ep
-    return (cfg.expert_mlp_dim // _size(rules, mesh, "mlp"), cfg.shared_mlp_dim // _size(rules, mesh, "act_mlp"),
+    return (cfg.expert_mlp_dim // logical_shards(rules, mesh, "mlp"),
+            cfg.shared_mlp_dim // logical_shards(rules, mesh, "act_mlp"),
             xp, groups)
 
 

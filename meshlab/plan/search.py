@@ -95,7 +95,7 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
         account.state_bytes(md, rules, mesh)   # every parameter spec checked for divisibility
         for name, dim in (("act_heads", md.cfg.n_heads), ("act_kv_heads", md.cfg.n_kv_heads), ("act_mlp", md.cfg.mlp_dim),
                           ("act_seq", seq), ("act_attn_seq", seq)):
-            n = math.prod(mesh.shape[a] for a in rules.axes(name, mesh))
+            n = account.logical_shards(rules, mesh, name)
             if dim % n:
                 raise RulesError(f"{name} ({dim}) is not divisible by its {n} shards")
         sched = None
