@@ -168,13 +168,16 @@ def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=N
             raise CheckpointError(f"save_hf: {name}={t} is not a token id of the model (vocab_size {cfg.vocab_size})")
     arch = moe_hf if hasattr(cfg, "n_experts") else llama_hf        # a mixture of experts: Mixtral's format
     special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
-    try:
-        arch.config_to_hf(cfg)                                         # refuses what the format cannot hold
+    maps = arch.key_map(cfg)
+    stored = np.dtype(dtype) if dtype is not None else np.dtype(_get(params, maps[0].path).dtype)
+    try:                                                               # refuses what the format cannot hold
+        hf_config = arch.config_to_hf(cfg, dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(
+            CODES.get(stored)), **special)
     except ValueError as e:
         raise CheckpointError(f"save_hf: {e}") from None
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for km in arch.key_map(cfg):
+    for km in maps:
         leaf = np.asarray(jax.device_get(_get(params, km.path)))
         leaf = leaf.astype(dtype) if dtype is not None else leaf
         for i in (range(cfg.n_layers) if km.stacked else [None]):
@@ -182,8 +185,7 @@ def save_hf(path, cfg, params, tokenizer_json: str | Path | None = None, dtype=N
             named = km.write(one, cfg, i) if hasattr(km, "write") else {km.hf.format(i=i): km.to_hf(one, cfg)}
             tensors.update({name: np.ascontiguousarray(w) for name, w in named.items()})
     write_safetensors(path / "model.safetensors", tensors)
-    stored = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(CODES[next(iter(tensors.values())).dtype])
-    (path / "config.json").write_text(json.dumps(arch.config_to_hf(cfg, dtype=stored, **special), indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     (path / "generation_config.json").write_text(json.dumps(special, indent=2))
     if tk is not None:
         (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())

@@ -82,10 +82,10 @@ def test_a_mixture_of_experts_exports_as_mixtral_and_loads_back_equal(tmp_path):
     assert f"model.layers.1.block_sparse_moe.experts.{cfg.n_experts - 1}.w2.weight" in SafetensorsDir(tmp_path / "hf")
     back_cfg, _, back = load_hf(tmp_path / "hf")
     assert (back_cfg.n_experts, back_cfg.top_k, back_cfg.shared_mlp_dim) == (cfg.n_experts, cfg.top_k, 0)
-    back, params = dict(back), dict(params)     # the embedding's padded rows are not a token's: not exported
-    np.testing.assert_array_equal(np.asarray(back.pop("embed")), np.pad(params.pop("embed")[:cfg.vocab_size],
+    back, rest = dict(back), dict(params)       # the embedding's padded rows are not a token's: not exported
+    np.testing.assert_array_equal(np.asarray(back.pop("embed")), np.pad(rest.pop("embed")[:cfg.vocab_size],
                                                                          ((0, cfg.padded_vocab - cfg.vocab_size), (0, 0))))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), back, params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), back, rest)
     with pytest.raises(CheckpointError, match=r"a shared expert \(model.shared_mlp_dim=32\).*Mixtral"):
         save_hf(tmp_path / "shared", models.preset("moe_tiny"), params)
     assert not (tmp_path / "shared").exists()
