@@ -66,6 +66,11 @@ class Tokenizer:
                                "(a special token of this tokenizer)")
         self.eod_token, self.eod_id = found[0]
 
+    @property
+    def identity(self) -> str:
+        """What the tokenizer is, not how it was named: 'byte', or its tokenizer.json's content hash."""
+        return "byte" if self._tok is None else "sha256:" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         if self._tok is None:
             return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int64) for t in texts]
@@ -160,8 +165,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, val_fraction: float = 0
     done = json.loads(done_path.read_text()) if done_path.exists() else {}
     # The tokenizer by what it is, not how it was named: the same file under another path resumes, an edited
     # one at the same path does not (its parts would mix two vocabularies)
-    ident = "byte" if tok._tok is None else "sha256:" + hashlib.sha256(tok.path.read_bytes()).hexdigest()[:16]
-    settings = {"tokenizer": ident, "val_fraction": val_fraction, "text_field": text_field, "eod_id": tok.eod_id}
+    settings = {"tokenizer": tok.identity, "val_fraction": val_fraction, "text_field": text_field, "eod_id": tok.eod_id}
     if done and done.get("settings") != settings:
         raise PrepareError(f"{out_dir} was started with other settings {done.get('settings')}; "
                            "use another --out or delete it")
