@@ -39,7 +39,7 @@ class MoeConfig(LlamaConfig):
     norm_topk: bool = True                # top-k weights renormalised to sum 1
     aux_loss_weight: float = 0.01         # load-balancing loss weight (Switch: 1e-2)
     z_loss_weight: float = 1e-3           # router z-loss weight (ST-MoE: 1e-3)
-    gemm: str = "auto"                    # grouped GEMM backend: auto (Mosaic on Hopper, else xla) | mosaic | xla
+    gemm: str = "auto"                    # grouped GEMM: auto (mosaic on Hopper, triton on other GPUs, else xla) | mosaic | triton | xla
 
     def validate(self) -> None:
         super().validate()
@@ -51,8 +51,8 @@ class MoeConfig(LlamaConfig):
         if self.expert_mlp_dim < 1 or self.shared_mlp_dim < 0:
             raise ValueError(f"model.expert_mlp_dim={self.expert_mlp_dim} must be >= 1 and "
                              f"model.shared_mlp_dim={self.shared_mlp_dim} >= 0")
-        if self.gemm not in ("auto", "mosaic", "xla"):
-            raise ValueError(f"model.gemm={self.gemm!r} must be auto, mosaic or xla")
+        if self.gemm not in ("auto", "mosaic", "triton", "xla"):
+            raise ValueError(f"model.gemm={self.gemm!r} must be auto, mosaic, triton or xla")
 
     # -- counts (the planner, MFU and explain read these) ------------------------------------------
     @property

@@ -4,11 +4,14 @@
 
 Rows 0..gs[0]-1 belong to group 0, the next gs[1] to group 1, and so on; rows past
 sum(group_sizes) (a static buffer's padding) come out zero, as `jax.lax.ragged_dot` gives them.
-Backends (`backend="auto"` picks): mosaic, JAX's Mosaic GPU ragged-dot kernels for the forward, dX
-and dW (the default on Hopper); xla, `jax.lax.ragged_dot` with its own autodiff (elsewhere; the
-tests' path and the numerical reference). Limits: mosaic needs a Hopper GPU and has no interpret
-mode (`interpret=True` takes xla). No kernel of our own: the Mosaic kernels are the peer to beat,
-and `scripts/bench_moe.py` times this wrapper against them. Speed: docs/benchmarks.md#pipeline-and-moe.
+Backends: mosaic, JAX's Mosaic GPU ragged-dot kernels for the forward, dX and dW (Hopper only);
+triton, our Pallas Triton kernels (grouped_matmul_triton.py: any CUDA GPU, or the CPU with
+interpret=True); xla, `jax.lax.ragged_dot` with its own autodiff (the numerical reference).
+`auto` picks mosaic on Hopper, triton on any other CUDA GPU, xla elsewhere: on GPU ragged_dot lowers
+to dense GEMMs over a zero-masked copy of the operand per group (G times the bytes and FLOPs), while
+both kernel backends read each group's rows in place. Limits: mosaic needs Hopper and has no interpret
+mode; `interpret=True` runs triton's kernels in the Pallas interpreter when triton is asked for, and
+takes xla for auto and mosaic. Speed: docs/benchmarks.md#pipeline-and-moe (scripts/bench_moe.py).
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-BACKENDS = ("auto", "mosaic", "xla")
+from pallas_kernels.grouped_matmul_triton import TritonTiles, grouped_matmul_triton
+
+BACKENDS = ("auto", "mosaic", "triton", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,32 +57,62 @@ def grouped_matmul_reference(x, w, group_sizes):
     return jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
 
-# interpret=True takes xla: the Mosaic GPU interpreter does not run wgmma with a shared-memory LHS
-# (as flash_attention_mgpu found), and xla is the reference the GPU tests hold the Mosaic path to.
-# xla is never the GPU default: on the H200 image `lax.ragged_dot` lowers to dense cuBLAS GEMMs over
-# zero-padded operands (a tenth of the Mosaic kernels' rate, GBs of temporaries).
+# interpret=True: triton runs its kernels in the Pallas interpreter; auto and mosaic take xla (the
+# Mosaic GPU interpreter does not run wgmma with a shared-memory LHS, as flash_attention_mgpu found,
+# and auto is the CPU's choice, xla, there). xla is never the GPU default: on the H200 image
+# `lax.ragged_dot` lowers to dense cuBLAS GEMMs over zero-padded operands (a tenth of the Mosaic
+# kernels' rate, GBs of temporaries).
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _on_hopper() -> bool:
+    """A Hopper GPU (sm_90: H100, H200, GH200): the one architecture the Mosaic kernels' wgmma runs on."""
+    if not _on_gpu():
+        return False
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if cc:
+        return str(cc).split(".")[0] == "9"
+    return "H" in getattr(dev, "device_kind", "")
+
+
 def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"grouped_matmul backend={backend!r} must be one of {BACKENDS}")
-    if interpret or backend == "xla":
+    if backend == "xla":
         return "xla"
-    on_hopper = jax.default_backend() == "gpu" and "H" in getattr(jax.devices()[0], "device_kind", "")
+    if backend == "triton":
+        if not interpret and not _on_gpu():
+            raise ValueError("grouped_matmul backend='triton' needs a CUDA GPU, or interpret=True (the Pallas "
+                             "interpreter, slow: tests); on CPU use backend='xla' or 'auto'")
+        return "triton"
+    if interpret:
+        return "xla"
+    on_hopper = _on_hopper()
     if backend == "mosaic" and not on_hopper:
         raise ValueError("grouped_matmul backend='mosaic' needs a Hopper GPU (H100/H200); on other devices use "
-                         "backend='xla' (jax.lax.ragged_dot) or 'auto'")
-    return "mosaic" if on_hopper else "xla"
+                         "backend='triton' (any CUDA GPU), 'xla' (jax.lax.ragged_dot) or 'auto'")
+    if on_hopper:
+        return "mosaic"
+    return "triton" if _on_gpu() else "xla"
 
 
-def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = Tiles(), interpret: bool = False,
-                   all_rows: bool = False):
+def grouped_matmul(x, w, group_sizes, *, backend: str = "auto", tiles: Tiles = Tiles(),
+                   triton_tiles: TritonTiles | None = None, interpret: bool = False, all_rows: bool = False):
     """x [M, K], w [G, K, N], group_sizes [G] int32 -> [M, N] in x's dtype (fp32 accumulation).
-    all_rows: sum(group_sizes) == M is guaranteed by the caller (no padding rows to mask)."""
+    tiles: the mosaic kernels'; triton_tiles: the triton kernels' (None: TritonTiles.default(x.dtype)).
+    all_rows: sum(group_sizes) == M is guaranteed by the caller (no padding rows to mask; mosaic only,
+    the triton kernels write every row themselves)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: x {x.shape} [M, K], w {w.shape} [G, K, N] and group_sizes "
                          f"{group_sizes.shape} [G] do not fit together")
     group_sizes = group_sizes.astype(jnp.int32)
-    if resolve_backend(backend, interpret) == "xla":
+    resolved = resolve_backend(backend, interpret)
+    if resolved == "xla":
         return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+    if resolved == "triton":
+        return grouped_matmul_triton(x, w.astype(x.dtype), group_sizes, tiles=triton_tiles, interpret=interpret)
     m, pad = x.shape[0], -x.shape[0] % ROW_ALIGN
     if pad:   # zero rows past every group: unwritten by the kernels, sliced off (their gradient: zeros)
         x = jnp.pad(x, ((0, pad), (0, 0)))

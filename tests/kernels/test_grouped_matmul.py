@@ -1,14 +1,26 @@
 """Grouped matmul: the CPU path (jax.lax.ragged_dot) against the pure-jnp reference, forward and
-gradients, empty groups and padding rows included; on a Hopper GPU the Mosaic path against
-ragged_dot, and the ragged all-to-all against the padded one on a one-device expert axis."""
+gradients, empty groups and padding rows included; the triton kernels in interpret mode with tiny
+tiles (ragged M, K, N, empty and sub-tile groups, padding rows holding NaN) and lowered for CUDA at a
+llama-MoE shape; on a GPU the compiled triton path (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu
+tests/kernels/test_grouped_matmul.py`), on a Hopper GPU the Mosaic path against ragged_dot, and the
+ragged all-to-all against the padded one on a one-device expert axis."""
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import grouped_matmul_triton as gmt
+from tests.helpers import rel_err
 
+# Compiling dominates (interpret mode, tiny shapes): cheap_codegen, CPU only (the GPU cases are unaffected).
+pytestmark = pytest.mark.cheap_codegen
 SIZES = [5, 0, 11, 3]                    # an empty group; 19 of 24 rows used: 5 padding rows
+# 16-row/column tiles in interpret mode: many tiles, so group edges inside tiles, tiles of the
+# padding and the ragged last tiles of M, K and N all occur at small sizes
+TINY = gmt.TritonTiles(block_m=16, block_n=16, block_k=16, dw_block_m=16, dw_block_k=16, dw_block_n=16)
 
 
 def _inputs(m=24, k=16, n=8, sizes=SIZES, dtype=jnp.float32):
@@ -43,6 +55,109 @@ def test_bad_shapes_and_backend_are_clear_errors():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
             gm.grouped_matmul(x, w, gs, backend="mosaic")
+
+
+def _with_grads(f):
+    """jit of (x, w, gs, ct) -> (f(x, w, gs), dx, dw) under the cotangent ct: one program per case."""
+    def run(x, w, gs, ct):
+        out, vjp = jax.vjp(lambda x, w: f(x, w, gs), x, w)
+        return (out, *vjp(ct.astype(out.dtype)))
+    return jax.jit(run)
+
+
+# (m, k, n, sizes, dtype, tiles): ragged everything with padding rows, in fp32 and bf16; then every
+# dimension a whole number of tiles and every row in a group (the unmasked loads and stores), at the
+# default tiles shrunk to the shapes
+TRITON_CASES = [
+    pytest.param(50, 40, 24, [0, 7, 17, 3, 0, 15], jnp.float32, TINY, id="ragged-fp32"),
+    pytest.param(50, 40, 24, [0, 7, 17, 3, 0, 15], jnp.bfloat16, TINY, id="ragged-bf16"),
+    pytest.param(64, 32, 32, [16, 0, 30, 18], jnp.float32, None, id="whole-tiles-fp32"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes,dtype,tiles", TRITON_CASES)
+def test_triton_interpret_matches_reference_forward_and_grads(m, k, n, sizes, dtype, tiles):
+    """Empty groups (the first among them), groups smaller than a tile and groups across tile edges;
+    M, K, N not multiples of the tiles. Padding rows of x hold NaN: no result may read them, their
+    outputs and dx rows are exactly zero."""
+    x, w, gs, ct = _inputs(m, k, n, sizes, dtype)
+    total = sum(sizes)
+    x_nan = x.at[total:].set(jnp.nan)
+    out, dx, dw = _with_grads(lambda x, w, gs: gm.grouped_matmul(x, w, gs, backend="triton", triton_tiles=tiles,
+                                                                 interpret=True))(x_nan, w, gs, ct)
+    ref, rdx, rdw = _with_grads(gm.grouped_matmul_reference)(x, w, gs, ct)
+    assert out.dtype == dx.dtype == dw.dtype == dtype and out.shape == (m, n) and dw.shape == w.shape
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=1e-1)
+    for name, a, b in (("out", out, ref), ("dx", dx, rdx), ("dw", dw, rdw)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all(), name
+        np.testing.assert_allclose(a, b, err_msg=name, **tol)
+    assert not np.asarray(out[total:], np.float32).any() and not np.asarray(dx[total:], np.float32).any()
+    assert not np.asarray(dw[sizes.index(0)], np.float32).any()                 # an empty group: dW = 0
+
+
+def test_triton_row_tiles_cover_each_row_once_inside_its_group():
+    """The forward's tile list: every row of [0, M) in exactly one used tile, whose group is the row's
+    (G for the padding), inside one aligned block_m tile; never more than cdiv(M, block_m) + G tiles."""
+    m = 70
+    plan_of = jax.jit(gmt.row_tiles, static_argnums=(1, 2))
+    for block_m, sizes in itertools.product((16, 32), ([0, 7, 20, 3, 0, 12], [70, 0, 0, 0, 0, 0], [0] * 6, [1] * 6,
+                                                       [40, 50, 0, 0, 0, 0])):   # the last: > M, clipped
+        plan = np.asarray(plan_of(jnp.asarray(sizes, jnp.int32), m, block_m))
+        assert plan.shape == (4, -(-m // block_m) + len(sizes))
+        ends = np.minimum(np.cumsum(sizes), m)
+        owner = np.searchsorted(ends, np.arange(m), side="right")                  # len(sizes): padding
+        hits = np.zeros(m, int)
+        for g, r0, lo, hi in plan.T:
+            assert r0 % block_m == 0 and r0 <= lo <= hi <= min(r0 + block_m, m), (sizes, plan.T)
+            hits[lo:hi] += 1
+            assert (owner[lo:hi] == g).all(), (sizes, g, lo, hi)
+        assert (hits == 1).all(), (sizes, hits)
+
+
+def test_triton_lowers_for_cuda_at_a_llama_moe_shape(monkeypatch):
+    """The compiled path without a GPU: forward, dX and dW kernels lowered to Triton IR (masks, the
+    dynamic loop bounds, the transposed weight read) at bf16 2048 x 1024 x 1536 with 8 experts and
+    the default tiles, and in fp32 at ragged sizes (683 x 1000 x 1500, 16 experts). Each module is
+    verified as Triton's parser on the GPU does (jax serialises it unverified: a loop bound of the
+    wrong type lowered here and failed only there)."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    lower, verified = triton_lowering.lower_jaxpr_to_triton_module, []
+
+    def lower_and_verify(*args, **kw):
+        result = lower(*args, **kw)
+        assert result.module.operation.verify()
+        verified.append(result.module.operation.get_asm())
+        return result
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    for dt, (m, k, n, g) in ((jnp.bfloat16, (2048, 1024, 1536, 8)), (jnp.float32, (683, 1000, 1500, 16))):
+        s = lambda *shape, d=dt: jax.ShapeDtypeStruct(shape, d)  # noqa: E731
+        text = _with_grads(gmt.grouped_matmul_triton).trace(s(m, k), s(g, k, n), s(g, d=jnp.int32), s(m, n)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        for name in ("grouped_matmul_triton", "grouped_matmul_triton_dx", "grouped_matmul_triton_dw"):
+            assert f'name = "{name}"' in text, (dt, name)
+    assert len(verified) == 6
+    # fp32 operands multiply exactly: Triton's default (tf32) rounds them (3e-4 off on an H100)
+    dots = [line for text in verified for line in text.splitlines() if "tt.dot " in line]
+    assert dots and all(("xf32> * tensor" in line) != ("inputPrecision = tf32" in line) or "xbf16>" in line
+                        for line in dots)
+    assert not any("inputPrecision" in line for line in dots if "xf32> * tensor" in line)
+
+
+def test_triton_backend_choice_and_errors():
+    x, w, gs, _ = _inputs()
+    assert gm.resolve_backend("triton", interpret=True) == "triton"
+    assert gm.resolve_backend("auto", interpret=True) == "xla"
+    if jax.default_backend() != "gpu":
+        assert gm.resolve_backend("auto") == "xla"
+        with pytest.raises(ValueError, match="backend='triton' needs a CUDA GPU, or interpret=True"):
+            gm.grouped_matmul(x, w, gs, backend="triton")
+    with pytest.raises(ValueError, match=r"TritonTiles.block_k=24 must be a power of two >= 16"):
+        gmt.grouped_matmul_triton(x, w, gs, tiles=gmt.TritonTiles(block_k=24), interpret=True)
+    with pytest.raises(ValueError, match=r"x.dtype=dtype\('int32'\) must be one of bfloat16, float16, float32"):
+        gmt.grouped_matmul_triton(x.astype(jnp.int32), w.astype(jnp.int32), gs, interpret=True)
+    with pytest.raises(ValueError, match="do not fit together"):
+        gmt.grouped_matmul_triton(x, w[:, :3], gs, interpret=True)
 
 
 def test_mosaic_path_lowers_any_row_count(monkeypatch):
@@ -82,6 +197,38 @@ def test_mosaic_matches_ragged_dot_on_gpu(experts, pad, m):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.isfinite(a).all(), name
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,experts,pad,dtype", [
+    pytest.param(2048, 1024, 1536, 8, 0, jnp.bfloat16, id="llama-moe-bf16"),      # every row in a group
+    pytest.param(2048, 1024, 1536, 8, 100, jnp.bfloat16, id="llama-moe-padded-bf16"),
+    pytest.param(683, 1000, 1500, 16, 37, jnp.float32, id="ragged-fp32"),         # M, K, N off the tiles
+])
+def test_triton_compiled_matches_reference_on_gpu(m, k, n, experts, pad, dtype):
+    """The compiled Triton kernels at the default tiles against lax.ragged_dot (fp32 result) and the
+    xla backend's gradients: uneven groups (a skewed multinomial), an empty group, `pad` padding rows
+    holding NaN, and memory poisoned with NaN first so that an element nothing wrote shows."""
+    rng = np.random.default_rng(experts + pad)
+    sizes = rng.multinomial(m - pad, rng.dirichlet(np.full(experts, 2.0))).tolist()
+    sizes[0], sizes[1] = sizes[0] + sizes[1], 0       # an empty group; the total stays m - pad
+    x, w, gs, ct = _inputs(m, k, n, sizes, dtype)
+    x_nan = x.at[m - pad:].set(jnp.nan)
+    f = _with_grads(lambda x, w, gs: gm.grouped_matmul(x, w, gs, backend="triton"))
+    f.lower(x_nan, w, gs, ct).compile()
+    poison = [jnp.full((64 << 20,), jnp.nan, jnp.float32) for _ in range(4)]
+    jax.block_until_ready(poison)
+    del poison
+    out, dx, dw = f(x_nan, w, gs, ct)
+    ref = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    with jax.default_matmul_precision("highest"):
+        _, rdx, rdw = _with_grads(lambda x, w, gs: gm.grouped_matmul(x, w, gs, backend="xla"))(x, w, gs, ct)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-4
+    for name, a, b in (("out", out, ref), ("dx", dx, rdx), ("dw", dw, rdw)):
+        assert a.dtype == dtype, name
+        assert rel_err(a, b) < tol, name
+    assert not np.asarray(out[m - pad:], np.float32).any() and not np.asarray(dx[m - pad:], np.float32).any()
+    assert not np.asarray(dw[1], np.float32).any()                                # the empty group
 
 
 @pytest.mark.gpu

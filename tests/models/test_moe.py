@@ -18,6 +18,7 @@ from meshlab.mesh import make_mesh
 from meshlab.parallel import experts
 from meshlab.rules import RulesError, load_rules, use_rules
 from models import moe
+from pallas_kernels import grouped_matmul as gm
 from tests.helpers import EP_MESH, one_device, small_config
 
 CFG = dataclasses.replace(models.preset("moe_tiny"), d_model=32, dtype="float32", expert_mlp_dim=16,
@@ -320,11 +321,15 @@ def test_explain_splits_the_expert_banks_over_eight_devices(name, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("dispatch", experts.DISPATCH)
-def test_layer_on_gpu_mosaic_equals_xla(dispatch, chunks):
-    """The MoE layer with the Mosaic grouped GEMM (bf16) against lax.ragged_dot, forward and grads; with
-    3 pieces (uneven slices of the sorted rows) against the unchunked ragged_dot layer."""
+def test_layer_on_gpu_kernels_equal_xla(dispatch, chunks, backend):
+    """The MoE layer with a grouped GEMM kernel (Mosaic on Hopper, Triton on any GPU; bf16) against
+    lax.ragged_dot, forward and grads; with 3 pieces (uneven slices of the sorted rows) against the
+    unchunked ragged_dot layer."""
+    if backend == "mosaic" and gm.resolve_backend("auto") != "mosaic":
+        pytest.skip("the Mosaic grouped GEMM needs a Hopper GPU")
     cfg = dataclasses.replace(CFG, d_model=256, expert_mlp_dim=384, dtype="bfloat16")
     ks = jax.random.split(jax.random.key(0), 6)
     E, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim
@@ -345,7 +350,7 @@ def test_layer_on_gpu_mosaic_equals_xla(dispatch, chunks):
             return jnp.sum(y.astype(jnp.float32) * ct)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 2, 3, 4)))(x, router, *ws)
 
-    (l_m, g_m), (l_x, g_x) = run("mosaic", chunks), run("xla")
+    (l_m, g_m), (l_x, g_x) = run(backend, chunks), run("xla")
     assert abs(float(l_m) - float(l_x)) <= 2e-2 * abs(float(l_x)) + 1e-2
     for a, b in zip(g_m, g_x):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
