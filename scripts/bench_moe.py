@@ -1,10 +1,13 @@
 """Mixture of experts on one GPU: the expert GEMM, then training throughput, in one call.
 
 1. Grouped GEMM, [M, K] rows in E ragged groups x [E, K, N] (M = 32768 assignments, K = 2048,
-   N = 1536) at 8/16/64 experts: ours (pallas_kernels.grouped_matmul: JAX's Mosaic ragged-dot
-   kernel + the row mask) against the Mosaic kernel called bare (the peer), jax.lax.ragged_dot,
-   the padded batched einsum (capacity factor 1.25) and one dense GEMM of the same useful FLOPs.
-   TFLOP/s of useful work (2 M K N). Each result is checked against lax.ragged_dot first.
+   N = 1536) at 8/16/64 experts: ours (pallas_kernels.grouped_matmul) with each backend: mosaic
+   (JAX's Mosaic ragged-dot kernel + the row mask; Hopper only) against the Mosaic kernel called bare
+   (the peer), triton (our Pallas Triton kernels, any CUDA GPU; a small tile sweep at 16 experts) and
+   xla (jax.lax.ragged_dot), forward and forward+backward; the padded batched einsum (capacity factor
+   1.25) and one dense GEMM of the same useful FLOPs. TFLOP/s of useful work (2 M K N, x3 with the
+   backward). Each result is checked against lax.ragged_dot first (triton's gradients against xla's
+   up to 16 experts). `--gemm-backends` picks among mosaic, triton, xla.
 2. Training tokens/s and MFU (active FLOPs, datasheet peak) of moe_1b_8e with dropless and with
    capacity dispatch, against llama3_1b (same attention, same active SwiGLU width), and against the
    peer: transformers' Mixtral of the same shape (scripts/bench_moe_torch.py, its own process, run
@@ -13,6 +16,7 @@
    smaller expert GEMMs alone (must stay within ~1% of 1 piece).
 
     PYTHONPATH=$PWD python3 scripts/bench_moe.py [--steps 6] [--batch 4] [--seq 4096] [--skip gemm,dense,peer]
+        [--gemm-backends mosaic,triton,xla] [--train-gemm auto,triton] [--layers 8]
 Prints the tables and appends them, dated, to docs/archive/benchmarks-diary.md ($OUT/bench_moe.json too).
 """
 import argparse
@@ -20,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,21 +55,52 @@ def groups(m, e, seed=0):
     return jnp.asarray(rng.multinomial(m, p), jnp.int32)
 
 
-def gemm_rows(m, k, n, experts, tiles_list):
+# Triton tiles tried at 16 experts (the forward; the backward at its default dW tiles and one more):
+# smem per stage (block_m + block_n) x block_k x 2 B, within the 99 KiB of sm_86/89 parts but the wide one
+TRITON_SWEEP = [gm.TritonTiles(), gm.TritonTiles(block_k=64, num_stages=3),
+                gm.TritonTiles(block_m=64, block_k=64, num_stages=4),
+                gm.TritonTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)]
+TRITON_DW = [gm.TritonTiles().dw_block_m, 64]     # dw_block_m (rows of x per step) of the backward rows
+
+
+def _tiles_label(t, dw=False):
+    fwd = f"{t.block_m}x{t.block_n}x{t.block_k}/w{t.num_warps}/s{t.num_stages}"
+    return fwd + (f", dW {t.dw_block_m}x{t.dw_block_k}x{t.dw_block_n}/w{t.dw_num_warps}/s{t.dw_num_stages}" if dw else "")
+
+
+def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     rows = []
     useful = 2 * m * k * n
     best = None
-    # The tile sweep runs at 16 experts (the must's shape) first; the other counts reuse its winner.
+    best_triton = best_triton_bwd = None
+    on_hopper = gm.resolve_backend("auto") == "mosaic"
+    # The tile sweeps run at 16 experts (the must's shape) first; the other counts reuse their winners.
     for e in sorted(experts, key=lambda e: e != 16):
         gs = groups(m, e)
         kx, kw = jax.random.split(jax.random.key(e))
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = (jax.random.normal(kw, (e, k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
         ref = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))(x, w)
+        ct = jax.random.normal(jax.random.key(e + 1), (m, n), jnp.bfloat16)
+
+        def grad(backend, **kw):
+            """(<out, ct>, dx, dw): the value reads the forward's output, so XLA keeps the forward kernel
+            (the gradients of a plain sum need only the backward's, and the forward would be dropped)."""
+            loss = lambda x, w: jnp.sum(gm.grouped_matmul(x, w, gs, backend=backend, **kw).astype(jnp.float32)  # noqa: E731
+                                        * ct.astype(jnp.float32))
+            return lambda x, w: (lambda v, g: (v, *g))(*jax.value_and_grad(loss, argnums=(0, 1))(x, w))
+        # the xla backend's value and gradients, the triton backward's check (64 groups: GBs of padded temporaries)
+        ref_grads = jax.jit(grad("xla"))(x, w) if "triton" in backends and e <= 16 else None
 
         def check(out):
-            err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            if isinstance(out, tuple):   # (value, dx, dw) against xla's
+                if ref_grads is None:
+                    return 0.0
+                err = max(float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32)) /
+                                jnp.linalg.norm(b.astype(jnp.float32))) for a, b in zip(out, ref_grads))
+            else:
+                err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
             return err if np.isfinite(err) and err < 2e-2 else None
 
         def timed(label, f, args, useful_flops=useful, verify=True):
@@ -83,26 +119,46 @@ def gemm_rows(m, k, n, experts, tiles_list):
             print(row, flush=True)
             return row
 
-        sweep = tiles_list if best is None else [best[0]]
-        for tiles in sweep:          # the bare Mosaic kernel at each tiling: the peer takes its best
-            kw_ = dict(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
-                       max_concurrent_steps=tiles.max_concurrent_steps, grid_block_n=tiles.grid_block_n)
-            r = timed(f"mosaic ragged_dot (bare) {tiles.block_m}x{tiles.block_n}x{tiles.block_k}/"
-                      f"{tiles.max_concurrent_steps}/g{tiles.grid_block_n}",
-                      lambda x, w, kw_=kw_: gm._call(ragged_dot_mgpu.ragged_dot, x, w, group_sizes=gs, **kw_),
-                      (x, w))
-            if r and "tflops" in r and (best is None or best[1]["experts"] != e or r["tflops"] > best[1]["tflops"]):
-                best = (tiles, r)
-        tiles = best[0] if best else gm.Tiles()
-        timed("ours: grouped_matmul (mosaic, all rows real: the model's 1-device dropless path)",
-              lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles, all_rows=True), (x, w))
-        timed("ours with the padding-row mask (the expert-parallel path)",
-              lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles), (x, w))
-        timed("ours fwd+bwd (x3 FLOPs)", jax.grad(lambda x, w: jnp.sum(gm.grouped_matmul(
-            x, w, gs, backend="mosaic", tiles=tiles, all_rows=True).astype(jnp.float32)), argnums=(0, 1)), (x, w),
-            useful_flops=3 * useful, verify=False)
-        if e <= 16:   # 64 groups: GBs of padded temporaries
+        if on_hopper and "mosaic" in backends:
+            sweep = tiles_list if best is None else [best[0]]
+            for tiles in sweep:          # the bare Mosaic kernel at each tiling: the peer takes its best
+                kw_ = dict(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
+                           max_concurrent_steps=tiles.max_concurrent_steps, grid_block_n=tiles.grid_block_n)
+                r = timed(f"mosaic ragged_dot (bare) {tiles.block_m}x{tiles.block_n}x{tiles.block_k}/"
+                          f"{tiles.max_concurrent_steps}/g{tiles.grid_block_n}",
+                          lambda x, w, kw_=kw_: gm._call(ragged_dot_mgpu.ragged_dot, x, w, group_sizes=gs, **kw_),
+                          (x, w))
+                if r and "tflops" in r and (best is None or best[1]["experts"] != e or r["tflops"] > best[1]["tflops"]):
+                    best = (tiles, r)
+            tiles = best[0] if best else gm.Tiles()
+            timed("ours: grouped_matmul (mosaic, all rows real: the model's 1-device dropless path)",
+                  lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles, all_rows=True), (x, w))
+            timed("ours with the padding-row mask (the expert-parallel path)",
+                  lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles), (x, w))
+            timed("ours fwd+bwd (x3 FLOPs)", grad("mosaic", tiles=tiles, all_rows=True), (x, w),
+                  useful_flops=3 * useful, verify=False)
+        if "triton" in backends:
+            sweep = TRITON_SWEEP if best_triton is None else [best_triton[0]]
+            for tt in sweep:
+                r = timed(f"triton: grouped_matmul (triton) {_tiles_label(tt)}",
+                          lambda x, w, tt=tt: gm.grouped_matmul(x, w, gs, backend="triton", triton_tiles=tt), (x, w))
+                if r and "tflops" in r and (best_triton is None or best_triton[1]["experts"] != e
+                                            or r["tflops"] > best_triton[1]["tflops"]):
+                    best_triton = (tt, r)
+            tt = best_triton[0] if best_triton else gm.TritonTiles()
+            bwd_sweep = ([dataclasses.replace(tt, dw_block_m=b) for b in TRITON_DW] if best_triton_bwd is None
+                         else [dataclasses.replace(tt, **{f: getattr(best_triton_bwd[0], f) for f in
+                                                          ("dw_block_m", "dw_block_k", "dw_block_n", "dw_num_warps",
+                                                           "dw_num_stages")})])
+            for tb in bwd_sweep:
+                r = timed(f"triton fwd+bwd (x3 FLOPs) {_tiles_label(tb, dw=True)}", grad("triton", triton_tiles=tb), (x, w),
+                          useful_flops=3 * useful)
+                if r and "tflops" in r and (best_triton_bwd is None or best_triton_bwd[1]["experts"] != e
+                                            or r["tflops"] > best_triton_bwd[1]["tflops"]):
+                    best_triton_bwd = (tb, r)
+        if "xla" in backends and e <= 16:   # 64 groups: GBs of padded temporaries
             timed("jax.lax.ragged_dot", lambda x, w: jax.lax.ragged_dot(x, w, gs), (x, w))
+            timed("jax.lax.ragged_dot fwd+bwd (x3 FLOPs)", grad("xla"), (x, w), useful_flops=3 * useful, verify=False)
         cap = int(np.ceil(1.25 * m / e))
         xb = jax.random.normal(kx, (e, cap, k), jnp.bfloat16)
         timed("padded batched einsum (capacity 1.25)", lambda xb, w: jnp.einsum("eck,ekn->ecn", xb, w), (xb, w),
@@ -132,14 +188,22 @@ def train_rows(args):
     dense_rules = R.load_rules("dp")
     ep = R.load_rules("ep")
     variants = [] if "dense" in args.skip else [(f"{args.dense} (dense, same active width)", args.dense, dense_rules)]
+    # MoE variants: (label, preset, rules, model.gemm)
     for mode in args.modes.split(","):
         for n in (int(c) for c in args.chunks.split(",")):
-            rules = dataclasses.replace(ep, strategies={**ep.strategies, "experts": {
-                "dispatch": mode, "capacity_factor": 1.25, "chunks": n}})
-            variants.append((f"{args.model} {mode}" + (f", {n} chunks" if n > 1 else ""), args.model, rules))
+            for gemm in args.train_gemm.split(","):
+                rules = dataclasses.replace(ep, strategies={**ep.strategies, "experts": {
+                    "dispatch": mode, "capacity_factor": 1.25, "chunks": n}})
+                variants.append((f"{args.model} {mode}" + (f", {n} chunks" if n > 1 else "")
+                                 + (f", gemm {gemm}" if gemm != "auto" else ""), args.model, rules, gemm))
     rows = []
-    for label, name, rules in variants:
+    for label, name, rules, *gemm in variants:
         cfg = dataclasses.replace(models.preset(name), dtype="bfloat16", attention=args.attention, remat=args.remat)
+        if gemm:
+            cfg = dataclasses.replace(cfg, gemm=gemm[0])
+        if args.layers:   # fewer layers: the model's state and step fit a smaller card (an 80 GB H100)
+            cfg = dataclasses.replace(cfg, n_layers=args.layers)
+            label += f", {args.layers} layers"
         try:
             md, tx, sh, step, b = build(cfg, rules, mesh, args.batch, args.seq)
             state = init_state(md, tx, sh, 0, False)
@@ -172,22 +236,35 @@ def train_rows(args):
 
 def write(dev, gemm, train, peer, args):
     date = datetime.date.today().isoformat()
-    lines = [f"\n### MoE ({date}, {dev.device_kind}, jax {jax.__version__})\n",
-             f"Grouped GEMM {args.m} x {args.k} x {args.n} bf16, skewed groups; TFLOP/s of useful work (2MKN).\n",
-             "| experts | variant | ms | TFLOP/s | rel err vs ragged_dot |", "|---|---|---|---|---|"]
+    lines = [f"\n### MoE ({date}, {dev.device_kind}, jax {jax.__version__})\n"]
+    if gemm:
+        lines += [f"Grouped GEMM {args.m} x {args.k} x {args.n} bf16, skewed groups; TFLOP/s of useful work (2MKN).\n",
+                  "| experts | variant | ms | TFLOP/s | rel err vs ragged_dot |", "|---|---|---|---|---|"]
     for r in gemm:
         lines.append(f"| {r['experts']} | {r['variant']} | " + (f"FAILED: {r['error']} | | |" if "error" in r else
                      f"{r['ms']} | {r['tflops']} | {r['rel_err']:.1e} |"))
     for e in sorted({r["experts"] for r in gemm}):
-        peer = max((r["tflops"] for r in gemm if r["experts"] == e and "bare" in r["variant"] and "tflops" in r),
-                   default=None)
+        bare = max((r["tflops"] for r in gemm if r["experts"] == e and "bare" in r["variant"] and "tflops" in r),
+                   default=None)   # not `peer`: that name is the Mixtral peer's row, written below
         ours = [r["tflops"] for r in gemm if r["experts"] == e and r["variant"].startswith("ours:") and "tflops" in r]
-        if peer and ours:
-            lines.append(f"\n{e} experts: ours / Mosaic ragged dot = {ours[0] / peer:.3f} (must be >= 0.9 at 16).")
-    lines += [f"\nTraining, batch {args.batch} x seq {args.seq}, attention {args.attention}, remat {args.remat}; "
-              f"MFU = tokens/s x (6 N_active + 6 L S d) / {PEAK / 1e12:g} TFLOP/s.\n",
-              "| variant | tokens/s | step ms | MFU | loss | dropped | tokens/expert CV | compile s |",
-              "|---|---|---|---|---|---|---|---|"]
+        if bare and ours:
+            lines.append(f"\n{e} experts: ours / Mosaic ragged dot = {ours[0] / bare:.3f} (must be >= 0.9 at 16).")
+        best = lambda prefix: max((r["tflops"] for r in gemm if r["experts"] == e  # noqa: E731
+                                   and r["variant"].startswith(prefix) and "tflops" in r), default=None)
+        tri, tri_bwd = best("triton: "), best("triton fwd+bwd")
+        xla_bwd = best("jax.lax.ragged_dot fwd+bwd")
+        xla = next((r["tflops"] for r in gemm if r["experts"] == e and r["variant"] == "jax.lax.ragged_dot"
+                    and "tflops" in r), None)
+        parts = [f"{name} = {a / b:.2f}" for name, a, b in (
+            ("triton / lax.ragged_dot fwd", tri, xla), ("fwd+bwd", tri_bwd, xla_bwd),
+            ("triton / Mosaic ragged dot fwd", tri, bare)) if a and b]
+        if parts:
+            lines.append(f"\n{e} experts: " + ", ".join(parts) + ".")
+    if train or peer:
+        lines += [f"\nTraining, batch {args.batch} x seq {args.seq}, attention {args.attention}, remat {args.remat}; "
+                  f"MFU = tokens/s x (6 N_active + 6 L S d) / {PEAK / 1e12:g} TFLOP/s.\n",
+                  "| variant | tokens/s | step ms | MFU | loss | dropped | tokens/expert CV | compile s |",
+                  "|---|---|---|---|---|---|---|---|"]
     for r in train:
         lines.append(f"| {r['variant']} | " + (f"FAILED: {r['error']} | | | | | | |" if "error" in r else
                      f"{r['tokens_per_s']:,} | {r['step_ms']} | {100 * r['mfu']:.1f}% | {r['loss']} | "
@@ -197,8 +274,15 @@ def write(dev, gemm, train, peer, args):
                      if "error" in peer else f"{round(peer['tokens_per_s']):,} | {peer['step_ms']:.1f} | "
                      f"{100 * peer['mfu']:.1f}% | {peer['loss']:.3f} | | | |"))
     dense = next((r for r in train if "dense" in r["variant"] and "mfu" in r), None)
+    def first_like(label):
+        return next((b for b in train if "step_ms" in b and b["variant"] == label), None)
     for r in train:
-        base = next((b for b in train if "step_ms" in b and b["variant"] == r["variant"].split(",")[0]), None)
+        base = first_like(re.sub(r", \d+ chunks", "", r["variant"]))     # the same variant in 1 piece
+        gemm_of = re.search(r", gemm (\w+)", r["variant"])
+        auto = first_like(r["variant"].replace(gemm_of.group(0), "")) if gemm_of else None
+        if auto and "step_ms" in r:
+            lines.append(f"\n{r['variant']}: step {100 * (r['step_ms'] / auto['step_ms'] - 1):+.1f}% against "
+                         f"model.gemm=auto ({gm.resolve_backend('auto')}).")
         if dense and "mfu" in r and r is not dense and r is base:
             lines.append(f"\n{r['variant']}: {r['mfu'] / dense['mfu']:.2f} of the dense model's MFU (must be >= 0.60).")
         if peer and "tokens_per_s" in peer and "mfu" in r and r is not dense and r is base:
@@ -232,17 +316,26 @@ def main():
     p.add_argument("--chunks", default="1", help="dispatch pieces timed per mode, e.g. 1,2,4")
     p.add_argument("--peer-timeout", type=float, default=300)
     p.add_argument("--skip", default="", help="any of gemm, train, dense, peer")
+    p.add_argument("--layers", type=int, default=0, help="train rows with this many layers (0: the preset's)")
+    p.add_argument("--train-gemm", default="auto", help="model.gemm values the MoE training rows run, e.g. auto,triton")
+    p.add_argument("--gemm-backends", default="mosaic,triton,xla",
+                   help="grouped GEMM backends timed (mosaic rows only on Hopper)")
     args = p.parse_args()
     # the peer first, in its own process, before this one's JAX takes the GPU's memory
     peer = {} if "peer" in args.skip or "train" in args.skip else run_peer(args)
     dev = jax.devices()[0]
-    if "gemm" not in args.skip and gm.resolve_backend("auto") != "mosaic":
-        sys.exit(f"bench_moe.py's GEMM part needs a Hopper GPU (found {dev.device_kind}); --skip gemm")
+    backends = tuple(b for b in args.gemm_backends.split(",") if b)
+    if not set(backends) <= {"mosaic", "triton", "xla"}:
+        sys.exit(f"--gemm-backends={args.gemm_backends!r} must name mosaic, triton or xla")
+    if "gemm" not in args.skip and jax.default_backend() != "gpu":
+        sys.exit(f"bench_moe.py's GEMM part needs a GPU (found {dev.device_kind}); --skip gemm")
+    if "gemm" not in args.skip and "mosaic" in backends and gm.resolve_backend("auto") != "mosaic":
+        print(f"no mosaic rows: the Mosaic kernels need a Hopper GPU (found {dev.device_kind})", flush=True)
     tiles = [gm.Tiles(), gm.Tiles(grid_block_n=1), gm.Tiles(grid_block_n=4),
              gm.Tiles(block_n=256, max_concurrent_steps=3, grid_block_n=1),
              gm.Tiles(block_m=64, grid_block_n=2), gm.Tiles(max_concurrent_steps=5)]
     gemm = [] if "gemm" in args.skip else gemm_rows(args.m, args.k, args.n,
-                                                     [int(e) for e in args.experts.split(",")], tiles)
+                                                     [int(e) for e in args.experts.split(",")], tiles, backends)
     train = [] if "train" in args.skip else train_rows(args)
     write(dev, gemm, train, peer, args)
 
