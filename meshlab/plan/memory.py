@@ -52,6 +52,7 @@ class Local:
     xp: float = 1.0   # expert dispatch buffers over the device's own assignments (dropless: the expert
                       # group's size, the exact worst case each side holds; capacity: E*C / (S*k))
     el: int = 0       # experts per device run as ragged groups (dropless); 0: dense or capacity dispatch
+    ring: bool = False  # ring attention: k/v shards attended in block_k tiles, never an [S, S] array
 
 
 def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int = 1) -> Local:
@@ -66,7 +67,7 @@ def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int
                  h=cfg.n_heads // shards("act_heads"), kvh=max(cfg.n_kv_heads // shards("act_kv_heads"), 1),
                  f=cfg.mlp_dim // shards("act_mlp"), v=cfg.padded_vocab // shards("act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
-                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el)
+                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el, ring=ring)
 
 
 # -- model state -------------------------------------------------------------------------------
@@ -214,6 +215,36 @@ def local_config(cfg, lc: "Local"):
                                **experts)
 
 
+def attention_backward_bytes(lc: Local, attention: str, policy: str) -> dict:
+    """The XLA attention's [S, S] arrays of one layer's backward beside its traced residuals, per device.
+
+    n scores per device: rows by the batch axes, query heads by their tensor split, queries by the
+    context split, keys whole (b * h * s_attn * s_kv of `lc`); Ulysses' local attention holds the
+    whole sequence for h/context heads, the same count. The residuals themselves are traced
+    (pallas_kernels/attention.py: xla_attention keeps exp(s - max) in fp32 and the probabilities in
+    the compute dtype; saved under `none`, recomputed under every other policy: they are no dot
+    outputs). Beside them:
+      gradients   dP = dO V^T in the compute dtype (that of the probabilities it multiplied) and dS,
+                  the fp32 softmax gradient dQ and dK are read from: c + 4 bytes per score, in the
+                  one layer being differentiated, under every policy;
+      stack copy  under `none`, the layer's probabilities copied out of the [L, ...] residual stack
+                  as the dV GEMM's operand (c per score), made at the top of the layer's backward
+                  and live through the MLP's backward too;
+      mask        under `none`, the causal mask broadcast to [b, h, S, S] booleans (1 per score): a
+                  residual of every layer that JAX hoists out of the layer scan, live the whole step.
+    The compiled grad of a 2-layer model at S=512 (2 rows, 4 heads) holds all three on XLA:CPU and
+    XLA:GPU (H100) alike; XLA:CPU also copies exp(s - max) out of the stack (the GPU reads it in its
+    fusion) and its forward, like the GPU's, holds the -1e30 fill of the masked scores as an fp32
+    [b, h, S, S] array, neither counted. A flash kernel (cudnn, pallas) forms dP and dS a tile at a
+    time in on-chip memory and its mask in registers, and ring attention's blocks are tiled over
+    block_k keys (meshlab/parallel/ring_attention.py): all zero."""
+    if is_flash(attention) or lc.ring:
+        return {"gradients": 0, "stack copy": 0, "mask": 0}
+    n = lc.b * lc.h * lc.s_attn * lc.s_kv
+    saved = policy == "none"
+    return {"gradients": n * (lc.c + F32), "stack copy": n * lc.c if saved else 0, "mask": n if saved else 0}
+
+
 def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> dict:
     """Activation bytes of one micro-batch on one device, by phase of the step.
 
@@ -221,13 +252,18 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     Beside them, never at the same time (the compiled step frees the loss head's buffers before the
     first layer's backward starts, and recomputes one layer at a time):
       loss head phase       the embedding/head residuals (fp32 logits, softmax) and the head's backward;
-      layer backward phase  one layer's recompute: what the policy dropped (residuals under `none`
-                            minus those under `policy`; 0 under `none`).
+      layer backward phase  one layer's recompute (what the policy dropped: residuals under `none`
+                            minus those under `policy`; 0 under `none`) with a mixture of experts'
+                            grouped-GEMM transients while the MLP's backward runs, or, later in the
+                            same layer, attention's: its recomputed [S, S] residuals and the [S, S]
+                            gradients it forms (`attention_backward_bytes`); the larger of the two.
     `total` is the larger phase. (Summing the two over-counted full remat by 40% on fsdp: the peak
     of the compiled step is one or the other, as its buffer assignment shows.) A flash attention
     (cudnn, pallas) keeps the [b,h,S] log-sum-exp instead of the [b,h,S,S] softmax: the S^2 arrays
-    are replaced. Under sequence parallelism the residual-stream arrays are split over `tensor`
-    (scaled with the whole sequence they were +16% on fsdp_tp_sp).
+    are replaced, the causal mask the XLA attention saves (beside the head's residuals: it does not
+    depend on the layer) is dropped, and its backward forms no [S, S] gradients. Under sequence
+    parallelism the residual-stream arrays are split over `tensor` (scaled with the whole sequence
+    they were +16% on fsdp_tp_sp).
     """
     if policy not in ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn"):
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
@@ -243,28 +279,43 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
     stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
-    def per_layer(entries, flags, keeps_attention_out=False):
+    def scaled(entries, flags):
+        """Bytes of traced entries: [S, S] ones (the XLA attention's) per query and key, none with a flash kernel."""
         flags = flags if flags is not None else (False,) * len(entries)
-        quad = [e for e in entries if e[2] >= 2]
         lin = [(e, f) for e, f in zip(entries, flags) if e[2] < 2]
         out = _scale([e for e, _ in lin], lc.b, lc.s_attn, [f for _, f in lin], lc.s)
+        if not flash:
+            out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, k, p in entries if k >= 2))
+        return out
+
+    def per_layer(entries, flags, keeps_attention_out=False):
+        out = scaled(entries, flags)
         if flash:
-            out += len(quad) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
+            out += any(e[2] >= 2 for e in entries) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
             if keeps_attention_out:   # save_dots_attn: and the attention output
                 out += lc.b * lc.s_attn * lc.h * cfg.head_dim * np.dtype(cfg.dtype).itemsize
-        else:
-            out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, _, p in quad))
         return out
     saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps a flash output (models/remat.py)
                             keeps_attention_out=policy == "save_dots_attn" and flash)
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
-    # A mixture of experts' grouped GEMMs copy their ragged operand per local expert in the layer's
-    # backward (xla backend; memory_moe): transients beside the saved residuals, like the recompute.
-    recompute += memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
-    head_bytes = _scale(head, lc.b, lc.s_attn, stream[policy][1], lc.s)
+    # The layer's backward runs the MLP's (or the experts') backward, then attention's. The first holds
+    # the whole recompute and, for a mixture of experts, the grouped GEMMs' copies of their ragged
+    # operand per local expert (xla backend; memory_moe). By the second the MLP's residuals are
+    # consumed: live are the recomputed [S, S] residuals (exp and the probabilities are no dot outputs:
+    # every policy but `none` recomputes them; under `none` they are saved) and attention's [S, S]
+    # gradients. The larger of the two is the layer's working set; the XLA attention's stack copy
+    # and mask are live in both (attention_backward_bytes), the mask in the loss head phase too.
+    xa = attention_backward_bytes(lc, attention, policy)
+    mlp_phase = recompute + memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
+    scores = 0 if policy == "none" or flash else scaled([e for e in layer_none if e[2] >= 2], None)
+    working = max(mlp_phase, scores + xa["gradients"]) + xa["stack copy"] + xa["mask"]
+    # The [S, S] entries the trace finds outside the layers are the XLA attention's hoisted mask (its
+    # bool, counted above) and the fp32 fill of the masked scores, a forward-only array.
+    head_flags = stream[policy][1] or (False,) * len(head)
+    head_bytes = scaled([e for e in head if e[2] < 2], [f for e, f in zip(head, head_flags) if e[2] < 2]) + xa["mask"]
     saved = cfg.n_layers * saved_layer
-    return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": recompute,
-            "loss head": head_bytes, "total": saved + max(recompute, head_bytes),
+    return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": working,
+            "attention backward": xa, "loss head": head_bytes, "total": saved + max(working, head_bytes),
             "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
                       f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
 
@@ -336,7 +387,8 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
     moments (their shapes), nothing under ZeRO-1. Measured on 8 CPU devices for every shipped rule
     file but the context-parallel ones, every remat policy, 2 and 4 layers, 2 and 4 rows per device:
     within 15% of the compiler's temp (one case, fsdp_tp_sp at full remat, -18%); without this
-    term dp under remat was 16-27% under."""
+    term dp under remat was 16-27% under. At S=512, where the XLA attention's [S, S] arrays are most
+    of the temp (`attention_backward_bytes`): -1% under none, -5% to -8% under the other policies."""
     cfg = md.cfg
     policy = policy or cfg.remat
     attention = attention or cfg.attention

@@ -4,8 +4,8 @@ Two parts beside what the traced residuals already hold (meshlab/plan/memory.py)
   dispatch buffers  the residuals of the dropless dispatch are [b * S * k, ..] rows on the tracing
                     device; with expert parallelism each side of the exchange holds the expert
                     group's size times that (the receive buffer's exact worst case);
-  grouped GEMM      `jax.lax.ragged_dot` (the xla backend of pallas_kernels/grouped_matmul.py: every
-                    device but a Hopper GPU) is lowered by JAX to a dense GEMM over a masked copy of
+  grouped GEMM      `jax.lax.ragged_dot` (the xla backend of pallas_kernels/grouped_matmul.py: what
+                    `auto` runs off a GPU, and `gemm: xla`) is lowered to a dense GEMM over a masked copy of
                     its ragged operand, one copy per local expert: [G, R, width] for R dispatched
                     rows and G experts on the device, G times the operand. These copies live only
                     inside the GEMMs and their transposes, so the traced residuals never show them;
@@ -43,9 +43,9 @@ def dispatch_scaled(entries, dispatch, xp: float) -> tuple:
 
 def expands_ragged_operand(cfg) -> bool:
     """Whether the experts' grouped GEMM is `lax.ragged_dot` (xla backend): `gemm: xla`, or `auto` where
-    this process's devices are not Hopper GPUs (pallas_kernels.grouped_matmul.resolve_backend's choice,
-    the same devices the memory probe traces on)."""
-    if cfg.gemm == "mosaic":
+    this process's devices are not GPUs (pallas_kernels.grouped_matmul.resolve_backend's choice, the
+    same devices the memory probe traces on). The Mosaic (Hopper) and Triton kernels read the groups in place."""
+    if cfg.gemm in ("mosaic", "triton"):
         return False
     if cfg.gemm == "xla":
         return True
@@ -65,7 +65,7 @@ def grouped_gemm_backward_bytes(cfg, lc, policy: str) -> int:
     f-wide one also transposed to [R, G*f] for the dot (a free bitcast when G = 1): 4f + d per row
     and expert. When the layer is recomputed (any remat policy but `none`: ragged_dot is no dot the
     save_dots policies keep) the recomputed forward's d-wide expansion and, where G > 1, a third
-    f-wide one with its transpose join them: 6f + 2d (G = 1: 2f + 2d). The Mosaic kernels (Hopper)
+    f-wide one with its transpose join them: 6f + 2d (G = 1: 2f + 2d). The Mosaic and Triton kernels
     read the groups in place: nothing."""
     if not lc.el or not expands_ragged_operand(cfg):
         return 0
