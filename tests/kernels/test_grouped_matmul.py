@@ -4,6 +4,7 @@ tiles (ragged M, K, N, empty and sub-tile groups, padding rows holding NaN) and 
 llama-MoE shape; on a GPU the compiled triton path (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu
 tests/kernels/test_grouped_matmul.py`), on a Hopper GPU the Mosaic path against ragged_dot, and the
 ragged all-to-all against the padded one on a one-device expert axis."""
+import functools
 import itertools
 
 import jax
@@ -130,13 +131,21 @@ def test_triton_lowers_for_cuda_at_a_llama_moe_shape(monkeypatch):
         verified.append(result.module.operation.get_asm())
         return result
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    for dt, (m, k, n, g) in ((jnp.bfloat16, (2048, 1024, 1536, 8)), (jnp.float32, (683, 1000, 1500, 16))):
+    cases = ((jnp.bfloat16, (2048, 1024, 1536, 8), None), (jnp.float32, (683, 1000, 1500, 16), None),
+             (jnp.bfloat16, (2048, 1024, 1536, 8), gmt.HOPPER_BF16))
+    for dt, (m, k, n, g), tiles in cases:
         s = lambda *shape, d=dt: jax.ShapeDtypeStruct(shape, d)  # noqa: E731
-        text = _with_grads(gmt.grouped_matmul_triton).trace(s(m, k), s(g, k, n), s(g, d=jnp.int32), s(m, n)).lower(
+        f = functools.partial(gmt.grouped_matmul_triton, tiles=tiles)
+        text = _with_grads(f).trace(s(m, k), s(g, k, n), s(g, d=jnp.int32), s(m, n)).lower(
             lowering_platforms=("cuda",)).as_text()
         for name in ("grouped_matmul_triton", "grouped_matmul_triton_dx", "grouped_matmul_triton_dw"):
             assert f'name = "{name}"' in text, (dt, name)
-    assert len(verified) == 6
+    assert len(verified) == 9
+    # the defaults: Hopper's measured tile in bf16 only there; 4-byte inputs keep half the stages everywhere
+    assert gmt.TritonTiles.default(jnp.bfloat16) == gmt.TritonTiles() and jax.default_backend() != "gpu"
+    monkeypatch.setattr(gmt, "_on_sm90", lambda: True)
+    assert gmt.TritonTiles.default(jnp.bfloat16) == gmt.HOPPER_BF16
+    assert gmt.TritonTiles.default(jnp.float32).num_stages == 2
     # fp32 operands multiply exactly: Triton's default (tf32) rounds them (3e-4 off on an H100)
     dots = [line for text in verified for line in text.splitlines() if "tt.dot " in line]
     assert dots and all(("xf32> * tensor" in line) != ("inputPrecision = tf32" in line) or "xbf16>" in line
