@@ -23,7 +23,8 @@ from flax import nnx
 
 from meshlab.parallel import experts as dispatch_mod
 from meshlab.rules import constrain
-from models.llama import F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _param, _w, embed_lookup, layer_loop
+from models.llama import (F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _layer_mm, _param, _w, embed_lookup,
+                          layer_loop)
 from models.remat import remat as _remat
 
 
@@ -140,8 +141,10 @@ class MoeFFN(nnx.Module):
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim), rngs)
         self.cfg = cfg
 
-    def __call__(self, x):
-        """x [b, s, d] (normed) -> (output [b, s, d], router_stats)."""
+    def __call__(self, x, shared_mm=None):
+        """x [b, s, d] (normed) -> (output [b, s, d], router_stats). shared_mm: the shared expert's GEMM
+        (the training block's `_layer_mm`: FP8 under matmul_dtype=float8, as a dense MLP's; None: the
+        compute dtype, as serving runs it)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         b, s, _ = x.shape
         logits, probs, top_w, top_i = route(cfg, x, _w(self.router, F32))
@@ -153,7 +156,7 @@ class MoeFFN(nnx.Module):
         y = dispatch_mod.moe_ffn(x, (top_i, top_w, keep, pos), weights, dispatch=mode["dispatch"],
                                  capacity=capacity, backend=cfg.gemm, chunks=mode["chunks"])  # [b, s, d]
         if cfg.shared_mlp_dim:
-            y = y + self.shared(x)
+            y = y + (self.shared(x, shared_mm) if shared_mm else self.shared(x))
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))
         return y, router_stats(cfg, logits, probs, top_i, keep)
 
@@ -171,7 +174,7 @@ class MoeBlock(nnx.Module):
         normed, x = self.mlp_norm(attn_out, residual=x)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         with jax.named_scope("moe"):
-            y, stats = self.moe(normed)
+            y, stats = self.moe(normed, shared_mm=_layer_mm(self.moe.cfg))
         return constrain(x + y, ("act_batch", "act_seq", "act_embed")), stats
 
 

@@ -270,6 +270,22 @@ def test_bad_experts_strategy_is_one_clear_error(tmp_path):
 
 
 # -- counts and serving ------------------------------------------------------------------------------
+def test_float8_runs_the_shared_expert_in_fp8_and_the_routed_experts_in_the_compute_dtype():
+    """Under model.matmul_dtype=float8 the shared expert is a dense MLP and runs its three GEMMs in FP8,
+    as the dense model's do; the routed experts' grouped GEMMs stay in the compute dtype (the start-up
+    warning says so). Counted in the lowered MoE layer: e4m3 dots with and without the shared expert."""
+    from flax import nnx
+
+    def fp8_dots(shared):
+        cfg = dataclasses.replace(CFG, shared_mlp_dim=shared, matmul_dtype="float8", dtype="bfloat16")
+        block = moe.MoeBlock(cfg, nnx.Rngs(0))
+        x = jnp.ones((2, 8, cfg.d_model), jnp.bfloat16)
+        pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+        text = jax.jit(lambda x: block(x, pos, None)[0]).lower(x).as_text()
+        return sum("dot_general" in line and "f8E4M3FN" in line for line in text.splitlines())
+    assert fp8_dots(32) - fp8_dots(0) == 3
+
+
 def test_active_and_total_counts_follow_the_config():
     from models import model_def
     cfg = models.preset("moe_tiny")
