@@ -25,7 +25,7 @@ import numpy as np
 
 from meshlab.layout import only_axes
 from meshlab.mesh import entry_axes
-from meshlab.plan import account, memory_moe
+from meshlab.plan import account, memory_context, memory_moe
 from meshlab.plan.compute import is_flash
 
 F32 = 4
@@ -53,6 +53,7 @@ class Local:
                       # group's size, the exact worst case each side holds; capacity: E*C / (S*k))
     el: int = 0       # experts per device run as ragged groups (dropless); 0: dense or capacity dispatch
     ring: bool = False  # ring attention: k/v shards attended in block_k tiles, never an [S, S] array
+    ring_blocks: memory_context.RingBlocks | None = None   # and what its blocks hold (memory_context)
 
 
 def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int = 1) -> Local:
@@ -67,7 +68,8 @@ def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int
                  h=cfg.n_heads // shards("act_heads"), kvh=max(cfg.n_kv_heads // shards("act_kv_heads"), 1),
                  f=cfg.mlp_dim // shards("act_mlp"), v=cfg.padded_vocab // shards("act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
-                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el, ring=ring)
+                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el, ring=ring,
+                 ring_blocks=memory_context.ring_blocks(seq // attn_split, mesh.shape["context"], cfg.head_dim) if ring else None)
 
 
 # -- model state -------------------------------------------------------------------------------
@@ -236,9 +238,17 @@ def attention_backward_bytes(lc: Local, attention: str, policy: str) -> dict:
     XLA:GPU (H100) alike; XLA:CPU also copies exp(s - max) out of the stack (the GPU reads it in its
     fusion) and its forward, like the GPU's, holds the -1e30 fill of the masked scores as an fp32
     [b, h, S, S] array, neither counted. A flash kernel (cudnn, pallas) forms dP and dS a tile at a
-    time in on-chip memory and its mask in registers, and ring attention's blocks are tiled over
-    block_k keys (meshlab/parallel/ring_attention.py): all zero."""
-    if is_flash(attention) or lc.ring:
+    time in on-chip memory and its mask in registers: all zero.
+
+    Ring attention runs its own backward whatever `attention` says (memory_context): its jnp blocks
+    form dP and dS per score of one ring step's tiles (`memory_context.ring_blocks`; none with the
+    Pallas blocks) and mask each tile where it is formed (no stack copy, no hoisted mask); its fp32
+    dQ, dK, dV accumulators, the dK/dV in flight and the k/v block received are counted in
+    `gradients` too (memory_context.ring_backward_blocks)."""
+    if lc.ring:
+        n = lc.b * lc.h * lc.ring_blocks.step
+        return {"gradients": n * (lc.c + F32) + memory_context.ring_backward_blocks(lc), "stack copy": 0, "mask": 0}
+    if is_flash(attention):
         return {"gradients": 0, "stack copy": 0, "mask": 0}
     n = lc.b * lc.h * lc.s_attn * lc.s_kv
     saved = policy == "none"
@@ -264,11 +274,21 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     depend on the layer) is dropped, and its backward forms no [S, S] gradients. Under sequence
     parallelism the residual-stream arrays are split over `tensor` (scaled with the whole sequence
     they were +16% on fsdp_tp_sp).
+
+    Ring attention (memory_context) saves like a flash attention (plus, under save_dots, every step's
+    score tiles), forms one ring step's [cq, bk] tiles and their gradients in the layer's backward under
+    every policy (its custom_vjp recomputes them from the lse), and adds a phase of its own, the last
+    layer's forward (`forward working set`; 0 without ring attention). Counted as the XLA attention's
+    [S/context, S/context] arrays instead, cp_ring (context 4) would be 21% over under none and 23%
+    under under full at S=1024, 79% over at S=4096 (none) and 70% under at save_dots.
     """
     if policy not in ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn"):
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
                          "save_dots_attn")
     flash = is_flash(attention)
+    # Ring attention saves q, k, v, its output and an lse per query and head (its custom_vjp), never the
+    # XLA attention's [S, S] residuals the trace shows; its save_dots_attn keeps no flash forward.
+    lse_only = flash or lc.ring
     local = local_config(cfg, lc)
     layer, head, dispatch = _traced(local, policy, "xla")
     layer_none, _, dispatch_none = _traced(local, "none", "xla")
@@ -284,19 +304,21 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
         flags = flags if flags is not None else (False,) * len(entries)
         lin = [(e, f) for e, f in zip(entries, flags) if e[2] < 2]
         out = _scale([e for e, _ in lin], lc.b, lc.s_attn, [f for _, f in lin], lc.s)
-        if not flash:
+        if not lse_only:
             out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, k, p in entries if k >= 2))
         return out
 
     def per_layer(entries, flags, keeps_attention_out=False):
         out = scaled(entries, flags)
-        if flash:
+        if lse_only:
             out += any(e[2] >= 2 for e in entries) and lc.b * lc.h * lc.s_attn * F32   # one lse per query and head
             if keeps_attention_out:   # save_dots_attn: and the attention output
                 out += lc.b * lc.s_attn * lc.h * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         return out
     saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps a flash output (models/remat.py)
-                            keeps_attention_out=policy == "save_dots_attn" and flash)
+                            keeps_attention_out=policy == "save_dots_attn" and flash and not lc.ring)
+    if lc.ring:   # save_dots keeps the ring forward's score tiles, every step's
+        saved_layer += memory_context.ring_saved_dots(lc, policy)
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
     # The layer's backward runs the MLP's (or the experts') backward, then attention's. The first holds
     # the whole recompute and, for a mixture of experts, the grouped GEMMs' copies of their ragged
@@ -307,15 +329,22 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     # and mask are live in both (attention_backward_bytes), the mask in the loss head phase too.
     xa = attention_backward_bytes(lc, attention, policy)
     mlp_phase = recompute + memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
-    scores = 0 if policy == "none" or flash else scaled([e for e in layer_none if e[2] >= 2], None)
+    if lc.ring:   # recomputed from the lse in every ring step's tiles, under every policy
+        scores = int(sum(n * size * lc.b * lc.ring_blocks.step / p ** 2 for n, size, k, p in layer_none if k >= 2))
+    else:
+        scores = 0 if policy == "none" or flash else scaled([e for e in layer_none if e[2] >= 2], None)
     working = max(mlp_phase, scores + xa["gradients"]) + xa["stack copy"] + xa["mask"]
     # The [S, S] entries the trace finds outside the layers are the XLA attention's hoisted mask (its
     # bool, counted above) and the fp32 fill of the masked scores, a forward-only array.
     head_flags = stream[policy][1] or (False,) * len(head)
     head_bytes = scaled([e for e in head if e[2] < 2], [f for e, f in zip(head, head_flags) if e[2] < 2]) + xa["mask"]
     saved = cfg.n_layers * saved_layer
+    # Ring attention's forward: one step's tiles, its accumulators and the loop invariants JAX hoists out
+    # of the layer scan, beside every earlier layer's residuals and this layer's (memory_context).
+    forward = sum(memory_context.ring_forward_bytes(lc, policy).values()) if lc.ring else 0
     return {"saved per layer": saved_layer, "saved (all layers)": saved, "backward working set": working,
-            "attention backward": xa, "loss head": head_bytes, "total": saved + max(working, head_bytes),
+            "forward working set": forward, "attention backward": xa, "loss head": head_bytes,
+            "total": saved + max(working, head_bytes, forward),
             "detail": f"{len(layer)} residual arrays per layer ({sum(e[2] >= 2 for e in layer)} of them [.., S, S]), "
                       f"{len(head)} around the embedding and loss head, traced at remat={policy}"}
 
@@ -367,8 +396,9 @@ def kv_cache_bytes(cfg, batch: int, seq: int, tensor: int = 1, dtype_bytes: int 
 
 def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int = 1, policy: str | None = None,
                 attention: str | None = None) -> dict:
-    """Everything per device for one training step. The peak is the largest of three phases, each
-    activations + the temporaries live beside them (`temporaries` lists the peak phase's):
+    """Everything per device for one training step. The peak is the largest of three phases (four under
+    ring attention), each activations + the temporaries live beside them (`temporaries` lists the peak
+    phase's):
       loss head       saved residuals + the head's buffers; the gradient buffers (fp32: non-layer
                       leaves at their full local size until the data-parallel reduction, layer
                       leaves as the backward scan's stacked gradient, reduce-scattered per layer
@@ -377,7 +407,10 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
       layer backward  saved residuals + one layer's recompute; the same gradient buffers plus the
                       layer's own fp32 weight gradients before they are reduced/stored, and under
                       remat that layer's re-gathered weights;
-      update          the gradients + Adam's update tree (optimizer-spec, fp32).
+      update          the gradients + Adam's update tree (optimizer-spec, fp32);
+      layer forward   ring attention only: saved residuals + the last layer's ring forward with the
+                      loop invariants JAX hoists out of the layer scan (memory_context), the gradient
+                      buffers and, under ZeRO-3, the layer's gathered weights.
     In every phase: the step's copy of Adam's moments. The step keeps the old state where the update
     is not finite (meshlab/train/step.py, jnp.where(finite, new, old)), so XLA copies mu and nu at
     the start of the step (the old values are read after the new ones are written in place) and the
@@ -385,13 +418,17 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
     leaf). The donated moment buffers are then free and take temporaries that fit them; counted as
     taking back as much as the gradient buffers where the rule file stores gradients like the
     moments (their shapes), nothing under ZeRO-1. Measured on 8 CPU devices for every shipped rule
-    file but the context-parallel ones, every remat policy, 2 and 4 layers, 2 and 4 rows per device:
-    within 15% of the compiler's temp (one case, fsdp_tp_sp at full remat, -18%); without this
-    term dp under remat was 16-27% under. At S=512, where the XLA attention's [S, S] arrays are most
-    of the temp (`attention_backward_bytes`): -1% under none, -5% to -8% under the other policies."""
+    file, every remat policy, 2 and 4 layers, 2 and 4 rows per device: within 15% of the compiler's
+    temp (one case, fsdp_tp_sp at full remat, -18%); without this term dp under remat was 16-27%
+    under. At S=512, where the XLA attention's [S, S] arrays are most of the temp
+    (`attention_backward_bytes`): -1% under none, -5% to -8% under the other policies. The context-
+    parallel files (tiny, S = 512 to 4096, none, full and the save_dots policies): cp_ring and fsdp_cp
+    -5% to +8%, cp_ulysses -9% to -1% (tests/plan/test_memory_comm.py, test_context_parallel_temp_estimate)."""
     cfg = md.cfg
     policy = policy or cfg.remat
     attention = attention or cfg.attention
+    if rules.strategies.get("attention") == "ulysses":   # its local attention is `auto`'s, whatever the config says
+        attention = memory_context.ulysses_local_attention()
     lc = local_sizes(cfg, rules, mesh, global_batch, seq, microbatches)
     state = state_memory(md, rules, mesh)
     act = activation_memory(cfg, lc, policy, attention)
@@ -408,6 +445,9 @@ def plan_memory(md, rules, mesh, global_batch: int, seq: int, microbatches: int 
         "update": (0, {"grads": state["grads"], "Adam update": state["optimizer"] // 2,
                        "optimizer copy (non-finite guard)": _moment_copy(rules, state)}),
     }
+    if act["forward working set"]:
+        phases["layer forward"] = (act["saved (all layers)"] + act["forward working set"],
+                                   {**shared, "gathered weights": gathered["layer backward"]})
     totals = {k: a + sum(t.values()) for k, (a, t) in phases.items()}
     peak_phase = max(totals, key=totals.get)
     act_at_peak, temps = phases[peak_phase]

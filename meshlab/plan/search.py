@@ -253,7 +253,10 @@ def explain(plan: Plan, model_cfg, hw) -> str:
                  f"grads {fb(tb['grads'])}, optimizer {fb(tb['optimizer'])} = {fb(tb['total'])}")
     lines.append(f"  activations: {m['activations']['detail']}")
     lines.append(f"  activations saved per layer            {fb(m['activations']['saved per layer']):>12}")
-    for k in ("saved (all layers)", "backward working set", "loss head"):
+    parts = ("saved (all layers)", "backward working set", "loss head")
+    if m["activations"]["forward working set"]:   # ring attention's last layer forward
+        parts += ("forward working set",)
+    for k in parts:
         lines.append(f"  activations {k:<21} {fb(m['activations'][k]):>12}")
     phases = ", ".join(f"{k} {fb(v)}" for k, v in m["phases"].items())
     lines.append(f"  peak phase: {m['peak phase']} (phases: {phases}); beside its activations:")
