@@ -78,7 +78,8 @@ def _triton_gpu_available() -> bool:
     return False
 
 
-def _hopper() -> bool:
+def on_hopper() -> bool:
+    """A Hopper GPU (sm_90: H100, H200, GH200) among the devices: where the Mosaic GPU kernels (wgmma) run."""
     try:
         return any(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
                    for d in jax.devices())
@@ -119,7 +120,7 @@ def auto_order() -> tuple[str, ...]:
     """`auto`'s order on this platform, fastest first (docs/benchmarks.md#attention): Hopper runs the
     Mosaic kernel ahead of cuDNN; other GPUs cuDNN first, since there "pallas" is the Triton kernel,
     which ran fwd+bwd slower than cuDNN; CPU xla."""
-    if _hopper():
+    if on_hopper():
         return ("pallas", "cudnn", "xla")
     if _gpu_available():
         return ("cudnn", "pallas", "xla")
@@ -169,6 +170,6 @@ def dot_product_attention(q, k, v, *, impl: str = "xla", causal: bool = True, se
             raise NotImplementedError(f"cudnn causal attention here needs q_len == kv_len (got {q.shape[1]} "
                                       f"and {k.shape[1]}); use attention=pallas or xla for chunked prefill")
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn")
-    if _hopper() and mgpu_supports(q, k, segment_ids=segment_ids):
+    if on_hopper() and mgpu_supports(q, k, segment_ids=segment_ids):
         return flash_attention_mgpu.flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
     return flash_attention.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)

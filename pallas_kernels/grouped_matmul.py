@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
+from pallas_kernels.attention import on_hopper
 from pallas_kernels.grouped_matmul_triton import TritonTiles, grouped_matmul_triton
 
 BACKENDS = ("auto", "mosaic", "triton", "xla")
@@ -66,17 +67,6 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _on_hopper() -> bool:
-    """A Hopper GPU (sm_90: H100, H200, GH200): the one architecture the Mosaic kernels' wgmma runs on."""
-    if not _on_gpu():
-        return False
-    dev = jax.devices()[0]
-    cc = getattr(dev, "compute_capability", None)
-    if cc:
-        return str(cc).split(".")[0] == "9"
-    return "H" in getattr(dev, "device_kind", "")
-
-
 def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"grouped_matmul backend={backend!r} must be one of {BACKENDS}")
@@ -89,11 +79,11 @@ def resolve_backend(backend: str = "auto", interpret: bool = False) -> str:
         return "triton"
     if interpret:
         return "xla"
-    on_hopper = _on_hopper()
-    if backend == "mosaic" and not on_hopper:
+    hopper = on_hopper()
+    if backend == "mosaic" and not hopper:
         raise ValueError("grouped_matmul backend='mosaic' needs a Hopper GPU (H100/H200); on other devices use "
                          "backend='triton' (any CUDA GPU), 'xla' (jax.lax.ragged_dot) or 'auto'")
-    if on_hopper:
+    if hopper:
         return "mosaic"
     return "triton" if _on_gpu() else "xla"
 

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention import on_hopper
 from pallas_kernels.compat import TritonCompilerParams
 
 F32 = jnp.float32
@@ -50,7 +51,7 @@ class TritonTiles:
     def default(cls, dtype) -> "TritonTiles":
         if jnp.dtype(dtype).itemsize >= 4:
             return cls(num_stages=2, dw_num_stages=2)
-        return HOPPER_BF16 if _on_sm90() else cls()
+        return HOPPER_BF16 if on_hopper() else cls()
 
     def validate(self):
         for f in dataclasses.fields(self):
@@ -65,12 +66,6 @@ class TritonTiles:
 # The fastest forward tile of bench_moe.py's sweep on an H100 (32768 x 2048 x 1536, 16 experts: 0.395 ms
 # against 0.474 at the defaults); the dW tiles are the defaults, the faster of the two row chunks timed.
 HOPPER_BF16 = TritonTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
-
-
-def _on_sm90() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
 def fit(block: int, size: int) -> int:

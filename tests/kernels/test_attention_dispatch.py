@@ -37,14 +37,14 @@ def test_cpu_availability():
 
 def test_auto_picks_first_available_and_logs_once(caplog, monkeypatch):
     monkeypatch.setattr(attention, "available", lambda i: i in ("cudnn", "xla", "auto"))
-    monkeypatch.setattr(attention, "_hopper", lambda: True)   # pallas first, but not available here
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)   # pallas first, but not available here
     with caplog.at_level(logging.INFO, logger=attention.log.name):
         assert attention.resolve("auto") == "cudnn"
         assert attention.resolve("auto") == "cudnn"
     assert [r.getMessage() for r in caplog.records].count("attention: auto chose cudnn") == 1
     monkeypatch.setattr(attention, "_auto_choice", None)
     monkeypatch.setattr(attention, "available", lambda i: True)
-    monkeypatch.setattr(attention, "_hopper", lambda: True)
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
     assert attention.resolve("auto") == "pallas"
 
 
@@ -53,7 +53,7 @@ def test_auto_picks_first_available_and_logs_once(caplog, monkeypatch):
                                               (False, False, ("xla",))])
 def test_auto_order_is_the_measured_one_per_platform(monkeypatch, hopper, gpu, order):
     """Hopper: the Mosaic kernel first; other GPUs: cuDNN before the (slower there) Triton kernel; CPU: xla."""
-    monkeypatch.setattr(attention, "_hopper", lambda: hopper)
+    monkeypatch.setattr(attention, "on_hopper", lambda: hopper)
     monkeypatch.setattr(attention, "_gpu_available", lambda: gpu)
     assert attention.auto_order() == order
     monkeypatch.setattr(attention, "available", lambda i: True)
@@ -104,7 +104,7 @@ def test_gpu_auto_is_pallas_and_all_impls_agree():
 def test_pallas_runs_the_mosaic_kernel_on_hopper_for_shapes_it_takes(monkeypatch):
     import pallas_kernels.flash_attention_mgpu as mgpu
     calls = []
-    monkeypatch.setattr(attention, "_hopper", lambda: True)
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
     monkeypatch.setattr(attention, "available", lambda impl: True)
     monkeypatch.setattr(mgpu, "flash_attention_mgpu", lambda q, k, v, **kw: calls.append(kw) or q)
     q, k, v = _qkv(sq=256, sk=256)

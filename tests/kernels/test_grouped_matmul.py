@@ -142,8 +142,9 @@ def test_triton_lowers_for_cuda_at_a_llama_moe_shape(monkeypatch):
             assert f'name = "{name}"' in text, (dt, name)
     assert len(verified) == 9
     # the defaults: Hopper's measured tile in bf16 only there; 4-byte inputs keep half the stages everywhere
-    assert gmt.TritonTiles.default(jnp.bfloat16) == gmt.TritonTiles() and jax.default_backend() != "gpu"
-    monkeypatch.setattr(gmt, "_on_sm90", lambda: True)
+    monkeypatch.setattr(gmt, "on_hopper", lambda: False)
+    assert gmt.TritonTiles.default(jnp.bfloat16) == gmt.TritonTiles()
+    monkeypatch.setattr(gmt, "on_hopper", lambda: True)
     assert gmt.TritonTiles.default(jnp.bfloat16) == gmt.HOPPER_BF16
     assert gmt.TritonTiles.default(jnp.float32).num_stages == 2
     # fp32 operands multiply exactly: Triton's default (tf32) rounds them (3e-4 off on an H100)
