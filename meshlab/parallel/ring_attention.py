@@ -291,9 +291,13 @@ def _build(cfg: _Cfg, mesh, axis_names, batch_axes, head_axes, has_seg: bool):
     return attn
 
 
+# Keys per tile of the jnp blocks where they divide a block's keys (the planner's memory_context reads it)
+BLOCK_K = 512
+
+
 def ring_attention(q, k, v, *, mesh, axis_name: str = "context", causal: bool = True, segment_ids=None,
                    sm_scale=None, zigzag: bool = True, block_impl: str = "jnp", batch_axes=None,
-                   head_axes=None, block_k: int = 512):
+                   head_axes=None, block_k: int = BLOCK_K):
     """Attention over a sequence sharded along `axis_name` of `mesh`, by ring.
 
     q [b, s, h, d], k/v [b, s, kvh, d]: global arrays; the sequence dim is split over

@@ -52,8 +52,12 @@ class Local:
     xp: float = 1.0   # expert dispatch buffers over the device's own assignments (dropless: the expert
                       # group's size, the exact worst case each side holds; capacity: E*C / (S*k))
     el: int = 0       # experts per device run as ragged groups (dropless); 0: dense or capacity dispatch
-    ring: bool = False  # ring attention: k/v shards attended in block_k tiles, never an [S, S] array
-    ring_blocks: memory_context.RingBlocks | None = None   # and what its blocks hold (memory_context)
+    ring_blocks: memory_context.RingBlocks | None = None   # ring attention's blocks (memory_context); None: no ring
+
+    @property
+    def ring(self) -> bool:
+        """Ring attention: k/v shards attended in block_k tiles, never an [S, S] array."""
+        return self.ring_blocks is not None
 
 
 def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int = 1) -> Local:
@@ -68,7 +72,7 @@ def local_sizes(cfg, rules, mesh, global_batch: int, seq: int, microbatches: int
                  h=cfg.n_heads // shards("act_heads"), kvh=max(cfg.n_kv_heads // shards("act_kv_heads"), 1),
                  f=cfg.mlp_dim // shards("act_mlp"), v=cfg.padded_vocab // shards("act_vocab"),
                  d=cfg.d_model, hd=cfg.head_dim, c=np.dtype(cfg.dtype).itemsize, t=t,
-                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el, ring=ring,
+                 sp="tensor" in rules.axes("act_seq", mesh), fe=fe, fs=fs, xp=xp, el=el,
                  ring_blocks=memory_context.ring_blocks(seq // attn_split, mesh.shape["context"], cfg.head_dim) if ring else None)
 
 
@@ -299,14 +303,16 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     split = lc.s != lc.s_attn   # sequence parallelism: the stream is split where attention's sequence is not
     stream = {p: _stream_flags(local, p, "xla") if split else (None, None) for p in {policy, "none"}}
 
+    def quad(entries, scores):
+        """Bytes of the traced [S, S] entries (probed at p x p) at `scores` elements per row and head."""
+        return int(sum(n * size * lc.b * scores / p ** 2 for n, size, k, p in entries if k >= 2))
+
     def scaled(entries, flags):
         """Bytes of traced entries: [S, S] ones (the XLA attention's) per query and key, none with a flash kernel."""
         flags = flags if flags is not None else (False,) * len(entries)
         lin = [(e, f) for e, f in zip(entries, flags) if e[2] < 2]
         out = _scale([e for e, _ in lin], lc.b, lc.s_attn, [f for _, f in lin], lc.s)
-        if not lse_only:
-            out += int(sum(n * size * lc.b * (lc.s_attn / p) * (lc.s_kv / p) for n, size, k, p in entries if k >= 2))
-        return out
+        return out + (0 if lse_only else quad(entries, lc.s_attn * lc.s_kv))
 
     def per_layer(entries, flags, keeps_attention_out=False):
         out = scaled(entries, flags)
@@ -330,7 +336,7 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     xa = attention_backward_bytes(lc, attention, policy)
     mlp_phase = recompute + memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
     if lc.ring:   # recomputed from the lse in every ring step's tiles, under every policy
-        scores = int(sum(n * size * lc.b * lc.ring_blocks.step / p ** 2 for n, size, k, p in layer_none if k >= 2))
+        scores = quad(layer_none, lc.ring_blocks.step)
     else:
         scores = 0 if policy == "none" or flash else scaled([e for e in layer_none if e[2] >= 2], None)
     working = max(mlp_phase, scores + xa["gradients"]) + xa["stack copy"] + xa["mask"]

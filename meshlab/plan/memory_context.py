@@ -13,7 +13,6 @@ Neither strategy runs the attention `model.attention` names:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 F32 = 4
 
@@ -51,10 +50,9 @@ def ring_blocks(s_local: int, n: int, head_dim: int) -> RingBlocks:
     run different calls (the switch returns each branch's residuals): about context - 1/4 times the
     [S/context, S/context] scores the XLA attention would save."""
     from meshlab.parallel.attention_blocks import MAX_SPLITS, resolve_block_impl
-    from meshlab.parallel.ring_attention import ring_attention
+    from meshlab.parallel.ring_attention import BLOCK_K as block_k   # what the model's call runs
     if resolve_block_impl("auto", head_dim) != "jnp":
         return RingBlocks(hops=n - 1, step=0, hoisted=0, inits=s_local, dots=0)
-    block_k = inspect.signature(ring_attention).parameters["block_k"].default   # what the model's call runs
 
     def tile(keys):
         return block_k if keys > block_k and keys % block_k == 0 else keys

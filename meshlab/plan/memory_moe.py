@@ -45,10 +45,8 @@ def expands_ragged_operand(cfg) -> bool:
     """Whether the experts' grouped GEMM is `lax.ragged_dot` (xla backend): `gemm: xla`, or `auto` where
     this process's devices are not GPUs (pallas_kernels.grouped_matmul.resolve_backend's choice, the
     same devices the memory probe traces on). The Mosaic (Hopper) and Triton kernels read the groups in place."""
-    if cfg.gemm in ("mosaic", "triton"):
-        return False
-    if cfg.gemm == "xla":
-        return True
+    if cfg.gemm != "auto":
+        return cfg.gemm == "xla"
     from pallas_kernels.grouped_matmul import resolve_backend
     return resolve_backend(cfg.gemm) == "xla"
 
