@@ -68,6 +68,14 @@ def _tiles_label(t, dw=False):
     return fwd + (f", dW {t.dw_block_m}x{t.dw_block_k}x{t.dw_block_n}/w{t.dw_num_warps}/s{t.dw_num_stages}" if dw else "")
 
 
+def _keep_best(best, tiles, row, e):
+    """(tiles, row) of the fastest timed row at e experts: a row at a new expert count replaces the last
+    count's best (the sweeps run at 16 first; the other counts time only the winner)."""
+    if row and "tflops" in row and (best is None or best[1]["experts"] != e or row["tflops"] > best[1]["tflops"]):
+        return tiles, row
+    return best
+
+
 def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     rows = []
@@ -128,8 +136,7 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
                           f"{tiles.max_concurrent_steps}/g{tiles.grid_block_n}",
                           lambda x, w, kw_=kw_: gm._call(ragged_dot_mgpu.ragged_dot, x, w, group_sizes=gs, **kw_),
                           (x, w))
-                if r and "tflops" in r and (best is None or best[1]["experts"] != e or r["tflops"] > best[1]["tflops"]):
-                    best = (tiles, r)
+                best = _keep_best(best, tiles, r, e)
             tiles = best[0] if best else gm.Tiles()
             timed("ours: grouped_matmul (mosaic, all rows real: the model's 1-device dropless path)",
                   lambda x, w: gm.grouped_matmul(x, w, gs, backend="mosaic", tiles=tiles, all_rows=True), (x, w))
@@ -142,20 +149,15 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
             for tt in sweep:
                 r = timed(f"triton: grouped_matmul (triton) {_tiles_label(tt)}",
                           lambda x, w, tt=tt: gm.grouped_matmul(x, w, gs, backend="triton", triton_tiles=tt), (x, w))
-                if r and "tflops" in r and (best_triton is None or best_triton[1]["experts"] != e
-                                            or r["tflops"] > best_triton[1]["tflops"]):
-                    best_triton = (tt, r)
+                best_triton = _keep_best(best_triton, tt, r, e)
             tt = best_triton[0] if best_triton else gm.TritonTiles()
+            # the forward's tiles at 16 experts with each dW row chunk; the winner's at the other counts
             bwd_sweep = ([dataclasses.replace(tt, dw_block_m=b) for b in TRITON_DW] if best_triton_bwd is None
-                         else [dataclasses.replace(tt, **{f: getattr(best_triton_bwd[0], f) for f in
-                                                          ("dw_block_m", "dw_block_k", "dw_block_n", "dw_num_warps",
-                                                           "dw_num_stages")})])
+                         else [best_triton_bwd[0]])
             for tb in bwd_sweep:
                 r = timed(f"triton fwd+bwd (x3 FLOPs) {_tiles_label(tb, dw=True)}", grad("triton", triton_tiles=tb), (x, w),
                           useful_flops=3 * useful)
-                if r and "tflops" in r and (best_triton_bwd is None or best_triton_bwd[1]["experts"] != e
-                                            or r["tflops"] > best_triton_bwd[1]["tflops"]):
-                    best_triton_bwd = (tb, r)
+                best_triton_bwd = _keep_best(best_triton_bwd, tb, r, e)
         if "xla" in backends and e <= 16:   # 64 groups: GBs of padded temporaries
             timed("jax.lax.ragged_dot", lambda x, w: jax.lax.ragged_dot(x, w, gs), (x, w))
             timed("jax.lax.ragged_dot fwd+bwd (x3 FLOPs)", grad("xla"), (x, w), useful_flops=3 * useful, verify=False)
