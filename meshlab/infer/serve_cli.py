@@ -132,7 +132,11 @@ def serve_until_signalled(server, shutdown_timeout: float) -> None:
     done, now = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (now if done.is_set() else done).set())
-    done.wait()
+    # The kernel may deliver the signal to any thread (the engine's, uvicorn's, XLA's): CPython then only
+    # flags it, and the handler runs when the main thread next executes bytecode. An untimed wait would
+    # sleep through it (seen: SIGTERM ignored until a second one), so the wait wakes every 0.2 s.
+    while not done.wait(0.2):
+        pass
     print(f"draining: new requests get 503, those in flight have {shutdown_timeout:g} s to finish "
           "(signal again to stop now)", flush=True)
     if not server.drain(shutdown_timeout, cancel=now):

@@ -115,6 +115,33 @@ def test_serve_readme_command(run, clean):
     assert list(clean.iterdir()) == [] and tree(run.parent.parent) == before
 
 
+SIGNAL_TO_A_WORKER_THREAD = """
+import signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from meshlab.infer.serve_cli import serve_until_signalled
+
+class Server:
+    def drain(self, timeout, cancel):
+        return True
+    def stop(self):
+        print("stopped", flush=True)
+
+worker = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+worker.start()
+threading.Timer(0.5, signal.pthread_kill, (worker.ident, signal.SIGTERM)).start()
+serve_until_signalled(Server(), 1.0)
+"""
+
+
+def test_a_signal_delivered_to_another_thread_still_drains_and_stops():
+    """The kernel hands a process signal to any thread; CPython runs the handler only when the main thread
+    next executes bytecode, so the main thread must not sleep in an untimed wait."""
+    out = subprocess.run([sys.executable, "-c", SIGNAL_TO_A_WORKER_THREAD, str(ROOT)], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "draining" in out.stdout and out.stdout.rstrip().endswith("stopped")
+
+
 def test_restore_reshards_onto_one_device(run, clean, monkeypatch):
     """In a process with 8 devices (the training mesh's count), serving still places params on one."""
     monkeypatch.chdir(clean)
