@@ -3,10 +3,11 @@
 Each device keeps its query shard. Key/value shards (and their segment ids) move one hop per
 step with `ppermute`; the send for the next step is issued before this step's attention so
 XLA's async collective-permute can hide it behind the block computation. Partial results are
-merged with the log-sum-exp rule. The backward pass (a `jax.custom_vjp`) runs the same ring:
-k/v travel again together with their dK/dV accumulators, which take one extra hop at the end
-to get home. Nothing of size S x S is ever formed: the per-block jnp attention is itself
-tiled over keys (`block_k`), so per-device temporaries are ~ (S / context) x block_k.
+merged with the log-sum-exp rule. The backward pass (a `jax.custom_vjp`; the forward runs outside
+it, so remat="save_dots_attn" keeps its output and lse) runs the same ring: k/v travel again
+together with their dK/dV accumulators, which take one extra hop at the end to get home. Nothing
+of size S x S is ever formed: the per-block jnp attention is itself tiled over keys (`block_k`),
+so per-device temporaries are ~ (S / context) x block_k.
 
 Causal load balance (zig-zag). With a contiguous split device n-1 attends to everything and
 device 0 to one block. Instead the global sequence is cut into 2n chunks and device i holds
@@ -38,6 +39,7 @@ from meshlab.parallel.attention_blocks import (NEG, _block_fns, jnp_block_bwd, j
                                                jnp_flash_attention, resolve_block_impl)
 from meshlab.mesh import axes_entry, entry_axes
 from pallas_kernels.flash_attention import output_grad_rowsum
+from pallas_kernels.flash_residuals import attention_with_saved_forward, named_residuals
 
 
 # ----------------------------------------------------------------------------- zig-zag order
@@ -262,8 +264,8 @@ def _build(cfg: _Cfg, mesh, axis_names, batch_axes, head_axes, has_seg: bool):
     segs = (ss, ss) if has_seg else ()
 
     # check_vma=False: the block code is mesh-agnostic (its scan carries start replicated) and
-    # Pallas calls need it; safe because these regions are never differentiated by JAX (the
-    # custom_vjp below supplies the backward ring).
+    # Pallas calls need it; safe because JAX never differentiates these regions (the forward runs on
+    # stop_gradient inputs and the custom_vjp below supplies the backward ring).
     def smap(f, in_specs, out_specs):
         kw = {} if axis_names is None else {"axis_names": set(axis_names)}
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kw)
@@ -274,20 +276,18 @@ def _build(cfg: _Cfg, mesh, axis_names, batch_axes, head_axes, has_seg: bool):
     fwd_sm = smap(lambda *a: _fwd_local(cfg, *unpack(a)), (qs, qs, qs, *segs), (qs, ls))
     bwd_sm = smap(lambda *a: _bwd_local(cfg, *unpack(a[:-3]), *a[-3:]), (qs, qs, qs, *segs, qs, ls, qs), (qs, qs, qs))
 
-    @jax.custom_vjp
+    def fwd(q, k, v, *segs_):
+        return named_residuals(*fwd_sm(q, k, v, *segs_))
+
+    def bwd(inputs, outs, cts):
+        q, k, v, *segs_ = inputs
+        return bwd_sm(q, k, v, *segs_, *outs, cts[0])
+
+    # The ring forward runs outside the custom_vjp and its (o, lse) enter it as named inputs
+    # (pallas_kernels/flash_residuals.py): remat="save_dots_attn" keeps them, and the backward then
+    # runs one ring (k/v and dK/dV hops) instead of two (the forward's again, then the backward's).
     def attn(q, k, v, *segs_):
-        return fwd_sm(q, k, v, *segs_)[0]
-
-    def attn_fwd(q, k, v, *segs_):
-        o, lse = fwd_sm(q, k, v, *segs_)
-        return o, (q, k, v, segs_, o, lse)
-
-    def attn_bwd(res, do):
-        q, k, v, segs_, o, lse = res
-        dq, dk, dv = bwd_sm(q, k, v, *segs_, o, lse, do)
-        return (dq, dk, dv, *(None for _ in segs_))
-
-    attn.defvjp(attn_fwd, attn_bwd)
+        return attention_with_saved_forward(fwd, bwd, (q, k, v, *segs_), n_diff=3, n_ret=1)[0]
     return attn
 
 

@@ -4,9 +4,9 @@ Per layer and token, forward: projections 2*d*(h + 2*kvh)*hd + 2*h*hd*d, SwiGLU 
 causal attention 2*S*h*hd (QK^T and PV, each 2*S*h*hd, halved by the mask). Training is 3x the
 forward (one forward, a backward of twice its cost: the 6N of DESIGN.md); remat adds the
 recomputed forward: `full` the whole layer, `save_dots_no_batch` attention's two batched dots,
-`save_dots` and `none` no matmul, `save_dots_attn` none with a flash attention (cuDNN's or ours:
-its output and lse are kept; one forward launch per layer and step in the H200 profiles,
-models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
+`save_dots` and `none` no matmul, `save_dots_attn` none with a flash attention (cuDNN's, ours, or
+ring attention: its output and lse are kept; one forward launch per layer and step in the H200
+profiles, models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
 S*H^2 side too.
 """
 from __future__ import annotations
@@ -46,16 +46,19 @@ def is_flash(attention: str) -> bool:
     return attention != "xla"
 
 
-def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None) -> dict:
-    """Whole-step FLOPs (all devices), split by term, remat recompute included."""
+def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None, flash: bool | None = None) -> dict:
+    """Whole-step FLOPs (all devices), split by term, remat recompute included. flash: whether the
+    attention keeps an lse and can keep its output under save_dots_attn (a flash kernel, or ring
+    attention whatever `cfg.attention` says); default `is_flash(cfg.attention)`."""
     policy = policy or cfg.remat
+    flash = is_flash(cfg.attention) if flash is None else flash
     per = layer_flops_per_token(cfg, seq)
     tokens = global_batch * seq
     sh2 = 3 * tokens * cfg.n_layers * (per["projections"] + per["mlp"]) + 3 * tokens * 2 * cfg.d_model * cfg.padded_vocab
     s2h = 3 * tokens * cfg.n_layers * per["attention"]
     if policy == "full":
         extra = tokens * cfg.n_layers * sum(per.values())
-    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and not is_flash(cfg.attention)):
+    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and not flash):
         extra = tokens * cfg.n_layers * per["attention"]
     elif policy == "save_dots_attn":   # a flash forward's output and lse are kept: nothing recomputed
         extra = 0.0
@@ -69,9 +72,9 @@ def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None) -> d
 
 
 def compute_time(cfg, global_batch: int, seq: int, devices: int, hw, policy: str | None = None,
-                 pipeline_bubble: float = 0.0) -> float:
+                 pipeline_bubble: float = 0.0, flash: bool | None = None) -> float:
     """Seconds of matmul work per device at the hardware's stated efficiency (+ a pipeline bubble fraction)."""
-    fl = step_flops(cfg, global_batch, seq, policy)["total"]
+    fl = step_flops(cfg, global_batch, seq, policy, flash)["total"]
     return fl / devices / (hw.flops * hw.efficiency) * (1 + pipeline_bubble)
 
 

@@ -279,8 +279,8 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     parallelism the residual-stream arrays are split over `tensor` (scaled with the whole sequence
     they were +16% on fsdp_tp_sp).
 
-    Ring attention (memory_context) saves like a flash attention (plus, under save_dots, every step's
-    score tiles), forms one ring step's [cq, bk] tiles and their gradients in the layer's backward under
+    Ring attention (memory_context) saves like a flash attention (its output too under save_dots_attn;
+    under save_dots every step's score tiles), forms one ring step's [cq, bk] tiles and their gradients in the layer's backward under
     every policy (its custom_vjp recomputes them from the lse), and adds a phase of its own, the last
     layer's forward (`forward working set`; 0 without ring attention). Counted as the XLA attention's
     [S/context, S/context] arrays instead, cp_ring (context 4) would be 21% over under none and 23%
@@ -291,7 +291,7 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
                          "save_dots_attn")
     flash = is_flash(attention)
     # Ring attention saves q, k, v, its output and an lse per query and head (its custom_vjp), never the
-    # XLA attention's [S, S] residuals the trace shows; its save_dots_attn keeps no flash forward.
+    # XLA attention's [S, S] residuals the trace shows; under save_dots_attn its output is kept as a flash one's.
     lse_only = flash or lc.ring
     local = local_config(cfg, lc)
     layer, head, dispatch = _traced(local, policy, "xla")
@@ -322,7 +322,7 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
                 out += lc.b * lc.s_attn * lc.h * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         return out
     saved_layer = per_layer(layer, stream[policy][0],   # save_dots_attn keeps a flash output (models/remat.py)
-                            keeps_attention_out=policy == "save_dots_attn" and flash and not lc.ring)
+                            keeps_attention_out=policy == "save_dots_attn" and lse_only)
     if lc.ring:   # save_dots keeps the ring forward's score tiles, every step's
         saved_layer += memory_context.ring_saved_dots(lc, policy)
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)

@@ -192,6 +192,32 @@ def test_ring_compiled_collectives_and_temp_memory():
     assert temps[2048] < 2048 * 2048 // n * 2 * 4 / 2
 
 
+def test_save_dots_attn_keeps_the_ring_forward():
+    """Under a layer's remat, "full" runs the ring forward's blocks again in the backward; under
+    "save_dots_attn" the ring's output and lse are kept (named residuals) and the backward runs only its
+    own ring: the compiled program computes as many exponentials as without remat, fewer than "full",
+    with the same gradients. (The forward's k/v hops cost nothing twice either way: XLA merges them with
+    the backward ring's identical ones.)"""
+    from models.remat import remat_policy
+    mesh = make_mesh((4,), ("context",))
+    q, k, v, _, w = inputs(s=64)
+
+    def layer(q, k, v):
+        return jnp.sum(ra.ring_attention(jnp.tanh(q), k, v, mesh=mesh, causal=True, block_k=16) * w)
+
+    def run(policy):
+        f = layer if policy == "none" else jax.checkpoint(layer, policy=remat_policy(policy), prevent_cse=True)
+        # value_and_grad: the loss needs the first forward (with grad alone it is dead code)
+        compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile()
+        cost = compiled.cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["transcendentals"], compiled(q, k, v)
+
+    (plain, _), (full, want), (kept, got) = run("none"), run("full"), run("save_dots_attn")
+    assert kept == plain < full, (plain, kept, full)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_ring_with_pallas_block_kernels_interpreted():
     """block_impl='pallas': the Pallas block fwd/bwd (interpret mode on CPU, ~20 s) in the ring."""

@@ -249,6 +249,7 @@ def test_moe_dispatch_activations_grow_with_sequence_and_expert_axis():
 # (rule file, mesh, sequence, remat, global batch, lowest and highest planner/compiler - 1): the dense tiny
 # model, four compiles of 2-8 s; what each case holds to the compiler is in the test's docstring.
 CP_CASES = [("cp_ring", "context=8", 512, "full", 16, -0.10, 0.05),
+            ("cp_ring", "context=8", 512, "save_dots_attn", 16, -0.10, 0.05),
             ("cp_ring", "data=2,context=4", 4096, "none", 2, -0.10, 0.05),
             ("fsdp_cp", None, 512, "save_dots", 16, 0.0, 0.12),
             ("cp_ulysses", "data=4,context=2", 512, "full", 16, -0.12, 0.0)]
@@ -266,6 +267,7 @@ def test_context_parallel_temp_estimate(rules, mesh, seq, remat, batch, low, hig
         the ring forward's loop invariants out of the layer scan (the diagonal step's masks and fp32
         fills, every step's accumulators: without them -32%), one step's scores and exponentials
         (-27%) and all 7 k/v blocks received, issued ahead of the blocks that read them (one: -16%);
+      cp_ring, context=8, S=512, save_dots_attn (-4%): the same phase, with each layer's ring output kept;
       cp_ring, context=4, S=4096 (1024-token shards, tiled by block_k), none (-4%): the layer's
         backward, its tiles' recomputed scores and gradients (without them -20%);
       fsdp_cp, S=512, save_dots (+8%): the forward again, with every step's score tiles saved, both

@@ -32,6 +32,21 @@ def test_flop_split_matches_the_6n_rule_and_crossover():
     assert full["total"] - f["model"] == pytest.approx((f["model"] - head) / 3, rel=1e-9)   # one more forward
 
 
+def test_ring_attention_under_save_dots_attn_recomputes_nothing():
+    """Ring attention keeps its output and lse like a flash kernel (meshlab/parallel/ring_attention.py), so
+    the planner counts no attention recompute under save_dots_attn even where `model.attention` is xla;
+    the same model under dp with the XLA attention recomputes its batched dots."""
+    md = model_def(dataclasses.replace(models.preset("llama3_1b"), attention="xla"))
+    hw = HARDWARE["h100"]
+
+    def recompute(rules, sizes):
+        plan = search.evaluate(md, load_rules(rules), sizes, 8, 8192, "save_dots_attn", 1, hw)
+        assert plan.flops is not None, plan.reason
+        return plan.flops["remat recompute"]
+    assert recompute("cp_ring", {"context": 8}) == 0
+    assert recompute("dp", {"data": 8}) > 0
+
+
 def test_alpha_beta_ring_and_tree():
     a, bw = 5e-6, 100e9
     n = 1 << 30
