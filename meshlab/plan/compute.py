@@ -4,10 +4,11 @@ Per layer and token, forward: projections 2*d*(h + 2*kvh)*hd + 2*h*hd*d, SwiGLU 
 causal attention 2*S*h*hd (QK^T and PV, each 2*S*h*hd, halved by the mask). Training is 3x the
 forward (one forward, a backward of twice its cost: the 6N of DESIGN.md); remat adds the
 recomputed forward: `full` the whole layer, `save_dots_no_batch` attention's two batched dots,
-`save_dots` and `none` no matmul, `save_dots_attn` none with a flash attention (cuDNN's, ours, or
-ring attention: its output and lse are kept; one forward launch per layer and step in the H200
-profiles, models/remat.py), the batched dots with `xla`. The LM head (2*d*V per token) is the
-S*H^2 side too.
+`none` no matmul, `save_dots` none with `xla` (its batched dots are kept) and the attention forward
+with a flash attention (cuDNN's, ours, or ring attention's Pallas blocks: kernels, no dot to keep),
+`save_dots_attn` none with a flash attention (its output and lse are kept; one forward launch per
+layer and step in the H200 profiles, models/remat.py), the batched dots with `xla`. The LM head
+(2*d*V per token) is the S*H^2 side too.
 """
 from __future__ import annotations
 
@@ -36,9 +37,6 @@ def textbook_crossover(d_model: int) -> float:
     return 14 * d_model ** 2 / (4 * d_model)
 
 
-RECOMPUTE = {"none": 0.0, "save_dots": 0.0}
-
-
 def is_flash(attention: str) -> bool:
     """cudnn, pallas and auto (which picks one of them on a GPU) run a flash kernel: an lse per row
     instead of the S x S softmax, and under save_dots_attn a kept forward (models/remat.py); xla
@@ -47,23 +45,20 @@ def is_flash(attention: str) -> bool:
 
 
 def step_flops(cfg, global_batch: int, seq: int, policy: str | None = None, flash: bool | None = None) -> dict:
-    """Whole-step FLOPs (all devices), split by term, remat recompute included. flash: whether the
-    attention keeps an lse and can keep its output under save_dots_attn (a flash kernel, or ring
-    attention whatever `cfg.attention` says); default `is_flash(cfg.attention)`."""
+    """Whole-step FLOPs (all devices), split by term, remat recompute included. flash: whether attention
+    runs as a kernel with an lse (a flash kernel, or ring attention whatever `cfg.attention` says): its
+    forward runs again under save_dots and is kept under save_dots_attn; default `is_flash(cfg.attention)`."""
     policy = policy or cfg.remat
     flash = is_flash(cfg.attention) if flash is None else flash
     per = layer_flops_per_token(cfg, seq)
     tokens = global_batch * seq
     sh2 = 3 * tokens * cfg.n_layers * (per["projections"] + per["mlp"]) + 3 * tokens * 2 * cfg.d_model * cfg.padded_vocab
     s2h = 3 * tokens * cfg.n_layers * per["attention"]
+    attention_again = {"save_dots_no_batch": True, "save_dots": flash, "save_dots_attn": not flash, "none": False}
     if policy == "full":
         extra = tokens * cfg.n_layers * sum(per.values())
-    elif policy == "save_dots_no_batch" or (policy == "save_dots_attn" and not flash):
-        extra = tokens * cfg.n_layers * per["attention"]
-    elif policy == "save_dots_attn":   # a flash forward's output and lse are kept: nothing recomputed
-        extra = 0.0
-    elif policy in RECOMPUTE:
-        extra = 0.0
+    elif policy in attention_again:
+        extra = tokens * cfg.n_layers * per["attention"] if attention_again[policy] else 0.0
     else:
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
                          "save_dots_attn")

@@ -130,10 +130,11 @@ def test_save_dots_attn_compiles_one_mosaic_forward_gpu():
 
 def test_save_dots_attn_keeps_the_attention_forward():
     # A layer scan with the flash kernel inside jax.checkpoint, lowered for CUDA (no GPU needed; the
-    # Triton kernels stay custom calls): under save_dots_no_batch the backward runs the attention
-    # forward again (forward, its recompute, dQ, dK/dV: 4 kernels); save_dots_attn keeps the
-    # forward's named output and lse (3). The planner counts no recompute for either flash kernel
-    # (the H200 profiles: one forward launch per layer, models/remat.py), and the recompute for xla.
+    # Triton kernels stay custom calls): under save_dots_no_batch and save_dots (the kernel is no dot)
+    # the backward runs the attention forward again (forward, its recompute, dQ, dK/dV: 4 kernels);
+    # save_dots_attn keeps the forward's named output and lse (3). The planner counts the recompute
+    # where the kernels run it and none under save_dots_attn (the H200 profiles: one forward launch
+    # per layer, models/remat.py); for xla, the recompute of the batched dots save_dots alone keeps.
     import re
 
     import jax.numpy as jnp
@@ -153,17 +154,17 @@ def test_save_dots_attn_keeps_the_attention_forward():
         loss = lambda x, ws: jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=remat_policy(policy)), x, ws)[0] ** 2)  # noqa: E731
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x0, ws).lower(lowering_platforms=("cuda",)).as_text()
         return len(re.findall(r"custom_call @", text))
-    assert kernels("save_dots_no_batch") == 4
+    assert kernels("save_dots_no_batch") == kernels("save_dots") == 4
     assert kernels("save_dots_attn") == 3
     cfg = models.preset("tiny")
     flops = {}
     for attention in ("cudnn", "pallas", "xla"):   # the planner follows the GPU profiles (models/remat.py)
         cfg.attention = attention
         flops[attention] = {p: compute.step_flops(cfg, 2, 64, p)["remat recompute"]
-                            for p in ("save_dots_no_batch", "save_dots_attn")}
+                            for p in ("save_dots_no_batch", "save_dots", "save_dots_attn")}
     for flash in ("cudnn", "pallas"):
-        assert flops[flash]["save_dots_attn"] == 0 < flops[flash]["save_dots_no_batch"]
-    assert flops["xla"]["save_dots_attn"] == flops["xla"]["save_dots_no_batch"] > 0
+        assert flops[flash]["save_dots_attn"] == 0 < flops[flash]["save_dots_no_batch"] == flops[flash]["save_dots"]
+    assert flops["xla"]["save_dots_attn"] == flops["xla"]["save_dots_no_batch"] > 0 == flops["xla"]["save_dots"]
 
 
 def test_unrolled_layer_gradients_are_one_concatenate():

@@ -32,19 +32,23 @@ def test_flop_split_matches_the_6n_rule_and_crossover():
     assert full["total"] - f["model"] == pytest.approx((f["model"] - head) / 3, rel=1e-9)   # one more forward
 
 
-def test_ring_attention_under_save_dots_attn_recomputes_nothing():
-    """Ring attention keeps its output and lse like a flash kernel (meshlab/parallel/ring_attention.py), so
-    the planner counts no attention recompute under save_dots_attn even where `model.attention` is xla;
-    the same model under dp with the XLA attention recomputes its batched dots."""
+def test_ring_attention_recomputes_as_a_flash_kernel():
+    """Ring attention recomputes as a flash attention does (meshlab/parallel/ring_attention.py): its
+    forward runs again under save_dots (on a GPU its blocks are Pallas kernels, no dot to keep) and not
+    under save_dots_attn (its output and lse are kept), even where `model.attention` is xla, whose
+    batched dots save_dots keeps and save_dots_attn does not."""
     md = model_def(dataclasses.replace(models.preset("llama3_1b"), attention="xla"))
     hw = HARDWARE["h100"]
 
-    def recompute(rules, sizes):
-        plan = search.evaluate(md, load_rules(rules), sizes, 8, 8192, "save_dots_attn", 1, hw)
+    def recompute(rules, sizes, remat):
+        plan = search.evaluate(md, load_rules(rules), sizes, 8, 8192, remat, 1, hw)
         assert plan.flops is not None, plan.reason
         return plan.flops["remat recompute"]
-    assert recompute("cp_ring", {"context": 8}) == 0
-    assert recompute("dp", {"data": 8}) > 0
+    attention = 8 * 8192 * md.cfg.n_layers * compute.layer_flops_per_token(md.cfg, 8192)["attention"]
+    assert recompute("cp_ring", {"context": 8}, "save_dots_attn") == 0
+    assert recompute("cp_ring", {"context": 8}, "save_dots") == attention
+    assert recompute("dp", {"data": 8}, "save_dots_attn") == attention
+    assert recompute("dp", {"data": 8}, "save_dots") == 0
 
 
 def test_alpha_beta_ring_and_tree():
