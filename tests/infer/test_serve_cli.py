@@ -106,8 +106,9 @@ def test_serve_readme_command(run, clean):
         events = [e[6:] for e in (first + resp.read()).decode().splitlines() if e.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 40
         conn.close()
-        assert proc.wait(timeout=60) == 0
-        assert "draining" in proc.stdout.read()
+        out, err = proc.communicate(timeout=60)       # drains both pipes: a full one cannot hold the exit
+        assert proc.returncode == 0, err[-3000:]
+        assert "draining" in out
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
