@@ -111,8 +111,9 @@ def evaluate(md, rules, sizes: dict, global_batch: int, seq: int, remat: str, k:
     if sched is not None:   # a stage's layers x the micro-batches in flight, not its layers x one
         mem = pipeline_plan.activation_memory(md, rules, mesh, global_batch, seq, sched, mem)
     plan.memory, plan.mem_bytes = mem, mem["total"]
-    ring = rules.strategies.get("attention") == "ring" and mesh.shape.get("context", 1) > 1
-    flash = compute.is_flash(cfg.attention) or ring
+    # ring attention keeps an lse and can keep its output whatever model.attention says (the memory account
+    # asks the same of the rules: memory.local_sizes)
+    flash = compute.is_flash(cfg.attention) or rules.strategies.get("attention") == "ring"
     plan.flops = compute.step_flops(cfg, global_batch, seq, remat, flash)
     bubble = pipeline_plan.relative_bubble(sched) if sched is not None else 0.0
     plan.compute_s = compute.compute_time(cfg, global_batch, seq, mesh.size, hw, remat, bubble, flash)
