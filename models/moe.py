@@ -23,7 +23,7 @@ from flax import nnx
 
 from meshlab.parallel import experts as dispatch_mod
 from meshlab.rules import constrain
-from models.llama import (F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _layer_mm, _param, _w, embed_lookup,
+from models.llama import (F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _layer_mm, _mm, _param, _w, embed_lookup,
                           layer_loop)
 from models.remat import remat as _remat
 
@@ -141,9 +141,9 @@ class MoeFFN(nnx.Module):
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim), rngs)
         self.cfg = cfg
 
-    def __call__(self, x, shared_mm=None):
+    def __call__(self, x, shared_mm=_mm):
         """x [b, s, d] (normed) -> (output [b, s, d], router_stats). shared_mm: the shared expert's GEMM
-        (the training block's `_layer_mm`: FP8 under matmul_dtype=float8, as a dense MLP's; None: the
+        (the training block's `_layer_mm`: FP8 under matmul_dtype=float8, as a dense MLP's; by default the
         compute dtype, as serving runs it)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         b, s, _ = x.shape
@@ -156,7 +156,7 @@ class MoeFFN(nnx.Module):
         y = dispatch_mod.moe_ffn(x, (top_i, top_w, keep, pos), weights, dispatch=mode["dispatch"],
                                  capacity=capacity, backend=cfg.gemm, chunks=mode["chunks"])  # [b, s, d]
         if cfg.shared_mlp_dim:
-            y = y + (self.shared(x, shared_mm) if shared_mm else self.shared(x))
+            y = y + self.shared(x, shared_mm)
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))
         return y, router_stats(cfg, logits, probs, top_i, keep)
 
