@@ -30,10 +30,6 @@ FP8 GEMM exists (XLA:CPU) the dot runs on the exact FP8 values with fp32 accumul
 check FP8 numerics. Being an einsum with the model's logical-axis constraints around it, the op
 shards as `_mm` does. The residuals saved for the backward are the FP8 operands (half the bytes of
 bf16 ones) and two scalars.
-
-A mixture of experts' routed experts take the same recipe through `fp8_grouped_matmul` (grouped
-GEMMs over ragged groups of rows, at the end of this file); their capacity dispatch's padded batched
-GEMMs are fp8_einsum's.
 """
 from __future__ import annotations
 
@@ -42,9 +38,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from pallas_kernels.grouped_matmul import (grouped_matmul_fp8, grouped_matmul_fp8_dw, grouped_matmul_reference,
-                                           resolve_fp8_backend)
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn      # activations and weights: 3 mantissa bits, max 448
@@ -143,91 +136,3 @@ def fp8_einsum_reference(spec: str, x, w):
     xq, x_inv = quantize(x, E4M3)
     wq, w_inv = quantize(w, E4M3)
     return jnp.einsum(spec, dequantize(xq, x_inv, F32), dequantize(wq, w_inv, F32))
-
-
-# -- the routed experts' grouped GEMMs ---------------------------------------------------------------
-# x [M, K] (rows sorted by expert) times w[g] [G, K, N] per row's group, the same recipe as
-# fp8_einsum: x and the whole weight bank scaled to e4m3 per tensor (one scale for all G experts:
-# they share an init and an optimizer, so their magnitudes stay alike, and the forward kernel then
-# needs a single scale), the output gradient to e5m2, three GEMMs on FP8 operands with fp32
-# accumulation. Kernels: pallas_kernels/grouped_matmul.py's FP8 entry points (Triton on any GPU,
-# Hopper included; on the CPU lax.ragged_dot on the exact FP8 values in fp32). They read both
-# operands contraction-major (Hopper's FP8 wgmma reads none transposed), so the forward writes, beside
-# the e4m3 x it multiplies, x^T (for dW) and w^T [G, N, K] (its own weight operand; dX reads w as
-# stored), and the backward dy^T beside dy: one extra 1-byte write and read of x, w and dy a step,
-# inside the quantizing fusions. Residuals: x^T and w in e4m3 (as uint8 bits, as fp8_einsum's) and
-# two scalars. Rows past sum(group_sizes) (a receive buffer's padding) are zeroed before the amax,
-# so whatever they hold neither sets a scale nor reaches a result.
-_ROW_ALIGN = 16     # x^T's and dy^T's rows padded to 16 bytes: the dW kernel's loads along M aligned
-
-
-def _group_rows(t, group_sizes, all_rows):
-    if all_rows:
-        return t
-    valid = jnp.arange(t.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], t, jnp.zeros((), t.dtype))
-
-
-def _transposed(q):
-    """q [M, c] -> q^T [c, M'] with M' the next multiple of _ROW_ALIGN (zero columns: rows in no group)."""
-    pad = -q.shape[0] % _ROW_ALIGN
-    return jnp.pad(q, ((0, pad), (0, 0))).T
-
-
-_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_gmm(x, w, group_sizes, opts):
-    return _fp8_gmm_fwd(x, w, group_sizes, opts)[0]
-
-
-def _fp8_gmm_fwd(x, w, group_sizes, opts):
-    backend, tiles, interpret, all_rows = opts
-    xq, x_inv = quantize(_group_rows(x, group_sizes, all_rows), E4M3)
-    wq, w_inv = quantize(w, E4M3)
-    y = grouped_matmul_fp8(xq, jnp.swapaxes(wq, 1, 2), group_sizes, x_inv * w_inv, out_dtype=x.dtype,
-                           backend=backend, triton_tiles=tiles, interpret=interpret,
-                           fast=FWD_PRECISION == jax.lax.Precision.DEFAULT, name="grouped_matmul_fp8")
-    res = (_bits(_transposed(xq)), x_inv, _bits(wq), w_inv, group_sizes, jnp.zeros((), w.dtype))
-    return y, res
-
-
-def _fp8_gmm_bwd(opts, res, g):
-    backend, tiles, interpret, all_rows = opts
-    xt_bits, x_inv, w_bits, w_inv, group_sizes, w_like = res
-    xt, wq = (jax.lax.bitcast_convert_type(b, E4M3) for b in (xt_bits, w_bits))
-    gq, g_inv = quantize(_group_rows(g, group_sizes, all_rows), E5M2)
-    fast = BWD_PRECISION == jax.lax.Precision.DEFAULT
-    kw = dict(backend=backend, triton_tiles=tiles, interpret=interpret, fast=fast)
-    dx = grouped_matmul_fp8(gq, wq, group_sizes, g_inv * w_inv, out_dtype=g.dtype, name="grouped_matmul_fp8_dx",
-                            **kw)                                                          # e5m2 x e4m3: [M, K]
-    dw = grouped_matmul_fp8_dw(xt, _transposed(gq), group_sizes, x_inv * g_inv, out_dtype=w_like.dtype,
-                               **kw)                                                       # e4m3 x e5m2: [G, K, N]
-    return dx, dw, None
-
-
-_fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
-
-
-def fp8_grouped_matmul(x, w, group_sizes, *, backend: str = "auto", triton_tiles=None, interpret: bool = False,
-                       all_rows: bool = False):
-    """grouped_matmul (pallas_kernels/grouped_matmul.py) through FP8: x [M, K] and w [G, K, N] in the
-    compute dtype, group_sizes [G] int -> [M, N] in x's dtype, rows past sum(group_sizes) zero;
-    gradients in x's and w's dtypes (none for group_sizes). backend: auto (Triton on a GPU, exact
-    ragged_dot on the CPU), triton or xla; mosaic has no FP8 path. all_rows: sum(group_sizes) == M
-    (no padding rows to zero)."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"fp8_grouped_matmul: x {x.shape} [M, K], w {w.shape} [G, K, N] and group_sizes "
-                         f"{group_sizes.shape} [G] do not fit together")
-    resolved = resolve_fp8_backend(backend, interpret)
-    return _fp8_gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
-                    (resolved, triton_tiles, bool(interpret), bool(all_rows)))
-
-
-def fp8_grouped_matmul_reference(x, w, group_sizes):
-    """The forward's numerics without custom_vjp, in fp32: the grouped product of the two e4m3 round
-    trips (x's rows past sum(group_sizes) zeroed first, as the op does)."""
-    xq, x_inv = quantize(_group_rows(x, group_sizes, False), E4M3)
-    wq, w_inv = quantize(w, E4M3)
-    return grouped_matmul_reference(dequantize(xq, x_inv, F32), dequantize(wq, w_inv, F32), group_sizes)

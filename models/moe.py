@@ -23,7 +23,6 @@ from flax import nnx
 
 from meshlab.parallel import experts as dispatch_mod
 from meshlab.rules import constrain
-from models import fp8
 from models.llama import (F32, MLP, Attention, Llama, LlamaConfig, RMSNorm, _layer_mm, _mm, _param, _w, embed_lookup,
                           layer_loop)
 from models.remat import remat as _remat
@@ -55,9 +54,6 @@ class MoeConfig(LlamaConfig):
                              f"model.shared_mlp_dim={self.shared_mlp_dim} >= 0")
         if self.gemm not in ("auto", "mosaic", "triton", "xla"):
             raise ValueError(f"model.gemm={self.gemm!r} must be auto, mosaic, triton or xla")
-        if self.gemm == "mosaic" and self.matmul_dtype == "float8":
-            raise ValueError("model.gemm=mosaic with model.matmul_dtype=float8: the Mosaic grouped GEMM takes no FP8 "
-                             "operands; use model.gemm=auto or triton (the Triton kernels run FP8 on every GPU)")
 
     # -- counts (the planner, MFU and explain read these) ------------------------------------------
     @property
@@ -145,12 +141,10 @@ class MoeFFN(nnx.Module):
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim), rngs)
         self.cfg = cfg
 
-    def __call__(self, x, shared_mm=_mm, fp8_experts: bool = False):
+    def __call__(self, x, shared_mm=_mm):
         """x [b, s, d] (normed) -> (output [b, s, d], router_stats). shared_mm: the shared expert's GEMM
         (the training block's `_layer_mm`: FP8 under matmul_dtype=float8, as a dense MLP's; by default the
-        compute dtype, as serving runs it). fp8_experts: the routed experts' GEMMs (grouped or, capacity
-        dispatch, batched) through models/fp8.py, as the training block runs them under
-        matmul_dtype=float8; serving (models/serving.py) keeps them in the compute dtype."""
+        compute dtype, as serving runs it)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         b, s, _ = x.shape
         logits, probs, top_w, top_i = route(cfg, x, _w(self.router, F32))
@@ -159,9 +153,8 @@ class MoeFFN(nnx.Module):
         capacity = dispatch_mod.row_capacity(s, cfg.top_k, cfg.n_experts, mode["capacity_factor"])
         keep = pos < capacity if mode["dispatch"] == "capacity" else jnp.ones_like(pos, bool)
         weights = tuple(_w(w, dt) for w in (self.w_gate, self.w_up, self.w_down))  # [E, d, f] x2, [E, f, d]
-        ops = dict(grouped=fp8.fp8_grouped_matmul, einsum=fp8.fp8_einsum) if fp8_experts else {}
         y = dispatch_mod.moe_ffn(x, (top_i, top_w, keep, pos), weights, dispatch=mode["dispatch"],
-                                 capacity=capacity, backend=cfg.gemm, chunks=mode["chunks"], **ops)  # [b, s, d]
+                                 capacity=capacity, backend=cfg.gemm, chunks=mode["chunks"])  # [b, s, d]
         if cfg.shared_mlp_dim:
             y = y + self.shared(x, shared_mm)
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))
@@ -181,8 +174,7 @@ class MoeBlock(nnx.Module):
         normed, x = self.mlp_norm(attn_out, residual=x)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         with jax.named_scope("moe"):
-            y, stats = self.moe(normed, shared_mm=_layer_mm(self.moe.cfg),
-                                fp8_experts=self.moe.cfg.matmul_dtype == "float8")
+            y, stats = self.moe(normed, shared_mm=_layer_mm(self.moe.cfg))
         return constrain(x + y, ("act_batch", "act_seq", "act_embed")), stats
 
 

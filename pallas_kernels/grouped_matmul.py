@@ -7,10 +7,6 @@ sum(group_sizes) (a static buffer's padding) come out zero, as `jax.lax.ragged_d
 Backends: mosaic, JAX's Mosaic GPU ragged-dot kernels for the forward, dX and dW (Hopper only);
 triton, our Pallas Triton kernels (grouped_matmul_triton.py: any CUDA GPU, or the CPU with
 interpret=True); xla, `jax.lax.ragged_dot` with its own autodiff (the numerical reference).
-FP8 operands (models/fp8.py's grouped op, `model.matmul_dtype=float8`): `grouped_matmul_fp8` and
-`grouped_matmul_fp8_dw`, contraction-major operands, no autodiff of their own; triton on every GPU
-(Hopper too: the Mosaic kernels take 16-bit operands only), xla (exact FP8 values through
-ragged_dot in fp32) on the CPU.
 `auto` picks mosaic on Hopper, triton on any other CUDA GPU, xla elsewhere: on GPU ragged_dot lowers
 to dense GEMMs over a zero-masked copy of the operand per group (G times the bytes and FLOPs), while
 both kernel backends read each group's rows in place. Limits: mosaic needs Hopper and has no interpret
@@ -28,10 +24,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from pallas_kernels.attention import on_hopper
-from pallas_kernels.grouped_matmul_triton import FP8, FP8_MIN_K, TritonTiles, dw_call, gmm_call, grouped_matmul_triton
+from pallas_kernels.grouped_matmul_triton import TritonTiles, grouped_matmul_triton
 
 BACKENDS = ("auto", "mosaic", "triton", "xla")
-F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,75 +163,3 @@ def _mosaic_bwd(tiles, all_rows, res, dy):
 
 
 _mosaic_gmm.defvjp(_mosaic_fwd, _mosaic_bwd)
-
-
-# -- FP8 operands ---------------------------------------------------------------------------------
-# The GEMMs of models/fp8.py's grouped op, each on two FP8 operands (e4m3 / e5m2) stored
-# contraction-major, fp32 sums times a scale, out in a 16/32-bit dtype. Kernel-level: no autodiff.
-def resolve_fp8_backend(backend: str = "auto", interpret: bool = False) -> str:
-    """triton (any CUDA GPU, or the interpreter with interpret=True) or xla; auto: triton on a GPU,
-    xla on the CPU and under interpret=True (as `resolve_backend`). mosaic has no FP8 path."""
-    if backend == "mosaic":
-        raise ValueError("grouped_matmul backend='mosaic' has no FP8 path (JAX's Mosaic ragged-dot kernels take "
-                         "16-bit operands): with model.matmul_dtype=float8 use model.gemm=auto or triton")
-    resolved = resolve_backend(backend, interpret)
-    return "triton" if resolved == "mosaic" else resolved
-
-
-def _fp8_setup(a, b, out_dtype, backend, triton_tiles, interpret, what):
-    if jnp.dtype(a.dtype) not in FP8 or jnp.dtype(b.dtype) not in FP8:
-        raise ValueError(f"{what}: operands {a.dtype} and {b.dtype} must be float8_e4m3fn or float8_e5m2")
-    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"{what}: out_dtype={jnp.dtype(out_dtype)} must be bfloat16, float16 or float32")
-    resolved = resolve_fp8_backend(backend, interpret)
-    tiles = None
-    if resolved == "triton":
-        tiles = triton_tiles or TritonTiles.default(a.dtype)
-        tiles.validate()
-        if min(tiles.block_k, tiles.dw_block_m) < FP8_MIN_K:
-            raise ValueError(f"{what}: TritonTiles.block_k={tiles.block_k} and dw_block_m={tiles.dw_block_m} (the "
-                             f"contraction tiles) must be >= {FP8_MIN_K} for FP8 operands (an FP8 MMA's k)")
-    return resolved, tiles
-
-
-def grouped_matmul_fp8(lhs, rhs_t, group_sizes, scale, *, out_dtype, backend: str = "auto",
-                       triton_tiles: TritonTiles | None = None, interpret: bool = False, fast: bool = False,
-                       name: str | None = None):
-    """FP8 lhs [M, kc] times rhs_t[g]^T per row's group (rhs_t [G, no, kc]: the weight contraction-major,
-    the forward's w^T [G, N, K], dX's w [G, K, N]), the fp32 sums times `scale` (a scalar) -> [M, no]
-    in out_dtype; rows past sum(group_sizes) zero. fast: the Triton kernels' FP8 fast accumulation
-    (Hopper; grouped_matmul_triton.py). xla: the exact FP8 values through lax.ragged_dot in fp32.
-    name: the Triton kernel's (grouped_matmul_fp8 by default; models/fp8.py names dX's)."""
-    if lhs.ndim != 2 or rhs_t.ndim != 3 or lhs.shape[1] != rhs_t.shape[2] or group_sizes.shape != (rhs_t.shape[0],):
-        raise ValueError(f"grouped_matmul_fp8: lhs {lhs.shape} [M, kc], rhs_t {rhs_t.shape} [G, no, kc] and "
-                         f"group_sizes {group_sizes.shape} [G] do not fit together")
-    resolved, tiles = _fp8_setup(lhs, rhs_t, out_dtype, backend, triton_tiles, interpret, "grouped_matmul_fp8")
-    group_sizes = group_sizes.astype(jnp.int32)
-    scale = jnp.asarray(scale, F32)
-    if resolved == "xla":
-        out = jax.lax.ragged_dot(lhs.astype(F32), jnp.swapaxes(rhs_t, 1, 2).astype(F32), group_sizes,
-                                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-        return (out * scale).astype(out_dtype)
-    return gmm_call(lhs, rhs_t, group_sizes, tiles, interpret, trans_rhs=True, out_dtype=out_dtype, scale=scale,
-                    fast=fast, name=name or "grouped_matmul_fp8")
-
-
-def grouped_matmul_fp8_dw(lhs_t, rhs_t, group_sizes, scale, *, out_dtype, backend: str = "auto",
-                          triton_tiles: TritonTiles | None = None, interpret: bool = False, fast: bool = False):
-    """Per group g, lhs_t[:, rows of g] . rhs_t[:, rows of g]^T times `scale` -> [G, K, N] in out_dtype,
-    from FP8 lhs_t [K, M] (x^T) and rhs_t [N, M] (dy^T), contraction-major; rows past sum(group_sizes)
-    belong to no group, an empty group's block is zero."""
-    if lhs_t.ndim != 2 or rhs_t.ndim != 2 or lhs_t.shape[1] != rhs_t.shape[1] or group_sizes.ndim != 1:
-        raise ValueError(f"grouped_matmul_fp8_dw: lhs_t {lhs_t.shape} [K, M], rhs_t {rhs_t.shape} [N, M] and "
-                         f"group_sizes {group_sizes.shape} [G] do not fit together")
-    resolved, tiles = _fp8_setup(lhs_t, rhs_t, out_dtype, backend, triton_tiles, interpret, "grouped_matmul_fp8_dw")
-    group_sizes = group_sizes.astype(jnp.int32)
-    scale = jnp.asarray(scale, F32)
-    if resolved == "xla":   # ragged_dot's transpose in w: per group x_g^T dy_g
-        x, dy = lhs_t.T.astype(F32), rhs_t.T.astype(F32)
-        w0 = jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), F32)
-        _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, group_sizes, precision=jax.lax.Precision.HIGHEST,
-                                                      preferred_element_type=F32), w0)
-        return (vjp(dy)[0] * scale).astype(out_dtype)
-    return dw_call(lhs_t, rhs_t, group_sizes, tiles, interpret, out_dtype, transposed=True, scale=scale, fast=fast,
-                   name="grouped_matmul_fp8_dw")

@@ -7,21 +7,16 @@
    xla (jax.lax.ragged_dot), forward and forward+backward; the padded batched einsum (capacity factor
    1.25) and one dense GEMM of the same useful FLOPs. TFLOP/s of useful work (2 M K N, x3 with the
    backward). Each result is checked against lax.ragged_dot first (triton's gradients against xla's
-   up to 16 experts). `--gemm-backends` picks among mosaic, triton, xla, fp8. fp8: the Triton kernels
-   on e4m3 operands (a small tile sweep at 16 experts, checked against the same FP8 values' product in
-   fp32), then models/fp8.py's grouped op (quantization, transposed copies, kernels) forward and
-   forward+backward, checked against the bf16 result within FP8's rounding (8% and 10%).
+   up to 16 experts). `--gemm-backends` picks among mosaic, triton, xla.
 2. Training tokens/s and MFU (active FLOPs, datasheet peak) of moe_1b_8e with dropless and with
    capacity dispatch, against llama3_1b (same attention, same active SwiGLU width), and against the
    peer: transformers' Mixtral of the same shape (scripts/bench_moe_torch.py, its own process, run
    before JAX takes the GPU). `--chunks 1,2,4` adds each dispatch cut into pieces
    (strategies.experts.chunks): on one device there is no all-to-all to hide, so this prices the
-   smaller expert GEMMs alone (must stay within ~1% of 1 piece). `--train-fp8` adds each training
-   variant with model.matmul_dtype=float8 (its dense and MoE GEMMs on FP8, the experts' on the Triton
-   FP8 kernels).
+   smaller expert GEMMs alone (must stay within ~1% of 1 piece).
 
     PYTHONPATH=$PWD python3 scripts/bench_moe.py [--steps 6] [--batch 4] [--seq 4096] [--skip gemm,dense,peer]
-        [--gemm-backends mosaic,triton,xla,fp8] [--quick] [--train-gemm auto,triton] [--train-fp8] [--layers 8]
+        [--gemm-backends mosaic,triton,xla] [--train-gemm auto,triton] [--layers 8]
 Prints the tables and appends them, dated, to docs/archive/benchmarks-diary.md ($OUT/bench_moe.json too).
 """
 import argparse
@@ -48,9 +43,7 @@ from meshlab.bench import diary  # noqa: E402
 from meshlab.bench.timing import median_time  # noqa: E402
 from meshlab.mesh import make_mesh  # noqa: E402
 from meshlab.plan import account  # noqa: E402
-from models import fp8 as fp8_mod  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
-from pallas_kernels import grouped_matmul_triton as gmt  # noqa: E402
 
 PEAK = account.DATASHEET_BF16_FLOPS["h200"]
 
@@ -68,13 +61,6 @@ TRITON_SWEEP = [gm.TritonTiles(), gm.TritonTiles(block_k=64, num_stages=3),
                 gm.TritonTiles(block_m=64, block_k=64, num_stages=4),
                 gm.TritonTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)]
 TRITON_DW = [gm.TritonTiles().dw_block_m, 64]     # dw_block_m (rows of x per step) of the backward rows
-# FP8 forward tiles tried at 16 experts (1-byte operands: contraction chunks twice bf16's for the same
-# shared memory): the two defaults (HOPPER_FP8's 128 KiB of shared memory fails off Hopper: a FAILED
-# row) and, as the forward accumulates natively (fast), a 128 x 256 tile (one fp32 tile in registers).
-# The op rows run the default tiles: dX shares the forward's tile but promotes its sums to fp32 through
-# a second accumulator on Hopper, which a 128 x 256 tile has no registers for.
-FP8_SWEEP = [gmt.FP8_TILES, gmt.HOPPER_FP8, gmt.TritonTiles(block_n=256, block_k=128, num_warps=8, num_stages=3)]
-FP8_TOL = (0.08, 0.10)   # the FP8 op against bf16: forward, gradients (tests/models/test_fp8.py's bounds)
 
 
 def _tiles_label(t, dw=False):
@@ -90,13 +76,12 @@ def _keep_best(best, tiles, row, e):
     return best
 
 
-def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla"), quick=False):
-    """quick: each backend at its default tiles only (no sweeps)."""
+def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     rows = []
     useful = 2 * m * k * n
     best = None
-    best_triton = best_triton_bwd = best_fp8 = None
+    best_triton = best_triton_bwd = None
     on_hopper = gm.resolve_backend("auto") == "mosaic"
     # The tile sweeps run at 16 experts (the must's shape) first; the other counts reuse their winners.
     for e in sorted(experts, key=lambda e: e != 16):
@@ -114,26 +99,22 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
                                         * ct.astype(jnp.float32))
             return lambda x, w: (lambda v, g: (v, *g))(*jax.value_and_grad(loss, argnums=(0, 1))(x, w))
         # the xla backend's value and gradients, the triton backward's check (64 groups: GBs of padded temporaries)
-        ref_grads = jax.jit(grad("xla"))(x, w) if {"triton", "fp8"} & set(backends) and e <= 16 else None
+        ref_grads = jax.jit(grad("xla"))(x, w) if "triton" in backends and e <= 16 else None
 
-        def check(out, tol=2e-2, want=None):
+        def check(out):
             if isinstance(out, tuple):   # (value, dx, dw) against xla's
                 if ref_grads is None:
                     return 0.0
-                # FP8 (tol > 2e-2): the gradients only; the value <out, ct> is a sum of terms of both signs,
-                # whose relative error is not bounded by the elements'
-                pairs = list(zip(out, ref_grads))[1 if tol > 2e-2 else 0:]
                 err = max(float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32)) /
-                                jnp.linalg.norm(b.astype(jnp.float32))) for a, b in pairs)
+                                jnp.linalg.norm(b.astype(jnp.float32))) for a, b in zip(out, ref_grads))
             else:
-                want = ref if want is None else want
-                err = float(jnp.linalg.norm(out.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-            return err if np.isfinite(err) and err < tol else None
+                err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            return err if np.isfinite(err) and err < 2e-2 else None
 
-        def timed(label, f, args, useful_flops=useful, verify=True, tol=2e-2, want=None):
+        def timed(label, f, args, useful_flops=useful, verify=True):
             try:
                 f = jax.jit(f)
-                err = check(f(*args), tol, want) if verify else 0.0
+                err = check(f(*args)) if verify else 0.0
                 if err is None:
                     rows.append({"experts": e, "variant": label, "error": "wrong result vs lax.ragged_dot"})
                     return None
@@ -147,7 +128,7 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
             return row
 
         if on_hopper and "mosaic" in backends:
-            sweep = ([gm.Tiles()] if quick else tiles_list) if best is None else [best[0]]
+            sweep = tiles_list if best is None else [best[0]]
             for tiles in sweep:          # the bare Mosaic kernel at each tiling: the peer takes its best
                 kw_ = dict(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
                            max_concurrent_steps=tiles.max_concurrent_steps, grid_block_n=tiles.grid_block_n)
@@ -164,45 +145,19 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
             timed("ours fwd+bwd (x3 FLOPs)", grad("mosaic", tiles=tiles, all_rows=True), (x, w),
                   useful_flops=3 * useful, verify=False)
         if "triton" in backends:
-            sweep = ([gmt.TritonTiles.default(jnp.bfloat16)] if quick else TRITON_SWEEP) if best_triton is None \
-                else [best_triton[0]]
+            sweep = TRITON_SWEEP if best_triton is None else [best_triton[0]]
             for tt in sweep:
                 r = timed(f"triton: grouped_matmul (triton) {_tiles_label(tt)}",
                           lambda x, w, tt=tt: gm.grouped_matmul(x, w, gs, backend="triton", triton_tiles=tt), (x, w))
                 best_triton = _keep_best(best_triton, tt, r, e)
             tt = best_triton[0] if best_triton else gm.TritonTiles()
-            # the forward's tiles at 16 experts with each dW row chunk (quick: the first); the winner's at the other counts
-            bwd_sweep = ([dataclasses.replace(tt, dw_block_m=b) for b in TRITON_DW[:1 if quick else None]]
-                         if best_triton_bwd is None else [best_triton_bwd[0]])
+            # the forward's tiles at 16 experts with each dW row chunk; the winner's at the other counts
+            bwd_sweep = ([dataclasses.replace(tt, dw_block_m=b) for b in TRITON_DW] if best_triton_bwd is None
+                         else [best_triton_bwd[0]])
             for tb in bwd_sweep:
                 r = timed(f"triton fwd+bwd (x3 FLOPs) {_tiles_label(tb, dw=True)}", grad("triton", triton_tiles=tb), (x, w),
                           useful_flops=3 * useful)
                 best_triton_bwd = _keep_best(best_triton_bwd, tb, r, e)
-        if "fp8" in backends:
-            # the kernel alone on e4m3 operands (x and w^T, the forward's layout), against the same FP8
-            # values' product in fp32; then the op from bf16 (quantize, transposed copies, kernels)
-            xq, x_inv = fp8_mod.quantize(x, fp8_mod.E4M3)
-            wq, w_inv = fp8_mod.quantize(w, fp8_mod.E4M3)
-            wt = jnp.swapaxes(wq, 1, 2)
-            exact = jax.jit(lambda xq, wq: jax.lax.ragged_dot(
-                xq.astype(jnp.float32), wq.astype(jnp.float32), gs, precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32) * (x_inv * w_inv))(xq, wq)
-            sweep = ([gmt.TritonTiles.default(jnp.float8_e4m3fn)] if quick else FP8_SWEEP) if best_fp8 is None \
-                else [best_fp8[0]]
-            for tt in sweep:
-                r = timed(f"fp8: triton kernel, e4m3 operands {_tiles_label(tt)}",
-                          lambda xq, wt, tt=tt: gm.grouped_matmul_fp8(xq, wt, gs, x_inv * w_inv, out_dtype=jnp.bfloat16,
-                                                                      backend="triton", triton_tiles=tt, fast=True),
-                          (xq, wt), want=exact)
-                best_fp8 = _keep_best(best_fp8, tt, r, e)
-            tf = gmt.TritonTiles.default(jnp.float8_e4m3fn)
-            timed(f"fp8: fp8_grouped_matmul fwd (quantize + kernel) {_tiles_label(tf)}",
-                  lambda x, w: fp8_mod.fp8_grouped_matmul(x, w, gs, backend="triton"), (x, w), tol=FP8_TOL[0])
-            loss8 = lambda x, w: jnp.sum(fp8_mod.fp8_grouped_matmul(x, w, gs, backend="triton")  # noqa: E731
-                                         .astype(jnp.float32) * ct.astype(jnp.float32))
-            timed(f"fp8 fwd+bwd (x3 FLOPs) through fp8_grouped_matmul {_tiles_label(tf, dw=True)}",
-                  lambda x, w: (lambda v, g: (v, *g))(*jax.value_and_grad(loss8, argnums=(0, 1))(x, w)), (x, w),
-                  useful_flops=3 * useful, tol=FP8_TOL[1])
         if "xla" in backends and e <= 16:   # 64 groups: GBs of padded temporaries
             timed("jax.lax.ragged_dot", lambda x, w: jax.lax.ragged_dot(x, w, gs), (x, w))
             timed("jax.lax.ragged_dot fwd+bwd (x3 FLOPs)", grad("xla"), (x, w), useful_flops=3 * useful, verify=False)
@@ -243,15 +198,11 @@ def train_rows(args):
                     "dispatch": mode, "capacity_factor": 1.25, "chunks": n}})
                 variants.append((f"{args.model} {mode}" + (f", {n} chunks" if n > 1 else "")
                                  + (f", gemm {gemm}" if gemm != "auto" else ""), args.model, rules, gemm))
-    if args.train_fp8:   # each variant again with its GEMMs on FP8 (model.matmul_dtype=float8)
-        variants = [v for base in variants for v in (base, (base[0] + ", fp8", *base[1:]))]
     rows = []
     for label, name, rules, *gemm in variants:
         cfg = dataclasses.replace(models.preset(name), dtype="bfloat16", attention=args.attention, remat=args.remat)
         if gemm:
             cfg = dataclasses.replace(cfg, gemm=gemm[0])
-        if label.endswith(", fp8"):
-            cfg = dataclasses.replace(cfg, matmul_dtype="float8", fused_swiglu=False)
         if args.layers:   # fewer layers: the model's state and step fit a smaller card (an 80 GB H100)
             cfg = dataclasses.replace(cfg, n_layers=args.layers)
             label += f", {args.layers} layers"
@@ -289,10 +240,8 @@ def write(dev, gemm, train, peer, args):
     date = datetime.date.today().isoformat()
     lines = [f"\n### MoE ({date}, {dev.device_kind}, jax {jax.__version__})\n"]
     if gemm:
-        lines += [f"Grouped GEMM {args.m} x {args.k} x {args.n} bf16 (fp8 rows: e4m3/e5m2 operands), skewed groups; "
-                  "TFLOP/s of useful work (2MKN).\n",
-                  "| experts | variant | ms | TFLOP/s | rel err vs ragged_dot (fp8 kernel: vs the FP8 values' fp32 "
-                  "product) |", "|---|---|---|---|---|"]
+        lines += [f"Grouped GEMM {args.m} x {args.k} x {args.n} bf16, skewed groups; TFLOP/s of useful work (2MKN).\n",
+                  "| experts | variant | ms | TFLOP/s | rel err vs ragged_dot |", "|---|---|---|---|---|"]
     for r in gemm:
         lines.append(f"| {r['experts']} | {r['variant']} | " + (f"FAILED: {r['error']} | | |" if "error" in r else
                      f"{r['ms']} | {r['tflops']} | {r['rel_err']:.1e} |"))
@@ -308,14 +257,9 @@ def write(dev, gemm, train, peer, args):
         xla_bwd = best("jax.lax.ragged_dot fwd+bwd")
         xla = next((r["tflops"] for r in gemm if r["experts"] == e and r["variant"] == "jax.lax.ragged_dot"
                     and "tflops" in r), None)
-        f8, f8_op, f8_bwd = best("fp8: triton kernel"), best("fp8: fp8_grouped_matmul fwd"), best("fp8 fwd+bwd")
-        mosaic_bwd = best("ours fwd+bwd")
         parts = [f"{name} = {a / b:.2f}" for name, a, b in (
             ("triton / lax.ragged_dot fwd", tri, xla), ("fwd+bwd", tri_bwd, xla_bwd),
-            ("triton / Mosaic ragged dot fwd", tri, bare),
-            ("fp8 kernel / bf16 triton fwd", f8, tri), ("fp8 op / bf16 triton fwd", f8_op, tri),
-            ("fp8 op / bf16 triton fwd+bwd", f8_bwd, tri_bwd), ("fp8 kernel / Mosaic ragged dot fwd", f8, bare),
-            ("fp8 op / Mosaic fwd+bwd", f8_bwd, mosaic_bwd)) if a and b]
+            ("triton / Mosaic ragged dot fwd", tri, bare)) if a and b]
         if parts:
             lines.append(f"\n{e} experts: " + ", ".join(parts) + ".")
     if train or peer:
@@ -335,12 +279,6 @@ def write(dev, gemm, train, peer, args):
     def first_like(label):
         return next((b for b in train if "step_ms" in b and b["variant"] == label), None)
     for r in train:
-        if r["variant"].endswith(", fp8") and "step_ms" in r:
-            bf16 = first_like(r["variant"][:-len(", fp8")])
-            if bf16:
-                lines.append(f"\n{r['variant']}: step {100 * (r['step_ms'] / bf16['step_ms'] - 1):+.1f}% against bf16 "
-                             f"GEMMs, loss {r['loss']} against {bf16['loss']}.")
-            continue
         base = first_like(re.sub(r", \d+ chunks", "", r["variant"]))     # the same variant in 1 piece
         gemm_of = re.search(r", gemm (\w+)", r["variant"])
         auto = first_like(r["variant"].replace(gemm_of.group(0), "")) if gemm_of else None
@@ -382,18 +320,15 @@ def main():
     p.add_argument("--skip", default="", help="any of gemm, train, dense, peer")
     p.add_argument("--layers", type=int, default=0, help="train rows with this many layers (0: the preset's)")
     p.add_argument("--train-gemm", default="auto", help="model.gemm values the MoE training rows run, e.g. auto,triton")
-    p.add_argument("--quick", action="store_true", help="GEMM part: each backend at its default tiles (no sweeps)")
-    p.add_argument("--train-fp8", action="store_true",
-                   help="each training variant also with model.matmul_dtype=float8 (FP8 GEMMs, experts included)")
-    p.add_argument("--gemm-backends", default="mosaic,triton,xla,fp8",
-                   help="grouped GEMM backends timed: mosaic (Hopper only), triton, xla, fp8 (the Triton FP8 kernels)")
+    p.add_argument("--gemm-backends", default="mosaic,triton,xla",
+                   help="grouped GEMM backends timed (mosaic rows only on Hopper)")
     args = p.parse_args()
     # the peer first, in its own process, before this one's JAX takes the GPU's memory
     peer = {} if "peer" in args.skip or "train" in args.skip else run_peer(args)
     dev = jax.devices()[0]
     backends = tuple(b for b in args.gemm_backends.split(",") if b)
-    if not set(backends) <= {"mosaic", "triton", "xla", "fp8"}:
-        sys.exit(f"--gemm-backends={args.gemm_backends!r} must name mosaic, triton, xla or fp8")
+    if not set(backends) <= {"mosaic", "triton", "xla"}:
+        sys.exit(f"--gemm-backends={args.gemm_backends!r} must name mosaic, triton or xla")
     if "gemm" not in args.skip and jax.default_backend() != "gpu":
         sys.exit(f"bench_moe.py's GEMM part needs a GPU (found {dev.device_kind}); --skip gemm")
     if "gemm" not in args.skip and "mosaic" in backends and gm.resolve_backend("auto") != "mosaic":
@@ -402,8 +337,7 @@ def main():
              gm.Tiles(block_n=256, max_concurrent_steps=3, grid_block_n=1),
              gm.Tiles(block_m=64, grid_block_n=2), gm.Tiles(max_concurrent_steps=5)]
     gemm = [] if "gemm" in args.skip else gemm_rows(args.m, args.k, args.n,
-                                                     [int(e) for e in args.experts.split(",")], tiles, backends,
-                                                     quick=args.quick)
+                                                     [int(e) for e in args.experts.split(",")], tiles, backends)
     train = [] if "train" in args.skip else train_rows(args)
     write(dev, gemm, train, peer, args)
 

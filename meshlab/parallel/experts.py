@@ -39,15 +39,9 @@ i's expert GEMMs. Routing, capacity and drops are decided before the cut, so the
             into n static slices: it prices the smaller GEMMs alone.
 The cost: n smaller GEMMs, n partial weight gradients summed (one [E/ep, d, f] read per extra piece
 and weight) and, dropless with ep > 1, a re-sort of each received piece by expert.
-
-The expert GEMMs are the caller's to choose (`moe_ffn`'s grouped and einsum): grouped_matmul and
-jnp.einsum in the compute dtype by default; models/moe.py passes models/fp8.py's FP8 ones under
-model.matmul_dtype=float8. Inside the manual region their per-tensor scales are per device (its rows,
-its experts, its slice of the expert width): only finer.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -83,23 +77,19 @@ def row_capacity(seq: int, top_k: int, n_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * seq * top_k / n_experts))
 
 
-def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "auto", chunks: int = 1,
-            grouped=None, einsum=None):
+def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "auto", chunks: int = 1):
     """x [b, s, d]; route = (expert_idx, combine_w, keep, pos), each [b, s, k] (combine_w fp32);
     weights = (w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) in the compute dtype -> [b, s, d].
-    chunks: pieces the dispatch is cut into (exchange of one piece overlaps the GEMMs of another).
-    grouped(x, w, group_sizes, *, backend, all_rows): dropless's grouped GEMM (None: grouped_matmul);
-    einsum(spec, x, w): capacity's padded batched GEMMs (None: jnp.einsum)."""
+    chunks: pieces the dispatch is cut into (exchange of one piece overlaps the GEMMs of another)."""
     if dispatch not in DISPATCH:
         raise ValueError(f"expert dispatch {dispatch!r} must be one of {DISPATCH}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"expert dispatch chunks={chunks!r} must be a whole number >= 1 "
                          "(strategies.experts.chunks in the rule file)")
-    gemms = (functools.partial(grouped or grouped_matmul, backend=backend), einsum or jnp.einsum)
     act = rules_mod.active()
     if act is None:
         return _local(x, *route, *weights, dispatch=dispatch, capacity=capacity, ep_axes=(), ep=1, tp_axes=(),
-                      gemms=gemms, chunks=chunks)
+                      backend=backend, chunks=chunks)
     mesh, r = act.mesh, act.rules
     ep_axes, tp_axes, batch = r.axes("experts", mesh), r.axes("mlp", mesh), r.axes("act_batch", mesh)
     if not set(ep_axes) <= set(batch):
@@ -107,7 +97,7 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
                                    f"`batch:` too (expert-parallel ranks hold different rows); act_batch is "
                                    f"{list(batch)}")
     kw = dict(dispatch=dispatch, capacity=capacity, ep_axes=ep_axes, ep=math.prod(mesh.shape[a] for a in ep_axes),
-              tp_axes=tp_axes, gemms=gemms, chunks=chunks)
+              tp_axes=tp_axes, backend=backend, chunks=chunks)
     auto = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in act.manual)
     if not auto:
         return _local(x, *route, *weights, **kw)
@@ -124,16 +114,14 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
 
 
 # -- per device -----------------------------------------------------------------------------------
-def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, ep, tp_axes, gemms, chunks):
-    """Everything manual: x [b, s, d] this device's rows, weights its E/ep experts (and f/tp width).
-    gemms: (grouped GEMM, its backend bound; einsum)."""
+def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, ep, tp_axes, backend, chunks):
+    """Everything manual: x [b, s, d] this device's rows, weights its E/ep experts (and f/tp width)."""
     b, s, d = x.shape
     k = idx.shape[-1]
-    gmm, einsum = gemms
     if dispatch == "capacity":
-        y = _capacity(x, idx, keep, pos, wg, wu, wd, capacity, ep_axes, ep, tp_axes, chunks, einsum)  # [b*s*k, d]
+        y = _capacity(x, idx, keep, pos, wg, wu, wd, capacity, ep_axes, ep, tp_axes, chunks)  # [b*s*k, d]
     else:
-        y = _dropless(x.reshape(b * s, d), idx.reshape(-1), wg, wu, wd, ep_axes, ep, tp_axes, gmm, k, chunks)
+        y = _dropless(x.reshape(b * s, d), idx.reshape(-1), wg, wu, wd, ep_axes, ep, tp_axes, backend, k, chunks)
     y = y.reshape(b, s, k, d).astype(F32) * comb[..., None]                  # [b, s, k, d]
     return jnp.sum(y, axis=2).astype(x.dtype)
 
@@ -156,7 +144,7 @@ def _bounds(c, total, n):
     return (c * total + n - 1) // n
 
 
-def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes, n, einsum):
+def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes, n):
     """Padded buffers [E, b, C, d], their b*C token slots cut into n pieces; returns each assignment's
     expert output [b*s*k, d] (0 if dropped)."""
     b, s, d = x.shape
@@ -170,25 +158,25 @@ def _capacity(x, idx, keep, pos, wg, wu, wd, C, ep_axes, ep, tp_axes, n, einsum)
     buf = buf.reshape(E, b * C, d)                                           # [E, bC, d]
     tc = -(-b * C // n)                                                      # slots per piece
     buf = jnp.pad(buf, ((0, 0), (0, n * tc - b * C), (0, 0)))                # [E, n*tc, d]
-    y = [_capacity_piece(buf[:, i * tc:(i + 1) * tc], wg, wu, wd, ep_axes, ep, tp_axes, einsum) for i in range(n)]
+    y = [_capacity_piece(buf[:, i * tc:(i + 1) * tc], wg, wu, wd, ep_axes, ep, tp_axes) for i in range(n)]
     y = jnp.concatenate(y, axis=1)[:, :b * C].reshape(E, b, C, d)            # [E, b, C, d]
     return y.at[e, row, slot].get(mode="fill", fill_value=0)                 # [A, d]
 
 
-def _capacity_piece(buf, wg, wu, wd, ep_axes, ep, tp_axes, einsum):
+def _capacity_piece(buf, wg, wu, wd, ep_axes, ep, tp_axes):
     """[E, t, d] token slots -> to the experts' owners, padded batched GEMMs, back -> [E, t, d]."""
     if ep > 1:
         buf = _exchange(buf, ep_axes, 0, 1)                                  # [E/ep, ep*t, d] source-major
-    h = _swiglu(einsum("etd,edf->etf", buf, wg), einsum("etd,edf->etf", buf, wu))  # [El, t', f]
-    y = _tp_sum(einsum("etf,efd->etd", h, wd), tp_axes)                      # [El, t', d]
+    h = _swiglu(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t', f]
+    y = _tp_sum(jnp.einsum("etf,efd->etd", h, wd), tp_axes)                  # [El, t', d]
     return _exchange(y, ep_axes, 1, 0) if ep > 1 else y                      # [E, t, d]
 
 
-def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, gmm, all_rows=False):
+def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend, all_rows=False):
     """Rows sorted by local expert xs [R, d] -> [R, d]; rows past sum(group_sizes) give 0 (all_rows: none)."""
-    mm = lambda a, w: gmm(a, w, group_sizes, all_rows=all_rows)              # noqa: E731
-    h = _swiglu(mm(xs, wg), mm(xs, wu))                                      # [R, f]
-    return _tp_sum(mm(h, wd), tp_axes)                                       # [R, d]
+    gmm = lambda a, w: grouped_matmul(a, w, group_sizes, backend=backend, all_rows=all_rows)  # noqa: E731
+    h = _swiglu(gmm(xs, wg), gmm(xs, wu))                                    # [R, f]
+    return _tp_sum(gmm(h, wd), tp_axes)                                      # [R, d]
 
 
 def _inverse(order):
@@ -214,7 +202,7 @@ def _permute_bwd(res, g):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, gmm, k, n):
+def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, backend, k, n):
     """xt [T, d] tokens, e [A = T*k] their experts -> expert outputs [A, d] in assignment order."""
     El = wg.shape[0]
     E = El * ep
@@ -225,7 +213,7 @@ def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, gmm, k, n):
     xs = _permute(xa, order, inv)                                            # [A, d] sorted by expert
     counts = jnp.bincount(e, length=E).astype(jnp.int32)                     # [E]
     if ep == 1:
-        return _permute(_dropless_one_device(xs, counts, wg, wu, wd, tp_axes, gmm, n), inv, order)
+        return _permute(_dropless_one_device(xs, counts, wg, wu, wd, tp_axes, backend, n), inv, order)
     dest = e[order] // El                                                    # [A] owner device, ascending
     per_dest = counts.reshape(ep, El).sum(axis=1)                            # [ep]
     offset = jnp.arange(A) - (jnp.cumsum(per_dest) - per_dest)[dest]         # [A] place in dest's block
@@ -242,13 +230,13 @@ def _dropless(xt, e, wg, wu, wd, ep_axes, ep, tp_axes, gmm, k, n):
         s_lo, s_hi = _bounds(c, per_dest, n), _bounds(c + 1, per_dest, n)    # [ep] rows of piece c sent
         r_lo, r_hi = _bounds(c, recv_total, n), _bounds(c + 1, recv_total, n)  # [ep] and received
         recv = exchange_rows(send[c], s_hi - s_lo, r_hi - r_lo, ep_axes)      # [ep src, Ac, d]
-        yr = _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, gmm)
+        yr = _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, backend)
         back.append(exchange_rows(yr, r_hi - r_lo, s_hi - s_lo, ep_axes))      # [ep dest, Ac, d]
     ret = jnp.stack(back)                                                    # [n, ep, Ac, d]
     return _permute(ret[piece, dest, slot], inv, order)                      # [A, d]
 
 
-def _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, gmm):
+def _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, backend):
     """recv [ep src, Ac, d]: block i holds rows r_lo[i]..r_hi[i] of source i's block (sorted by local
     expert, `ends` [ep, El] its cumulative counts), then padding -> expert outputs in the same layout."""
     ep, Ac, d = recv.shape
@@ -262,11 +250,11 @@ def _received_piece(recv, ends, r_lo, r_hi, wg, wu, wd, tp_axes, gmm):
     starts = jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=1)  # [ep, El]
     sizes = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).sum(axis=0)  # [El] rows per local expert
     xr = _permute(recv.reshape(ep * Ac, d), order2, inv2)                    # [ep*Ac, d]
-    yr = _expert_mlp(xr, wg, wu, wd, sizes.astype(jnp.int32), tp_axes, gmm)
+    yr = _expert_mlp(xr, wg, wu, wd, sizes.astype(jnp.int32), tp_axes, backend)
     return _permute(yr, inv2, order2).reshape(ep, Ac, -1)                    # [ep src, Ac, d]
 
 
-def _dropless_one_device(xs, counts, wg, wu, wd, tp_axes, gmm, n):
+def _dropless_one_device(xs, counts, wg, wu, wd, tp_axes, backend, n):
     """Nothing to exchange: xs [A, d] sorted by expert, cut into n static slices (each still sorted),
     every row real -> [A, d]."""
     A = xs.shape[0]
@@ -278,7 +266,7 @@ def _dropless_one_device(xs, counts, wg, wu, wd, tp_axes, gmm, n):
         if hi == lo:                                                         # more pieces than rows
             continue
         sizes = (jnp.clip(ends, lo, hi) - jnp.clip(starts, lo, hi)).astype(jnp.int32)  # [E], sum hi - lo
-        out.append(_expert_mlp(xs[lo:hi], wg, wu, wd, sizes, tp_axes, gmm, all_rows=True))
+        out.append(_expert_mlp(xs[lo:hi], wg, wu, wd, sizes, tp_axes, backend, all_rows=True))
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)         # [A, d]
 
 

@@ -163,18 +163,13 @@ def check_run_dir(cfg: TrainConfig) -> None:
                              f"directory you can write to ({flag})")
 
 
-def fp8_experts_warning(model_cfg, platform: str | None = None) -> str | None:
-    """One line when model.matmul_dtype=float8 meets a mixture of experts whose grouped GEMM is
-    model.gemm=xla on a GPU: the routed experts then keep FP8's numerics through fp32 lax.ragged_dot
-    (dense GEMMs over a zero-masked copy per group), with no FP8 kernel. auto and triton run them on
-    the Triton FP8 kernels (models/fp8.py); on the CPU the fp32 path is the FP8 emulation every FP8
-    GEMM gets. platform: jax.default_backend() when None."""
-    if (getattr(model_cfg, "matmul_dtype", "") != "float8" or not hasattr(model_cfg, "n_experts")
-            or getattr(model_cfg, "gemm", "") != "xla" or (platform or jax.default_backend()) != "gpu"):
+def fp8_experts_warning(model_cfg) -> str | None:
+    """One line when model.matmul_dtype=float8 meets a mixture of experts: the experts' grouped GEMMs
+    (most of its FLOPs) stay in the compute dtype; attention's projections and the shared expert run fp8."""
+    if getattr(model_cfg, "matmul_dtype", "") != "float8" or not hasattr(model_cfg, "n_experts"):
         return None
-    return (f"meshlab: warning: model.matmul_dtype=float8 on {model_cfg.name} with model.gemm=xla: the routed "
-            "experts' GEMMs run as fp32 lax.ragged_dot on the FP8 values (no FP8 kernel, slower than bf16); "
-            "model.gemm=auto or triton runs them on the Triton FP8 kernels")
+    return (f"meshlab: warning: model.matmul_dtype=float8 on {model_cfg.name}: the routed experts' GEMMs stay "
+            f"{model_cfg.dtype} (no fp8 grouped GEMM); attention's projections and the shared expert run fp8")
 
 
 def pipeline_bubble_warning(tr: Trainer) -> str | None:

@@ -3,9 +3,7 @@ gradients, empty groups and padding rows included; the triton kernels in interpr
 tiles (ragged M, K, N, empty and sub-tile groups, padding rows holding NaN) and lowered for CUDA at a
 llama-MoE shape; on a GPU the compiled triton path (`MESHLAB_TEST_GPU=1 python3 -m pytest -m gpu
 tests/kernels/test_grouped_matmul.py`), on a Hopper GPU the Mosaic path against ragged_dot, and the
-ragged all-to-all against the padded one on a one-device expert axis. FP8 operands (the kernels
-models/fp8.py's grouped op calls): the three GEMMs in interpret mode against the product of the same
-FP8 values in fp32, lowered for CUDA, and compiled on a GPU."""
+ragged all-to-all against the padded one on a one-device expert axis."""
 import functools
 import itertools
 
@@ -24,9 +22,6 @@ SIZES = [5, 0, 11, 3]                    # an empty group; 19 of 24 rows used: 5
 # 16-row/column tiles in interpret mode: many tiles, so group edges inside tiles, tiles of the
 # padding and the ragged last tiles of M, K and N all occur at small sizes
 TINY = gmt.TritonTiles(block_m=16, block_n=16, block_k=16, dw_block_m=16, dw_block_k=16, dw_block_n=16)
-# FP8: the contraction tiles (block_k, dw_block_m) at an FP8 MMA's least k, 32
-TINY_FP8 = gmt.TritonTiles(block_m=16, block_n=16, block_k=32, dw_block_m=32, dw_block_k=16, dw_block_n=16)
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
 def _inputs(m=24, k=16, n=8, sizes=SIZES, dtype=jnp.float32):
@@ -121,11 +116,12 @@ def test_triton_row_tiles_cover_each_row_once_inside_its_group():
         assert (hits == 1).all(), (sizes, hits)
 
 
-@pytest.fixture
-def verified_triton_modules(monkeypatch):
-    """A list that fills with the assembly of every Triton module lowered while the test runs, each
-    verified first as Triton's parser on the GPU does (jax serialises modules unverified: a loop bound
-    of the wrong type lowered on the CPU and failed only on the GPU)."""
+def test_triton_lowers_for_cuda_at_a_llama_moe_shape(monkeypatch):
+    """The compiled path without a GPU: forward, dX and dW kernels lowered to Triton IR (masks, the
+    dynamic loop bounds, the transposed weight read) at bf16 2048 x 1024 x 1536 with 8 experts and
+    the default tiles, and in fp32 at ragged sizes (683 x 1000 x 1500, 16 experts). Each module is
+    verified as Triton's parser on the GPU does (jax serialises it unverified: a loop bound of the
+    wrong type lowered here and failed only there)."""
     from jax._src.pallas.triton import lowering as triton_lowering
     lower, verified = triton_lowering.lower_jaxpr_to_triton_module, []
 
@@ -135,15 +131,6 @@ def verified_triton_modules(monkeypatch):
         verified.append(result.module.operation.get_asm())
         return result
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    return verified
-
-
-def test_triton_lowers_for_cuda_at_a_llama_moe_shape(verified_triton_modules, monkeypatch):
-    """The compiled path without a GPU: forward, dX and dW kernels lowered to Triton IR (masks, the
-    dynamic loop bounds, the transposed weight read) at bf16 2048 x 1024 x 1536 with 8 experts and
-    the default tiles, and in fp32 at ragged sizes (683 x 1000 x 1500, 16 experts), each module
-    verified."""
-    verified = verified_triton_modules
     cases = ((jnp.bfloat16, (2048, 1024, 1536, 8), None), (jnp.float32, (683, 1000, 1500, 16), None),
              (jnp.bfloat16, (2048, 1024, 1536, 8), gmt.HOPPER_BF16))
     for dt, (m, k, n, g), tiles in cases:
@@ -267,167 +254,3 @@ def test_ragged_all_to_all_agrees_with_padded_on_one_device():
         return jax.jit(compat.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))(buf)
 
     np.testing.assert_array_equal(np.asarray(run("ragged")), np.asarray(run("padded")))
-
-
-# -- FP8 operands -----------------------------------------------------------------------------------
-def _fp8_operands(m, k, n, sizes, pad_nan=True, seed=0):
-    """x [M, K] and w [G, K, N] in e4m3, dy [M, N] in e5m2, spread over their formats' ranges (|x| up to
-    ~40, w ~4, dy ~4000), rows past sum(sizes) NaN (pad_nan). The GEMMs read them as FP8 bits."""
-    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    total = sum(sizes)
-    x = (10 * jax.random.normal(kx, (m, k))).astype(E4M3)
-    w = jax.random.normal(kw, (len(sizes), k, n)).astype(E4M3)
-    dy = (1000 * jax.random.normal(kd, (m, n))).astype(E5M2)
-    if pad_nan:
-        x, dy = x.at[total:].set(jnp.nan), dy.at[total:].set(jnp.nan)
-    return x, w, dy, jnp.asarray(sizes, jnp.int32)
-
-
-def _fp8_gemms(backend, tiles=None, interpret=True):
-    """jit of the three GEMMs of the FP8 op on FP8 operands, each scaled by 2^-3 (an inverse-scale
-    product): forward x . w (bf16 out, fast accumulation), dX dy . w^T and dW x^T dy (fp32 out)."""
-    def run(x, w, dy, gs):
-        kw = dict(backend=backend, triton_tiles=tiles, interpret=interpret)
-        y = gm.grouped_matmul_fp8(x, jnp.swapaxes(w, 1, 2), gs, 0.125, out_dtype=jnp.bfloat16, fast=True, **kw)
-        dx = gm.grouped_matmul_fp8(dy, w, gs, 0.125, out_dtype=jnp.float32, **kw)
-        dw = gm.grouped_matmul_fp8_dw(x.T, dy.T, gs, 0.125, out_dtype=jnp.float32, **kw)
-        return y, dx, dw
-    return jax.jit(run)
-
-
-def _fp8_exact(x, w, dy, gs, ragged_dot=False):
-    """The same products of the same FP8 values in fp32, times 2^-3: the pure-jnp reference (per row
-    einsum), or lax.ragged_dot in fp32 (ragged_dot=True: the GPU's, the reference's [M, K, N] would
-    take 13 GB at the llama-MoE shape). Padding rows are zero first (their NaN in no product)."""
-    real = (jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None]
-    xf, dyf = (jnp.where(real, a.astype(jnp.float32), 0.0) for a in (x, dy))
-    wf = w.astype(jnp.float32)
-    if ragged_dot:
-        mm = functools.partial(jax.lax.ragged_dot, precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-    else:
-        mm = gm.grouped_matmul_reference
-    y = mm(xf, wf, gs) * 0.125
-    dx = mm(dyf, jnp.swapaxes(wf, 1, 2), gs) * 0.125
-    _, vjp = jax.vjp(lambda v: mm(xf, v, gs), wf)
-    return y, dx, vjp(dyf)[0] * 0.125
-
-
-def _assert_fp8_results(got, want, total, empty, rtol):
-    """Near-exact: fp32 sums of exact products differ by summation order only (bf16's output: its
-    rounding, 2^-8); padding rows and an empty group's dW exactly zero; no NaN from the padding."""
-    for name, a, b, dt in zip(("y", "dx", "dw"), got, want, (jnp.bfloat16, jnp.float32, jnp.float32)):
-        assert a.dtype == dt, (name, a.dtype)
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.isfinite(a).all(), name
-        tol = max(rtol, 2.0 ** -8) if dt == jnp.bfloat16 else rtol
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
-    assert not np.asarray(got[0][total:], np.float32).any() and not np.asarray(got[1][total:]).any()
-    assert not np.asarray(got[2][empty]).any()
-
-
-FP8_CASE = (50, 40, 24, [0, 7, 17, 3, 0, 15])   # ragged M, K (a 32-chunk and a tail), N; 8 padding rows
-
-
-def test_triton_fp8_interpret_matches_the_same_fp8_values_in_fp32():
-    """The Pallas interpreter runs the kernels' FP8 dots on the exact e4m3/e5m2 values with fp32 sums
-    (its rule for the FP8 primitive: lax.dot_general of the FP8 arrays, which XLA:CPU widens to fp32
-    first): the forward (e4m3 . e4m3), dX (e5m2 . e4m3^T) and dW (e4m3^T . e5m2), tiny tiles (group
-    edges inside tiles, ragged tail chunks), an empty group first, padding rows of NaN. The xla
-    backend, the CPU's path, gives the same numbers."""
-    m, k, n, sizes = FP8_CASE
-    x, w, dy, gs = _fp8_operands(m, k, n, sizes)
-    want = _fp8_exact(x, w, dy, gs)
-    got = _fp8_gemms("triton", TINY_FP8)(x, w, dy, gs)
-    _assert_fp8_results(got, want, sum(sizes), sizes.index(0), 1e-5)
-    _assert_fp8_results(_fp8_gemms("xla")(x, w, dy, gs), want, sum(sizes), sizes.index(0), 1e-5)
-
-
-def test_triton_fp8_refuses_what_it_cannot_run():
-    x, w, dy, gs = _fp8_operands(*FP8_CASE, pad_nan=False)
-    tiles = gmt.TritonTiles.default(E4M3)
-    with pytest.raises(ValueError, match="contraction-major"):       # the forward's w as stored: [G, K, N]
-        gmt.gmm_call(x, w, gs, tiles, True, out_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="contraction-major"):
-        gmt.dw_call(x, dy, gs, tiles, True, jnp.float32)
-    with pytest.raises(ValueError, match="go in pairs"):
-        gmt.gmm_call(x, w.astype(jnp.bfloat16), gs, tiles, True, trans_rhs=True, out_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="need out_dtype"):
-        gmt.gmm_call(x, jnp.swapaxes(w, 1, 2), gs, tiles, True, trans_rhs=True)
-    with pytest.raises(ValueError, match=r"must be >= 32 for FP8"):
-        gm.grouped_matmul_fp8(x, jnp.swapaxes(w, 1, 2), gs, 1.0, out_dtype=jnp.bfloat16, backend="triton",
-                              triton_tiles=TINY, interpret=True)
-    with pytest.raises(ValueError, match="no FP8 path"):
-        gm.grouped_matmul_fp8(x, jnp.swapaxes(w, 1, 2), gs, 1.0, out_dtype=jnp.bfloat16, backend="mosaic")
-    # defaults: twice bf16's contraction chunk (1-byte operands, the same shared memory); Hopper's own
-    assert gmt.TritonTiles.default(E5M2) == gmt.FP8_TILES and gmt.FP8_TILES.block_k == 2 * gmt.TritonTiles().block_k
-    assert gm.resolve_fp8_backend("auto") == ("triton" if jax.default_backend() == "gpu" else "xla")
-
-
-def test_fp8_takes_the_triton_kernels_on_hopper_too(monkeypatch):
-    """auto resolves to mosaic on Hopper for 16-bit operands; FP8 has no Mosaic kernel and takes triton."""
-    monkeypatch.setattr(gm, "_on_gpu", lambda: True)
-    monkeypatch.setattr(gm, "on_hopper", lambda: True)
-    assert gm.resolve_backend("auto") == "mosaic" and gm.resolve_fp8_backend("auto") == "triton"
-    assert gm.resolve_fp8_backend("auto", interpret=True) == "xla" and gm.resolve_fp8_backend("xla") == "xla"
-
-
-def test_triton_fp8_lowers_for_cuda_at_a_llama_moe_shape(verified_triton_modules, monkeypatch):
-    """The FP8 op's forward, dX and dW kernels (models/fp8.py: quantization, transposed copies, scales)
-    lowered to Triton IR and verified as Triton's parser on the GPU does (the approach of the bf16 test
-    above), at bf16 2048 x 1024 x 1536 with 8 experts (the default FP8 tiles and Hopper's) and at ragged
-    683 x 1000 x 1500 with 16 experts (masks, tail chunks). Every dot reads two FP8 operands, the
-    second through a transpose (contraction-major), with its pair of formats and accumulation mode."""
-    from models.fp8 import fp8_grouped_matmul
-    verified = verified_triton_modules
-    monkeypatch.setattr(gm, "_on_gpu", lambda: True)
-    cases = ((2048, 1024, 1536, 8, False), (2048, 1024, 1536, 8, True), (683, 1000, 1500, 16, False))
-    for m, k, n, g, hopper in cases:
-        monkeypatch.setattr(gmt, "on_hopper", lambda hopper=hopper: hopper)
-        s = lambda *shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d)  # noqa: E731
-        f = lambda x, w, gs: fp8_grouped_matmul(x, w, gs, backend="triton")  # noqa: E731
-        text = _with_grads(f).trace(s(m, k), s(g, k, n), s(g, d=jnp.int32), s(m, n)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        for name in ("grouped_matmul_fp8", "grouped_matmul_fp8_dx", "grouped_matmul_fp8_dw"):
-            assert f'name = "{name}"' in text, name
-    assert len(verified) == 9
-    dots = [line for text in verified for line in text.splitlines() if "tt.dot " in line]
-    assert len(dots) >= 9
-    kinds = set()
-    for line in dots:
-        a, b = line.rsplit(" : ", 1)[1].split(" -> ")[0].split(" * ")
-        assert "xf8E" in a and "xf8E" in b and line.endswith("xf32>"), line
-        acc = int(line.split("maxNumImpreciseAcc = ")[1].split(" ")[0])
-        kinds.add((a.split("x")[-1].rstrip(">"), b.split("x")[-1].rstrip(">"), acc))
-    # forward e4m3 . e4m3 with fast accumulation; dX e5m2 . e4m3 and dW e4m3 . e5m2 promoting to fp32
-    # once per contraction tile (64 at the default tiles, 128 at Hopper's)
-    assert {(a, b) for a, b, _ in kinds} == {("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")}
-    assert all((acc == 1 << 30) == (a == b) for a, b, acc in kinds), kinds
-    assert {acc for a, b, acc in kinds if a != b} == {64, 128}
-    transposes = [line for text in verified for line in text.splitlines() if "tt.trans" in line]
-    assert len(transposes) == len(dots) and all("xf8E" in line for line in transposes)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pad", [0, 100])
-def test_triton_fp8_compiled_matches_the_same_fp8_values_on_gpu(pad):
-    """The compiled FP8 kernels at the default tiles (Hopper's on an H100/H200), llama-MoE shape 2048 x
-    1024 x 1536 with 8 skewed groups (one empty), `pad` padding rows of NaN, memory poisoned with NaN
-    first, against the exact fp32 products of the same FP8 values: the forward's fast accumulation and
-    the gradients' per-tile promotion both within 1e-2 (the bf16 output alone rounds by 2^-9)."""
-    m, k, n, experts = 2048, 1024, 1536, 8
-    rng = np.random.default_rng(experts + pad)
-    sizes = rng.multinomial(m - pad, rng.dirichlet(np.full(experts, 2.0))).tolist()
-    sizes[0], sizes[1] = sizes[0] + sizes[1], 0
-    x, w, dy, gs = _fp8_operands(m, k, n, sizes, pad_nan=pad > 0)
-    f = _fp8_gemms("auto", interpret=False)
-    f.lower(x, w, dy, gs).compile()
-    poison = [jnp.full((64 << 20,), jnp.nan, jnp.float32) for _ in range(4)]
-    jax.block_until_ready(poison)
-    del poison
-    got = f(x, w, dy, gs)
-    want = jax.jit(functools.partial(_fp8_exact, ragged_dot=True))(x, w, dy, gs)
-    for name, a, b in zip(("y", "dx", "dw"), got, want):
-        assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
-    assert not np.asarray(got[0][m - pad:], np.float32).any() and not np.asarray(got[1][m - pad:]).any()
-    assert not np.asarray(got[2][1]).any()                                        # the empty group

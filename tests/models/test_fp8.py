@@ -1,4 +1,4 @@
-"""FP8 projection matmuls and the routed experts' grouped GEMMs (models/fp8.py, `model.matmul_dtype=float8`).
+"""FP8 projection matmuls (models/fp8.py, `model.matmul_dtype=float8`).
 
 Error bounds: rounding to a format with m mantissa bits moves each element by at most its unit
 roundoff u = 2^-(m+1) relative (e4m3: 2^-4, e5m2: 2^-3), and by u/sqrt(3) RMS for errors spread
@@ -6,8 +6,7 @@ evenly over the rounding interval. A GEMM's output sums many such independent er
 relative (Frobenius) error is about the RMS of its operands' errors added in quadrature:
 forward (e4m3 x e4m3) sqrt(2) u4 / sqrt(3) = 5.1%, gradients (e5m2 x e4m3) sqrt(u5^2 + u4^2) / sqrt(3)
 = 8.1%. Those are the bounds; the measured errors are ~3.8% and ~6%. A lower bound (2^-7, five times
-bf16's rounding) shows the values were really quantized. The grouped op's GEMMs are the same pairs
-of formats over each group's rows, so the same bounds hold (measured: ~3.8% and ~5.8%).
+bf16's rounding) shows the values were really quantized.
 """
 import math
 
@@ -17,9 +16,7 @@ import numpy as np
 import pytest
 
 from meshlab.plan import hlo
-from models.fp8 import (E4M3, E5M2, dequantize, fp8_einsum, fp8_einsum_reference, fp8_grouped_matmul,
-                        fp8_grouped_matmul_reference, pow2_scale, quantize)
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from models.fp8 import E4M3, E5M2, dequantize, fp8_einsum, fp8_einsum_reference, pow2_scale, quantize
 from tests.helpers import rel_err
 
 # Compiling dominates (small GEMMs, a tiny model's steps): cheap_codegen.
@@ -136,99 +133,6 @@ def test_config_validation():
         small_config(extra=["model.matmul_dtype=float8", "model.fused_swiglu=true"])
     with pytest.raises(ConfigError, match="float16"):
         small_config(extra=["model.matmul_dtype=float8", "model.dtype=float16"])
-    with pytest.raises(ConfigError, match="gemm=mosaic with model.matmul_dtype=float8"):
-        small_config(extra=["model.name=moe_tiny", "model.matmul_dtype=float8", "model.gemm=mosaic"])
-
-
-# -- the routed experts' grouped GEMMs -------------------------------------------------------------------
-GROUPS = [9, 0, 21, 14]       # an empty group; 44 of 48 rows in groups: 4 padding rows
-
-
-def _grouped_operands(dtype=jnp.float32, seed=0):
-    """x [48, 64], w [4, 64, 40] (0.02 scale), a cotangent; padding rows of x NaN and of the cotangent
-    1e6: a scale taken over them would be NaN, or leave the real rows of dy in e5m2's subnormals."""
-    k = jax.random.split(jax.random.key(seed), 3)
-    m, total = 48, sum(GROUPS)
-    x = jax.random.normal(k[0], (m, 64), jnp.float32)
-    w = 0.02 * jax.random.normal(k[1], (len(GROUPS), 64, 40), jnp.float32)
-    g = jax.random.normal(k[2], (m, 40), jnp.float32)
-    real = (x.at[total:].set(0.0), w, g.at[total:].set(0.0))
-    padded = (x.at[total:].set(jnp.nan), w, g.at[total:].set(1e6))
-    return [tuple(t.astype(dtype) for t in ops) for ops in (real, padded)], jnp.asarray(GROUPS, jnp.int32)
-
-
-def _grouped_vjp(f, x, w, g, gs):
-    y, vjp = jax.vjp(lambda a, b: f(a, b, gs), x, w)
-    return (y, *vjp(g))
-
-
-def test_grouped_op_within_fp8_rounding_and_exactly_its_formats():
-    """The FP8 grouped op (CPU: the xla path, exact FP8 values in fp32) against the fp32 op: forward
-    within e4m3's bound, gradients within e5m2 x e4m3's; exactly the grouped products of x, w in e4m3
-    and g in e5m2 (per-tensor scales over the rows in groups only); padding rows give zeros."""
-    ((x, w, g), padded), gs = _grouped_operands()
-    y, dx, dw = jax.jit(lambda *a: _grouped_vjp(fp8_grouped_matmul, *a))(*padded, gs)
-    y32, dx32, dw32 = _grouped_vjp(grouped_matmul_reference, x, w, g, gs)
-    assert QUANTIZED < rel_err(y, y32) < FWD_BOUND, rel_err(y, y32)
-    assert rel_err(y, fp8_grouped_matmul_reference(x, w, gs)) < 1e-6
-    for got, want in ((dx, dx32), (dw, dw32)):
-        assert QUANTIZED < rel_err(got, want) < BWD_BOUND, rel_err(got, want)
-    xq, wq, gq = _qdq(x, E4M3), _qdq(w, E4M3), _qdq(g, E5M2)
-    assert rel_err(dx, grouped_matmul_reference(gq, jnp.swapaxes(wq, 1, 2), gs)) < 1e-6        # e5m2 . e4m3^T
-    _, vjp = jax.vjp(lambda v: grouped_matmul_reference(xq, v, gs), wq)
-    assert rel_err(dw, vjp(gq)[0]) < 1e-6                                                      # e4m3^T . e5m2
-    total = sum(GROUPS)
-    assert not np.asarray(y[total:]).any() and not np.asarray(dx[total:]).any() and not np.asarray(dw[1]).any()
-
-
-def test_grouped_op_triton_kernels_give_the_cpu_paths_numbers_in_bf16():
-    """bf16 operands through the Triton FP8 kernels (interpret mode, tiny tiles) and through the xla
-    path: gradients and output in bf16, equal but for fp32 summation order and one bf16 rounding."""
-    from pallas_kernels.grouped_matmul_triton import TritonTiles
-    (_, padded), gs = _grouped_operands(jnp.bfloat16)
-    tiles = TritonTiles(block_m=16, block_n=16, block_k=32, dw_block_m=32, dw_block_k=16, dw_block_n=16)
-    tri = jax.jit(lambda *a: _grouped_vjp(
-        lambda x, w, gs: fp8_grouped_matmul(x, w, gs, backend="triton", triton_tiles=tiles, interpret=True), *a))
-    xla = jax.jit(lambda *a: _grouped_vjp(fp8_grouped_matmul, *a))
-    for name, a, b in zip(("y", "dx", "dw"), tri(*padded, gs), xla(*padded, gs)):
-        assert a.dtype == b.dtype == jnp.bfloat16, name
-        assert rel_err(a, b) < 2.0 ** -8, (name, rel_err(a, b))
-
-
-def test_grouped_op_residuals_saved_by_remat_stay_exact():
-    """As fp8_einsum's: x^T and w saved as FP8 bits survive a remat policy that saves them (e4m3fn's
-    top binade: x's element of 400 at scale 1)."""
-    ((x, w, g), _), gs = _grouped_operands()
-    x = x.at[0, 0].set(400.0)
-
-    def loss(a, b):
-        return jnp.sum(fp8_grouped_matmul(a, b, gs) * g)
-    saved = jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable)
-    for got, want in zip(jax.grad(saved, (0, 1))(x, w), jax.grad(loss, (0, 1))(x, w)):
-        assert np.isfinite(np.asarray(got)).all() and rel_err(got, want) < 1e-6
-
-
-@pytest.mark.gpu
-def test_gpu_grouped_op_agrees_with_its_cpu_numerics_and_bf16():
-    """The grouped op on the GPU (the Triton FP8 kernels) at a llama-MoE shape, 2048 x 1024 x 1536 with
-    8 skewed groups, bf16: against its xla path (the same quantization, exact fp32 products: 1e-2 for
-    the kernels' accumulation and the bf16 outputs) and against the fp32 op within the bounds above."""
-    m, k, n, experts = 2048, 1024, 1536, 8
-    rng = np.random.default_rng(1)
-    gs = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.full(experts, 2.0))), jnp.int32)
-    ks = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(ks[1], (experts, k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
-    g = jax.random.normal(ks[2], (m, n), jnp.float32).astype(jnp.bfloat16)
-    ours = jax.jit(lambda *a: _grouped_vjp(fp8_grouped_matmul, *a))(x, w, g, gs)
-    cpu = jax.jit(lambda *a: _grouped_vjp(lambda x, w, gs: fp8_grouped_matmul(x, w, gs, backend="xla"), *a))(x, w, g, gs)
-    f32 = [t.astype(jnp.float32) for t in (x, w, g)]
-    with jax.default_matmul_precision("highest"):
-        exact = jax.jit(lambda *a: _grouped_vjp(lambda x, w, gs: grouped_matmul(x, w, gs, backend="xla"), *a))(*f32, gs)
-    for name, a, b, c, bound in zip(("y", "dx", "dw"), ours, cpu, exact, (FWD_BOUND, BWD_BOUND, BWD_BOUND)):
-        assert a.dtype == jnp.bfloat16, name
-        assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
-        assert QUANTIZED < rel_err(a, c) < bound, (name, rel_err(a, c))
 
 
 def _losses(matmul_dtype, steps=5, devices=None):
