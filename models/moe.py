@@ -40,7 +40,7 @@ class MoeConfig(LlamaConfig):
     norm_topk: bool = True                # top-k weights renormalised to sum 1
     aux_loss_weight: float = 0.01         # load-balancing loss weight (Switch: 1e-2)
     z_loss_weight: float = 1e-3           # router z-loss weight (ST-MoE: 1e-3)
-    gemm: str = "auto"                    # grouped GEMM: auto (mosaic on Hopper, triton on other GPUs, else xla) | mosaic | triton | xla
+    gemm: str = "auto"                    # grouped GEMM: auto (triton on GPUs, else xla) | mosaic (Hopper) | triton | xla
 
     def validate(self) -> None:
         super().validate()

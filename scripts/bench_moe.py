@@ -82,7 +82,7 @@ def gemm_rows(m, k, n, experts, tiles_list, backends=("mosaic", "triton", "xla")
     useful = 2 * m * k * n
     best = None
     best_triton = best_triton_bwd = None
-    on_hopper = gm.resolve_backend("auto") == "mosaic"
+    on_hopper = gm.on_hopper()
     # The tile sweeps run at 16 experts (the must's shape) first; the other counts reuse their winners.
     for e in sorted(experts, key=lambda e: e != 16):
         gs = groups(m, e)
@@ -331,7 +331,7 @@ def main():
         sys.exit(f"--gemm-backends={args.gemm_backends!r} must name mosaic, triton or xla")
     if "gemm" not in args.skip and jax.default_backend() != "gpu":
         sys.exit(f"bench_moe.py's GEMM part needs a GPU (found {dev.device_kind}); --skip gemm")
-    if "gemm" not in args.skip and "mosaic" in backends and gm.resolve_backend("auto") != "mosaic":
+    if "gemm" not in args.skip and "mosaic" in backends and not gm.on_hopper():
         print(f"no mosaic rows: the Mosaic kernels need a Hopper GPU (found {dev.device_kind})", flush=True)
     tiles = [gm.Tiles(), gm.Tiles(grid_block_n=1), gm.Tiles(grid_block_n=4),
              gm.Tiles(block_n=256, max_concurrent_steps=3, grid_block_n=1),

@@ -168,6 +168,20 @@ def test_triton_backend_choice_and_errors():
         gmt.grouped_matmul_triton(x, w[:, :3], gs, interpret=True)
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+def test_auto_takes_triton_on_every_gpu(monkeypatch, hopper):
+    """auto is triton on any GPU (faster than Mosaic on an H100: pallas_kernels/grouped_matmul.py);
+    mosaic is still there when asked for on Hopper, and refused elsewhere with the fix named."""
+    monkeypatch.setattr(gm, "_on_gpu", lambda: True)
+    monkeypatch.setattr(gm, "on_hopper", lambda: hopper)
+    assert gm.resolve_backend("auto") == "triton" and gm.resolve_backend("auto", interpret=True) == "xla"
+    if hopper:
+        assert gm.resolve_backend("mosaic") == "mosaic"
+    else:
+        with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU.*use backend='triton'"):
+            gm.resolve_backend("mosaic")
+
+
 def test_mosaic_path_lowers_any_row_count(monkeypatch):
     """The Mosaic kernels' TMA copies take rows in tiles of 8 (Mosaic GPU refuses 683 rows: 2,048 cut in
     3 pieces); grouped_matmul pads x to whole tiles. The forward (dx's kernel too) lowered for CUDA
