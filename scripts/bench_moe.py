@@ -279,7 +279,8 @@ def write(dev, gemm, train, peer, args):
     def first_like(label):
         return next((b for b in train if "step_ms" in b and b["variant"] == label), None)
     for r in train:
-        base = first_like(re.sub(r", \d+ chunks", "", r["variant"]))     # the same variant in 1 piece
+        chunked = re.search(r", \d+ chunks", r["variant"])
+        base = first_like(r["variant"].replace(chunked.group(0), "") if chunked else r["variant"])  # in 1 piece
         gemm_of = re.search(r", gemm (\w+)", r["variant"])
         auto = first_like(r["variant"].replace(gemm_of.group(0), "")) if gemm_of else None
         if auto and "step_ms" in r:
@@ -289,7 +290,7 @@ def write(dev, gemm, train, peer, args):
             lines.append(f"\n{r['variant']}: {r['mfu'] / dense['mfu']:.2f} of the dense model's MFU (must be >= 0.60).")
         if peer and "tokens_per_s" in peer and "mfu" in r and r is not dense and r is base:
             lines.append(f"\n{r['variant']}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x the Mixtral peer's tokens/s.")
-        if base and "step_ms" in r and r is not base:
+        if chunked and base and "step_ms" in r:
             lines.append(f"\n{r['variant']}: step {100 * (r['step_ms'] / base['step_ms'] - 1):+.1f}% against 1 piece "
                          "(one device: no all-to-all to hide, only the pieces' partial weight-gradient sums).")
     text = "\n".join(lines) + "\n"
