@@ -7,14 +7,14 @@ sum(group_sizes) (a static buffer's padding) come out zero, as `jax.lax.ragged_d
 Backends: mosaic, JAX's Mosaic GPU ragged-dot kernels for the forward, dX and dW (Hopper only);
 triton, our Pallas Triton kernels (grouped_matmul_triton.py: any CUDA GPU, or the CPU with
 interpret=True); xla, `jax.lax.ragged_dot` with its own autodiff (the numerical reference).
-`auto` picks triton on any CUDA GPU, xla elsewhere: on an H100 the triton kernels ran 1.07-1.20x
-Mosaic's forward and 1.37-1.45x its forward + backward, and MoE training 3-9% faster (four calls;
-jax 0.11 deprecates Pallas Triton, and `mosaic` is the Hopper path should it go); on GPU ragged_dot
-lowers to dense GEMMs over a zero-masked copy of the operand per group (G times the bytes and
-FLOPs), while both kernel backends read each group's rows in place. Limits: mosaic needs Hopper and
-has no interpret mode; `interpret=True` runs triton's kernels in the Pallas interpreter when triton
-is asked for, and takes xla for auto and mosaic. Speed: docs/benchmarks.md#pipeline-and-moe
-(scripts/bench_moe.py).
+`auto` picks triton on any CUDA GPU, xla elsewhere. On Hopper the triton kernels beat Mosaic's in
+the forward, the forward + backward and MoE training (docs/benchmarks.md#pipeline-and-moe); `mosaic`
+stays for whoever asks, and is the Hopper path should jax drop Pallas Triton (deprecated in 0.11).
+On GPU ragged_dot lowers to dense GEMMs over a zero-masked copy of the operand per group (G times
+the bytes and FLOPs), while both kernel backends read each group's rows in place. Limits: mosaic
+needs Hopper and has no interpret mode; `interpret=True` runs triton's kernels in the Pallas
+interpreter when triton is asked for, and takes xla for auto and mosaic. Speed:
+scripts/bench_moe.py.
 """
 from __future__ import annotations
 

@@ -282,9 +282,10 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     Ring attention (memory_context) saves like a flash attention (its output too under save_dots_attn;
     under save_dots every step's score tiles), forms one ring step's [cq, bk] tiles and their gradients
     in the layer's backward under every policy (its custom_vjp recomputes them from the lse), and adds a
-    phase of its own, the last layer's forward (`forward working set`; 0 without ring attention). Counted as the XLA attention's
-    [S/context, S/context] arrays instead, cp_ring (context 4) would be 21% over under none and 23%
-    under under full at S=1024, 79% over at S=4096 (none) and 70% under at save_dots.
+    phase of its own, the last layer's forward (`forward working set`; 0 without ring attention).
+    Counted as the XLA attention's [S/context, S/context] arrays instead, cp_ring (context 4) would be
+    21% over under none and 23% under under full at S=1024, 79% over at S=4096 (none) and 70% under at
+    save_dots.
     """
     if policy not in ("none", "full", "save_dots", "save_dots_no_batch", "save_dots_attn"):
         raise ValueError(f"unknown remat policy {policy!r}; one of none, full, save_dots, save_dots_no_batch, "
