@@ -9,6 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.swiglu import silu_mul_grads
+
 F32 = jnp.float32
 
 
@@ -68,10 +70,7 @@ def _swiglu_pair_fwd(gate_up):
 
 def _swiglu_pair_bwd(gate_up, dh):
     gate, up = gate_up[..., 0].astype(F32), gate_up[..., 1].astype(F32)      # [..., f] x2
-    dh = dh.astype(F32)
-    sig = jax.nn.sigmoid(gate)
-    d_gate = dh * up * sig * (1 + gate * (1 - sig))                           # silu'(g) = s (1 + g (1 - s))
-    d_up = dh * gate * sig
+    d_gate, d_up = silu_mul_grads(gate, up, dh.astype(F32))
     return (jnp.stack([d_gate, d_up], axis=-1).astype(gate_up.dtype),)        # [..., f, 2]
 
 

@@ -9,6 +9,11 @@ Backward: one kernel recomputes a, b tile by tile and writes da = dy * b * silu'
 db = dy * silu(a); the four large matmuls go to XLA/cuBLAS, which a Triton GEMM does not beat.
 Cost: one extra 2-GEMM recomputation in the backward (about +1/3 of this layer's backward FLOPs)
 for 2 x T x f activations saved per layer. Speed and memory: docs/benchmarks.md#fused-ops.
+
+    silu_mul(gate, up) = silu(gate) * up                    (after unfused gate/up GEMMs)
+
+No kernel: the fp32 expression, whose custom_vjp saves gate and up as given and recomputes the rest
+in its backward (the MoE experts'; models/vjp_ops.swiglu_pair shares its gradient formula).
 """
 from __future__ import annotations
 
@@ -43,6 +48,34 @@ def swiglu_reference(x, w_gate, w_up):
     a = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
     b = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
     return (jax.nn.silu(a) * b).astype(x.dtype)
+
+
+def silu_mul_grads(a, b, dy):
+    """(da, db) of silu(a) * b for fp32 a, b, dy: silu'(a) = s (1 + a (1 - s)) with s = sigmoid(a)."""
+    sig = jax.nn.sigmoid(a)
+    return dy * b * sig * (1 + a * (1 - sig)), dy * a * sig
+
+
+@jax.custom_vjp
+def silu_mul(gate, up):
+    """silu(gate) * up elementwise in fp32, returned in gate's dtype: the activation after unfused
+    gate/up GEMMs. Its residuals are gate and up as given. Autodiff of the fp32 expression saves its
+    fp32 intermediates instead, which a layer scan stacks into [n_layers, T, f] fp32 buffers (five at
+    remat=none, 10x the bytes of two bf16 inputs) written in the forward and read in the backward."""
+    return _silu_mul_fwd(gate, up)[0]
+
+
+def _silu_mul_fwd(gate, up):
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype), (gate, up)
+
+
+def _silu_mul_bwd(res, dh):
+    gate, up = res
+    da, db = silu_mul_grads(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32))
+    return da.astype(gate.dtype), db.astype(up.dtype)
+
+
+silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
 
 
 def _gate_up(x_ref, wg_ref, wu_ref, r0, c0, *, bm, bn, bk, T, d, f, mt, mf, md):

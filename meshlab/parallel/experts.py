@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from meshlab import compat
 from meshlab import rules as rules_mod
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.swiglu import silu_mul
 
 DISPATCH = ("dropless", "capacity")
 DEFAULT = {"dispatch": "dropless", "capacity_factor": 1.25, "chunks": 1}
@@ -126,10 +127,6 @@ def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, 
     return jnp.sum(y, axis=2).astype(x.dtype)
 
 
-def _swiglu(gate, up):
-    return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype)
-
-
 def _tp_sum(y, tp_axes):
     """The down projection's partial sums over the expert width split (row-parallel)."""
     return jax.lax.psum(y, tp_axes) if tp_axes else y
@@ -167,7 +164,7 @@ def _capacity_piece(buf, wg, wu, wd, ep_axes, ep, tp_axes):
     """[E, t, d] token slots -> to the experts' owners, padded batched GEMMs, back -> [E, t, d]."""
     if ep > 1:
         buf = _exchange(buf, ep_axes, 0, 1)                                  # [E/ep, ep*t, d] source-major
-    h = _swiglu(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t', f]
+    h = silu_mul(jnp.einsum("etd,edf->etf", buf, wg), jnp.einsum("etd,edf->etf", buf, wu))  # [El, t', f]
     y = _tp_sum(jnp.einsum("etf,efd->etd", h, wd), tp_axes)                  # [El, t', d]
     return _exchange(y, ep_axes, 1, 0) if ep > 1 else y                      # [E, t, d]
 
@@ -175,7 +172,7 @@ def _capacity_piece(buf, wg, wu, wd, ep_axes, ep, tp_axes):
 def _expert_mlp(xs, wg, wu, wd, group_sizes, tp_axes, backend, all_rows=False):
     """Rows sorted by local expert xs [R, d] -> [R, d]; rows past sum(group_sizes) give 0 (all_rows: none)."""
     gmm = lambda a, w: grouped_matmul(a, w, group_sizes, backend=backend, all_rows=all_rows)  # noqa: E731
-    h = _swiglu(gmm(xs, wg), gmm(xs, wu))                                    # [R, f]
+    h = silu_mul(gmm(xs, wg), gmm(xs, wu))      # [R, f]; saves gate and up, not fp32 intermediates
     return _tp_sum(gmm(h, wd), tp_axes)                                      # [R, d]
 
 

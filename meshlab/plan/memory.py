@@ -329,13 +329,15 @@ def activation_memory(cfg, lc: Local, policy: str, attention: str = "xla") -> di
     recompute = max(per_layer(layer_none, stream["none"][0]) - saved_layer, 0)
     # The layer's backward runs the MLP's (or the experts') backward, then attention's. The first holds
     # the whole recompute and, for a mixture of experts, the grouped GEMMs' copies of their ragged
-    # operand per local expert (xla backend; memory_moe). By the second the MLP's residuals are
-    # consumed: live are the recomputed [S, S] residuals (exp and the probabilities are no dot outputs:
-    # every policy but `none` recomputes them; under `none` they are saved) and attention's [S, S]
-    # gradients. The larger of the two is the layer's working set; the XLA attention's stack copy
-    # and mask are live in both (attention_backward_bytes), the mask in the loss head phase too.
+    # operand per local expert (xla backend) and their SwiGLU's two gradients (memory_moe). By the
+    # second the MLP's residuals are consumed: live are the recomputed [S, S] residuals (exp and the
+    # probabilities are no dot outputs: every policy but `none` recomputes them; under `none` they are
+    # saved) and attention's [S, S] gradients. The larger of the two is the layer's working set; the XLA
+    # attention's stack copy and mask are live in both (attention_backward_bytes), the mask in the loss
+    # head phase too.
     xa = attention_backward_bytes(lc, attention, policy)
-    mlp_phase = recompute + memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
+    mlp_phase = (recompute + memory_moe.grouped_gemm_backward_bytes(cfg, lc, policy)
+                 + memory_moe.swiglu_grads_bytes(cfg, lc))
     if lc.ring:   # recomputed from the lse in every ring step's tiles, under every policy
         scores = quad(layer_none, lc.ring_blocks.step)
     else:

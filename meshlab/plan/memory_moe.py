@@ -1,6 +1,6 @@
 """Memory of a mixture of experts' feed-forward (models/moe.py, meshlab/parallel/experts.py), per device.
 
-Two parts beside what the traced residuals already hold (meshlab/plan/memory.py):
+Three parts beside what the traced residuals already hold (meshlab/plan/memory.py):
   dispatch buffers  the residuals of the dropless dispatch are [b * S * k, ..] rows on the tracing
                     device; with expert parallelism each side of the exchange holds the expert
                     group's size times that (the receive buffer's exact worst case);
@@ -9,7 +9,9 @@ Two parts beside what the traced residuals already hold (meshlab/plan/memory.py)
                     its ragged operand, one copy per local expert: [G, R, width] for R dispatched
                     rows and G experts on the device, G times the operand. These copies live only
                     inside the GEMMs and their transposes, so the traced residuals never show them;
-                    in the compiled step they are the largest buffers of one layer's backward.
+                    in the compiled step they are the largest buffers of one layer's backward;
+  SwiGLU gradients  the experts' activation (pallas_kernels.swiglu.silu_mul) writes d_gate and d_up
+                    in one fusion, both live until the gate and up GEMMs' transposes read them.
 """
 from __future__ import annotations
 
@@ -72,3 +74,16 @@ def grouped_gemm_backward_bytes(cfg, lc, policy: str) -> int:
     d_wide = 1 if policy == "none" else 2
     per_row = f_wide * lc.fe * (2 if lc.el > 1 else 1) + d_wide * lc.d
     return int(per_row * lc.el * rows * lc.c)
+
+
+def swiglu_grads_bytes(cfg, lc) -> int:
+    """Bytes of the experts' SwiGLU gradients beside the layer's residuals, per device: silu_mul's
+    backward writes d_gate and d_up [R, fe] in one fusion, and the second is live while the first's
+    GEMM transposes run. Its residuals are gate and up as given, which the trace counts; the pair of
+    gradients holds one [R, fe] more. Read from the compiled step (8 CPU devices, moe_tiny): on ep at
+    S=512 under full remat the temp rose by exactly one such array when the activation moved from
+    autodiff's fp32 expression to silu_mul, and fsdp_ep at S=512 without remat fell by the traced
+    residuals' three fp32 stacks less one."""
+    if not lc.fe:
+        return 0
+    return int(lc.xp * lc.b * lc.s_attn * cfg.top_k * lc.fe * lc.c)
