@@ -61,7 +61,7 @@ def silu_mul(gate, up):
     """silu(gate) * up elementwise in fp32, returned in gate's dtype: the activation after unfused
     gate/up GEMMs. Its residuals are gate and up as given. Autodiff of the fp32 expression saves its
     fp32 intermediates instead, which a layer scan stacks into [n_layers, T, f] fp32 buffers (five at
-    remat=none, 10x the bytes of two bf16 inputs) written in the forward and read in the backward."""
+    remat=none, 5x the bytes of two bf16 inputs) written in the forward and read in the backward."""
     return _silu_mul_fwd(gate, up)[0]
 
 

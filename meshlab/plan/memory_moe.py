@@ -82,8 +82,8 @@ def swiglu_grads_bytes(cfg, lc) -> int:
     GEMM transposes run. Its residuals are gate and up as given, which the trace counts; the pair of
     gradients holds one [R, fe] more. Read from the compiled step (8 CPU devices, moe_tiny): on ep at
     S=512 under full remat the temp rose by exactly one such array when the activation moved from
-    autodiff's fp32 expression to silu_mul, and fsdp_ep at S=512 without remat fell by the traced
-    residuals' three fp32 stacks less one."""
+    autodiff's fp32 expression to silu_mul, and on fsdp_ep at S=512 without remat it fell by the three
+    fp32 [2, R, fe] stacks the trace no longer holds, less one [R, fe] array."""
     if not lc.fe:
         return 0
     return int(lc.xp * lc.b * lc.s_attn * cfg.top_k * lc.fe * lc.c)
