@@ -279,8 +279,8 @@ def write(dev, gemm, train, peer, args):
     def first_like(label):
         return next((b for b in train if "step_ms" in b and b["variant"] == label), None)
     for r in train:
-        chunked = re.search(r", \d+ chunks", r["variant"])
-        base = first_like(r["variant"].replace(chunked.group(0), "") if chunked else r["variant"])  # in 1 piece
+        one_piece = re.sub(r", \d+ chunks", "", r["variant"])
+        base, chunked = first_like(one_piece), one_piece != r["variant"]          # the same variant in 1 piece
         gemm_of = re.search(r", gemm (\w+)", r["variant"])
         auto = first_like(r["variant"].replace(gemm_of.group(0), "")) if gemm_of else None
         if auto and "step_ms" in r:

@@ -53,6 +53,11 @@ def expands_ragged_operand(cfg) -> bool:
     return resolve_backend(cfg.gemm) == "xla"
 
 
+def dispatched_rows(cfg, lc) -> float:
+    """R, the rows that reach the device's experts: xp times its own b * S * k assignments."""
+    return lc.xp * lc.b * lc.s_attn * cfg.top_k
+
+
 def grouped_gemm_backward_bytes(cfg, lc, policy: str) -> int:
     """Peak bytes of the xla grouped GEMMs' masked operand copies in one MoE layer's backward, per device.
 
@@ -69,7 +74,7 @@ def grouped_gemm_backward_bytes(cfg, lc, policy: str) -> int:
     read the groups in place: nothing."""
     if not lc.el or not expands_ragged_operand(cfg):
         return 0
-    rows = lc.xp * lc.b * lc.s_attn * cfg.top_k
+    rows = dispatched_rows(cfg, lc)
     f_wide = 2 if policy == "none" or lc.el == 1 else 3
     d_wide = 1 if policy == "none" else 2
     per_row = f_wide * lc.fe * (2 if lc.el > 1 else 1) + d_wide * lc.d
@@ -86,4 +91,4 @@ def swiglu_grads_bytes(cfg, lc) -> int:
     fp32 [2, R, fe] stacks the trace no longer holds, less one [R, fe] array."""
     if not lc.fe:
         return 0
-    return int(lc.xp * lc.b * lc.s_attn * cfg.top_k * lc.fe * lc.c)
+    return int(dispatched_rows(cfg, lc) * lc.fe * lc.c)
