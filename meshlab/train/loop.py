@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from jax.sharding import NamedSharding
 
 import models
 from meshlab import rules as rules_mod
-from meshlab.checkpoint import Checkpointer, corpus_tokenizer, write_run_tokenizer
+from meshlab.checkpoint import corpus_tokenizer, write_run_tokenizer
 from meshlab.layout import Layout, to_shardings
 from meshlab.parallel.pipeline.layout import reorder
 from meshlab.mesh import make_mesh, format_sizes
@@ -30,11 +28,11 @@ from meshlab.peak import measured_gemm_flops, mfu, peak_flops
 from meshlab.profile_summary import ProfileWindow
 from meshlab.train import data as data_mod
 from meshlab.train import distributed
-from meshlab.train import fit
-from meshlab.train.config import TrainConfig, schedule_changes, to_yaml
+from meshlab.train import fit, resume
+from meshlab.train.config import TrainConfig, to_yaml
 from meshlab.train.metrics import MetricsWriter, Progress, plot_loss, read_metrics, this_run
 from meshlab.train.optimizer import host_schedule, make_optimizer
-from meshlab.train.state import abstract_state, init_state, state_specs
+from meshlab.train.state import abstract_state, state_specs
 from meshlab.train.step import BATCH_KEYS, LossScaleConfig, make_train_step
 from models import model_def
 
@@ -262,117 +260,6 @@ class Validator:
         return total / max(count, 1.0)
 
 
-class StopRequest:
-    """SIGTERM / Ctrl-C set a flag; the loop finishes the step in flight, saves and exits.
-    In a multi-process run the flag is agreed on by all processes every AGREE_EVERY steps
-    (a tiny all-gather, which waits for the device: done every step it would stall the loop's
-    one-step-ahead dispatch), so every process stops after the same step and the final
-    checkpoint is collective. A signal is honoured within AGREE_EVERY steps."""
-
-    AGREE_EVERY = 10
-
-    def __init__(self):
-        self.signal = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user really wants out now
-        self.signal = signal.Signals(signum).name
-        print(f"\nmeshlab: {self.signal} received; finishing this step and saving a checkpoint", flush=True)
-
-    def requested(self, step: int) -> bool:
-        local = self.signal is not None
-        if jax.process_count() == 1:
-            return local
-        if step % self.AGREE_EVERY:
-            return False
-        from jax.experimental import multihost_utils
-        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        return False
-
-
-def _checkpointer(cfg: TrainConfig, run_dir: Path) -> Checkpointer:
-    c = cfg.checkpoint
-    return Checkpointer(c.dir or run_dir / "checkpoints", every=c.every, keep=c.keep,
-                        keep_every=c.keep_every, async_save=c.async_save)
-
-
-def set_aside(directory: Path) -> None:
-    """A fresh run into a directory that holds checkpoints: keep them (renamed), never mix steps
-    of two runs in one directory and never overwrite them."""
-    if jax.process_index() == 0 and directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir()):
-        dst = directory.with_name(f"{directory.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(directory, dst)
-        print(f"meshlab: {directory} held checkpoints of an earlier run; kept as {dst} "
-              "(pass --resume to continue a run instead)", file=sys.stderr)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("meshlab_set_aside")
-
-
-def _start_state(tr: Trainer, ckpt: Checkpointer | None, fp16: bool):
-    """(state, start step): fresh, or restored into this run's shardings."""
-    cfg = tr.cfg
-    if not cfg.checkpoint.resume:
-        return init_state(tr.md, tr.tx, tr.shardings, cfg.seed, fp16, initial_scale=cfg.loss_scale_init,
-                          layer_order=tr.layout.layer_order), 0
-    if ckpt is None:
-        raise ValueError("checkpoint.resume needs a run that writes its run directory (write=True)")
-    step = None if cfg.checkpoint.resume == "latest" else int(cfg.checkpoint.resume)
-    state, meta = ckpt.restore(abstract_state(tr.md, tr.tx, tr.shardings, fp16), step, layer_order=tr.layout.layer_order)
-    _check_resume_step(cfg, int(meta["step"]), ckpt, restored=True)
-    # Steps after the restored one are the run this resume branches away from: set aside, or this
-    # run's saves of those step numbers would be skipped and a later resume would take the old state.
-    ckpt.set_aside_after(int(meta["step"]))
-    saved = meta.get("data", {})
-    now = {"seed": cfg.data.seed, "global_batch": cfg.data.global_batch, "seq_len": cfg.data.seq_len,
-           "corpus": cfg.data.corpus}
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k in saved and saved[k] != v}
-    if changed and jax.process_index() == 0:
-        print(f"meshlab: warning: data settings changed since the checkpoint {changed}; "
-              "the batches after the resume differ from the original run's", file=sys.stderr)
-    schedule = schedule_changes(meta.get("config"), cfg)
-    if schedule and jax.process_index() == 0:
-        print(f"meshlab: warning: the learning-rate schedule changed since the checkpoint ({schedule}); the "
-              f"steps after {meta['step']} follow the new one, whose rate there differs from what the run "
-              "was heading to (steps is the schedule's length: to extend a run, expect the jump or re-warm)",
-              file=sys.stderr)
-    return state, int(meta["step"])
-
-
-def _check_resume_step(cfg: TrainConfig, step: int | None, ckpt, restored: bool = False) -> None:
-    """`steps` is the run's total: a resume from step S trains steps S+1..steps, so S must be below it.
-    Before the restore only a latest step past `steps` is refused (a damaged latest step falls back to
-    an earlier one, which may still be below it); after it, the restored step itself."""
-    if step is None or step < cfg.steps or (step == cfg.steps and not restored):
-        return
-    what = "restored checkpoint" if restored else "latest checkpoint"
-    raise ValueError(f"the {what} in {ckpt.directory} is step {step} and steps={cfg.steps}: nothing to "
-                     f"train. --steps is the run's total (the learning-rate schedule's length), not the steps "
-                     f"to add: pass --steps N with N > {step} to continue"
-                     + (" (no checkpoint was touched)" if restored else ""))
-
-
-def _meta(tr: Trainer, step: int) -> dict:
-    cfg = tr.cfg
-    return {"config": to_yaml(cfg), "rules": tr.rules.name, "mesh": dict(tr.mesh.shape),
-            "processes": jax.process_count(),
-            # The batch is a function of (seed, step, row): the next step is the iterator state.
-            "data": {"next_step": step, "seed": cfg.data.seed, "global_batch": cfg.data.global_batch,
-                     "seq_len": cfg.data.seq_len, "corpus": cfg.data.corpus}}
-
-
 def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = True) -> dict:
     """Run up to `cfg.steps` steps; returns {"losses", "state", "run_dir", "rows", "trainer"} and,
     when stopped by a signal, "interrupted": the step saved.
@@ -389,10 +276,10 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     distributed.check_same_run(to_yaml(cfg))   # multi-process: same config and code everywhere
     run_dir = Path(cfg.run_dir)
     is_main = jax.process_index() == 0 and write
-    ckpt = _checkpointer(cfg, run_dir) if write and cfg.checkpoint.resume else None
+    ckpt = resume.checkpointer(cfg, run_dir) if write and cfg.checkpoint.resume else None
     if ckpt is not None and cfg.checkpoint.resume == "latest":
         try:
-            _check_resume_step(cfg, ckpt.latest_step(), ckpt)
+            resume.check_resume_step(cfg, ckpt.latest_step(), ckpt)
         except ValueError:
             ckpt.close()
             raise
@@ -405,14 +292,14 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
         write_run_tokenizer(cfg.data.corpus, run_dir)   # serving reads the tokenizer from the run dir
     if write and not cfg.checkpoint.resume:
-        set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
+        resume.set_aside(Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     if write and ckpt is None:
-        ckpt = _checkpointer(cfg, run_dir)
+        ckpt = resume.checkpointer(cfg, run_dir)
     fp16 = cfg.model.dtype == "float16"
     watchdog = distributed.Watchdog(cfg.heartbeat_timeout).start()
     try:
-        with StopRequest() as stop:   # the step and eval programs carry their own rules (Layout.jit)
-            state, start = _start_state(tr, ckpt, fp16)
+        with resume.StopRequest() as stop:   # the step and eval programs carry their own rules (Layout.jit)
+            state, start = resume.start_state(tr, ckpt, fp16)
             if is_main and cfg.checkpoint.resume:
                 (run_dir / "config.yaml").write_text(to_yaml(cfg))
             result = _run(tr, state, start, ckpt, stop, run_dir, is_main, progress, watchdog, validate)
@@ -427,7 +314,7 @@ def train(cfg: TrainConfig, devices=None, progress: bool = True, write: bool = T
     return result
 
 
-def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path, is_main: bool,
+def _run(tr: Trainer, state, start: int, ckpt, stop: resume.StopRequest, run_dir: Path, is_main: bool,
          progress: bool, watchdog, validate: Validator | None) -> dict:
     cfg = tr.cfg
     writer = MetricsWriter(run_dir, enabled=is_main)
@@ -527,7 +414,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: StopRequest, run_dir: Path,
                 # save() waits for the step (its finiteness check) and copies the state to the host
                 # before it returns: taken off the next step's clock and written as its own row.
                 t_save = time.perf_counter()
-                saved = ckpt.save(done, state, _meta(tr, done), wait=stopping or done == cfg.steps,
+                saved = ckpt.save(done, state, resume.run_meta(tr, done), wait=stopping or done == cfg.steps,
                                   layer_order=tr.layout.layer_order)
                 save_s = time.perf_counter() - t_save
                 t_prev += save_s

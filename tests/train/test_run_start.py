@@ -11,7 +11,7 @@ import pytest
 
 from meshlab.mesh import make_mesh
 from meshlab.rules import load_rules
-from meshlab.train import loop
+from meshlab.train import loop, resume
 from tests.helpers import small_config
 from tests.train.test_checkpoint import ROOT, subprocess_env
 
@@ -116,7 +116,7 @@ def test_train_prints_the_pipeline_warning_once_on_stderr(tmp_path, monkeypatch,
     def start(*a, **k):
         raise Started
     monkeypatch.setattr(loop, "check_memory", lambda tr: None)   # the step's trace is not what is tested here
-    monkeypatch.setattr(loop, "_start_state", start)
+    monkeypatch.setattr(resume, "start_state", start)
     for microbatches, lines in ((1, 1), (2, 0)):
         with pytest.raises(Started):
             loop.train(small_config("pp_dp", extra=[f"data.microbatches={microbatches}"]), progress=False, write=False)
