@@ -155,6 +155,8 @@ def parse(body, chat: bool, tok, model_name: str, max_len: int, stop_ids, max_n:
     token ids (the prompt's, logit_bias's, stop_token_ids', allowed_token_ids') must lie below."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model", ""), (str, type(None))):
+        raise BadRequest(f"`model` must be a string (this server serves {model_name!r})", param="model")
     if body.get("model") not in (None, model_name):
         raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {model_name!r}",
                          status=404, param="model", code="model_not_found")

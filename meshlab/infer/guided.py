@@ -170,14 +170,14 @@ def response_grammar(fmt) -> Optional[str]:
     object) and {"type": "json_schema", "json_schema": {"schema": {...}}} (that schema)."""
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None      # not an object: the error below
     if kind == "text":
         return None
     try:
         if kind == "json_object":
             return json_grammar(True)
-        spec = fmt.get("json_schema")
-        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+        spec = fmt.get("json_schema") if kind == "json_schema" else None
+        if isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
             return json_grammar(spec.get("schema", {}))
     except ValueError as e:
         raise FormError(f"`response_format`: {e}", param="response_format") from None

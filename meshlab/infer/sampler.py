@@ -89,7 +89,8 @@ class SamplingParams:
     bad_words_ids: Sequence[Sequence[int]] = ()
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """self, checked (and its stop strings and bad words made tuples); SamplingError names the field."""
+        """self, checked (its stop strings and bad words made tuples, a top_k past the vocabulary 0: off);
+        SamplingError names the field."""
         def bad(param, msg):
             raise SamplingError(msg, param)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -98,6 +99,8 @@ class SamplingParams:
             bad("temperature", f"temperature={self.temperature!r} must be a number in [0, 100] (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+        if self.top_k >= (vocab_size or SEED_RANGE):   # keeps every token: off (the same draws without the top_k
+            self.top_k = 0                              # search), and an int32 in the engine's rows
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p={self.top_p!r} must be a number in (0, 1]")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:

@@ -53,3 +53,11 @@ def test_a_seed_beyond_int64_or_not_an_integer_is_a_400(seed):
     with pytest.raises(api.BadRequest) as e:
         _parse(seed=seed)
     assert e.value.param == "seed" and "integer" in str(e.value)
+
+
+@pytest.mark.parametrize("top_k,kept", [(256, 256), (257, 0), (10 ** 12, 0)])
+def test_a_top_k_past_the_vocabulary_is_off(top_k, kept):
+    """top_k >= the vocabulary keeps every token, as off does: it becomes 0, so any integer fits the
+    engine's int32 rows."""
+    assert _parse(top_k=top_k).params[0].top_k == kept
+    assert SamplingParams(top_k=10 ** 12).validate().top_k == 0

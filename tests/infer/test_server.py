@@ -108,6 +108,7 @@ def test_tokenize_and_detokenize(server):
 @pytest.mark.parametrize("path,body,raw,status,words", [
     ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, None, 404, "unknown model"),
+    ("/v1/completions", {"model": ["meshlab"], "prompt": "x"}, None, 400, "`model` must be a string"),
     ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, None, 400, "exceeds the context of 128"),
     ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 4}, None, 400, "the context holds 128"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
@@ -158,6 +159,9 @@ def test_tokenize_and_detokenize(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 120}]}, None, 400, "the context holds"),
     ("/v1/completions", [1, 2], None, 400, "JSON object"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, None, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": 0}, None, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": ["json_object"]}, None,
+     400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, None, 400, '"auto"'),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}],
