@@ -106,7 +106,16 @@ class LlamaConfig:
         """6N + causal attention 6*L*S*d_model (DESIGN.md, Measuring)."""
         return 6.0 * self.matmul_param_count() + 6.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
 
-    def validate(self) -> None:
+    def validate(self, sizes=("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab_multiple")) -> None:
+        """ValueError naming the first field at fault. sizes: the fields that must be >= 1."""
+        for key in sizes:
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("norm_eps", "init_std"):
+            if not getattr(self, key) > 0:        # NaN too
+                raise ValueError(f"model.{key}={getattr(self, key)} must be > 0")
+        if self.vocab_size < 2:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 2")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:

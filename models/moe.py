@@ -43,7 +43,7 @@ class MoeConfig(LlamaConfig):
     gemm: str = "auto"                    # grouped GEMM: auto (triton on GPUs, else xla) | mosaic (Hopper) | triton | xla
 
     def validate(self) -> None:
-        super().validate()
+        super().validate(sizes=("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_multiple"))
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}; "
                              "lower top_k or add experts")

@@ -155,9 +155,20 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
     for key, value, low in (("data.microbatches", cfg.data.microbatches, 1), ("data.global_batch", cfg.data.global_batch, 1),
                             ("data.seq_len", cfg.data.seq_len, 1), ("log_every", cfg.log_every, 1),
                             ("val.every", cfg.val.every, 0), ("val.batches", cfg.val.batches, 1),
-                            ("sample_tokens", cfg.sample_tokens, 0), ("checkpoint.every", cfg.checkpoint.every, 0)):
+                            ("sample_tokens", cfg.sample_tokens, 0), ("checkpoint.every", cfg.checkpoint.every, 0),
+                            ("heartbeat_timeout", cfg.heartbeat_timeout, 1)):
         if value < low:
             raise ConfigError(f"{key}={value} must be >= {low}" + (" (0: off)" if low == 0 else ""))
+    o = cfg.optim
+    for key, ok, want in (("lr", o.lr > 0, "> 0"), ("warmup_steps", o.warmup_steps >= 0, ">= 0"),
+                          ("decay_steps", o.decay_steps >= 0, ">= 0 (0: the run's steps)"),
+                          ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1] (the final LR over the peak)"),
+                          ("b1", 0 <= o.b1 < 1, "in [0, 1)"), ("b2", 0 <= o.b2 < 1, "in [0, 1)"), ("eps", o.eps >= 0, ">= 0"),
+                          ("weight_decay", o.weight_decay >= 0, ">= 0"), ("grad_clip", o.grad_clip >= 0, ">= 0 (0: off)")):
+        if not ok:       # NaN fails every test too
+            raise ConfigError(f"optim.{key}={getattr(o, key)} must be {want}")
+    if cfg.data.max_bytes < 1:
+        raise ConfigError(f"data.max_bytes={cfg.data.max_bytes} must be >= 1 (the embedded corpus's size)")
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} must be stop or skip")
     r = cfg.checkpoint.resume

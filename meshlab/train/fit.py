@@ -207,8 +207,12 @@ def suggestions(cfg, rules, mesh, limit: int | None) -> list[str]:
             if (b := plan(small, k)) is not None and b <= budget:
                 fits.append((f"model.remat=full model.loss_impl=onepass data.microbatches={k}", b))
                 break
-    lines = ["Changes that fit (planner estimates per device; the planner is within ~15% of the compiler):"] \
-        if fits else ["No remat policy, loss implementation or micro-batch count fits on this mesh (planner)."]
+    if limit is None:    # nothing to fit against: each change with what it needs
+        lines = ["Changes and the memory each needs (planner estimates per device; this device reports no size):"]
+    elif fits:
+        lines = ["Changes that fit (planner estimates per device; the planner is within ~15% of the compiler):"]
+    else:
+        lines = ["No remat policy, loss implementation or micro-batch count fits on this mesh (planner)."]
     lines += [f"  {label}: {_gib(b)}" for label, b in fits[:6]]
     lines += _more_devices(cfg, budget, mesh.size)
     lines.append(f"  or a smaller data.global_batch or data.seq_len; `python scripts/plan.py --model {m.name} "

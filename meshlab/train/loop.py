@@ -345,11 +345,22 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: resume.StopRequest, run_dir
     batches = tr.batches.iterator(start, cfg.steps - start, tr.rows)
     pending, t_prev, done, interrupted = None, time.perf_counter(), start, None
 
+    def first_step_error(e, step_done):
+        """e itself, or for an out-of-memory error of the run's first step the one message that says so."""
+        if step_done != start + 1 or not fit.is_out_of_memory(e):
+            return e
+        return fit.from_xla_error(cfg, e, None, "", "running the first step",
+                                  written=f"Written so far: {run_dir}/config.yaml and the start row of metrics.jsonl; "
+                                          "no checkpoint.")
+
     def record(step_done, metrics, extra=None):
         # The clock is read after the metrics arrive (the step has finished): read before, the
         # first interval would end at an asynchronous dispatch and report an impossible rate.
         nonlocal t_prev
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        try:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        except Exception as e:   # an asynchronous backend (XLA:CPU) reports the first step's OOM here
+            raise first_step_error(e, step_done) from None
         now = time.perf_counter()
         step_ms, t_prev = (now - t_prev) * 1e3, now
         tok_s = tr.tokens_per_step / (step_ms / 1e3)
@@ -383,11 +394,7 @@ def _run(tr: Trainer, state, start: int, ckpt, stop: resume.StopRequest, run_dir
             try:
                 state, metrics = tr.step_fn(state, device_batch(tr, next(batches)))
             except Exception as e:   # the allocator's own OOM at the first step: the same one message
-                if i != start or not fit.is_out_of_memory(e):
-                    raise
-                raise fit.from_xla_error(cfg, e, None, "", "running the first step",
-                                         written=f"Written so far: {run_dir}/config.yaml and the start row of "
-                                                 "metrics.jsonl; no checkpoint.") from None
+                raise first_step_error(e, i + 1) from None
         if pending is not None:   # one step late: step i's numbers while step i+1 runs
             record(i, pending)
         pending, done = metrics, i + 1

@@ -188,9 +188,20 @@ def test_tensorboard_gets_step_rows_only(tmp_path):
 @pytest.mark.parametrize("override,message", [("data.microbatches=0", "data.microbatches=0 must be >= 1"),
                                               ("log_every=0", "log_every=0 must be >= 1"),
                                               ("val.every=-1", r"val.every=-1 must be >= 0 \(0: off\)"),
-                                              ("val.batches=0", "val.batches=0 must be >= 1")])
+                                              ("val.batches=0", "val.batches=0 must be >= 1"),
+                                              ("model.n_layers=0", "model.n_layers=0 must be >= 1"),
+                                              ("model.head_dim=0", "model.head_dim=0 must be >= 1"),
+                                              ("model.mlp_dim=0", "model.mlp_dim=0 must be >= 1"),
+                                              ("model.norm_eps=-1", r"model.norm_eps=-1.0 must be > 0"),
+                                              ("optim.lr=-1", r"optim.lr=-1.0 must be > 0"),
+                                              ("optim.b1=2", r"optim.b1=2.0 must be in \[0, 1\)"),
+                                              ("optim.min_lr_ratio=5", r"optim.min_lr_ratio=5.0 must be in \[0, 1\]"),
+                                              ("optim.decay_steps=-1", r"optim.decay_steps=-1 must be >= 0"),
+                                              ("data.max_bytes=0", "data.max_bytes=0 must be >= 1")])
 def test_counts_below_their_floor_stop_at_load(override, message):
-    """Each was a ZeroDivisionError traceback (microbatches at the batch check, log_every after the first step)."""
+    """Each stops at load with its key named, before any compile: otherwise a ZeroDivisionError (microbatches at
+    the batch check, log_every after the first step), an XLA shape error (a zero size), a silent nonsense run (a
+    negative learning rate, an Adam beta past 1) or optax's message about its own arguments."""
     with pytest.raises(ConfigError, match=message):
         load_config("default", [override])
 

@@ -148,6 +148,24 @@ def test_xla_resource_exhausted_while_compiling_is_the_same_message(tmp_path, mo
     assert "allocator" not in text and "NOT_FOUND" not in text and not (tmp_path / "run").exists()
 
 
+def test_an_out_of_memory_first_step_reported_at_its_metrics_is_the_same_message(tmp_path, monkeypatch):
+    """XLA:CPU runs a step asynchronously: an allocation that fails surfaces where the loop first reads the
+    step's metrics (one step late), not at the dispatch. Both give the first step's message."""
+    real = jax.device_get
+
+    def device_get(x):
+        if isinstance(x, dict) and "loss" in x:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3607155220152 bytes.")
+        return real(x)
+    monkeypatch.setattr(loop.jax, "device_get", device_get)
+    with pytest.raises(fit.OutOfMemoryError) as e:
+        loop.train(_dp(tmp_path / "run", STEP + ["device_memory_gib=4", "checkpoint.at_end=false"], steps=STEPS),
+                   progress=False)
+    text = str(e.value)
+    assert "XLA ran out of device memory while running the first step" in text and "RESOURCE" not in text
+    assert "Written so far" in text and not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def test_llama3_8b_on_one_device_names_the_devices_it_needs(monkeypatch):
     monkeypatch.setattr(fit.jax, "device_count", lambda: 1)   # the planner sees one H200-sized device
     cfg = load_config("llama3_8b", ["device_memory_gib=139"])
