@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         cfg = models.preset(a.model)
         mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices, count_flag="--devices"))
         print(describe(model_def(cfg), rules, mesh, a.batch or None, a.seq))
-    except (RulesError, MeshError, KeyError) as e:
+    except (RulesError, MeshError, KeyError, ValueError) as e:
         print(f"explain.py: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     return 0

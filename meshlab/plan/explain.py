@@ -18,6 +18,8 @@ ACTIVATIONS = {
 
 def describe(md, rules, mesh, global_batch: int | None = None, seq: int = 4096) -> str:
     fb = account.fmt_bytes
+    if seq < 1 or (global_batch is not None and global_batch < 1):
+        raise ValueError(f"global batch {global_batch} and sequence length {seq} must be >= 1")
     if mesh.shape["stage"] > 1:   # what training would refuse is an error here too, not a table
         from meshlab.plan.pipeline import check_model
         check_model(md.cfg, rules)

@@ -159,6 +159,8 @@ def _stage_view(md, sizes: dict):
 def search(model_cfg, devices: int, global_batch: int, seq: int, hw, hosts: int = 1, rule_names=None,
            policies=POLICIES, max_microbatches: int = 8) -> tuple[list[Plan], list[Plan]]:
     """(ranked plans that fit, rejected plans with reasons)."""
+    if global_batch < 1 or seq < 1:
+        raise ValueError(f"global batch {global_batch} and sequence length {seq} must be >= 1")
     md = model_def(model_cfg)
     names = rule_names or [n for n in shipped_rules()]
     good, bad = [], []

@@ -57,3 +57,5 @@ def test_script_output_and_errors(capsys):
     assert "does not divide" in capsys.readouterr().err
     assert mod.main(["--rules", "dp", "--model", "tiny", "--mesh", "data=3"]) == 2
     assert "devices" in capsys.readouterr().err
+    assert mod.main(["--rules", "dp", "--model", "tiny", "--seq", "-5"]) == 2
+    assert "sequence length -5 must be >= 1" in capsys.readouterr().err

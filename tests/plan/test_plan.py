@@ -127,6 +127,8 @@ def test_plan_script(tmp_path, capsys):
     assert list(tmp_path.glob("plan_1_*.yaml")) and (tmp_path / "plan.png").exists()
     assert mod.main(["--model", "nope", "--devices", "8"]) == 2
     assert "unknown model" in capsys.readouterr().err
+    assert mod.main(["--model", "tiny", "--devices", "8", "--seq", "0"]) == 2
+    assert "sequence length 0 must be >= 1" in capsys.readouterr().err
 
 
 def _compiled_total(m) -> int:
