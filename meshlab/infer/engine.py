@@ -139,8 +139,8 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
                  reuse_hidden: bool = True, overlap_steps: bool = True, guided_steps: int = 1,
                  quantize: str | None = None, kv_cache_dtype: str = "auto", speculative_tokens: int = 0,
                  prompt_lookup_max: int = 3, prompt_lookup_min: int = 1, speculative_max_batch: int = 4):
-        if max_len % page_size:
-            raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
+        if page_size < 1 or max_len < page_size or max_len % page_size:
+            raise ValueError(f"max_len={max_len} must be a positive multiple of page_size={page_size} (>= 1)")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
         rules = engine_rules(rules)

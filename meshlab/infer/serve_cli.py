@@ -10,12 +10,20 @@ import threading
 import time
 
 
+def port_number(text: str) -> int:
+    """--port's type: a TCP port, 0-65535 (the socket layer would take 70000 as 70000 mod 65536)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535; 0 picks a free one)")
+    return port
+
+
 def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse.ArgumentParser:
     from meshlab.infer.loading import HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args
     ap = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     add_checkpoint_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    ap.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
     ap.add_argument("--model-name", default="meshlab", help="the model id /v1/models lists and requests name")
     ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
     ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")

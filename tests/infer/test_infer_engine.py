@@ -41,6 +41,9 @@ def test_auto_attention_is_xla_off_gpu_and_bad_impl_is_refused(tiny, engine):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, prefill="dense")
     with pytest.raises(ValueError, match="guided_steps=0 must be >= 1"):
         Engine(md, params, max_len=64, max_seqs=1, page_size=4, guided_steps=0)
+    for max_len, page_size in ((64, 0), (-4, 4), (0, 4)):      # was a ZeroDivisionError / a wrong message
+        with pytest.raises(ValueError, match=f"max_len={max_len} must be a positive multiple of page_size={page_size}"):
+            Engine(md, params, max_len=max_len, max_seqs=1, page_size=page_size)
 
 
 @pytest.mark.parametrize("layers", ["split", "fused", "kernels"])

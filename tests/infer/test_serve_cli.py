@@ -212,6 +212,15 @@ def test_help_shows_the_defaults(capsys):
     assert "0: greedy (default: 0.0)" in text and "(default: 64)" in text and "--seed SEED the draws' seed" in text
 
 
+def test_a_port_outside_tcps_range_is_refused(capsys):
+    """--port 70000 would otherwise listen on 70000 mod 65536 = 4464."""
+    from meshlab.infer.serve_cli import serve_parser
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "70000"])
+    assert "70000 is not a TCP port (0-65535" in capsys.readouterr().err
+    assert serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "0"]).port == 0
+
+
 def test_an_unknown_warmup_kind_is_one_clear_error():
     """serve.py --warmup-kinds names kinds of requests (meshlab/infer/warmup.py); a typo stops it before loading."""
     import runpy
