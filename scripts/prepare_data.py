@@ -153,6 +153,9 @@ def tokenize_file(path: Path, tok: Tokenizer, first_doc: int, val_fraction: floa
 def prepare(inputs: list[str], tokenizer: str, out: str, val_fraction: float = 0.01, text_field: str = "text",
             eod_token: str | None = None, progress: bool = True) -> dict:
     paths = [Path(p) for p in inputs]
+    folders = [str(p) for p in paths if p.is_dir()]
+    if folders:
+        raise PrepareError(f"{', '.join(folders)}: a folder; pass its files (e.g. {folders[0]}/*.txt or .jsonl)")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise PrepareError(f"input file(s) not found: {', '.join(missing)}")

@@ -62,6 +62,8 @@ def test_bad_inputs_are_named(inputs, tmp_path):
     d, paths, _ = inputs
     with pytest.raises(pd.PrepareError, match="not found: .*nope.txt"):
         pd.prepare([str(d / "nope.txt")], "byte", tmp_path / "a", progress=False)
+    with pytest.raises(pd.PrepareError, match="a folder; pass its files"):
+        pd.prepare([str(d)], "byte", tmp_path / "a", progress=False)
     bad = d / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(pd.PrepareError, match=r"bad.jsonl:2: no 'text' field"):
