@@ -124,9 +124,20 @@ def load_hf(path, *, rules=None, mesh=None, param_dtype=None, **cfg_overrides):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
-    hf_cfg = json.loads((path / "config.json").read_text())
+    try:
+        hf_cfg = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / 'config.json'} is not JSON: {e}") from None
+    if not isinstance(hf_cfg, dict):
+        raise CheckpointError(f"{path / 'config.json'} must hold a JSON object, not {type(hf_cfg).__name__}")
     arch = moe_hf if hf_cfg.get("model_type") == "mixtral" else llama_hf    # Mixtral: the MoE model
-    cfg = arch.config_from_hf(hf_cfg, **cfg_overrides)
+    try:
+        cfg = arch.config_from_hf(hf_cfg, **cfg_overrides)
+    except KeyError as e:
+        raise CheckpointError(f"{path / 'config.json'} has no {e.args[0]!r}, which a {hf_cfg.get('model_type', 'llama')} "
+                              "config needs") from None
+    except (TypeError, ValueError) as e:       # a field of the wrong type (e.g. a string size) or range
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     md = model_def(cfg)
     st = SafetensorsDir(path)
     dtype_name = str(param_dtype or cfg.dtype)

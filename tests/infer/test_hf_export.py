@@ -89,3 +89,14 @@ def test_a_mixture_of_experts_exports_as_mixtral_and_loads_back_equal(tmp_path):
     with pytest.raises(CheckpointError, match=r"a shared expert \(model.shared_mlp_dim=32\).*Mixtral"):
         save_hf(tmp_path / "shared", models.preset("moe_tiny"), params)
     assert not (tmp_path / "shared").exists()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("not json", "config.json is not JSON"), ("[1]", "config.json must hold a JSON object, not list"),
+    ('{"model_type": "llama", "hidden_size": 64}', "config.json has no 'num_attention_heads', which a llama config needs"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: model.n_layers=0 must be >= 1")])
+def test_a_bad_config_json_is_one_error_naming_the_file(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf(tmp_path)
