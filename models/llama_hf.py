@@ -75,6 +75,11 @@ class KeyMap:
 
 
 def _pad_rows(w, cfg):
+    """[vocab_size, d] -> [padded_vocab, d], zero rows below. Rows other than config.json's vocab_size are
+    returned as stored, for the loader's shape check to name (a table of 257 rows under vocab_size 5000
+    would otherwise load, its other ids embedded as zeros)."""
+    if w.shape[0] != cfg.vocab_size:
+        return w
     out = np.zeros((cfg.padded_vocab, w.shape[1]), w.dtype)
     out[:w.shape[0]] = w
     return out

@@ -100,3 +100,15 @@ def test_a_bad_config_json_is_one_error_naming_the_file(tmp_path, text, message)
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(CheckpointError, match=message):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("vocab_size", [200, 300, 5000])
+def test_an_embedding_table_of_other_rows_than_the_configs_vocabulary_is_refused(tmp_path, tiny, vocab_size):
+    """A table of 257 rows under vocab_size 300 or 5000 would pad to the padded vocabulary and load, every id
+    past 256 embedded as zeros; under 200 it is cut. Each is the loader's one shape error."""
+    cfg, params = tiny
+    save_hf(tmp_path, cfg, params)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, vocab_size=vocab_size)))
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight: shape \(257, 64\) does not convert.*disagree"):
+        load_hf(tmp_path)
