@@ -106,9 +106,12 @@ class LlamaConfig:
         """6N + causal attention 6*L*S*d_model (DESIGN.md, Measuring)."""
         return 6.0 * self.matmul_param_count() + 6.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
 
-    def validate(self, sizes=("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab_multiple")) -> None:
-        """ValueError naming the first field at fault. sizes: the fields that must be >= 1."""
-        for key in sizes:
+    # the fields that must be >= 1 (a class attribute, not a config field)
+    SIZES = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab_multiple")
+
+    def validate(self) -> None:
+        """ValueError naming the first field at fault."""
+        for key in self.SIZES:
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
         for key in ("norm_eps", "init_std"):

@@ -42,8 +42,10 @@ class MoeConfig(LlamaConfig):
     z_loss_weight: float = 1e-3           # router z-loss weight (ST-MoE: 1e-3)
     gemm: str = "auto"                    # grouped GEMM: auto (triton on GPUs, else xla) | mosaic (Hopper) | triton | xla
 
+    SIZES = tuple(k for k in LlamaConfig.SIZES if k != "mlp_dim")      # the experts are the feed-forward
+
     def validate(self) -> None:
-        super().validate(sizes=("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "vocab_multiple"))
+        super().validate()
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}; "
                              "lower top_k or add experts")

@@ -8,17 +8,14 @@ Marked slow (each episode's engine compiles its own programs: about a minute on 
 run covers each behaviour on its own: tests/infer/test_infer_engine.py (batching equals alone, aborts),
 test_prefix_cache.py (preemption with shared prefixes and mixed kinds), test_speculative.py.
 `pytest -m slow tests/infer/test_engine_soak.py` runs it; SOAK_EPISODES=N runs more episodes."""
-import dataclasses
 import os
 
 import numpy as np
 import pytest
-from flax import nnx
 
-import models
 from meshlab.infer.engine import Engine
 from meshlab.infer.sampler import SamplingParams
-from models import model_def
+from tests.helpers import tiny_served_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine_soak"), pytest.mark.cheap_codegen]
 
@@ -27,8 +24,8 @@ MAX_LEN, PAGE = 96, 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
-    return model_def(cfg), nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+    md, params, _ = tiny_served_model()
+    return md, params
 
 
 @pytest.fixture(scope="module")
