@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from meshlab.bench.decode import emit
+from meshlab.bench.decode import emit, weights_read_per_step
 
 
 def workload(n: int, prompt=(128, 1024), output=(64, 256), vocab: int = 128256, seed: int = 0):
@@ -310,15 +310,11 @@ def simulated(n: int, logprobs: bool, seed: int = 0) -> list[dict]:
 
 
 # -- one engine, one request at a time (scripts/bench_decode.py's engine job) -----------------
-def weight_bytes(engine) -> int:
-    return sum(x.nbytes for x in __import__("jax").tree.leaves(engine.params))
-
-
 def roofline(engine, bw: float, ctx: int, batch: int = 1) -> float:
     """Decode tokens/s if every step read the weights once and each row its ctx tokens' K/V at `bw`."""
     from meshlab.infer import kv_cache
     kv_bytes = kv_cache.cache_bytes(engine.md.cfg, 1, engine.cache["k"].dtype)   # an fp8 cache: half
-    return bw / (weight_bytes(engine) + batch * ctx * kv_bytes) * batch
+    return bw / (weights_read_per_step(engine.params, engine.md.cfg, batch) + batch * ctx * kv_bytes) * batch
 
 
 def _prompt(rng, engine, n):

@@ -81,3 +81,26 @@ def test_attention_cells_keep_cpu_rates_and_say_why_an_impl_failed(bench_attenti
     m.write_md(rows, tmp_path / "rows.md", "cpu")
     text = (tmp_path / "rows.md").read_text()
     assert "| 0.0021 / 0.0034 | ERR / ERR |" in text and "ERR cudnn: cuDNN attention needs an NVIDIA GPU" in text
+
+
+def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
+    """A tied table is the LM head and is read whole each step; an untied one only at each row's token,
+    so its bytes past those rows are not in the roofline's denominator. A mixture of experts is refused."""
+    import dataclasses
+
+    import numpy as np
+
+    from meshlab.bench.decode import weights_read_per_step
+    from models.llama import LlamaConfig
+    from models.moe import MoeConfig
+    v, d = 512, 64
+    layer = {"w": np.zeros((d, 4 * d), np.float32)}                                    # 64 KiB
+    tied = {"embed": np.zeros((v, d), np.float32), "layers": layer}
+    untied = dict(tied, lm_head=np.zeros((d, v), np.float32))
+    cfg = LlamaConfig(vocab_size=v, d_model=d)
+    assert weights_read_per_step(tied, cfg) == (v * d + 4 * d * d) * 4
+    cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    assert weights_read_per_step(untied, cfg, batch=1) == (v * d + 4 * d * d + d) * 4
+    assert weights_read_per_step(untied, cfg, batch=8) == (v * d + 4 * d * d + 8 * d) * 4
+    with pytest.raises(ValueError, match="routed experts"):
+        weights_read_per_step(tied, MoeConfig())
