@@ -15,6 +15,33 @@ import numpy as np
 from models.llama import LlamaConfig
 
 
+_MISSING = object()
+
+
+def hf_int(d: dict, key: str, default=_MISSING) -> int:
+    """d[key] as an int (KeyError when absent without a default; null counts as absent); a float with
+    a fraction, a string or a bool is a ValueError naming the key."""
+    value = d.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{key}={value!r} must be an integer")
+    return int(value)
+
+
+def hf_float(d: dict, key: str, default=_MISSING) -> float:
+    value = d.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} must be a number")
+    return float(value)
+
+
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     """A LlamaConfig from HF config.json (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
     if hf.get("model_type", "llama") != "llama":
@@ -23,17 +50,17 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"config.json rope type {rope_type!r} is not supported (default and llama3 are)")
-    heads = hf["num_attention_heads"]
+    heads = hf_int(hf, "num_attention_heads")
     fields = dict(
-        name=hf.get("_name_or_path") or "hf", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        name=hf.get("_name_or_path") or "hf", vocab_size=hf_int(hf, "vocab_size"), d_model=hf_int(hf, "hidden_size"),
+        n_layers=hf_int(hf, "num_hidden_layers"), n_heads=heads, n_kv_heads=hf_int(hf, "num_key_value_heads", heads),
+        head_dim=hf_int(hf, "head_dim", hf_int(hf, "hidden_size") // max(heads, 1)), mlp_dim=hf_int(hf, "intermediate_size"),
+        rope_theta=hf_float(rope, "rope_theta", hf_float(hf, "rope_theta", 10000.0)),
+        norm_eps=hf_float(hf, "rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     if rope_type == "llama3":
-        fields.update(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+        fields.update(rope_scaling_factor=hf_float(rope, "factor"), rope_low_freq_factor=hf_float(rope, "low_freq_factor"),
+                      rope_high_freq_factor=hf_float(rope, "high_freq_factor"),
+                      rope_original_max_position=hf_int(rope, "original_max_position_embeddings"))
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
     fields["dtype"] = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
     fields.update(overrides)

@@ -24,9 +24,10 @@ def config_from_hf(hf: dict, **overrides) -> MoeConfig:
                          "supported; only full causal attention loads")
     dense = llama_hf.config_from_hf(dict(hf, model_type="llama"))
     fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}
-    fields.update(mlp_dim=0, n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                  expert_mlp_dim=hf["intermediate_size"], router_score="softmax", norm_topk=True,
-                  aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)))
+    fields.update(mlp_dim=0, n_experts=llama_hf.hf_int(hf, "num_local_experts"),
+                  top_k=llama_hf.hf_int(hf, "num_experts_per_tok"), expert_mlp_dim=llama_hf.hf_int(hf, "intermediate_size"),
+                  router_score="softmax", norm_topk=True,
+                  aux_loss_weight=llama_hf.hf_float(hf, "router_aux_loss_coef", 0.01))
     fields.update(overrides)
     cfg = MoeConfig(**fields)
     cfg.validate()

@@ -95,7 +95,16 @@ def test_a_mixture_of_experts_exports_as_mixtral_and_loads_back_equal(tmp_path):
     ("not json", "config.json is not JSON"), ("[1]", "config.json must hold a JSON object, not list"),
     ('{"model_type": "llama", "hidden_size": 64}', "config.json has no 'num_attention_heads', which a llama config needs"),
     ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0, "num_attention_heads": 4, '
-     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: model.n_layers=0 must be >= 1")])
+     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: model.n_layers=0 must be >= 1"),
+    ('{"model_type": "llama", "hidden_size": "64", "num_hidden_layers": 2, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: hidden_size='64' must be an integer"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2.5, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: num_hidden_layers=2.5 must be an integer"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300, "rms_norm_eps": "1e-5"}', r"config.json: rms_norm_eps='1e-5' must be a number"),
+    ('{"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300, "num_local_experts": [4], "num_experts_per_tok": 2}',
+     r"config.json: num_local_experts=\[4\] must be an integer")])
 def test_a_bad_config_json_is_one_error_naming_the_file(tmp_path, text, message):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(CheckpointError, match=message):
