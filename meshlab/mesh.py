@@ -6,6 +6,7 @@ Axis order in the mesh puts the fast-changing axes last, so that neighbouring de
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Mapping
 
 import jax
@@ -43,6 +44,9 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
     unknown = [a for a in items if a not in AXES]
     if unknown:
         raise MeshError(f"unknown mesh axis {unknown[0]!r} in {spec!r}; the axes are {', '.join(AXES)}")
+    for a, size in items.items():
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise MeshError(f"mesh axis {a!r} has size {size!r}; sizes are whole numbers, or -1 (fill)")
     sizes = {a: int(items.get(a, 1)) for a in AXES}
     bad = [a for a, s in sizes.items() if s == 0 or s < -1]
     if bad:

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import importlib.resources
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -51,8 +52,12 @@ class RulesError(ValueError):
     pass
 
 
+def _is_axis_size(size) -> bool:
+    return isinstance(size, numbers.Integral) and not isinstance(size, bool) and (size >= 1 or size == -1)
+
+
 def _near(word, options) -> str:
-    close = difflib.get_close_matches(word, options, n=3, cutoff=0.5)
+    close = difflib.get_close_matches(str(word), options, n=3, cutoff=0.5)
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
@@ -191,9 +196,14 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     mesh = raw.get("mesh") or {}
     if not isinstance(mesh, dict):
         raise RulesError(f"{path}: `mesh:` must be a mapping like {{data: 1, fsdp: -1}}")
-    for a in mesh:
+    for a, size in mesh.items():
         if a not in AXES:
             raise RulesError(f"{path}: unknown mesh axis {a!r} in `mesh:`{_near(str(a), AXES)}")
+        if not _is_axis_size(size):
+            raise RulesError(f"{path}: `mesh.{a}: {size}` must be a whole number >= 1, or -1 to fill the devices")
+    for key in ("state", "strategies"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise RulesError(f"{path}: `{key}:` must be a mapping (as in the shipped rule files), not {raw[key]!r}")
     batch = _axes(raw.get("batch", []), f"{path}: `batch`")
     state = {k: "replicated" for k in STATE_KINDS}
     for k, v in (raw.get("state") or {}).items():

@@ -61,6 +61,14 @@ def test_user_rule_file_anywhere_works_like_a_shipped_one(tmp_path):
     (lambda t: t.replace("params: replicated", "params: sharded"), "not a ZeRO stage"),
     (lambda t: t.replace("optimizer: replicated", "optimizer: shrded"), "must be `sharded` or `replicated`"),
     (lambda t: "rules: [\n", "not valid YAML"),
+    (lambda t: t.replace("mesh: {data: -1}", "mesh: {data: 2.5}"), "`mesh.data: 2.5` must be a whole number >= 1, or -1"),
+    (lambda t: t.replace("mesh: {data: -1}", "mesh: {data: [2]}"), "`mesh.data: [2]` must be a whole number"),
+    (lambda t: t.replace("mesh: {data: -1}", "mesh: {data: true}"), "`mesh.data: True` must be a whole number"),
+    (lambda t: t.replace("mesh: {data: -1}", "mesh: {data: 0}"), "`mesh.data: 0` must be a whole number >= 1"),
+    (lambda t: t + "strategies: [1]\n", "`strategies:` must be a mapping"),
+    (lambda t: t.replace("state: {params: replicated, grads: replicated, optimizer: replicated}", "state: sharded"),
+     "`state:` must be a mapping"),
+    (lambda t: t + "3: 1\n", "unknown top-level key 3"),
 ])
 def test_bad_rule_files(tmp_path, edit, message):
     with pytest.raises(RulesError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -108,6 +116,8 @@ def test_mesh_errors():
         parse_mesh_spec("data=-1,fsdp=-1")
     with pytest.raises(MeshError, match="is not AXIS=SIZE"):
         parse_mesh_spec("data2")
+    with pytest.raises(MeshError, match="mesh axis 'fsdp' has size 1.5; sizes are whole numbers"):
+        parse_mesh_spec({"fsdp": 1.5})                           # a float was cut to 1
     assert dict(make_mesh("fsdp=-1,tensor=2").shape) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1,
                                                          "expert": 1, "tensor": 2}
 
