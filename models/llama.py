@@ -462,7 +462,12 @@ class Llama(nnx.Module):
         if self.cfg.loss_impl == "dense":
             logits = self.logits(h)                                       # [b, s, V]
             lse = jax.nn.logsumexp(logits, axis=-1)                       # [b, s]
-            label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]   # [b, s]
+            # The label's logit as a masked sum, not a gather: with the vocabulary split each shard sums its
+            # own columns and one all-reduce adds them (Megatron's vocab-parallel loss). XLA's partitioner
+            # aborts on the gather when the sequence and the vocabulary are split over two axes inside the
+            # step's manual region (jax 0.10, CPU). Exact: one term is the logit, the rest are 0.
+            hit = jnp.arange(logits.shape[-1]) == safe[..., None]        # [b, s, V]
+            label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)  # [b, s]
             return jnp.where(valid, lse - label_logit, 0.0)
         b, s, d = h.shape
         flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]

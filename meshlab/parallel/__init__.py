@@ -1,10 +1,15 @@
 """shard_map strategies: the model calls `attention`, the active rule file decides how it runs."""
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from meshlab import compat
 from meshlab import rules as _rules
+from meshlab.mesh import entry_axes
 from pallas_kernels.attention import dot_product_attention
 
 
@@ -27,15 +32,25 @@ def _per_device(act, q, k, v, impl, causal, segment_ids):
     shard_map makes the remaining axes manual too, so each device attends over its own heads.
     Why: cuDNN attention is a custom_partitioning op, and XLA's partitioner callback fails in a
     partially manual region (seen on 2 H200s under dp/fsdp, jax 0.11.2); a Pallas call there
-    would be replicated over `tensor` instead of split by heads."""
+    would be replicated over `tensor` instead of split by heads.
+
+    Each device must hold what its rows and query heads read, whatever the rule file says of the
+    activations around: whole sequences (a sequence split by `act_attn_seq` would attend only to its
+    own keys; ring and ulysses are the strategies that split it), and the kv heads of its query
+    heads, so k and v take q's head split (GQA groups are contiguous). Where that split does not
+    divide the kv heads, k and v are first repeated to one head per query head (the bytes of q)."""
     auto = tuple(a for a in act.mesh.axis_names if a not in act.manual)
-    spec = lambda names, x: act.rules.spec(names, x.shape, act.mesh, drop=act.manual)  # noqa: E731
-    q_spec = spec(("act_batch", "act_attn_seq", "act_heads", None), q)
-    kv_spec = spec(("act_batch", "act_attn_seq", "act_kv_heads", None), k)
+    q_spec = act.rules.spec(("act_batch", None, "act_heads", None), q.shape, act.mesh, drop=act.manual)
+    batch_entry, heads_entry = (tuple(q_spec) + (None, None, None))[0:3:2]
+    head_shards = math.prod(act.mesh.shape[a] for a in entry_axes(heads_entry))
+    if k.shape[2] % head_shards:
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)      # [b, s, h, d]
+    kv_spec = q_spec
     args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
     if segment_ids is not None:
         args.append(segment_ids)
-        specs.append(spec(("act_batch", "act_attn_seq"), segment_ids))
+        specs.append(P(batch_entry))
 
     def local(q, k, v, seg=None):
         return dot_product_attention(q, k, v, impl=impl, causal=causal, segment_ids=seg)

@@ -2,6 +2,8 @@
 steps with a learning rate large enough that the parameters visibly move. The expert-parallel files
 train moe_tiny against its own single-device run (tests/models/test_moe.py, with dropped tokens and the
 router statistics checked too); a test here fails if a shipped file is covered by neither."""
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ PARAM_ATOL = 2e-5
 # One xdist worker runs the whole file: the single-device `reference` run is trained once, not once per worker
 # (make test: --dist loadgroup).
 # Compiling dominates (a tiny model, 3 steps): cheap_codegen.
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("parity"), pytest.mark.cheap_codegen]
 
 
@@ -42,6 +45,35 @@ def test_rule_file_matches_single_device(rules, reference):
     params = jax.device_get(out["state"]["params"])
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), params, ref_params))
     assert max(moved) < PARAM_ATOL, f"{rules}: max param difference {max(moved):.2e}"
+
+
+# Rule files that load but lay activations out unlike the shipped ones (found by random rule files): the
+# step's plain attention must still see whole sequences and, per device, the kv heads of its query heads.
+ODD_ATTENTION = {
+    "q heads whole, kv heads split": ("fsdp_tp", {"act_heads": "null", "act_kv_heads": "tensor"}, "fsdp=4,tensor=2"),
+    "q heads over 4, 2 kv heads": ("fsdp_tp", {"kv_heads": "null", "act_kv_heads": "null"}, "fsdp=2,tensor=4"),
+    "sequence split in plain attention": ("fsdp", {"act_attn_seq": "tensor"}, "fsdp=4,tensor=2"),
+    # the dense loss's label logit was a gather, on which XLA's partitioner aborted the process
+    "loss: sequence and vocabulary split over two axes": (
+        "dp", {"batch": "[context]", "act_batch": "null", "act_attn_seq": "tensor", "act_vocab": "fsdp"},
+        "fsdp=2,context=2,tensor=2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_ATTENTION))
+def test_layouts_unlike_the_shipped_ones_match_single_device(case, reference, tmp_path):
+    import re
+    base, edits, mesh = ODD_ATTENTION[case]
+    text = (ROOT / "sharding_rules" / f"{base}.yaml").read_text()
+    for name, value in edits.items():
+        text = re.sub(rf"^( *){name}: .*$", rf"\g<1>{name}: {value}", text, count=1, flags=re.M)
+    (tmp_path / "odd.yaml").write_text(text)
+    ref_losses, ref_params = reference
+    out = train(small_config(str(tmp_path / "odd.yaml"), mesh=mesh), progress=False, write=False)
+    np.testing.assert_allclose(out["losses"], ref_losses, rtol=LOSS_RTOL)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(out["state"]["params"]),
+                                         ref_params))
+    assert max(moved) < PARAM_ATOL, f"{case}: max param difference {max(moved):.2e}"
 
 
 def test_parameters_visibly_move(reference):
