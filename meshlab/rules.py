@@ -225,6 +225,10 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
     strategies["experts"] = _experts(strategies.get("experts"), path)
     _collective_matmul(strategies["collective_matmul"], rules, path)
+    if strategies["attention"] != "plain" and "context" in batch:
+        raise RulesError(f"{path}: `batch` lists context, but `strategies.attention: {strategies['attention']}` splits "
+                         "each sequence over context (the step would split the batch over it first); take context "
+                         "out of `batch`")
     if strategies["fsdp_gather"] not in FSDP_GATHER_IMPLEMENTED:
         raise RulesError(f"{path}: `strategies.fsdp_gather: {strategies['fsdp_gather']}` is not implemented yet; "
                          f"use {' or '.join(FSDP_GATHER_IMPLEMENTED)} (each layer's weights gathered where used)")
