@@ -225,10 +225,12 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
     strategies["experts"] = _experts(strategies.get("experts"), path)
     _collective_matmul(strategies["collective_matmul"], rules, path)
-    if strategies["attention"] != "plain" and "context" in batch:
-        raise RulesError(f"{path}: `batch` lists context, but `strategies.attention: {strategies['attention']}` splits "
-                         "each sequence over context (the step would split the batch over it first); take context "
-                         "out of `batch`")
+    if strategies["attention"] != "plain":
+        for name, axes in (("batch", batch), ("rules.act_batch", rules.get("act_batch", ())),
+                           ("rules.act_heads", rules.get("act_heads", ()))):
+            if "context" in axes:
+                raise RulesError(f"{path}: `{name}` lists context, but `strategies.attention: {strategies['attention']}` "
+                                 "splits each sequence over context; take context out of it")
     if strategies["fsdp_gather"] not in FSDP_GATHER_IMPLEMENTED:
         raise RulesError(f"{path}: `strategies.fsdp_gather: {strategies['fsdp_gather']}` is not implemented yet; "
                          f"use {' or '.join(FSDP_GATHER_IMPLEMENTED)} (each layer's weights gathered where used)")

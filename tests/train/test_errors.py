@@ -71,6 +71,8 @@ def test_user_rule_file_anywhere_works_like_a_shipped_one(tmp_path):
     (lambda t: t + "3: 1\n", "unknown top-level key 3"),
     (lambda t: t.replace("batch: [data]", "batch: [data, context]") + "strategies: {attention: ring}\n",
      "`batch` lists context, but `strategies.attention: ring` splits each sequence over context"),
+    (lambda t: t.replace("act_heads: null", "act_heads: context") + "strategies: {attention: ulysses}\n",
+     "`rules.act_heads` lists context, but `strategies.attention: ulysses` splits each sequence"),
 ])
 def test_bad_rule_files(tmp_path, edit, message):
     with pytest.raises(RulesError, match=message.replace("[", r"\[").replace("(", r"\(")):
