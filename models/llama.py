@@ -248,8 +248,13 @@ def embed_lookup(embed, tokens, dtype):
     is a scatter-add of b*s rows into [V, d], a frequent token's thousands of rows into one; autodiff
     of a bf16 lookup adds them in bf16, each add rounded (Zipf-skewed byte ids, 8-16k tokens, XLA:CPU:
     5-7% error in the most frequent id's row). Here they add in fp32 and the sum is rounded once. The
-    forward is unchanged: the weight cast, then gathered if stored sharded (half the bytes)."""
-    return take_rows(_w(embed, dtype), tokens)
+    forward is unchanged: the weight cast, then gathered if stored sharded (half the bytes).
+
+    The rows come out whole per batch row before the caller's constraint splits them as it asks:
+    XLA's partitioner aborts the process on this gather when the table's vocabulary and width are
+    split over two axes and the output asks for its sequence split (inside the step's manual
+    region, jax 0.10, CPU). The cost is at most one all-reduce of [b, s, d] a step."""
+    return constrain(take_rows(_w(embed, dtype), tokens), ("act_batch", None, None))   # [b, s, d]
 
 
 class RMSNorm(nnx.Module):

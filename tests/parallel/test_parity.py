@@ -49,7 +49,7 @@ def test_rule_file_matches_single_device(rules, reference):
 
 # Rule files that load but lay activations out unlike the shipped ones (found by random rule files): the
 # step's plain attention must still see whole sequences and, per device, the kv heads of its query heads.
-ODD_ATTENTION = {
+ODD_LAYOUTS = {
     "q heads whole, kv heads split": ("fsdp_tp", {"act_heads": "null", "act_kv_heads": "tensor"}, "fsdp=4,tensor=2"),
     "q heads over 4, 2 kv heads": ("fsdp_tp", {"kv_heads": "null", "act_kv_heads": "null"}, "fsdp=2,tensor=4"),
     "sequence split in plain attention": ("fsdp", {"act_attn_seq": "tensor"}, "fsdp=4,tensor=2"),
@@ -57,13 +57,16 @@ ODD_ATTENTION = {
     "loss: sequence and vocabulary split over two axes": (
         "dp", {"batch": "[context]", "act_batch": "null", "act_attn_seq": "tensor", "act_vocab": "fsdp"},
         "fsdp=2,context=2,tensor=2"),
+    # and on the embedding's gather with the table split over two axes and the sequence over one of them
+    "embedding: table split over two axes, sequence split": (
+        "dp", {"embed": "fsdp", "vocab": "tensor", "act_seq": "tensor"}, "data=2,fsdp=2,tensor=2"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(ODD_ATTENTION))
+@pytest.mark.parametrize("case", sorted(ODD_LAYOUTS))
 def test_layouts_unlike_the_shipped_ones_match_single_device(case, reference, tmp_path):
     import re
-    base, edits, mesh = ODD_ATTENTION[case]
+    base, edits, mesh = ODD_LAYOUTS[case]
     text = (ROOT / "sharding_rules" / f"{base}.yaml").read_text()
     for name, value in edits.items():
         text = re.sub(rf"^( *){name}: .*$", rf"\g<1>{name}: {value}", text, count=1, flags=re.M)
