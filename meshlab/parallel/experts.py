@@ -92,7 +92,11 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
         return _local(x, *route, *weights, dispatch=dispatch, capacity=capacity, ep_axes=(), ep=1, tp_axes=(),
                       backend=backend, chunks=chunks)
     mesh, r = act.mesh, act.rules
-    ep_axes, tp_axes, batch = r.axes("experts", mesh), r.axes("mlp", mesh), r.axes("act_batch", mesh)
+    ep_axes, batch = r.axes("experts", mesh), r.axes("act_batch", mesh)
+    # The width is split Megatron-style only over axes that are still Auto: over a manual (batch) axis the
+    # ranks hold different rows and the weight arrives whole (gathered, or stored replicated), so a psum
+    # there would add other rows' outputs.
+    tp_axes = tuple(a for a in r.axes("mlp", mesh) if a not in act.manual)
     if not set(ep_axes) <= set(batch):
         raise rules_mod.RulesError(f"{r.path}: rule `experts: {list(ep_axes)}` needs those axes in `act_batch` and "
                                    f"`batch:` too (expert-parallel ranks hold different rows); act_batch is "
