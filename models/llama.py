@@ -403,7 +403,11 @@ class Llama(nnx.Module):
     # -- the pieces a pipeline stage runs separately (meshlab/parallel/pipeline) ------------------
     def embed_tokens(self, tokens):
         """tokens [b, s] -> the residual stream [b, s, d] entering the first layer."""
-        x = embed_lookup(self.embed, tokens, jnp.dtype(self.cfg.dtype))   # [b, s, d]
+        return self.place_stream(embed_lookup(self.embed, tokens, jnp.dtype(self.cfg.dtype)))   # [b, s, d]
+
+    @staticmethod
+    def place_stream(x):
+        """x [b, s, d] laid out as the residual stream between layers."""
         return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
     def layer_fn(self):

@@ -195,7 +195,8 @@ def stage_fns(md: ModelDef, packed: bool = False):
     # (strategies.fsdp_gather decides whether gathered weights are saved for the backward).
     return StageFns(embed=lambda params, tokens: md.bind(params).embed_tokens(tokens),
                     layer=lambda w, x, positions, seg: model.layer_fn()(w, x, positions, seg if packed else None),
-                    head=lambda params, x, labels: md.bind(params).head_loss(x, labels))
+                    head=lambda params, x, labels: md.bind(params).head_loss(x, labels),
+                    stream=model.place_stream)
 
 
 def _pipelined(md: ModelDef, rules, mesh, microbatches: int, packed: bool, pipeline, layout: Layout | None):

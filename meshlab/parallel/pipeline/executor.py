@@ -55,6 +55,10 @@ class StageFns:
     embed: Callable    # (params, tokens [b, s]) -> x [b, s, d]
     layer: Callable    # (one_layer_params, x, positions, segment_ids) -> x
     head: Callable     # (params, x, labels) -> sum of token losses (fp32 scalar)
+    # x [b, s, d] -> x laid out as the rule file lays out the residual stream. Every cond that hands on an
+    # activation places it so in both branches: XLA's verifier refuses a cond whose branches leave it
+    # differently placed (a sequence split on the embedded branch, none on the inbox's).
+    stream: Callable = lambda x: x
 
 
 class _Residuals:
@@ -107,10 +111,17 @@ def _when(pred, yes, no, *args):
     return jax.lax.cond(pred, yes, no, *args)
 
 
-def _maybe(pred, fn, state, *zeros):
+def _maybe(pred, fn, state, *zeros, place=None):
     """fn(state) -> (state, *outs) when pred holds; else state untouched and `zeros` for the outs.
-    The one cond shape that updates `state` in place (module docstring)."""
-    return _when(pred, fn, lambda s: (s, *zeros), state)
+    The one cond shape that updates `state` in place (module docstring). place: applied to the outs
+    in both branches (StageFns.stream)."""
+    if place is None:
+        return _when(pred, fn, lambda s: (s, *zeros), state)
+
+    def run(s):
+        s, *outs = fn(s)
+        return (s, *map(place, outs))
+    return _when(pred, run, lambda s: (s, *map(place, zeros)), state)
 
 
 def _at(tree, i):
@@ -184,8 +195,8 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
 
     def forward(k, fin, stash):
         """The chunk's layers on the embedded tokens or the inbox; each layer's residuals into the stash."""
-        x = _when(k["first"], lambda: fns.embed(params, _at(mbs["tokens"], k["mb"])).astype(x_aval.dtype),
-                  lambda: fin[k["row"][_C["fin"]]])
+        x = _when(k["first"], lambda: fns.stream(fns.embed(params, _at(mbs["tokens"], k["mb"])).astype(x_aval.dtype)),
+                  lambda: fns.stream(fin[k["row"][_C["fin"]]]))
 
         def body(state, j):
             x, stash = state
@@ -242,12 +253,14 @@ def run(sched: Schedule, table, fns: StageFns, params, layers_key: str, mbs: dic
         row = jax.lax.dynamic_index_in_dim(rows, stage, keepdims=False) if p > 1 else rows[0]
         k, op = ctx(row), row[_C["op"]]
         c = dict(carry)
-        c["res"], out_f = _maybe(op == F, lambda s: forward(k, c["fin"], s), c["res"], zero_x)
+        c["res"], out_f = _maybe(op == F, lambda s: forward(k, c["fin"], s), c["res"], zero_x, place=fns.stream)
         head_state = {key: c[key] for key in ("loss", "grest", "bin")}
         c.update(_maybe(_and(op == F, k["last"]), lambda s: (head(k, s, out_f),), head_state)[0])
-        c["glayers"], out_b = _maybe(op == B, lambda g: backward(k, c["res"], c["bin"], g), c["glayers"], zero_x)
+        c["glayers"], out_b = _maybe(op == B, lambda g: backward(k, c["res"], c["bin"], g), c["glayers"], zero_x,
+                                    place=fns.stream)
         if split:
-            c["gch"], dx_i = _maybe(op == BI, lambda g: backward_input(k, c["res"], c["bin"], g), c["gch"], zero_x)
+            c["gch"], dx_i = _maybe(op == BI, lambda g: backward_input(k, c["res"], c["bin"], g), c["gch"],
+                                       zero_x, place=fns.stream)
             c["glayers"] = _maybe(op == W, lambda g: (backward_weight(k, c["res"], c["gch"], g),), c["glayers"])[0]
             out_b = jnp.where(op == BI, dx_i, out_b)
         c["grest"] = _maybe(_and((op == B) | (op == BI), k["first"]), lambda g: (embed_grad(k, g, out_b),),
