@@ -356,6 +356,13 @@ def is_local() -> bool:
     return a is None or all(size == 1 or name in a.manual for name, size in dict(a.mesh.shape).items())
 
 
+def is_split(name: str) -> bool:
+    """Whether arrays traced here are split over logical `name` across devices the code sees as one
+    array: an axis of size > 1 that is still Auto (GSPMD partitions ops along it)."""
+    a = active()
+    return a is not None and any(a.mesh.shape[ax] > 1 and ax not in a.manual for ax in a.rules.axes(name, a.mesh))
+
+
 def gathers_weights() -> bool:
     """Whether `materialize` all-gathers parameters here (ZeRO-3 inside a manual data-parallel region)."""
     a = active()

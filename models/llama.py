@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
-from meshlab.rules import constrain, is_local, materialize
+from meshlab.rules import constrain, is_local, is_split, materialize
 from models import fp8
 from models.vjp_ops import mm_f32_out, swiglu_pair, take_rows
 from models.remat import REMAT_POLICIES, remat as _remat
@@ -471,12 +471,15 @@ class Llama(nnx.Module):
         if self.cfg.loss_impl == "dense":
             logits = self.logits(h)                                       # [b, s, V]
             lse = jax.nn.logsumexp(logits, axis=-1)                       # [b, s]
-            # The label's logit as a masked sum, not a gather: with the vocabulary split each shard sums its
-            # own columns and one all-reduce adds them (Megatron's vocab-parallel loss). XLA's partitioner
-            # aborts on the gather when the sequence and the vocabulary are split over two axes inside the
-            # step's manual region (jax 0.10, CPU). Exact: one term is the logit, the rest are 0.
-            hit = jnp.arange(logits.shape[-1]) == safe[..., None]        # [b, s, V]
-            label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)  # [b, s]
+            if is_split("act_vocab"):
+                # The vocabulary split: the label's logit as a masked sum, each shard summing its own columns
+                # and one all-reduce adding them (Megatron's vocab-parallel loss). XLA's partitioner aborts
+                # on the gather when the sequence and the vocabulary are split over two axes inside the
+                # step's manual region (jax 0.10, CPU). Exact: one term is the logit, the rest are 0.
+                hit = jnp.arange(logits.shape[-1]) == safe[..., None]    # [b, s, V]
+                label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)   # [b, s]
+            else:
+                label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]   # [b, s]
             return jnp.where(valid, lse - label_logit, 0.0)
         b, s, d = h.shape
         flat_h, flat_y = h.reshape(b * s, d), jnp.where(valid, labels, -1).reshape(b * s)  # [b*s, d], [b*s]
