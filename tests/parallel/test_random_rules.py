@@ -1,6 +1,6 @@
 """Rule files drawn at random train like one device: a shipped file with its rules, batch axes and ZeRO
-stage redrawn over a random 8-device mesh, for the dense model, moe_tiny (dropless) and the dense model
-under a pipeline. A drawn file that the loader or the step refuses with a RulesError, MeshError or
+stage redrawn over a random 8-device mesh, for the dense model, moe_tiny (dropless, and capacity dispatch
+that drops tokens) and the dense model under a pipeline. A drawn file that the loader or the step refuses with a RulesError, MeshError or
 ValueError is fine (most draws use one mesh axis twice or split 2 kv heads 4 ways); one that trains
 must match the single-device losses and parameters, and nothing may crash.
 
@@ -35,11 +35,17 @@ FAMILIES = {
                            "data=2,fsdp=2,expert=2", "tensor=2,expert=4"],
             ["vocab", "embed", "heads", "kv_heads", "mlp", "experts", "act_batch", "act_seq", "act_embed",
              "act_heads", "act_kv_heads", "act_mlp", "act_vocab", "act_experts"], MOE, 1e-4),
+    "moe_capacity": ("fsdp_tp_ep", ["expert=8", "fsdp=2,expert=4", "fsdp=2,tensor=2,expert=2", "data=2,expert=4",
+                                    "data=2,fsdp=2,expert=2", "tensor=2,expert=4"],
+                     ["vocab", "embed", "heads", "kv_heads", "mlp", "experts", "act_batch", "act_seq", "act_embed",
+                      "act_heads", "act_kv_heads", "act_mlp", "act_vocab", "act_experts"], MOE, 1e-4),
     "pipeline": ("pp_fsdp_tp", ["stage=2,data=4", "stage=2,fsdp=4", "stage=2,fsdp=2,tensor=2",
                                 "stage=2,data=2,tensor=2", "stage=2,fsdp=2,context=2"],
                  ["vocab", "embed", "heads", "kv_heads", "mlp", "act_batch", "act_seq", "act_attn_seq",
                   "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab"], ["data.microbatches=2"], 2e-5),
 }
+# capacity 1.0 drops tokens: each layout must drop the ones the single device drops
+EXPERTS = {"moe": {"dispatch": "dropless"}, "moe_capacity": {"dispatch": "capacity", "capacity_factor": 1.0}}
 ZERO = [dict(params=p, grads=g, optimizer="sharded") for p, g in (("replicated", "replicated"),
                                                                    ("replicated", "sharded"), ("sharded", "sharded"))]
 
@@ -60,16 +66,21 @@ def draw(rng, family):
         strategies["pipeline"] = {"schedule": rng.choice(["gpipe", "1f1b", "zb"]), "virtual": 1}
     elif family == "dense" and "context" in axes and rng.random() < 0.5:
         strategies["attention"] = rng.choice(["ring", "ulysses"])
-    if family == "moe":
-        strategies["experts"] = {"dispatch": "dropless", "chunks": rng.choice([1, 2])}
+    if family.startswith("moe"):
+        strategies["experts"] = dict(EXPERTS[family], chunks=rng.choice([1, 2]))
     return raw, mesh
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_random_rule_files_train_like_one_device(family, tmp_path):
     base, _, _, extra, param_atol = FAMILIES[family]
-    ref_rules = "dp" if family != "moe" else base
-    ref = train(small_config(ref_rules, mesh="data=1", extra=MOE if family == "moe" else []), devices=one_device(),
+    ref_rules = "dp"
+    if family in EXPERTS:            # the base file on one device, with the family's dispatch
+        raw = yaml.safe_load(open(load_rules(base).path).read())
+        raw["strategies"]["experts"] = EXPERTS[family]
+        ref_rules = str(tmp_path / "reference.yaml")
+        (tmp_path / "reference.yaml").write_text(yaml.safe_dump(raw))
+    ref = train(small_config(ref_rules, mesh="data=1", extra=extra if family in EXPERTS else []), devices=one_device(),
                 progress=False, write=False)
     ref_params = jax.device_get(ref["state"]["params"])
     rng = random.Random(f"{SEED}-{family}")
