@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import importlib.resources
 import math
-import numbers
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -24,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshlab import compat
-from meshlab.mesh import AXES, entry_axes
+from meshlab.mesh import AXES, MeshError, entry_axes, parse_mesh_spec
 
 PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers")
 ACT_NAMES = ("act_batch", "act_seq", "act_attn_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
@@ -50,10 +49,6 @@ GATHERED = "fsdp_gathered"   # checkpoint name of a gathered weight (models/rema
 
 class RulesError(ValueError):
     pass
-
-
-def _is_axis_size(size) -> bool:
-    return isinstance(size, numbers.Integral) and not isinstance(size, bool) and (size >= 1 or size == -1)
 
 
 def _near(word, options) -> str:
@@ -196,11 +191,13 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
     mesh = raw.get("mesh") or {}
     if not isinstance(mesh, dict):
         raise RulesError(f"{path}: `mesh:` must be a mapping like {{data: 1, fsdp: -1}}")
-    for a, size in mesh.items():
+    for a in mesh:
         if a not in AXES:
             raise RulesError(f"{path}: unknown mesh axis {a!r} in `mesh:`{_near(str(a), AXES)}")
-        if not _is_axis_size(size):
-            raise RulesError(f"{path}: `mesh.{a}: {size}` must be a whole number >= 1, or -1 to fill the devices")
+    try:
+        parse_mesh_spec(mesh)                  # sizes: whole numbers >= 1, or one -1
+    except MeshError as e:
+        raise RulesError(f"{path}: `mesh:` {e}") from None
     for key in ("state", "strategies"):
         if not isinstance(raw.get(key) or {}, dict):
             raise RulesError(f"{path}: `{key}:` must be a mapping (as in the shipped rule files), not {raw[key]!r}")

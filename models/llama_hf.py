@@ -9,6 +9,7 @@ is padded to `padded_vocab` rows in meshlab (zeros), cut back on export.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -18,28 +19,27 @@ from models.llama import LlamaConfig
 _MISSING = object()
 
 
-def hf_int(d: dict, key: str, default=_MISSING) -> int:
-    """d[key] as an int (KeyError when absent without a default; null counts as absent); a float with
-    a fraction, a string or a bool is a ValueError naming the key."""
+def _hf_number(d: dict, key: str, default, integer: bool):
     value = d.get(key)
-    if value is None:
+    if value is None:                     # absent or null
         if default is _MISSING:
             raise KeyError(key)
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ValueError(f"{key}={value!r} must be an integer")
-    return int(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (integer and value != int(value)):       # NaN / Infinity: Python's json reads them
+        raise ValueError(f"{key}={value!r} must be {'an integer' if integer else 'a finite number'}")
+    return int(value) if integer else float(value)
+
+
+def hf_int(d: dict, key: str, default=_MISSING) -> int:
+    """d[key] as an int (KeyError when absent or null without a default); a fraction, a string, a bool or
+    a non-finite number is a ValueError naming the key."""
+    return _hf_number(d, key, default, integer=True)
 
 
 def hf_float(d: dict, key: str, default=_MISSING) -> float:
-    value = d.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise KeyError(key)
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key}={value!r} must be a number")
-    return float(value)
+    """d[key] as a float, under hf_int's rules less the whole-number one."""
+    return _hf_number(d, key, default, integer=False)
 
 
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:

@@ -41,7 +41,8 @@ def _per_device(act, q, k, v, impl, causal, segment_ids):
     divide the kv heads, k and v are first repeated to one head per query head (the bytes of q)."""
     auto = tuple(a for a in act.mesh.axis_names if a not in act.manual)
     q_spec = act.rules.spec(("act_batch", None, "act_heads", None), q.shape, act.mesh, drop=act.manual)
-    batch_entry, heads_entry = (tuple(q_spec) + (None, None, None))[0:3:2]
+    entries = tuple(q_spec) + (None,) * (4 - len(q_spec))                  # trailing Nones restored
+    batch_entry, heads_entry = entries[0], entries[2]
     head_shards = math.prod(act.mesh.shape[a] for a in entry_axes(heads_entry))
     if k.shape[2] % head_shards:
         group = q.shape[2] // k.shape[2]

@@ -101,7 +101,9 @@ def test_a_mixture_of_experts_exports_as_mixtral_and_loads_back_equal(tmp_path):
     ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2.5, "num_attention_heads": 4, '
      '"intermediate_size": 128, "vocab_size": 300}', r"config.json: num_hidden_layers=2.5 must be an integer"),
     ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
-     '"intermediate_size": 128, "vocab_size": 300, "rms_norm_eps": "1e-5"}', r"config.json: rms_norm_eps='1e-5' must be a number"),
+     '"intermediate_size": 128, "vocab_size": 300, "rms_norm_eps": "1e-5"}', r"config.json: rms_norm_eps='1e-5' must be a finite"),
+    ('{"model_type": "llama", "hidden_size": Infinity, "num_hidden_layers": 2, "num_attention_heads": 4, '
+     '"intermediate_size": 128, "vocab_size": 300}', r"config.json: hidden_size=inf must be an integer"),
     ('{"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
      '"intermediate_size": 128, "vocab_size": 300, "num_local_experts": [4], "num_experts_per_tok": 2}',
      r"config.json: num_local_experts=\[4\] must be an integer")])
