@@ -119,13 +119,16 @@ sys.path.insert(0, str(ROOT))
 from meshlab.bench import DEFAULT_PRESET, diary, preset_arg  # noqa: E402
 from meshlab.bench.decode_jobs import JOBS, run_child  # noqa: E402  (no JAX import: the parent stays off the GPU)
 
+PRESET_TAG = r"( \[[\w.-]+\])?"    # run_job's " [<preset>]" on the rows of a --preset other than the default
+
+
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
     per op at batch 1 (rows that passed its check), for decode_jobs.gemv_tuned_tiles()."""
     import re
     best: dict = {}
     for r in rows:
-        m = re.fullmatch(r"\S+ ours\[(\S+)\] b=1", r.get("setting", ""))
+        m = re.fullmatch(r"\S+ ours\[(\S+)\] b=1" + PRESET_TAG, r.get("setting", ""))
         if r.get("job") == "matmul" and m and r["value"] == r["value"] and r["value"] > 0:
             if r["value"] < best.get(r["gemv_key"], (float("inf"), ""))[0]:
                 best[r["gemv_key"]] = (r["value"], m.group(1))
@@ -142,7 +145,7 @@ def _engine_choice(rows) -> dict:
     import re
     rates: dict = {}
     for r in rows:
-        m = re.fullmatch(r"engine b=1 ctx=\d+ \[(fused|kernels)( [^\]]+)?\]( again)?", r.get("setting", ""))
+        m = re.fullmatch(r"engine b=1 ctx=\d+ \[(fused|kernels)( [^\]]+)?\]( again)?" + PRESET_TAG, r.get("setting", ""))
         if r.get("job") == "engine_gemv" and r["section"] == "decode" and m and r["value"] > 0:
             rates.setdefault((m.group(1), (m.group(2) or "").strip()), []).append(r["value"])
     if not rates:

@@ -67,18 +67,45 @@ def gemv_tuned_tiles():
     tuned = json.loads(os.environ.get("MESHLAB_BENCH_GEMV_TUNED", "{}"))   # {"n,k,swiglu": config label}
     if not tuned:
         return None
-    configs = {label: c[0] if isinstance(c, tuple) else c for label, c in matmul_configs().items()}
+    configs = {label: c[0] if isinstance(c, tuple) else c for label, c in matmul_configs(wide=True).items()}
     return lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B())
 
 
-def matmul_configs(quick=False):
+def matmul_configs(quick=False, wide=False):
     """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes, or
     (BlockSizes, the op names it is timed on). Labels: n<block_n> w<warps, 4 if absent>
-    t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent>."""
+    t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent> s<num_stages, 2 if absent>, r rolled.
+    wide (d_model >= 4096, e.g. llama3_8b): also tiles that load k = 4096 in one chunk, and deeper
+    pipelines for down's k = 14336 (seven chunks of 2048, the largest power of two dividing it)."""
     from pallas_kernels.decode_gemv import BlockSizes as B
     if quick:
         return {"n4": B(block_n=4)}
-    qkv, wo, gate_up, down = "qkv+norm", "wo+residual", "gate_up+norm+swiglu", "down+residual"
+    return {**_narrow_configs(B), **(_wide_configs(B) if wide else {})}
+
+
+QKV, WO, GATE_UP, DOWN = "qkv+norm", "wo+residual", "gate_up+norm+swiglu", "down+residual"
+
+
+def _wide_configs(B):
+    qkv, wo, gate_up, down = QKV, WO, GATE_UP, DOWN
+    return {"n4k4096": (B(block_k=4096), {qkv}), "n2k4096": (B(block_n=2, block_k=4096), {qkv, wo}),
+            "n4k4096w8": (B(block_k=4096, num_warps=8), {qkv}),
+            "n4k4096t4r": (B(block_k=4096, tiles_per_program=4, prefetch=1, rolled=True), {qkv}),
+            "n1w1k4096": (B(block_n=1, num_warps=1, block_k=4096), {wo}),
+            "n1w2k4096": (B(block_n=1, num_warps=2, block_k=4096), {wo}),
+            "n2w2k4096": (B(block_n=2, num_warps=2, block_k=4096), {wo}),
+            "n2t4p1k4096": (B(block_n=2, tiles_per_program=4, prefetch=1, block_k=4096), {gate_up}),
+            "n1w2t4p1k4096": (B(block_n=1, num_warps=2, tiles_per_program=4, prefetch=1, block_k=4096), {gate_up}),
+            "n1w2t8rk4096": (B(block_n=1, num_warps=2, tiles_per_program=8, prefetch=1, rolled=True, block_k=4096),
+                             {gate_up}),
+            "n2t4rk4096": (B(block_n=2, tiles_per_program=4, prefetch=1, rolled=True, block_k=4096), {gate_up}),
+            "n2p2": (B(block_n=2, prefetch=2), {down}), "n2s3": (B(block_n=2, num_stages=3), {down}),
+            "n4s3": (B(num_stages=3), {down}), "n1w2s4": (B(block_n=1, num_warps=2, num_stages=4), {down}),
+            "n4w8p2": (B(num_warps=8, prefetch=2), {down})}
+
+
+def _narrow_configs(B):
+    qkv, wo, gate_up, down = QKV, WO, GATE_UP, DOWN
     return {"n4": B(), "n1w1": B(block_n=1, num_warps=1), "n2w2t4p1": B(block_n=2, num_warps=2, tiles_per_program=4,
                                                                        prefetch=1),
             "n2k8192p1": B(block_n=2, block_k=8192, prefetch=1),
@@ -391,7 +418,7 @@ def job_kernels(c: Child):
 def job_matmul(c: Child):
     from meshlab.bench.matmul import matmul_peers
     for batch in (1,) if c.args.quick else (1, 4):
-        matmul_peers(c.cfg, c.bw, batch, matmul_configs(quick=c.smoke))
+        matmul_peers(c.cfg, c.bw, batch, matmul_configs(quick=c.smoke, wide=c.cfg.d_model >= 4096))
 
 
 def job_engine(c: Child):

@@ -62,3 +62,14 @@ def test_engine_choice_takes_the_fastest_mean(bd):
     assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": ""}
     rows.append(_row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels a:w8] again", 1200.0))
     assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": "a:w8"}
+
+
+def test_rows_of_another_preset_are_read_with_their_tag(bd):
+    """run_job appends " [<preset>]" to the rows of --preset llama3_8b: the choices still read them."""
+    key = {"gemv_key": "6144,4096,0"}
+    rows = [_row("matmul", "matmul", "qkv+norm ours[n4] b=1 [llama3_8b]", 20.0, **key),
+            _row("matmul", "matmul", "qkv+norm ours[n4k4096] b=1 [llama3_8b]", 15.0, **key)]
+    assert json.loads(bd._gemv_tuned(rows)["MESHLAB_BENCH_GEMV_TUNED"]) == {"6144,4096,0": "n4k4096"}
+    rows = [_row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels] [llama3_8b]", 190.0),
+            _row("engine_gemv", "decode", "engine b=1 ctx=2048 [kernels tuned] again [llama3_8b]", 200.0)]
+    assert bd._engine_choice(rows) == {"MESHLAB_BENCH_LAYERS": "kernels", "MESHLAB_BENCH_GEMV": "tuned"}
