@@ -72,8 +72,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the
                 call) and with the attention tiles of attention_tiles(), and a profile of the fastest
-                kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: fused, kernels and
-                "tuned", no profile)
+                kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: batch-1 decode alone
+                through kernels and "tuned" engines, alternated twice; for wide presets like llama3_8b)
   first_token_ab  (MESHLAB_BENCH_PACKED_XLA=triton_any,no_triton,cublaslt: as shipped, then engines whose packed
                 programs compile with those XLA options (first_token.PACKED_OPTIONS), each with its
                 TTFT rows and its short tail's profile; else:)

@@ -274,6 +274,8 @@ def job_engine_gemv(c: Child):
     from pallas_kernels import decode_gemv as dg, paged_tiles as pt
     if c.layers_gate("kernels").get("paged-pallas") != "ok":
         return
+    if os.environ.get("MESHLAB_BENCH_GEMV_SHORT") == "1" and gemv_tuned_tiles():
+        return _gemv_alternated(c)
     if "MESHLAB_BENCH_ATTN" not in os.environ:
         engine_ab_job(c, " [fused]", layers="fused")
     rates = {"": engine_ab_job(c, " [kernels]", layers="kernels")}
@@ -296,6 +298,26 @@ def job_engine_gemv(c: Child):
         except Exception as e:  # noqa: BLE001
             bench.fail_row("profile", "engine kernels", e)
     dg.default_block_sizes, pt.decode_block_sizes = default, attn
+
+
+def _gemv_alternated(c: Child, rounds: int = 2):
+    """engine_gemv's short form (MESHLAB_BENCH_GEMV_SHORT=1 after a matmul job): batch-1 decode through two
+    kernels-layer engines, the shipped tiles and each op's fastest, alternated `rounds` times, nothing else
+    (a wide model's engines take minutes each to build and run the full job)."""
+    from meshlab.bench import serve as bs
+    from pallas_kernels import decode_gemv as dg, paged_tiles as pt
+    default, attn = dg.default_block_sizes, pt.decode_block_sizes
+    engines = {}
+    try:
+        for r in range(rounds):
+            for name in ("", "tuned"):
+                # the tiles are read when a program is traced: the first round compiles each engine under its own
+                dg.default_block_sizes, pt.decode_block_sizes = tile_variant(name, shipped_attn=attn)
+                eng = engines.setdefault(name, c.engine(layers="kernels"))
+                tag = f" [kernels {name}]".replace(" ]", "]") + (" again" if r else "")
+                bs.engine_tpot(eng, c.bw, ctx=c.sz["ctx"], n=c.sz["tpot_n"], tag=tag)
+    finally:
+        dg.default_block_sizes, pt.decode_block_sizes = default, attn
 
 
 def engine_ab_job(c: Child, tag: str, layers: str = "fused", **engine_kw):
