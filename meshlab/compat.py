@@ -66,6 +66,19 @@ def unique_collective_channels() -> None:
     _mlir.__class__ = UniqueChannels
 
 
+def cpu_devices_arg(text: str) -> int:
+    """argparse type of the scripts' --cpu-devices N: 0 would silently run on one device, and a negative
+    count stopped inside JAX's backend set-up."""
+    import argparse
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: simulate at least 1 device (e.g. --cpu-devices 8), or leave it out")
+    return n
+
+
 def set_cpu_devices(n: int) -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends."""
     unique_collective_channels()

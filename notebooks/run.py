@@ -45,7 +45,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write the executed notebooks (with outputs) here")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     a = ap.parse_args(argv)
-    from nbclient.exceptions import CellExecutionError
+    try:
+        from nbclient.exceptions import CellExecutionError
+    except ImportError as e:     # run directly, without `make notebooks` (which installs the extra first)
+        raise SystemExit(f"notebooks/run.py needs the notebooks extra ({e.name} is missing): "
+                         "pip install -e '.[notebooks]', or run `make notebooks`") from None
     failed, total = [], 0.0
     for path in notebooks(a.names):
         try:

@@ -119,7 +119,10 @@ def check_forms(port: int) -> str:
 
 def main(argv=None):
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--checkpoint" not in args:
+    if "-h" in args or "--help" in args:    # this script's own help (serve.py's flags: scripts/serve.py --help)
+        print(__doc__.rstrip() + "\nSERVE ARGS are scripts/serve.py's flags (scripts/serve.py --help lists them).")
+        sys.exit(0)
+    if not any(a == "--checkpoint" or a.startswith("--checkpoint=") for a in args):   # --checkpoint=PATH is one too
         args += ["--checkpoint", "random:llama3_1b", "--dtype", "bfloat16"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), "--port", "0", *args],
                             stdout=subprocess.PIPE, text=True)

@@ -34,9 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=0, help="global batch for the MoE all-to-all bytes (default: 1 row "
                     "per data-parallel rank)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length for the MoE all-to-all bytes and the pipeline "
-                    "stages' FLOPs per token")
+                    "stages' FLOPs per token (default 4096)")
     a = ap.parse_args(argv)
     try:
+        if a.devices < 1:    # 0 would fill a -1 axis with 0 devices and print bytes for a mesh that cannot exist
+            raise ValueError(f"--devices {a.devices} must be >= 1 (the device count a -1 axis fills)")
+        if a.seq < 1:
+            raise ValueError(f"sequence length {a.seq} must be >= 1 (--seq)")
+        if a.batch < 0:
+            raise ValueError(f"global batch {a.batch} must be >= 1 (--batch; 0 or left out: one row per data-parallel rank)")
         rules = load_rules(a.rules)
         cfg = models.preset(a.model)
         mesh = PlanMesh(resolve_sizes(a.mesh or rules.mesh, a.devices, count_flag="--devices"))

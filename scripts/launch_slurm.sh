@@ -16,6 +16,15 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# sbatch runs a copy of this file from Slurm's spool directory: then the repository is where the job was
+# submitted from (sbatch ... scripts/launch_slurm.sh, run in the repository's root)
+if [[ ! -f "$REPO/scripts/train.py" && -n "${SLURM_SUBMIT_DIR:-}" ]]; then
+  REPO="$SLURM_SUBMIT_DIR"
+fi
+if [[ ! -f "$REPO/scripts/train.py" ]]; then
+  echo "error: no scripts/train.py in $REPO; submit from the meshlab repository's root (cd it; sbatch ... scripts/launch_slurm.sh ARGS)" >&2
+  exit 2
+fi
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 if [[ -z "${SLURM_JOB_ID:-}" ]]; then
   echo "error: run this under Slurm (sbatch or salloc), e.g. sbatch --nodes=2 --gpus-per-node=8 $0 ARGS" >&2

@@ -36,19 +36,23 @@ def _param_line(cfg) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="preset name: " + PRESETS)
-    ap.add_argument("--devices", type=int, required=True)
-    ap.add_argument("--hosts", type=int, default=1)
+    ap.add_argument("--devices", type=int, required=True, help="devices in all (GPUs), a multiple of --hosts")
+    ap.add_argument("--hosts", type=int, default=1, help="hosts the devices are spread over (default 1)")
     ap.add_argument("--batch", type=int, default=0, help="global batch in sequences (default: 2 per device)")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attention", default="cudnn", help="xla keeps the [S,S] softmax; cudnn/pallas keep only the lse")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default 4096)")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 (default), float16 or float32")
+    ap.add_argument("--attention", default="cudnn", help="xla keeps the [S,S] softmax; cudnn (default)/pallas keep only "
+                    "the lse")
     ap.add_argument("--hardware", default="h200", help="h200 | h100 | a100 | a profile .json from bench_collectives.py")
     ap.add_argument("--rules", default="", help="comma-separated rule files to consider (default: all shipped)")
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--explain", type=int, nargs="?", const=1, default=0, help="print the arithmetic of plan N")
+    ap.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
+    ap.add_argument("--explain", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="print the arithmetic of plan N (alone: the first)")
     ap.add_argument("--out", default="", help="write the top plans' rule files and plan.png here")
     a = ap.parse_args(argv)
     try:
+        if a.explain < 0:    # a negative N would index the ranking from its end and explain another plan
+            raise ValueError(f"--explain {a.explain}: N is a plan's rank in the list, 1 or more")
         if a.devices < 1 or a.hosts < 1 or a.devices % a.hosts:
             raise ValueError(f"--devices {a.devices} must be a positive multiple of --hosts {a.hosts}")
         cfg = models.preset(a.model)

@@ -163,6 +163,9 @@ def prepare(inputs: list[str], tokenizer: str, out: str, val_fraction: float = 0
         raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
     tok = Tokenizer(tokenizer, eod_token)
     out_dir, parts = Path(out), Path(out) / "parts"
+    taken = next((d for d in (out_dir, *out_dir.parents) if d.exists()), None)   # the nearest path that exists
+    if taken is not None and not taken.is_dir():
+        raise PrepareError(f"--out {out}: {taken} is a file, not a directory; pass a directory (a missing one is created)")
     parts.mkdir(parents=True, exist_ok=True)
     done_path = parts / "done.json"
     done = json.loads(done_path.read_text()) if done_path.exists() else {}
@@ -226,7 +229,8 @@ def main(argv=None):
     p.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files")
     p.add_argument("--tokenizer", default="byte", help="byte, or a Hugging Face tokenizer.json (or its folder)")
     p.add_argument("--out", required=True, help="output directory (then train with data.corpus=DIR)")
-    p.add_argument("--val-fraction", type=float, default=0.01)
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of the documents sent to val.bin, every "
+                   "1/F-th (default 0.01; 0: none)")
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     p.add_argument("--eod-token", help="end-of-document special token of the tokenizer (default: a common one)")
     p.add_argument("--quiet", action="store_true")

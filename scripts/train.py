@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse(argv):
+    from meshlab.compat import cpu_devices_arg      # imports jax, not yet a backend: --cpu-devices still applies
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default", help="shipped config name or path to a YAML file")
     p.add_argument("--rules", help="shipped rule file name (e.g. fsdp_tp) or path to a YAML file")
@@ -22,7 +23,7 @@ def parse(argv):
     p.add_argument("--run-dir", help="where the run writes config, metrics, checkpoints (default: runs/default)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="STEP",
                    help="continue from the run directory's latest checkpoint (or STEP)")
-    p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices (CPU only)")
+    p.add_argument("--cpu-devices", type=cpu_devices_arg, help="simulate N CPU devices (CPU only)")
     p.add_argument("--peak-tflops", type=float, help="MFU's peak, dense TFLOP/s per device (default: the "
                    "datasheet figure of the device kind; needed where it is not in the table)")
     p.add_argument("--device-memory-gib", type=float, help="memory per device the fit check and remat=auto "

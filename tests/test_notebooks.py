@@ -31,6 +31,25 @@ def test_every_notebook_is_listed_and_found_by_the_runner():
     assert found == {p.stem for p in PATHS}
 
 
+def test_the_runner_without_the_notebooks_extra_says_how_to_install_it(monkeypatch):
+    """notebooks/run.py run directly (not through `make notebooks`) was a ModuleNotFoundError traceback."""
+    import builtins
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("notebooks_run", NOTEBOOKS / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    real_import = builtins.__import__
+
+    def no_nbclient(name, *args, **kwargs):
+        if name.startswith("nbclient"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name="nbclient")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nbclient)
+    with pytest.raises(SystemExit, match=r"needs the notebooks extra \(nbclient is missing\): "
+                                         r"pip install -e '\.\[notebooks\]', or run `make notebooks`"):
+        run.main(["03"])
+
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_committed_without_outputs(path):
     nb = json.loads(path.read_text())

@@ -24,6 +24,7 @@ import yaml
 from flax import nnx
 
 import models
+from meshlab.compat import cpu_devices_arg
 from meshlab.infer.hf import CheckpointError, load_hf
 from meshlab.tokenizer import ByteTokenizer, TokenizerJson
 
@@ -177,7 +178,7 @@ def add_checkpoint_args(ap) -> None:
     ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
                     "one device")
     ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
-    ap.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (CPU only)")
+    ap.add_argument("--cpu-devices", type=cpu_devices_arg, default=0, help="simulate N CPU devices (CPU only)")
     ap.add_argument("--compile-cache", default="auto",
                     help="jax's persistent compile cache directory: a restart loads the compiled programs "
                          "(auto: $XDG_CACHE_HOME/meshlab/jax; empty: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
@@ -249,10 +250,10 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
     """(cfg, md, params, tokenizer) for a --checkpoint value (see the module docstring)."""
     from models import model_def
     if spec.startswith("random:"):
-        _, name, *seed = spec.split(":")
+        name, seed = _random_spec(spec)
         cfg = dataclasses.replace(models.preset(name), **({"dtype": dtype} if dtype else {}), **cfg_overrides)
         tok = check_vocab(ByteTokenizer(), cfg, spec)
-        params = random_params(cfg, int(seed[0]) if seed else 0)
+        params = random_params(cfg, seed)
         if rules is not None and mesh is not None:
             params = jax.device_put(params, _shardings(model_def(cfg), rules, mesh))
         return cfg, model_def(cfg), params, tok
@@ -269,6 +270,19 @@ def load_checkpoint(spec: str, *, dtype: str | None = None, rules=None, mesh=Non
     if (path / "config.yaml").is_file():
         return _load_run(path, dtype, rules, mesh, cfg_overrides)
     raise CheckpointError(f"{path}: neither a Hugging Face checkpoint (config.json) nor a meshlab run (config.yaml)")
+
+
+def _random_spec(spec: str) -> tuple[str, int]:
+    """random:<preset>[:<seed>] -> (preset, seed), or one CheckpointError naming the part at fault."""
+    _, name, *rest = spec.split(":")
+    try:
+        models.preset(name)
+    except KeyError as e:
+        raise CheckpointError(f"--checkpoint {spec}: {e.args[0]}") from None
+    if len(rest) > 1 or (rest and not rest[0].lstrip("-").isdigit()):
+        raise CheckpointError(f"--checkpoint {spec}: the seed after {name}: must be a whole number, "
+                              f"e.g. random:{name}:0")
+    return name, int(rest[0]) if rest else 0
 
 
 def check_vocab(tok, cfg, where):

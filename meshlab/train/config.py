@@ -101,7 +101,7 @@ def _config_file(name_or_path: str) -> Path:
     candidate = importlib.resources.files("meshlab") / "configs" / f"{name_or_path}.yaml"
     if not candidate.is_file():
         close = difflib.get_close_matches(name_or_path, shipped_configs(), n=3)
-        raise ConfigError(f"no shipped config {name_or_path!r}" + (f" (did you mean {close}?)" if close else "")
+        raise ConfigError(f"no shipped config {name_or_path!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
                           + f"; shipped: {', '.join(shipped_configs())}, or pass a path")
     return Path(str(candidate))
 
@@ -122,7 +122,15 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
     raw = {}
     if name_or_path:
         path = _config_file(name_or_path)
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold sections of key: value (model:, optim:, ...), "
+                              f"not a {type(raw).__name__}")
+        if not isinstance(raw.get("model") or {}, dict):
+            raise ConfigError(f"config file {path}: model must be a section of key: value, not {raw['model']!r}")
     for o in overrides:
         if "=" not in o:
             raise ConfigError(f"override {o!r} is not key=value (e.g. optim.lr=1e-3)")

@@ -84,7 +84,10 @@ def resolve_auto(cfg) -> list[str]:
     else the first of REMAT_SPEED_ORDER whose planned bytes fit, or the smallest when none does
     (the check before the first step then stops the run with the numbers)."""
     notes, m = [], cfg.model
-    from pallas_kernels.attention import auto_order
+    from pallas_kernels.attention import auto_order, available
+    if m.attention != "auto" and not available(m.attention):   # else a traceback from inside the first step's trace
+        raise FitError(f"model.attention={m.attention} is not available on {jax.default_backend()}; use "
+                       "model.attention=xla (or auto: the fastest this machine has)")
     if m.attention == "auto" and auto_order() == ("xla",):
         m.attention = "xla"   # all that auto can be here (CPU): the planner and config.yaml name what runs
     if m.loss_impl == "auto":

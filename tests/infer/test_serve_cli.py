@@ -197,6 +197,24 @@ def test_mesh_without_rules_is_one_clear_error():
         open_checkpoint(args)
 
 
+def test_random_checkpoint_and_device_count_mistakes_are_one_line(capsys):
+    """random:<preset>[:<seed>] names the part at fault; --cpu-devices below 1 is a usage error (0 used to be
+    ignored, -1 stopped inside JAX's backend set-up)."""
+    import argparse
+    with pytest.raises(CheckpointError, match="random:tinyy: unknown model 'tinyy'; known: tiny"):
+        load_checkpoint("random:tinyy")
+    for spec in ("random:tiny:x", "random:tiny:1:2"):
+        with pytest.raises(CheckpointError, match="the seed after tiny: must be a whole number, e.g. random:tiny:0"):
+            load_checkpoint(spec)
+    ap = argparse.ArgumentParser()
+    add_checkpoint_args(ap)
+    for n in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--checkpoint", "random:tiny", "--cpu-devices", n])
+        assert "argument --cpu-devices:" in capsys.readouterr().err
+    assert ap.parse_args(["--checkpoint", "random:tiny", "--cpu-devices", "2"]).cpu_devices == 2
+
+
 def test_help_shows_the_defaults(capsys):
     """--help names each flag's default (the port, the context, the sampling settings), once: not where
     the help text already says it, and not for flags without one."""
@@ -346,3 +364,33 @@ def test_generate_with_fp8_storage(clean, monkeypatch, capsys, flag):
     stored = made[0].cache["k"] if flag == "--kv-cache-dtype" else made[0].params["layers"][0][1]["decode"]["w_down_t"]
     assert stored.dtype == jax.numpy.float8_e4m3fn and capsys.readouterr().out.startswith("ab")
     assert list(clean.iterdir()) == []
+
+
+def test_check_serve_help_is_its_own_and_checkpoint_equals_is_kept(capsys, monkeypatch):
+    """scripts/check_serve.py --help printed serve.py's usage under 'serve.py did not start (exit 0)', and
+    --checkpoint=PATH was not seen as a checkpoint, so random:llama3_1b was appended after it and won."""
+    from tests.helpers import script_module
+    check = script_module("check_serve")
+    with pytest.raises(SystemExit) as e:
+        check.main(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("Check scripts/serve.py end to end")
+    started = []
+
+    class NotStarting:          # the server's process, exiting at once: check_serve stops with one line
+        stdout = type("Out", (), {"readline": staticmethod(lambda: "")})()
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def wait(self, timeout=None):
+            return 1
+
+        def terminate(self):
+            pass
+
+    monkeypatch.setattr(check.subprocess, "Popen", NotStarting)
+    for args in (["--checkpoint=runs/x"], ["--checkpoint", "runs/x"]):
+        with pytest.raises(SystemExit, match=r"serve.py did not start \(exit 1\)"):
+            check.main(args)
+        cmd = started.pop()
+        assert cmd[-len(args):] == args and not any("random:" in a for a in cmd)

@@ -59,3 +59,9 @@ def test_script_output_and_errors(capsys):
     assert "devices" in capsys.readouterr().err
     assert mod.main(["--rules", "dp", "--model", "tiny", "--seq", "-5"]) == 2
     assert "sequence length -5 must be >= 1" in capsys.readouterr().err
+    assert mod.main(["--rules", "dp", "--model", "tiny", "--seq", "0"]) == 2
+    assert capsys.readouterr().err == "explain.py: sequence length 0 must be >= 1 (--seq)\n"
+    assert mod.main(["--rules", "fsdp_tp", "--model", "tiny", "--devices", "0"]) == 2   # was a mesh with fsdp=0
+    assert capsys.readouterr().err == "explain.py: --devices 0 must be >= 1 (the device count a -1 axis fills)\n"
+    assert mod.main(["--rules", "ep", "--model", "moe_tiny", "--batch", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("explain.py: global batch -1 must be >= 1 (--batch; 0 or left out")

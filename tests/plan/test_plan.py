@@ -129,6 +129,8 @@ def test_plan_script(tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
     assert mod.main(["--model", "tiny", "--devices", "8", "--seq", "0"]) == 2
     assert "sequence length 0 must be >= 1" in capsys.readouterr().err
+    assert mod.main(["--model", "tiny", "--devices", "8", "--explain", "-1"]) == 2   # would explain the last plan but one
+    assert capsys.readouterr().err == "plan.py: --explain -1: N is a plan's rank in the list, 1 or more\n"
 
 
 def _compiled_total(m) -> int:

@@ -156,6 +156,18 @@ def test_config_errors(tmp_path):
         load_config("default", ["model.remat=some"])
     with pytest.raises(ConfigError, match="model.loss_logits_dtype='float16' must be float32 or bfloat16"):
         load_config("default", ["model.loss_logits_dtype=float16"])
+    with pytest.raises(ConfigError, match=r"did you mean default\?\);"):    # the names, not a Python list
+        load_config("defualt")
+    bad = tmp_path / "bad.yaml"
+    for text, message in (("model: [", "is not valid YAML"), ("- steps: 3", "must hold sections of key: value"),
+                          ("model: tiny", "model must be a section of key: value, not 'tiny'")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(str(bad))
+        assert "\n" not in str(err.value)
+    if jax.default_backend() == "cpu":           # at load, not from inside the first step's trace
+        with pytest.raises(ConfigError, match="model.attention=cudnn is not available on cpu; use model.attention=xla"):
+            load_config("default", ["model.attention=cudnn"])
 
 
 def test_unavailable_attention_is_an_error_not_a_fallback():

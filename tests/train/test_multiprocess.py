@@ -176,3 +176,23 @@ def test_a_collective_that_lost_its_peer_is_one_line(monkeypatch):
     assert "more lines" not in msg and "--resume" in msg
     assert distributed.peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")) is None
     assert distributed.peer_failure(ValueError("Gloo")) is None
+
+
+def test_slurm_launcher_finds_the_repository_from_slurms_copy_of_it(tmp_path):
+    """sbatch runs a copy of scripts/launch_slurm.sh from its spool directory, where ../scripts/train.py is
+    not: the launcher takes the submit directory instead, or stops with one line saying where to submit from."""
+    spool, bin_dir = tmp_path / "spool" / "job7", tmp_path / "bin"
+    spool.mkdir(parents=True)
+    bin_dir.mkdir()
+    (spool / "slurm_script").write_text((ROOT / "scripts/launch_slurm.sh").read_text())
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_NNODES="1",
+               SLURM_SUBMIT_DIR=str(ROOT), PYTHON="python3")
+    out = subprocess.run(["bash", str(spool / "slurm_script"), "--rules", "dp"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"srun --kill-on-bad-exit=1 python3 {ROOT}/scripts/train.py --rules dp" in out.stdout
+    out = subprocess.run(["bash", str(spool / "slurm_script")], env=dict(env, SLURM_SUBMIT_DIR=str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: no scripts/train.py in {tmp_path}; submit from")

@@ -77,6 +77,17 @@ def test_bad_inputs_are_named(inputs, tmp_path):
                                         "read it: ") and "\n" not in str(e.value.code)
 
 
+def test_an_out_dir_that_is_a_file_is_one_line(inputs, tmp_path):
+    _, paths, _ = inputs
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as e:
+            pd.main([paths[0], "--out", str(out), "--quiet"])
+        assert str(e.value.code) == (f"error: --out {out}: {afile} is a file, not a directory; pass a directory "
+                                     "(a missing one is created)")
+    assert afile.read_text() == "kept"
+
 def test_an_empty_val_split_is_noted_and_refused_by_validation(inputs, tmp_path, capsys):
     from meshlab.train.loop import load_batches
     from tests.helpers import small_config

@@ -49,6 +49,16 @@ def test_a_run_dir_that_is_a_file_is_one_line_from_the_script(tmp_path):
                                              "(--run-dir DIR; a missing one is created)"]
 
 
+@pytest.mark.parametrize("value,message", [("0", "0: simulate at least 1 device"), ("-1", "-1: simulate at least 1 device"),
+                                           ("eight", "'eight' is not a whole number")])
+def test_cpu_devices_below_one_is_a_usage_error(value, message, capsys):
+    """0 ran on one device as if the flag were absent; a negative count was a traceback from JAX's backend."""
+    with pytest.raises(SystemExit) as e:
+        train_script.parse(["--cpu-devices", value])
+    assert e.value.code == 2
+    assert f"error: argument --cpu-devices: {message}" in capsys.readouterr().err
+    assert train_script.parse(["--cpu-devices", "8"]).cpu_devices == 8
+
 @pytest.mark.parametrize("started", [
     ["--resume", "10"], ["--resume=10"], ["--resu", "10"], ["--resume"], ["--resume", "latest"],
     ["checkpoint.resume=10"], ["--resume", "optim.lr=1e-2"], ["--resume", "--mesh", "data=8"],
