@@ -221,7 +221,7 @@ def load_rules(name_or_path: str | os.PathLike) -> Rules:
         strategies[k] = v
     strategies["pipeline"] = _pipeline(strategies["pipeline"], path)
     strategies["experts"] = _experts(strategies.get("experts"), path)
-    _collective_matmul(strategies["collective_matmul"], rules, path)
+    _collective_matmul(strategies["collective_matmul"], rules, strategies["pipeline"], path)
     if strategies["attention"] != "plain":
         for name, axes in (("batch", batch), ("rules.act_batch", rules.get("act_batch", ())),
                            ("rules.act_heads", rules.get("act_heads", ()))):
@@ -280,11 +280,22 @@ def _experts(value, path) -> dict | None:
     return {"dispatch": dispatch, "capacity_factor": float(factor), "chunks": chunks}
 
 
-def _collective_matmul(value, rules, path) -> None:
+def _collective_matmul(value, rules, pipeline, path) -> None:
     """`strategies.collective_matmul: true` (meshlab/parallel/collective_matmul.py) decomposes sequence
-    parallelism's gathers and scatters: it needs the sequence split over tensor and Megatron's splits."""
+    parallelism's gathers and scatters: it needs the sequence split over tensor and Megatron's splits, and
+    no pipeline. The pipeline executor runs a stage's layers in branches that only that stage takes, and
+    the decomposition's `ppermute` over tensor lowers to one collective-permute whose pairs span every
+    stage's tensor group: XLA waits for all of them in one rendezvous, which the other stages, in other
+    branches, join with their own permutes (XLA:CPU hands one stage's chunks to the other: wrong losses)
+    or never (a hang)."""
     if not isinstance(value, bool):
         raise RulesError(f"{path}: `strategies.collective_matmul: {value}` must be true or false")
+    if value and pipeline:
+        raise RulesError(f"{path}: `strategies.collective_matmul: true` with `strategies.pipeline: {pipeline}` is "
+                         "not supported: the pipeline runs each stage's layers in branches only that stage takes, "
+                         "and collective matmul's ppermutes over tensor are collectives of every stage's devices; "
+                         "set `collective_matmul: false` (sequence parallelism with its plain gathers, as "
+                         "fsdp_tp_sp) or `pipeline: null`")
     need = {"act_seq": ("tensor",), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "act_heads": "tensor",
             "act_kv_heads": "tensor", "act_mlp": "tensor"}
     bad = [f"{k}: {list(rules.get(k, ()))}" for k, v in need.items()

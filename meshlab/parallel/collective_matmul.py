@@ -51,6 +51,12 @@ def _active_size(seq_len: int) -> int:
             f"{a.rules.path}: `strategies.collective_matmul: true` on a mesh with tensor=1: there is no tensor "
             "collective to decompose; give the mesh a tensor axis > 1 (e.g. --mesh fsdp=-1,tensor=2) or use "
             "fsdp_tp_sp / fsdp without collective_matmul")
+    if "stage" in a.manual and a.mesh.shape["stage"] > 1:
+        # a pipeline forced over a rule file without one (load_rules refuses the file that names both)
+        raise rules_mod.RulesError(
+            f"{a.rules.path}: `strategies.collective_matmul: true` under a pipeline over stage="
+            f"{a.mesh.shape['stage']}: its ppermutes over tensor are collectives of every stage's devices, inside "
+            "branches only one stage takes; set `collective_matmul: false` or run on a mesh with stage=1")
     if AXIS in a.manual or seq_len % n:   # already manual (not a shipped layout), or a decode step: plain
         return 0
     return n

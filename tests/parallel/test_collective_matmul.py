@@ -124,3 +124,22 @@ def test_bad_rule_files_are_refused(tmp_path):
     fn = make_loss_and_grads(tr.md, tr.rules, tr.mesh, 1, layout=tr.layout)
     with pytest.raises(RulesError, match="tensor=1: there is no tensor collective to decompose"):
         tr.layout.jit(fn).trace(st["params"], abstract_batch(tr), jnp.float32(1.0))
+    # a pipeline: the stage branches' permutes over tensor would meet other stages' in XLA's rendezvous
+    # (wrong losses on CPU); refused where the file names one, and where a pipeline is forced over it
+    piped = text.replace("layers: null", "layers: stage")
+    both = tmp_path / "pipelined.yaml"
+    both.write_text(piped.replace("pipeline: null", "pipeline: {schedule: 1f1b, virtual: 1}"))
+    with pytest.raises(RulesError, match="collective_matmul: true` with `strategies.pipeline: .* is not supported"):
+        load_rules(both)
+    staged = tmp_path / "staged.yaml"
+    staged.write_text(piped)
+    from meshlab.layout import Layout
+    from meshlab.mesh import make_mesh
+    md, rules = tr.md, load_rules(staged)
+    lay = Layout.build(md, rules, make_mesh("stage=2,fsdp=2,tensor=2"))
+    params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), md.abstract,
+                          lay.shardings("params"))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=lay.batch_sharding) for k, v in abstract_batch(tr).items()}
+    fn = make_loss_and_grads(md, rules, lay.mesh, 2, pipeline={"schedule": "1f1b", "virtual": 1}, layout=lay)
+    with pytest.raises(RulesError, match="collective_matmul: true` under a pipeline over stage=2"):
+        lay.jit(fn).trace(params, batch, jnp.float32(1.0))
