@@ -35,6 +35,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
             if "=" not in part:
                 raise MeshError(f"mesh spec part {part!r} is not AXIS=SIZE; write e.g. 'data=1,fsdp=-1,tensor=2'")
             name, _, size = part.partition("=")
+            if name.strip() in items:       # else the later size silently wins
+                raise MeshError(f"mesh spec {spec!r} names axis {name.strip()!r} twice; give each axis one size")
             try:
                 items[name.strip()] = int(size)
             except ValueError:
@@ -60,6 +62,8 @@ def resolve_sizes(spec, num_devices: int, count_flag: str | None = None) -> dict
     """Axis sizes for `num_devices`, the one -1 filled. `count_flag` names the flag that sets the device
     count where the caller has one (a sizes-only tool's --devices); else, on a CPU, --cpu-devices."""
     sizes = parse_mesh_spec(spec)
+    if num_devices < 1:         # a -1 axis would fill to 0 and the mesh would hold no device
+        raise MeshError(f"{num_devices} devices: a mesh needs at least 1" + (f" ({count_flag})" if count_flag else ""))
     known = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:

@@ -371,6 +371,16 @@ def is_split(name: str) -> bool:
     return a is not None and any(a.mesh.shape[ax] > 1 and ax not in a.manual for ax in a.rules.axes(name, a.mesh))
 
 
+def shares_axis(name: str, other: str) -> bool:
+    """Whether logical `name` and `other` are split over a common axis of size > 1 that is still Auto here:
+    an op whose output takes one dimension from each cannot keep both splits."""
+    a = active()
+    if a is None:
+        return False
+    auto = lambda n: {ax for ax in a.rules.axes(n, a.mesh) if a.mesh.shape[ax] > 1 and ax not in a.manual}  # noqa: E731
+    return bool(auto(name) & auto(other))
+
+
 def gathers_weights() -> bool:
     """Whether `materialize` all-gathers parameters here (ZeRO-3 inside a manual data-parallel region)."""
     a = active()

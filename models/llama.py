@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshlab.parallel import attention as attention_op
 from meshlab.parallel.collective_matmul import gathered_matmul, scattered_matmul
-from meshlab.rules import constrain, is_local, is_split, materialize
+from meshlab.rules import constrain, is_local, is_split, materialize, shares_axis
 from models import fp8
 from models.vjp_ops import mm_f32_out, swiglu_pair, take_rows
 from models.remat import REMAT_POLICIES, remat as _remat
@@ -253,8 +253,15 @@ def embed_lookup(embed, tokens, dtype):
     The rows come out whole per batch row before the caller's constraint splits them as it asks:
     XLA's partitioner aborts the process on this gather when the table's vocabulary and width are
     split over two axes and the output asks for its sequence split (inside the step's manual
-    region, jax 0.10, CPU). The cost is at most one all-reduce of [b, s, d] a step."""
-    return constrain(take_rows(_w(embed, dtype), tokens), ("act_batch", None, None))   # [b, s, d]
+    region, jax 0.10, CPU). The cost is at most one all-reduce of [b, s, d] a step. It also aborts
+    when the table's width and the rows' batch are split over one Auto axis (a batch axis the
+    batch itself is not split over, inside a pipeline stage): there the rows are first taken with
+    the table's width split (every row on every device, 1/n of its width), then moved to the batch
+    split (an all-to-all of [b, s, d])."""
+    rows = take_rows(_w(embed, dtype), tokens)                                           # [b, s, d]
+    if shares_axis("embed", "act_batch"):
+        rows = constrain(rows, (None, None, "embed"))
+    return constrain(rows, ("act_batch", None, None))
 
 
 class RMSNorm(nnx.Module):

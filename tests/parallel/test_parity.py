@@ -62,6 +62,9 @@ ODD_LAYOUTS = {
         "dp", {"embed": "fsdp", "vocab": "tensor", "act_seq": "tensor"}, "data=2,fsdp=2,tensor=2"),
     # sequence parallelism under a pipeline: the executor's conds hand on the stream placed alike in both branches
     "pipeline with the sequence split over tensor": ("pp_fsdp_tp", {"act_seq": "tensor"}, "stage=2,fsdp=2,tensor=2"),
+    # the batch over data alone, so fsdp stays Auto in the stages: the table's width and the rows' batch on one axis
+    "pipeline, embedding width and rows' batch on one Auto axis": ("pp_fsdp_tp", {"batch": "[data]"},
+                                                                    "stage=2,fsdp=2,tensor=2"),
 }
 
 
