@@ -120,6 +120,10 @@ def test_mesh_errors():
         parse_mesh_spec("data=-1,fsdp=-1")
     with pytest.raises(MeshError, match="is not AXIS=SIZE"):
         parse_mesh_spec("data2")
+    with pytest.raises(MeshError, match="names axis 'fsdp' twice; give each axis one size"):
+        parse_mesh_spec("fsdp=4,tensor=2,fsdp=1")                # the later size would win
+    with pytest.raises(MeshError, match="0 devices: a mesh needs at least 1 \\(--devices\\)"):
+        resolve_sizes("fsdp=-1", 0, count_flag="--devices")       # -1 would fill to 0
     with pytest.raises(MeshError, match="mesh axis 'fsdp' has size 1.5; sizes are whole numbers"):
         parse_mesh_spec({"fsdp": 1.5})                           # a float was cut to 1
     assert dict(make_mesh("fsdp=-1,tensor=2").shape) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1,
