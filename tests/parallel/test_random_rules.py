@@ -83,6 +83,8 @@ def draw(rng, family):
     mesh = rng.choice(meshes)
     axes = [kv.split("=")[0] for kv in mesh.split(",") if not kv.startswith("stage")]
     stages = int(dict(kv.split("=") for kv in mesh.split(",")).get("stage", 1))
+    if rng.random() < 0.25:      # an axis of size 1 too: a batch over it alone leaves the others Auto in the step
+        axes.append(rng.choice([a for a in ("data", "fsdp", "context") if a not in axes]))
     model, run = [], []
     cm = family == "collective_matmul" and rng.random() < 0.9     # else every name drawn freely (mostly refused)
     for name in names:
