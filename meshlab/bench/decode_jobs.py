@@ -313,7 +313,9 @@ def _gemv_alternated(c: Child, rounds: int = 2):
             for name in ("", "tuned"):
                 # the tiles are read when a program is traced: the first round compiles each engine under its own
                 dg.default_block_sizes, pt.decode_block_sizes = tile_variant(name, shipped_attn=attn)
-                eng = engines.setdefault(name, c.engine(layers="kernels"))
+                if name not in engines:
+                    engines[name] = c.engine(layers="kernels")
+                eng = engines[name]
                 tag = f" [kernels {name}]".replace(" ]", "]") + (" again" if r else "")
                 bs.engine_tpot(eng, c.bw, ctx=c.sz["ctx"], n=c.sz["tpot_n"], tag=tag)
     finally:
