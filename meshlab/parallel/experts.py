@@ -93,10 +93,11 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
                       backend=backend, chunks=chunks)
     mesh, r = act.mesh, act.rules
     ep_axes, batch = r.axes("experts", mesh), r.axes("act_batch", mesh)
-    # The width is split Megatron-style only over axes that are still Auto: over a manual (batch) axis the
-    # ranks hold different rows and the weight arrives whole (gathered, or stored replicated), so a psum
-    # there would add other rows' outputs.
-    tp_axes = tuple(a for a in r.axes("mlp", mesh) if a not in act.manual)
+    # The width is split Megatron-style only over axes that are still Auto and do not split the rows: over
+    # a manual (batch) axis, or an Auto one that act_batch splits the tokens over in the shard_map below,
+    # the ranks hold different rows and the weight arrives whole there (gathered, or stored replicated),
+    # so a psum over it would add other rows' outputs.
+    tp_axes = tuple(a for a in r.axes("mlp", mesh) if a not in act.manual and a not in batch)
     if not set(ep_axes) <= set(batch):
         raise rules_mod.RulesError(f"{r.path}: rule `experts: {list(ep_axes)}` needs those axes in `act_batch` and "
                                    f"`batch:` too (expert-parallel ranks hold different rows); act_batch is "
