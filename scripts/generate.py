@@ -32,7 +32,8 @@ def trained_seq_len(checkpoint: str) -> int | None:
 
 def main(argv=None):
     from meshlab.infer.loading import (HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args,
-                                      open_checkpoint, speculative_kwargs, stop_token_ids, storage_kwargs)
+                                      check_speculative_args, open_checkpoint, speculative_kwargs, stop_token_ids,
+                                      storage_kwargs)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     add_checkpoint_args(ap)
     ap.add_argument("--prompt", required=True, help="the text to continue")
@@ -74,8 +75,11 @@ def main(argv=None):
                   f"reach {need} tokens, past the run's trained context of {trained} (data.seq_len); the text "
                   "beyond it is likely to degrade", file=sys.stderr, flush=True)
         chunk = min(args.chunk, 1 << max(need - 1, 1).bit_length())
+        row = -(-need // 16) * 16      # the speculative engine's row: prompt and output in whole pages of 16
+        check_speculative_args(args, row, f"{row}, the row's tokens (the prompt's {len(ids)} and --max-new-tokens "
+                                          f"{args.max_new_tokens}, in pages of 16)")
         if args.speculative_tokens:    # the serving engine's speculative calls, over one row
-            gen = Engine(md, params, max_len=-(-need // 16) * 16, max_seqs=1, chunk=chunk, rules=rules, mesh=mesh,
+            gen = Engine(md, params, max_len=row, max_seqs=1, chunk=chunk, rules=rules, mesh=mesh,
                          **speculative_kwargs(args), **storage_kwargs(args))
         else:
             gen = ContiguousGenerator(md, params, batch=1, max_len=-(-need // chunk) * chunk, chunk=chunk,

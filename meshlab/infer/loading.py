@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -170,11 +171,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def count_arg(low: int, note: str = ""):
+    """An argparse type: a whole number >= low (note: what the floor means, e.g. " (0: off)")."""
+    def parse(text: str) -> int:
+        n = int(text)              # ValueError: argparse's "invalid int value"
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {low}{note}")
+        return n
+    parse.__name__ = "int"
+    return parse
+
+
+def seconds_arg(low_open: bool = False, note: str = ""):
+    """An argparse type: a finite number of seconds, >= 0 (> 0 when low_open)."""
+    def parse(text: str) -> float:
+        x = float(text)
+        if not math.isfinite(x) or x < 0 or (low_open and x == 0):
+            raise argparse.ArgumentTypeError(f"{text} must be a number of seconds {'> 0' if low_open else '>= 0'}{note}")
+        return x
+    parse.__name__ = "float"
+    return parse
+
+
 def add_checkpoint_args(ap) -> None:
     """The arguments the serving entry scripts share: what to load, in which dtype, and where it runs."""
     ap.add_argument("--checkpoint", required=True,
                     help="a Hugging Face directory, a meshlab run directory, or random:<preset>")
-    ap.add_argument("--dtype", default=None, help="compute dtype: bfloat16 | float16 | float32")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="compute dtype (default: the checkpoint's)")
     ap.add_argument("--rules", default=None, help="serving rule file (e.g. tp) to shard the weights; default: "
                     "one device")
     ap.add_argument("--mesh", default=None, help="serving mesh spec, e.g. tensor=2 (default: the rule file's)")
@@ -209,10 +233,25 @@ def add_speculative_args(ap, batch: bool = True) -> None:
     ap.add_argument("--speculative-tokens", type=int, default=0,
                     help="draft tokens a step checks, by prompt lookup, for requests without a token mask "
                          "(0: off; meshlab/infer/speculative.py says where it pays)")
-    ap.add_argument("--prompt-lookup-max", type=int, default=3, help="the longest suffix a draft is looked up by, tokens")
-    ap.add_argument("--prompt-lookup-min", type=int, default=1, help="the shortest suffix a draft is looked up by, tokens")
+    ap.add_argument("--prompt-lookup-max", type=count_arg(1), default=3, help="the longest suffix a draft is looked up by, tokens")
+    ap.add_argument("--prompt-lookup-min", type=count_arg(1), default=1, help="the shortest suffix a draft is looked up by, tokens")
     if batch:
-        ap.add_argument("--speculative-max-batch", type=int, default=4, help="speculate while at most this many rows decode")
+        ap.add_argument("--speculative-max-batch", type=count_arg(1), default=4, help="speculate while at most this many rows decode")
+
+
+def check_speculative_args(args, max_len: int, max_len_words: str) -> None:
+    """ValueError naming the flags when add_speculative_args' values cannot work together or with a row of
+    max_len tokens (max_len_words: where that length comes from, e.g. "--max-len 2048")."""
+    from meshlab.infer.engine import MAX_PROMPT_LOOKUP
+    k, shortest, longest = args.speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+    if shortest > longest:
+        raise ValueError(f"--prompt-lookup-min {shortest} must be <= --prompt-lookup-max {longest}")
+    if k > 0 and longest > MAX_PROMPT_LOOKUP:       # k < 0: Engine names it
+        raise ValueError(f"--prompt-lookup-max {longest} must be <= {MAX_PROMPT_LOOKUP}: the lookup compiles a pass per "
+                         "suffix length, its compile time growing as the square of the longest")
+    if k >= max_len:
+        raise ValueError(f"--speculative-tokens {k} must be below {max_len_words}: a speculative step feeds a row "
+                         "its last token and its drafts")
 
 
 def speculative_kwargs(args) -> dict:

@@ -19,19 +19,20 @@ def port_number(text: str) -> int:
 
 
 def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse.ArgumentParser:
-    from meshlab.infer.loading import HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args
+    from meshlab.infer.loading import (HelpFormatter, add_checkpoint_args, add_speculative_args, add_storage_args,
+                                      count_arg, seconds_arg)
     ap = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     add_checkpoint_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed at start)")
     ap.add_argument("--model-name", default="meshlab", help="the model id /v1/models lists and requests name")
-    ap.add_argument("--max-len", type=int, default=2048, help="longest prompt + output, in tokens")
-    ap.add_argument("--max-seqs", type=int, default=16, help="requests decoded together")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page (the prefix cache shares whole pages)")
-    ap.add_argument("--num-pages", type=int, default=None, help="cache pages (default: every row full)")
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (the prefill bucket), tokens")
-    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
-    ap.add_argument("--max-step-tokens", type=int, default=None,
+    ap.add_argument("--max-len", type=count_arg(1), default=2048, help="longest prompt + output, in tokens")
+    ap.add_argument("--max-seqs", type=count_arg(1), default=16, help="requests decoded together")
+    ap.add_argument("--page-size", type=count_arg(1), default=16, help="tokens per KV cache page (the prefix cache shares whole pages)")
+    ap.add_argument("--num-pages", type=count_arg(2, " (page 0 is reserved)"), default=None, help="cache pages (default: every row full)")
+    ap.add_argument("--chunk", type=count_arg(1), default=256, help="prefill chunk (the prefill bucket), tokens")
+    ap.add_argument("--steps-per-call", type=count_arg(1), default=8, help="decode steps per device call")
+    ap.add_argument("--max-step-tokens", type=count_arg(2), default=None,
                     help="tokens one step may feed, decodes and prompt chunks together (default: max-seqs + 4 chunks)")
     ap.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                     help="paged decode attention (auto: the Pallas kernel on one GPU, else XLA)")
@@ -42,17 +43,17 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device, else split")
     add_storage_args(ap)
     add_speculative_args(ap)
-    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    ap.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a request body (else 400)")
-    ap.add_argument("--max-concurrent", type=int, default=512, help="requests in flight before 429")
-    ap.add_argument("--max-waiting", type=int, default=1024, help="engine requests queued before 503")
+    ap.add_argument("--max-body-bytes", type=count_arg(1), default=1 << 20, help="larger request bodies get 413")
+    ap.add_argument("--body-timeout", type=seconds_arg(low_open=True), default=10.0, help="seconds to receive a request body (else 400)")
+    ap.add_argument("--max-concurrent", type=count_arg(1), default=512, help="requests in flight before 429")
+    ap.add_argument("--max-waiting", type=count_arg(1), default=1024, help="engine requests queued before 503")
     ap.add_argument("--api-key", default=os.environ.get("MESHLAB_API_KEY"),
                     help="clients must send `Authorization: Bearer KEY` to the /v1 and token routes (default: "
                          "$MESHLAB_API_KEY; unset: no key)")
-    ap.add_argument("--stats-interval", type=float, default=10.0,
+    ap.add_argument("--stats-interval", type=seconds_arg(note=" (0: none)"), default=10.0,
                     help="seconds between throughput lines on stderr while serving (prompt and generation tok/s, "
                          "requests running and waiting, KV cache use, prefix-cache hits); 0: none")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+    ap.add_argument("--shutdown-timeout", type=seconds_arg(), default=30.0,
                     help="on SIGTERM / Ctrl-C, seconds the requests in flight get to finish (new ones: 503)")
     ap.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                     help="compile every batch bucket before listening (auto: on unless on CPU); otherwise a "
@@ -100,6 +101,22 @@ def warmup_kinds(args) -> tuple[list, list]:
     return kinds, idle
 
 
+def check_args(args) -> None:
+    """ValueError naming the flags when the cache's sizes (and the speculative flags) do not fit together."""
+    from meshlab.infer.loading import check_speculative_args
+    if args.max_len % args.page_size:
+        fix = (f"e.g. --max-len {-(-args.max_len // args.page_size) * args.page_size}" if args.page_size <= args.max_len
+               else "lower --page-size")
+        raise ValueError(f"--page-size {args.page_size} must divide --max-len {args.max_len} (a row holds whole pages), "
+                         + fix)
+    row = args.max_len // args.page_size + 1          # one full row, and page 0 the cache keeps free
+    if args.num_pages is not None and args.num_pages < row:
+        raise ValueError(f"--num-pages {args.num_pages} cannot hold one request of --max-len {args.max_len}: that takes "
+                         f"{row - 1} pages of --page-size {args.page_size}, and page 0 is reserved; pass --num-pages "
+                         f">= {row} or lower --max-len")
+    check_speculative_args(args, args.max_len, f"--max-len {args.max_len}")
+
+
 def start_server(args):
     """Load the checkpoint, build the engine, compile the warmup kinds, and start the server (listening
     when this returns). ImportError: the serve extra is missing; ValueError, OSError, RuntimeError: bad
@@ -113,7 +130,11 @@ def start_server(args):
     from meshlab.infer.tools import tool_format
     from meshlab.infer.warmup import WARMUP_KINDS
     kinds, idle = warmup_kinds(args)
+    check_args(args)
     rules, mesh, cfg, md, params, tok = open_checkpoint(args)
+    if args.attention == "pallas" and jax.default_backend() != "gpu":     # the backend is set up by now
+        raise ValueError(f"--attention pallas runs the Pallas paged-attention kernels compiled, which needs a GPU "
+                         f"(this backend: {jax.default_backend()}); use --attention xla or auto")
     engine = Engine(md, params, max_len=args.max_len, max_seqs=args.max_seqs, page_size=args.page_size,
                     num_pages=args.num_pages, chunk=args.chunk, steps_per_call=args.steps_per_call,
                     max_step_tokens=args.max_step_tokens, impl=args.attention, layers=args.layers, rules=rules,

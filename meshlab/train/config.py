@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -115,6 +117,63 @@ def _all_keys(node, prefix="") -> list[str]:
     return out
 
 
+INT_MAX = 2**31 - 1        # steps, sizes and counts reach the device as int32
+SEED_MAX = 2**32 - 1       # jax's and the data order's seeds are uint32
+SWITCH_WORDS = "true or false (yes / no, on / off, 1 / 0)"
+
+
+def _leaves(obj, prefix: str = ""):
+    """(dotted key, value) of each field of a config's dataclass tree, as _all_keys names them."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def _check_numbers(cfg: TrainConfig, dotted: dict) -> None:
+    """Every number finite and in the range its use takes; a switch given a count other than 1 or 0
+    (OmegaConf reads any integer as true) is refused rather than read as on."""
+    leaves = dict(_leaves(cfg))
+    for key, value in dotted.items():
+        if isinstance(leaves.get(key), bool) and re.fullmatch(r"\s*[-+]?\d+\s*", value) and int(value) not in (0, 1):
+            raise ConfigError(f"{key}={value.strip()} is a switch: {SWITCH_WORDS}")
+    for key, value in leaves.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        if isinstance(value, int) and key in ("seed", "data.seed"):
+            if not 0 <= value <= SEED_MAX:
+                raise ConfigError(f"{key}={value} must be a whole number in [0, 2**32 - 1]")
+        elif isinstance(value, int) and key != "data.max_bytes" and abs(value) > INT_MAX:
+            raise ConfigError(f"{key}={value} is out of range: at most 2**31 - 1 = {INT_MAX:,}")
+    m = cfg.model
+    if not m.rope_theta > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0 (RoPE's base wavelength)")
+    if m.rope_scaling_factor < 0:
+        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 0 (0: off)")
+    if m.rope_scaling_factor and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+                          f"{m.rope_high_freq_factor} must satisfy 0 < low < high (RoPE scaling is on: "
+                          f"model.rope_scaling_factor={m.rope_scaling_factor})")
+    if m.rope_scaling_factor and m.rope_original_max_position < 1:
+        raise ConfigError(f"model.rope_original_max_position={m.rope_original_max_position} must be >= 1 "
+                          f"(RoPE scaling is on: model.rope_scaling_factor={m.rope_scaling_factor})")
+    for key in ("aux_loss_weight", "z_loss_weight"):          # a mixture of experts' router losses
+        if getattr(m, key, 0.0) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0 (0: off)")
+    if not cfg.loss_scale_init > 0:
+        raise ConfigError(f"loss_scale_init={cfg.loss_scale_init} must be > 0 (fp16's first loss scale)")
+    for key, value, low, zero in (("loss_scale_growth", cfg.loss_scale_growth, 1, ""),
+                                  ("checkpoint.keep", cfg.checkpoint.keep, 0, " (0: keep every checkpoint)"),
+                                  ("checkpoint.keep_every", cfg.checkpoint.keep_every, 0, " (0: none)"),
+                                  ("profile.start_step", cfg.profile.start_step, -1, " (-1: no profile)")):
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}{zero}")
+
+
 def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (), resolve: bool = True) -> TrainConfig:
     """Shipped name or path, then `key=value` overrides; unknown keys list their near matches.
     resolve=False leaves remat/loss_impl "auto" unresolved: nothing touches a device (a torch peer can
@@ -144,6 +203,14 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
     # a config file or override that names them wins.
     model_cfg.remat, model_cfg.loss_impl = "auto", "auto"
     base = OmegaConf.structured(TrainConfig(model=model_cfg))
+    for o in overrides:       # each value is read as YAML: one that is not names its override, not the parser's internals
+        try:
+            OmegaConf.from_dotlist([o])
+        except yaml.YAMLError as e:
+            key, value = o.split("=", 1)
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise ConfigError(f"override {o!r}: the value {value!r} is not valid YAML ({problem}); put it in single "
+                              f"quotes inside the override, e.g. \"{key}='{value}'\"") from None
     try:
         merged = OmegaConf.merge(base, raw, OmegaConf.from_dotlist(list(overrides)))
     except (ConfigKeyError, ConfigAttributeError) as e:
@@ -195,6 +262,14 @@ def load_config(name_or_path: Optional[str] = None, overrides: Sequence[str] = (
         raise ConfigError(f"profile.num_steps={cfg.profile.num_steps} must be >= 1")
     if cfg.device_memory_gib < 0 or cfg.peak_tflops < 0:
         raise ConfigError("device_memory_gib and peak_tflops must be >= 0 (0: the device's own figure)")
+    _check_numbers(cfg, dotted)
+    # the end-of-run sample continues the prompt within 2 x seq_len tokens (byte tokens on the stdlib corpus;
+    # another corpus's tokenizer is read only at the end of the run)
+    prompt_tokens = len(cfg.sample_prompt.encode())
+    if cfg.sample_tokens and cfg.data.corpus == "stdlib" and prompt_tokens >= 2 * cfg.data.seq_len:
+        raise ConfigError(f"sample_prompt={cfg.sample_prompt!r} is {prompt_tokens} tokens, which leaves no room in the "
+                          f"end-of-run sample's context of 2 x data.seq_len = {2 * cfg.data.seq_len}; shorten it, raise "
+                          "data.seq_len, or set sample_tokens=0")
     if not resolve:
         return cfg
     from meshlab.train import fit   # model.remat=auto / loss_impl=auto -> concrete choices for this device

@@ -394,3 +394,75 @@ def test_check_serve_help_is_its_own_and_checkpoint_equals_is_kept(capsys, monke
             check.main(args)
         cmd = started.pop()
         assert cmd[-len(args):] == args and not any("random:" in a for a in cmd)
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--max-seqs", "0", "argument --max-seqs: 0 must be >= 1"),
+    ("--max-len", "-1", "argument --max-len: -1 must be >= 1"),
+    ("--page-size", "0", "argument --page-size: 0 must be >= 1"),
+    ("--num-pages", "1", "argument --num-pages: 1 must be >= 2 (page 0 is reserved)"),
+    ("--chunk", "0", "argument --chunk: 0 must be >= 1"),
+    ("--steps-per-call", "0", "argument --steps-per-call: 0 must be >= 1"),
+    ("--max-concurrent", "0", "argument --max-concurrent: 0 must be >= 1"),
+    ("--max-waiting", "-1", "argument --max-waiting: -1 must be >= 1"),
+    ("--max-body-bytes", "0", "argument --max-body-bytes: 0 must be >= 1"),
+    ("--body-timeout", "0", "argument --body-timeout: 0 must be a number of seconds > 0"),
+    ("--stats-interval", "nan", "argument --stats-interval: nan must be a number of seconds >= 0 (0: none)"),
+    ("--shutdown-timeout", "inf", "argument --shutdown-timeout: inf must be a number of seconds >= 0"),
+    ("--prompt-lookup-min", "0", "argument --prompt-lookup-min: 0 must be >= 1"),
+    ("--speculative-max-batch", "0", "argument --speculative-max-batch: 0 must be >= 1"),
+    ("--max-len", "1e3", "argument --max-len: invalid int value: '1e3'"),
+    ("--dtype", "fp32", "argument --dtype: invalid choice: 'fp32'"),
+])
+def test_a_serving_count_below_its_floor_is_a_usage_error(capsys, flag, value, words):
+    """Each would otherwise start a server that refuses every request (--max-concurrent 0: all 429, --max-body-bytes 0:
+    all 413), fail inside the engine (a zero size), or name the model's field instead of the flag (--dtype)."""
+    from meshlab.infer.serve_cli import serve_parser
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--checkpoint", "random:tiny", f"{flag}={value}"])
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-len", "100"], "--page-size 16 must divide --max-len 100 (a row holds whole pages), e.g. --max-len 112"),
+    (["--max-len", "8"], "--page-size 16 must divide --max-len 8 (a row holds whole pages), lower --page-size"),
+    (["--max-len", "64", "--num-pages", "4"], "--num-pages 4 cannot hold one request of --max-len 64: that takes 4 pages "
+                                              "of --page-size 16, and page 0 is reserved; pass --num-pages >= 5"),
+    (["--max-len", "64", "--speculative-tokens", "64"], "--speculative-tokens 64 must be below --max-len 64"),
+    (["--speculative-tokens", "2", "--prompt-lookup-max", "65"], "--prompt-lookup-max 65 must be <= 64"),
+    (["--prompt-lookup-min", "4", "--prompt-lookup-max", "3"], "--prompt-lookup-min 4 must be <= --prompt-lookup-max 3"),
+    (["--attention", "pallas"], "--attention pallas runs the Pallas paged-attention kernels compiled, which needs a GPU"),
+])
+def test_serving_flags_that_do_not_fit_together_are_one_clear_error(clean, monkeypatch, argv, words):
+    """Refused at start (the Pallas kernels: before the first request's compile, which failed with a traceback in
+    the server's log and a 500), naming the flags."""
+    from meshlab.infer.serve_cli import serve_parser, start_server
+    if "pallas" in argv and jax.default_backend() == "gpu":
+        pytest.skip("the Pallas kernels run here")
+    monkeypatch.chdir(clean)
+    args = serve_parser().parse_args(["--checkpoint", "random:tiny", "--port", "0", "--warmup", "off",
+                                      "--compile-cache", "", *argv])
+    with pytest.raises(ValueError, match=re.escape(words)):
+        start_server(args)
+    assert list(clean.iterdir()) == []
+
+
+def test_speculative_drafts_that_cannot_fit_a_row_are_refused(clean, monkeypatch, capsys):
+    """A step feeds a row its last token and k drafts: k >= the row's length never fits (an int32 overflow inside
+    the lookup for a huge k); generate.py names its flags, Engine its arguments."""
+    import runpy
+    from meshlab.infer.engine import Engine
+    from tests.helpers import tiny_served_model
+    md, params, _ = tiny_served_model()
+    with pytest.raises(ValueError, match="speculative_tokens=16 must be below max_len=16"):
+        Engine(md, params, max_len=16, speculative_tokens=16)
+    with pytest.raises(ValueError, match="prompt_lookup_max=65 must be <= 64"):
+        Engine(md, params, max_len=16, speculative_tokens=1, prompt_lookup_max=65)
+    monkeypatch.chdir(clean)
+    generate = runpy.run_path(str(ROOT / "scripts/generate.py"), run_name="generate")
+    with pytest.raises(SystemExit) as stop:
+        generate["main"](["--checkpoint", "random:tiny", "--compile-cache", "", "--prompt", "ab", "--max-new-tokens", "2",
+                          "--speculative-tokens", "1000000000000"])
+    assert ("generate: --speculative-tokens 1000000000000 must be below 16, the row's tokens (the prompt's 2 and "
+            "--max-new-tokens 2, in pages of 16)") in str(stop.value.code)
+    assert list(clean.iterdir()) == []

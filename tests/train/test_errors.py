@@ -239,3 +239,45 @@ def test_counts_below_their_floor_stop_at_load(override, message):
 def test_a_mixture_of_experts_under_a_pipeline_names_the_rule_files_that_run_it():
     with pytest.raises(ValueError, match=r"has no pipeline stages .* stage=1, e\.g\. under ep, fsdp_ep or fsdp_tp_ep"):
         build_trainer(small_config("pp_dp", extra=["model.name=moe_tiny"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["device_memory_gib=nan"], "device_memory_gib=nan must be a finite number"),
+    (["peak_tflops=inf"], "peak_tflops=inf must be a finite number"),
+    (["optim.lr=inf"], "optim.lr=inf must be a finite number"),
+    (["model.rope_theta=-1"], r"model.rope_theta=-1.0 must be > 0 \(RoPE's base wavelength\)"),
+    (["model.rope_scaling_factor=8", "model.rope_low_freq_factor=0"],
+     r"model.rope_low_freq_factor=0.0 and model.rope_high_freq_factor=4.0 must satisfy 0 < low < high"),
+    (["model.rope_scaling_factor=8", "model.rope_original_max_position=0"],
+     r"model.rope_original_max_position=0 must be >= 1 \(RoPE scaling is on"),
+    (["seed=9223372036854775808"], r"seed=9223372036854775808 must be a whole number in \[0, 2\*\*32 - 1\]"),
+    (["data.seed=-1"], r"data.seed=-1 must be a whole number in \[0, 2\*\*32 - 1\]"),
+    (["steps=9223372036854775808"], r"steps=9223372036854775808 is out of range: at most 2\*\*31 - 1 = 2,147,483,647"),
+    (["optim.warmup_steps=2147483648"], r"optim.warmup_steps=2147483648 is out of range"),
+    (["model.vocab_size=9223372036854775808"], r"model.vocab_size=9223372036854775808 is out of range"),
+    (["model.dtype=float16", "loss_scale_init=-1"], r"loss_scale_init=-1.0 must be > 0"),
+    (["loss_scale_growth=0"], "loss_scale_growth=0 must be >= 1"),
+    (["checkpoint.keep=-1"], r"checkpoint.keep=-1 must be >= 0 \(0: keep every checkpoint\)"),
+    (["profile.start_step=-2"], r"profile.start_step=-2 must be >= -1 \(-1: no profile\)"),
+    (["model.name=moe_tiny", "model.aux_loss_weight=-1"], r"model.aux_loss_weight=-1.0 must be >= 0 \(0: off\)"),
+    (["checkpoint.at_end=2"], r"checkpoint.at_end=2 is a switch: true or false \(yes / no, on / off, 1 / 0\)"),
+    (["data.seq_len=2"], r"sample_prompt='def ' is 4 tokens, which leaves no room in the end-of-run sample's context of "
+                         r"2 x data.seq_len = 4; shorten it, raise data.seq_len, or set sample_tokens=0"),
+    (["sample_prompt=@x"], r"""override 'sample_prompt=@x': the value '@x' is not valid YAML \(found character that cannot """
+                           r"""start any token\); put it in single quotes inside the override, e.g. "sample_prompt='@x'\""""),
+    (["mesh=="], "override 'mesh==': the value '=' is not valid YAML"),
+])
+def test_numbers_out_of_their_range_stop_at_load(overrides, message):
+    """Each stops at load with its key named, before any compile: otherwise an OverflowError or YAML traceback, a
+    ZeroDivisionError inside RoPE's scaling, a silent nonsense run (a non-finite learning rate or RoPE base, a switch
+    given a count), or a run that trains and then fails on its sample."""
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config("default", ["rules=dp", *overrides])
+    assert "\n" not in str(err.value)
+
+
+def test_edge_values_that_work_still_load():
+    cfg = load_config("default", ["rules=dp", "checkpoint.at_end=0", "model.scan_layers=no", "seed=4294967295",
+                                  "data.seq_len=2", "sample_tokens=0", "data.max_bytes=9223372036854775808",
+                                  "checkpoint.keep=0", "sample_prompt='@x'"], resolve=False)
+    assert (cfg.checkpoint.at_end, cfg.model.scan_layers, cfg.seed, cfg.sample_prompt) == (False, False, 2**32 - 1, "@x")
