@@ -78,16 +78,19 @@ class BlockSizes:
 
 
 def shape_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
-    """Tiles by the matmul's shape class, from an H200 sweep at llama3_1b's four (bench_decode.py
-    --jobs matmul,engine_gemv; docs/benchmarks.md): the fastest per op through the engine, 1,119
-    decode tokens/s against 1,072 with block_n 4 everywhere. A tile that does not divide n falls
-    back to one column per program."""
-    if swiglu:      # gate|up: two rows a column; resident programs with the next tiles in flight
-        bs = BlockSizes(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1)
-    elif k > 2048:  # down: a column's whole row in one load
-        bs = BlockSizes(block_n=2, block_k=8192, prefetch=1)
-    elif n <= k:    # wo: one column per single-warp program (2,048 of them) beats wider tiles
-        bs = BlockSizes(block_n=1, num_warps=1)
+    """Tiles by the matmul's role, told apart by its shape (gate|up: swiglu; down: k > n; wo: n == k;
+    q|k|v: n > k), from sweeps of `bench_decode.py --jobs matmul,engine_gemv` (docs/benchmarks.md):
+    at llama3_1b's k = 2048 on an H200, 1,119 decode tokens/s against 1,072 with block_n 4 everywhere;
+    at llama3_8b's k = 4096 on an H100, 180 against 160 where the k = 2048 tiles ran (gate|up's resident
+    programs over two k chunks streamed at 70% of the copy rate; one 4,096-wide chunk a column, 89%).
+    A tile that does not divide n falls back to one column per program."""
+    if swiglu:      # gate|up, two rows a column: resident programs with the next tiles in flight at k = 2048
+        bs = (BlockSizes(block_n=2, num_warps=2, tiles_per_program=4, prefetch=1) if k <= 2048
+              else BlockSizes(block_n=2, block_k=8192, prefetch=1))
+    elif k > n:     # down: a column's whole row in one load (or chunks of it), 8 warps over llama3_8b's 14,336
+        bs = BlockSizes(block_n=2, block_k=8192, prefetch=1, num_warps=8 if k > 8192 else 4)
+    elif n == k:    # wo: one column per single-warp program (2,048 of them) beats wider tiles at k = 2048
+        bs = BlockSizes(block_n=1, num_warps=1) if k <= 2048 else BlockSizes(block_n=2, block_k=8192, prefetch=1)
     else:           # q|k|v
         bs = BlockSizes()
     if n % bs.block_n or (n // bs.block_n) % bs.tiles_per_program:

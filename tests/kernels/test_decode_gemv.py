@@ -91,6 +91,25 @@ def test_shape_tiles_divide_every_shape():
                          (14336, 4096, True), (4096, 14336, False), (6, 2048, True), (1000, 512, False)):
         shape_block_sizes(n, k, swiglu).validate(n, k)         # raises where a tile does not divide the shape
     assert shape_block_sizes(6, 2048, True).block_n == 1 and shape_block_sizes(8192, 2048, True).tiles_per_program == 4
+    # roles by shape: at k = 2048 the llama3_1b tiles; wider, gate|up and wo a column's k in one load, down on 8 warps
+    assert shape_block_sizes(2048, 2048, False) == BlockSizes(block_n=1, num_warps=1)
+    assert shape_block_sizes(6144, 4096, False) == BlockSizes()
+    assert shape_block_sizes(14336, 4096, True) == shape_block_sizes(4096, 4096, False) == \
+        BlockSizes(block_n=2, block_k=8192, prefetch=1)
+    assert shape_block_sizes(4096, 14336, False).num_warps == 8 and shape_block_sizes(2048, 8192, False).num_warps == 4
+
+
+@pytest.mark.parametrize("shape, op", [((14336, 4096), "norm_swiglu"), ((4096, 4096), "residual"),
+                                       ((6144, 4096), "norm"), ((4096, 14336), "residual")],
+                         ids=["gate_up", "wo", "qkv", "down"])
+def test_wide_shape_tiles_match_reference(shape, op):
+    # the tiles llama3_8b's four shapes get, over 8 of their output columns at their k: 4,096 in one chunk,
+    # or in two (q|k|v's loop); down's 14,336 in seven of 2,048
+    (n8b, k), swiglu = shape, "swiglu" in op
+    x, w, scale, res = _case(k + len(op), 1, k, 8, swiglu)
+    kw = dict(norm_scale=scale if "norm" in op else None, residual=res if op == "residual" else None, swiglu=swiglu)
+    got = decode_gemv(x, w, block_sizes=shape_block_sizes(n8b, k, swiglu), interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(decode_gemv_reference(x, w, **kw)), atol=2e-5, rtol=2e-5)
 
 
 def test_bf16_one_chunk_and_rounding():
