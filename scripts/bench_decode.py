@@ -38,8 +38,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 token by kernel, wall and host time per token, decode calls chained or not) and
                 the cached prompt's first token (with its program's dispatch, buffer on host or
                 device; tables printed and written to bench_decode.md);
-                TTFT for 512..8k prompts (--quick: 512, 2048), batch 1, 16, 64 through one
-                Engine, then the first engine through HTTP (decode vs roofline, TTFT)
+                TTFT for 512..8k prompts (--quick: 512, 2048), the first engine through HTTP
+                (decode vs roofline, TTFT), then batch 1, 16, 64 through one Engine (the first freed)
   first_token   the prefix-cache TTFT alone (~1 min): a 2k prompt with 2,032 tokens cached, and one
                 met before, against uncached (median of 5), then the first token's profile
                 (meshlab/bench/first_token.py: the call's timeline before dispatch / dispatch /

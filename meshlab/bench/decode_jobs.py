@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import os
 from pathlib import Path
@@ -467,20 +468,25 @@ def job_engine(c: Child):
         eng = c.engine(layers=layers, prefill="flash")
         eng.warmup()
     ctx, n, ttft_len = c.sz["ctx"], c.sz["tpot_n"], min(2048, c.sz["lengths"][-1])
+    held, prefill = {"eng": eng}, eng.prefill
+    del eng      # held["eng"] alone keeps it: the sweep frees it (a wide model's two engines overflow an 80 GB card)
 
     def sweep(with_layers=layers, batches=(1, 16, 64), tag=""):
-        big = c.engine(max_len=ctx + 128, max_seqs=c.sz["big"], layers=with_layers, prefill=eng.prefill)
+        if held:
+            held.clear()
+            gc.collect()
+        big = c.engine(max_len=ctx + 128, max_seqs=c.sz["big"], layers=with_layers, prefill=prefill)
         bs.engine_sweep(big, c.bw, [b for b in batches if b <= c.sz["big"]], ctx=ctx, n=min(128, n), tag=tag)
-    # most wanted first: a job stopped at its time limit keeps the rows before
-    for section, fn in (("decode", lambda: bs.engine_tpot(eng, c.bw, ctx=ctx, n=n)),
-                        ("ttft", lambda: bs.prefix_ttft(eng, n=ttft_len)),
-                        ("profile", lambda: bench.emit(bench.engine_profile(eng, TRACES / "engine_b1", ctx=ctx,
+    # most wanted first: a job stopped at its time limit keeps the rows before; the sweeps last, they free `eng`
+    for section, fn in (("decode", lambda: bs.engine_tpot(held["eng"], c.bw, ctx=ctx, n=n)),
+                        ("ttft", lambda: bs.prefix_ttft(held["eng"], n=ttft_len)),
+                        ("profile", lambda: bench.emit(bench.engine_profile(held["eng"], TRACES / "engine_b1", ctx=ctx,
                                                                             n=min(128, n)))),
-                        ("profile", lambda: bench.emit(first_token.engine_tail_profile(eng, TRACES / "engine_tail",
+                        ("profile", lambda: bench.emit(first_token.engine_tail_profile(held["eng"], TRACES / "engine_tail",
                                                                                        n=ttft_len))),
-                        ("ttft", lambda: bs.ttft(eng, c.sz["lengths"])),
+                        ("ttft", lambda: bs.ttft(held["eng"], c.sz["lengths"])),
+                        ("http", lambda: bs.server_rows(held["eng"], c.bw, ttft_len=ttft_len, n=n, ctx=ctx)),
                         ("sweep", sweep),
-                        ("http", lambda: bs.server_rows(eng, c.bw, ttft_len=ttft_len, n=n, ctx=ctx)),
                         # the shipped fused layers at the sweep's larger batches, when another was measured
                         ("sweep", lambda: layers != "fused" and sweep("fused", (16, 64), " [fused]"))):
         try:
