@@ -472,9 +472,8 @@ def job_engine(c: Child):
     del eng      # held["eng"] alone keeps it: the sweep frees it (a wide model's two engines overflow an 80 GB card)
 
     def sweep(with_layers=layers, batches=(1, 16, 64), tag=""):
-        if held:
-            held.clear()
-            gc.collect()
+        held.clear()
+        gc.collect()       # the first engine, or the sweep before's
         big = c.engine(max_len=ctx + 128, max_seqs=c.sz["big"], layers=with_layers, prefill=prefill)
         bs.engine_sweep(big, c.bw, [b for b in batches if b <= c.sz["big"]], ctx=ctx, n=min(128, n), tag=tag)
     # most wanted first: a job stopped at its time limit keeps the rows before; the sweeps last, they free `eng`
