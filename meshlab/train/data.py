@@ -42,7 +42,7 @@ def prepare_stdlib(out_dir: str | os.PathLike, max_bytes: int = 8_000_000, val_f
             continue
         docs.append(data)
         total += len(data) + 1
-        if total >= max_bytes:
+        if total >= max_bytes and len(docs) >= 2:     # one document each for train and val, however small the cap
             break
     n_val = max(1, int(len(docs) * val_fraction))
     for split, chunk in (("train", docs[:-n_val]), ("val", docs[-n_val:])):

@@ -31,19 +31,32 @@ def schedule(cfg: OptimConfig, total_steps: int):
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay, cfg.lr * cfg.min_lr_ratio)
 
 
-def host_schedule(ocfg, steps: int):
-    """step -> learning rate as a Python float, every step's value computed once on the host CPU.
+HOST_BLOCK = 4096     # steps of the schedule computed at once on the host
+
+
+def host_schedule(ocfg, steps: int, block: int = HOST_BLOCK):
+    """step -> learning rate as a Python float, computed on the host CPU a block of steps at a time.
     optax's schedule is jnp: called per step on the default device (the GPU), its ops queued behind
     the step in flight and `float()` waited for that step, so the next step was dispatched only after
-    it ended (a device-idle gap every step, which the metrics-one-step-late loop exists to avoid)."""
+    it ended (a device-idle gap every step, which the metrics-one-step-late loop exists to avoid).
+    One block at a time, not the whole run: a table of every step would take minutes and gigabytes
+    before the first step of a run of 10^9 steps."""
     sched = schedule(ocfg, steps)
     try:
         cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:       # no CPU backend in this process (JAX_PLATFORMS without cpu): once, here
         cpu = None
-    with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
-        table = np.asarray(jax.vmap(sched)(np.arange(max(steps, 1))), np.float64)
-    return lambda step: float(table[min(max(step, 0), len(table) - 1)])
+    last, held = max(steps, 1) - 1, {}
+
+    def lr_at(step: int) -> float:
+        s = min(max(step, 0), last)
+        i = s // block
+        if i not in held:
+            held.clear()
+            with jax.default_device(cpu) if cpu is not None else contextlib.nullcontext():
+                held[i] = np.asarray(jax.vmap(sched)(np.arange(i * block, min((i + 1) * block, last + 1))), np.float64)
+        return float(held[i][s - i * block])
+    return lr_at
 
 
 def decay_mask(names_tree):

@@ -50,3 +50,11 @@ def test_packed_documents_restart_positions_and_mask_the_boundary():
     np.testing.assert_array_equal(ex["positions"], [0, 1, 2, 0, 1, 2, 3, 0])
     assert ex["labels"][2] == -1 and ex["labels"][6] == -1     # EOD predicts nothing across documents
     assert ByteTokenizer().decode(ByteTokenizer().encode("héllo")) == "héllo"
+
+
+def test_a_tiny_byte_budget_still_gives_train_and_val_a_document(tmp_path):
+    """data.max_bytes below one file: the corpus takes two documents anyway (one was all there was, and it went
+    to val, leaving train.bin empty: "need at least one array to concatenate")."""
+    from meshlab.train.data import prepare_stdlib
+    out = prepare_stdlib(tmp_path / "corpus", max_bytes=300)
+    assert (out / "train.bin").stat().st_size > 0 and (out / "val.bin").stat().st_size > 0

@@ -38,3 +38,6 @@ def test_logged_learning_rate_is_the_schedule_computed_on_the_host():
     on_host, optax_fn = host_schedule(cfg, 50), schedule(cfg, 50)
     assert all(isinstance(on_host(i), float) for i in (0, 49))
     np.testing.assert_allclose([on_host(i) for i in range(50)], [float(optax_fn(i)) for i in range(50)], rtol=1e-6)
+    blocks = host_schedule(cfg, 50, block=16)           # computed 16 steps at a time: the same values
+    assert [blocks(i) for i in (*range(50), 3, 60, -1)] == [on_host(i) for i in (*range(50), 3, 60, -1)]
+    assert host_schedule(cfg, 10**9)(10**9 - 1) == float(schedule(cfg, 10**9)(10**9 - 1))   # no table of 10^9 steps
