@@ -24,6 +24,8 @@ softmax run as they do over a bf16 cache; only the stored K/V lose precision.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -91,6 +93,29 @@ def init_paged(cfg, num_pages: int, page_size: int, dtype=None, rules=None, mesh
 def cache_bytes(cfg, tokens: int, dtype=None) -> int:
     """Bytes of K and V for `tokens` cached tokens over all layers."""
     return 2 * cfg.n_layers * tokens * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype or cfg.dtype).itemsize
+
+
+def memory_per_device(devices) -> int | None:
+    """Bytes one of `devices` holds: the accelerator's allocator limit, or this host's RAM for CPU devices
+    (None where neither is known)."""
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if devices[0].platform == "cpu" else None
+    except (ValueError, OSError):
+        return None
+
+
+def check_fits(cfg, num_pages: int, page_size: int, dtype, mesh, what: str) -> None:
+    """ValueError, before anything is allocated, when the paged cache could not fit even split evenly over
+    the mesh's devices (one device without a mesh; what: the settings that sized it, for the message)."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    need, have = cache_bytes(cfg, num_pages * page_size, dtype), memory_per_device(devices)
+    if have is not None and need > have * len(devices):
+        raise ValueError(f"the KV cache of {num_pages:,} pages of {page_size} tokens ({what}) takes {need / 2**30:,.1f} "
+                         f"GiB, more than the {len(devices)} device(s) hold ({have / 2**30:,.1f} GiB each); lower "
+                         "max_len, max_seqs or num_pages")
 
 
 def dense_attention(q, k, v, q_pos):

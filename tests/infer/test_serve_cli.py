@@ -215,6 +215,16 @@ def test_random_checkpoint_and_device_count_mistakes_are_one_line(capsys):
     assert ap.parse_args(["--checkpoint", "random:tiny", "--cpu-devices", "2"]).cpu_devices == 2
 
 
+def test_a_cache_larger_than_the_devices_is_refused_before_it_is_allocated():
+    """A KV cache past the devices' memory (here the host's RAM) stops at once with the settings named, rather
+    than an allocation that runs for minutes (host page tables of 2**31 entries, then the device's)."""
+    from meshlab.infer.engine import Engine
+    cfg, md, params, _ = load_checkpoint("random:tiny")
+    with pytest.raises(ValueError, match=r"the KV cache of .* pages of 16 tokens \(max_seqs=16, max_len=2147483648.*"
+                                         r"lower max_len, max_seqs or num_pages"):
+        Engine(md, params, max_len=2**31, max_seqs=16)
+
+
 def test_help_shows_the_defaults(capsys):
     """--help names each flag's default (the port, the context, the sampling settings), once: not where
     the help text already says it, and not for flags without one."""
