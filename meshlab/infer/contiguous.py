@@ -32,13 +32,14 @@ class ContiguousGenerator:
         if rules is not None and mesh is not None and batch % math.prod(mesh.shape[a] for a in rules.axes("cache_batch", mesh)):
             # a batch the rule file's batch split cannot divide (one prompt under fsdp_tp) stays whole
             rules = engine_rules(rules, ("act_batch", "cache_batch"))
+        kv_dtype = kv_cache.cache_dtype(md.cfg, kv_cache_dtype)
+        kv_cache.check_fits(md.cfg, batch * max_len, kv_dtype, mesh, f"{batch=}, {max_len=}")
         self.md, self.batch, self.max_len = md, batch, max_len
         self.chunk, self.steps_per_call, self.rules, self.mesh = min(chunk, max_len), steps_per_call, rules, mesh
         self.step, self.decode_loop = make_programs(md, "contiguous", layers=layers)
         with placement(rules, mesh):
             self.params = serving_params(md, params, layers, quantize)
-            self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, kv_cache.cache_dtype(md.cfg, kv_cache_dtype),
-                                                  rules=rules, mesh=mesh)
+            self.cache = kv_cache.init_contiguous(md.cfg, batch, max_len, kv_dtype, rules=rules, mesh=mesh)
 
     def _check(self, prompts, params):
         if not 0 < len(prompts) <= self.batch:

@@ -169,7 +169,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         num_pages = num_pages or max_seqs * (max_len // page_size) + 1
         if impl == "pallas" and not interpret:
             num_pages = kv_cache.pages_past_wrap(md.cfg, num_pages, page_size, kv_dtype)
-        kv_cache.check_fits(md.cfg, num_pages, page_size, kv_dtype, mesh, f"{max_seqs=}, {max_len=}, {num_pages=}")
+        kv_cache.check_fits(md.cfg, num_pages * page_size, kv_dtype, mesh, f"{max_seqs=}, {max_len=}, {num_pages=}, {page_size=}")
         self.sched = Scheduler(max_seqs, num_pages, page_size, max_len, self.chunk, max_step_tokens, prefix_cache)
         if prefix_cache:                      # scored prompt pages (~2.6 KB each at 20 alternatives a token)
             self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))

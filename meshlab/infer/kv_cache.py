@@ -107,15 +107,14 @@ def memory_per_device(devices) -> int | None:
         return None
 
 
-def check_fits(cfg, num_pages: int, page_size: int, dtype, mesh, what: str) -> None:
-    """ValueError, before anything is allocated, when the paged cache could not fit even split evenly over
+def check_fits(cfg, tokens: int, dtype, mesh, what: str) -> None:
+    """ValueError, before anything is allocated, when a cache of `tokens` could not fit even split evenly over
     the mesh's devices (one device without a mesh; what: the settings that sized it, for the message)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    need, have = cache_bytes(cfg, num_pages * page_size, dtype), memory_per_device(devices)
+    need, have = cache_bytes(cfg, tokens, dtype), memory_per_device(devices)
     if have is not None and need > have * len(devices):
-        raise ValueError(f"the KV cache of {num_pages:,} pages of {page_size} tokens ({what}) takes {need / 2**30:,.1f} "
-                         f"GiB, more than the {len(devices)} device(s) hold ({have / 2**30:,.1f} GiB each); lower "
-                         "max_len, max_seqs or num_pages")
+        raise ValueError(f"the KV cache of {tokens:,} tokens ({what}) takes {need / 2**30:,.1f} GiB, more than the "
+                         f"{len(devices)} device(s) hold ({have / 2**30:,.1f} GiB each); lower the settings that size it")
 
 
 def dense_attention(q, k, v, q_pos):

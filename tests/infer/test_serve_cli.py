@@ -218,11 +218,13 @@ def test_random_checkpoint_and_device_count_mistakes_are_one_line(capsys):
 def test_a_cache_larger_than_the_devices_is_refused_before_it_is_allocated():
     """A KV cache past the devices' memory (here the host's RAM) stops at once with the settings named, rather
     than an allocation that runs for minutes (host page tables of 2**31 entries, then the device's)."""
-    from meshlab.infer.engine import Engine
+    from meshlab.infer.engine import ContiguousGenerator, Engine
     cfg, md, params, _ = load_checkpoint("random:tiny")
-    with pytest.raises(ValueError, match=r"the KV cache of .* pages of 16 tokens \(max_seqs=16, max_len=2147483648.*"
-                                         r"lower max_len, max_seqs or num_pages"):
+    with pytest.raises(ValueError, match=r"the KV cache of [\d,]+ tokens \(max_seqs=16, max_len=2147483648, .*GiB, more "
+                                         r"than the 1 device\(s\) hold"):
         Engine(md, params, max_len=2**31, max_seqs=16)
+    with pytest.raises(ValueError, match=r"\(batch=1, max_len=2147483648\) takes"):
+        ContiguousGenerator(md, params, batch=1, max_len=2**31, chunk=256)
 
 
 def test_help_shows_the_defaults(capsys):
