@@ -254,12 +254,13 @@ def embed_lookup(embed, tokens, dtype):
     XLA's partitioner aborts the process on this gather when the table's vocabulary and width are
     split over two axes and the output asks for its sequence split (inside the step's manual
     region, jax 0.10, CPU). The cost is at most one all-reduce of [b, s, d] a step. It also aborts
-    when the table's width and the rows' batch are split over one Auto axis (a batch axis the
-    batch itself is not split over, inside a pipeline stage): there the rows are first taken with
-    the table's width split (every row on every device, 1/n of its width), then moved to the batch
-    split (an all-to-all of [b, s, d])."""
+    when the rows' batch is split over an Auto axis that splits the table too: its width (a batch
+    axis the batch itself is not split over, inside a pipeline stage), or its vocabulary while the
+    width is split over another axis. There the rows are first taken with the table's width split
+    (every row on every device, 1/n of its width), then moved to the batch split (an all-to-all
+    of [b, s, d])."""
     rows = take_rows(_w(embed, dtype), tokens)                                           # [b, s, d]
-    if shares_axis("embed", "act_batch"):
+    if shares_axis("embed", "act_batch") or (shares_axis("vocab", "act_batch") and is_split("embed")):
         rows = constrain(rows, (None, None, "embed"))
     return constrain(rows, ("act_batch", None, None))
 

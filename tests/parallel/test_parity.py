@@ -65,6 +65,9 @@ ODD_LAYOUTS = {
     # the batch over data alone, so fsdp stays Auto in the stages: the table's width and the rows' batch on one axis
     "pipeline, embedding width and rows' batch on one Auto axis": ("pp_fsdp_tp", {"batch": "[data]"},
                                                                     "stage=2,fsdp=2,tensor=2"),
+    # the batch over tensor alone: the table's vocabulary on fsdp, its width on context, the rows' batch on fsdp
+    "embedding vocabulary and rows' batch on one Auto axis, width on another": (
+        "dp", {"batch": "[tensor]", "act_batch": "fsdp", "vocab": "fsdp", "embed": "context"}, "fsdp=2,context=2,tensor=2"),
 }
 
 
