@@ -66,17 +66,21 @@ def unique_collective_channels() -> None:
     _mlir.__class__ = UniqueChannels
 
 
-def cpu_devices_arg(text: str) -> int:
-    """argparse type of the scripts' --cpu-devices N: 0 would silently run on one device, and a negative
-    count stopped inside JAX's backend set-up."""
+def count_arg(low: int, note: str = ""):
+    """An argparse type: a whole number >= low (note: what the floor means, e.g. " (0: off)")."""
     import argparse
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: simulate at least 1 device (e.g. --cpu-devices 8), or leave it out")
-    return n
+
+    def parse(text: str) -> int:
+        n = int(text)              # ValueError: argparse's "invalid int value"
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {low}{note}")
+        return n
+    parse.__name__ = "int"
+    return parse
+
+
+# the scripts' --cpu-devices N: 0 would silently run on one device, a negative count stop inside JAX's backend set-up
+cpu_devices_arg = count_arg(1, " (simulated CPU devices, e.g. --cpu-devices 8; leave the flag out for one)")
 
 
 def set_cpu_devices(n: int) -> None:

@@ -25,7 +25,7 @@ import yaml
 from flax import nnx
 
 import models
-from meshlab.compat import cpu_devices_arg
+from meshlab.compat import count_arg, cpu_devices_arg
 from meshlab.infer.hf import CheckpointError, load_hf
 from meshlab.tokenizer import ByteTokenizer, TokenizerJson
 
@@ -169,17 +169,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.required:
             return text
         return super()._get_help_string(action)
-
-
-def count_arg(low: int, note: str = ""):
-    """An argparse type: a whole number >= low (note: what the floor means, e.g. " (0: off)")."""
-    def parse(text: str) -> int:
-        n = int(text)              # ValueError: argparse's "invalid int value"
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{n} must be >= {low}{note}")
-        return n
-    parse.__name__ = "int"
-    return parse
 
 
 def seconds_arg(low_open: bool = False, note: str = ""):

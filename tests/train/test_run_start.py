@@ -49,8 +49,8 @@ def test_a_run_dir_that_is_a_file_is_one_line_from_the_script(tmp_path):
                                              "(--run-dir DIR; a missing one is created)"]
 
 
-@pytest.mark.parametrize("value,message", [("0", "0: simulate at least 1 device"), ("-1", "-1: simulate at least 1 device"),
-                                           ("eight", "'eight' is not a whole number")])
+@pytest.mark.parametrize("value,message", [("0", "0 must be >= 1 (simulated CPU devices"), ("-1", "-1 must be >= 1 (simulated"),
+                                           ("eight", "invalid int value: 'eight'")])
 def test_cpu_devices_below_one_is_a_usage_error(value, message, capsys):
     """0 ran on one device as if the flag were absent; a negative count was a traceback from JAX's backend."""
     with pytest.raises(SystemExit) as e:
