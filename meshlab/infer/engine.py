@@ -41,10 +41,9 @@ from meshlab.infer.programs import (BIAS, COUNTS, TOP_LOGPROBS, add_own_entries,
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
 from meshlab.infer.scoring import ScoreStore, Scoring
-from meshlab.infer.speculative import Speculation, make_spec_loop, spec_program
+from meshlab.infer.speculative import Speculation, check_speculation, make_spec_loop, spec_program
 from meshlab.infer.warmup import Warmup
 
-MAX_PROMPT_LOOKUP = 64   # speculative decoding's longest suffix (64: compiled in seconds on a CPU; 256: minutes)
 NARROW = (16, 64)   # the narrow chunk-row widths (see Engine.WIDTHS)
 # A quantized engine's packed programs (FP8 GEMMs on prompt chunks) compile with these XLA options under
 # its own: its GEMM autotuner at level 1, no buffer reinitialisation or check of each candidate against
@@ -150,15 +149,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize
         if guided_steps < 1:
             raise ValueError(f"{guided_steps=} must be >= 1")
-        if speculative_tokens < 0 or not 1 <= prompt_lookup_min <= prompt_lookup_max or speculative_max_batch < 1:
-            raise ValueError(f"{speculative_tokens=} must be >= 0 (0: off), 1 <= {prompt_lookup_min=} <= "
-                             f"{prompt_lookup_max=}, {speculative_max_batch=} >= 1")
-        if speculative_tokens >= max_len:
-            raise ValueError(f"{speculative_tokens=} must be below {max_len=}: a speculative step feeds a row its last "
-                             "token and its drafts")
-        if speculative_tokens and prompt_lookup_max > MAX_PROMPT_LOOKUP:
-            raise ValueError(f"{prompt_lookup_max=} must be <= {MAX_PROMPT_LOOKUP}: the lookup's program holds a pass "
-                             "per suffix length, so its compile time grows as the square of prompt_lookup_max")
+        check_speculation(speculative_tokens, prompt_lookup_min, prompt_lookup_max, speculative_max_batch, max_len)
         self.speculative_tokens, self.speculative_max_batch = speculative_tokens, speculative_max_batch
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)     # the suffix lengths a draft is looked up by
         self.guided_steps = guided_steps

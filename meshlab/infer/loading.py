@@ -231,7 +231,7 @@ def add_speculative_args(ap, batch: bool = True) -> None:
 def check_speculative_args(args, max_len: int, max_len_words: str) -> None:
     """ValueError naming the flags when add_speculative_args' values cannot work together or with a row of
     max_len tokens (max_len_words: where that length comes from, e.g. "--max-len 2048")."""
-    from meshlab.infer.engine import MAX_PROMPT_LOOKUP
+    from meshlab.infer.speculative import MAX_PROMPT_LOOKUP
     k, shortest, longest = args.speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
     if shortest > longest:
         raise ValueError(f"--prompt-lookup-min {shortest} must be <= --prompt-lookup-max {longest}")

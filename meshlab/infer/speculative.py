@@ -42,6 +42,22 @@ from meshlab.infer.sampler import count_sampled, draw_keys, draw_logits, penalti
 from models import serving
 
 
+MAX_PROMPT_LOOKUP = 64   # the longest suffix a draft is looked up by (64: compiled in seconds on a CPU; 256: minutes)
+
+
+def check_speculation(tokens: int, shortest: int, longest: int, max_batch: int, max_len: int) -> None:
+    """ValueError naming Engine's arguments when its speculative settings cannot work."""
+    if tokens < 0 or not 1 <= shortest <= longest or max_batch < 1:
+        raise ValueError(f"speculative_tokens={tokens} must be >= 0 (0: off), 1 <= prompt_lookup_min={shortest} <= "
+                         f"prompt_lookup_max={longest}, speculative_max_batch={max_batch} >= 1")
+    if tokens >= max_len:
+        raise ValueError(f"speculative_tokens={tokens} must be below max_len={max_len}: a speculative step feeds a row "
+                         "its last token and its drafts")
+    if tokens and longest > MAX_PROMPT_LOOKUP:
+        raise ValueError(f"prompt_lookup_max={longest} must be <= {MAX_PROMPT_LOOKUP}: the lookup's program holds a pass "
+                         "per suffix length, so its compile time grows as the square of prompt_lookup_max")
+
+
 def propose(history, length, k: int, ngram: int, shortest: int = 1):
     """Drafts [b, k] int32 (-1: none) from history [b, L] int32, whose positions below length [b] hold
     each row's tokens: the k tokens after the latest earlier occurrence of the row's longest suffix
