@@ -296,6 +296,24 @@ def test_rule_file_errors(setup, tmp_path):
         S.make_loss_and_grads(setup["md"], R.load_rules(path), make_mesh("stage=2", jax.devices()[:2]), 2)
 
 
+def test_a_weight_and_its_activation_over_different_auto_axes_are_refused(setup, tmp_path):
+    """Under a pipeline, `mlp: fsdp` beside `act_mlp: tensor` with the batch over data alone (fsdp and
+    tensor Auto in the stages): the resharding between them was a collective-permute spanning both stages, which
+    hung in XLA's rendezvous; the same dimension over one axis set trains (the random rule test's draws)."""
+    import re
+    text = open(R.load_rules("pp_fsdp_tp").path).read()
+    for name, value in (("batch", "[data]"), ("mlp", "fsdp"), ("embed", "null")):
+        text = re.sub(rf"^( *){name}: .*$", rf"\g<1>{name}: {value}", text, count=1, flags=re.M)
+    path = tmp_path / "crossed.yaml"
+    path.write_text(text)
+    mesh = make_mesh("stage=2,fsdp=2,tensor=2")
+    with pytest.raises(R.RulesError, match=r"`mlp: \['fsdp'\]` and `act_mlp: \['tensor'\]` split one dimension over "
+                                           r"different axes"):
+        S.make_loss_and_grads(setup["md"], R.load_rules(path), mesh, 2)
+    path.write_text(text.replace("  act_mlp: tensor", "  act_mlp: fsdp"))
+    S.make_loss_and_grads(setup["md"], R.load_rules(path), mesh, 2)          # one axis set: accepted
+
+
 def test_planner_prices_pipelines_from_the_table(setup):
     from meshlab.plan import search
     from meshlab.plan.hardware import HARDWARE

@@ -83,8 +83,8 @@ def draw(rng, family):
     mesh = rng.choice(meshes)
     axes = [kv.split("=")[0] for kv in mesh.split(",") if not kv.startswith("stage")]
     stages = int(dict(kv.split("=") for kv in mesh.split(",")).get("stage", 1))
-    if rng.random() < 0.25:      # an axis of size 1 too: a batch over it alone leaves the others Auto in the step
-        axes.append(rng.choice([a for a in ("data", "fsdp", "context") if a not in axes]))
+    # an axis of size 1 for the batch to draw too: a batch over it alone leaves the others Auto in the step
+    one = [rng.choice([a for a in ("data", "fsdp", "context") if a not in axes])] if rng.random() < 0.25 else []
     model, run = [], []
     cm = family == "collective_matmul" and rng.random() < 0.9     # else every name drawn freely (mostly refused)
     for name in names:
@@ -100,7 +100,7 @@ def draw(rng, family):
                                   rng.choice([["tensor", rng.choice(others)], [rng.choice(others), "tensor"]]))
         if cm and name == "act_seq" and r < 0.95:
             raw["rules"][name] = "tensor"
-    raw["batch"] = rng.sample(axes, rng.randint(1, len(axes)))
+    raw["batch"] = rng.sample(axes + one, rng.randint(1, len(axes + one)))
     raw["state"] = rng.choice(ZERO)
     strategies = raw["strategies"]
     if stages > 1:

@@ -53,11 +53,28 @@ def check_order(stored, sched: schedules.Schedule, n_layers: int, rules) -> None
             "(a forced `pipeline` must keep the rule file's virtual stages)")
 
 
+# a weight's logical name and its activation's: GSPMD moves data between their splits inside a stage's layers
+WEIGHT_AND_ACTIVATION = (("heads", "act_heads"), ("kv_heads", "act_kv_heads"), ("mlp", "act_mlp"),
+                         ("embed", "act_embed"), ("vocab", "act_vocab"))
+
+
 def check_specs(rules, mesh, names: dict, store: dict, layers_key: str) -> None:
-    """The layer stack is split over `stage` and nothing else is."""
+    """The layer stack is split over `stage` and nothing else is; no weight and its activation are split over
+    Auto axes that each lack in the other. That resharding is an all-to-all, which XLA lowers inside a stage's
+    branch to a collective-permute whose pairs span every stage: the other stages, in other branches, never
+    join it (a hang on CPU)."""
     p = mesh.shape[AXIS]
     if p == 1:
         return
+    manual = set(rules.batch_axes(mesh)) | {AXIS}
+    auto = lambda n: {a for a in rules.axes(n, mesh) if mesh.shape[a] > 1 and a not in manual}  # noqa: E731
+    for w, act in WEIGHT_AND_ACTIVATION:
+        if auto(w) - auto(act) and auto(act) - auto(w):
+            raise rules_mod.RulesError(
+                f"{rules.path}: under a pipeline, `{w}: {sorted(auto(w))}` and `{act}: {sorted(auto(act))}` split one "
+                "dimension over different axes the batch is not split over; moving between them inside a stage needs "
+                f"an all-to-all across stages. Map both to the same axes (e.g. `{act}` as `{w}`), or add those axes "
+                "to `batch:`")
     for key, sub in names.items():
         leaves = jax.tree.leaves(sub, is_leaf=lambda x: isinstance(x, tuple))
         specs = jax.tree.leaves(store[key], is_leaf=lambda x: isinstance(x, P))
