@@ -94,6 +94,16 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
     return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
 
 
+def allocator_limit(device) -> int | None:
+    """Bytes the device's allocator may hand out (`memory_stats()["bytes_limit"]`); None where the backend
+    reports none (CPU devices)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:   # noqa: BLE001 - backends without allocator statistics
+        stats = {}
+    return int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+
+
 def make_mesh(spec=None, devices=None) -> jax.sharding.Mesh:
     """A Mesh with all six axes (size-1 ones included, they drop out of PartitionSpecs)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -98,9 +98,9 @@ def cache_bytes(cfg, tokens: int, dtype=None) -> int:
 def memory_per_device(devices) -> int | None:
     """Bytes one of `devices` holds: the accelerator's allocator limit, or this host's RAM for CPU devices
     (None where neither is known)."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
+    from meshlab.mesh import allocator_limit
+    if (limit := allocator_limit(devices[0])) is not None:
+        return limit
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if devices[0].platform == "cpu" else None
     except (ValueError, OSError):

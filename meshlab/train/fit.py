@@ -40,13 +40,11 @@ def device_memory(cfg, device=None) -> tuple[int | None, str]:
     """(bytes per device the run may use, where that figure comes from); None when unknown (CPU)."""
     if cfg.device_memory_gib:
         return int(cfg.device_memory_gib * GIB), "device_memory_gib"
+    from meshlab.mesh import allocator_limit
     device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:   # backends without allocator statistics
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.device_kind} allocator limit"
+    limit = allocator_limit(device)
+    if limit:
+        return limit, f"{device.device_kind} allocator limit"
     return None, f"{device.platform} devices report no memory size"
 
 
