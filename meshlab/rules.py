@@ -364,21 +364,25 @@ def is_local() -> bool:
     return a is None or all(size == 1 or name in a.manual for name, size in dict(a.mesh.shape).items())
 
 
+def auto_axes(name: str) -> set[str]:
+    """The mesh axes of size > 1 that logical `name` maps to and that are still Auto here (GSPMD partitions
+    ops along them); empty outside `use_rules`."""
+    a = active()
+    if a is None:
+        return set()
+    return {ax for ax in a.rules.axes(name, a.mesh) if a.mesh.shape[ax] > 1 and ax not in a.manual}
+
+
 def is_split(name: str) -> bool:
     """Whether arrays traced here are split over logical `name` across devices the code sees as one
-    array: an axis of size > 1 that is still Auto (GSPMD partitions ops along it)."""
-    a = active()
-    return a is not None and any(a.mesh.shape[ax] > 1 and ax not in a.manual for ax in a.rules.axes(name, a.mesh))
+    array (`auto_axes`)."""
+    return bool(auto_axes(name))
 
 
 def shares_axis(name: str, other: str) -> bool:
-    """Whether logical `name` and `other` are split over a common axis of size > 1 that is still Auto here:
-    an op whose output takes one dimension from each cannot keep both splits."""
-    a = active()
-    if a is None:
-        return False
-    auto = lambda n: {ax for ax in a.rules.axes(n, a.mesh) if a.mesh.shape[ax] > 1 and ax not in a.manual}  # noqa: E731
-    return bool(auto(name) & auto(other))
+    """Whether logical `name` and `other` are split over a common `auto_axes` axis: an op whose output takes
+    one dimension from each cannot keep both splits."""
+    return bool(auto_axes(name) & auto_axes(other))
 
 
 def gathers_weights() -> bool:
