@@ -50,10 +50,12 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 the first token's host time (first_token.host_rows)
   first_token_host  the first token's host time alone, 2k prompts on any model (--cpu-smoke: the tiny
                 one, a 2k prompt still: what the host does per request does not depend on the model)
-  engine_ab, engine_pdl, engine_lock, engine_concurrent, engine_va, engine_pdl_lock, engine_ab2
+  engine_ab, engine_pdl, engine_lock, engine_concurrent, engine_va, engine_pdl_lock, engine_pdl_launch,
+  engine_pdl_both, engine_ab2
                 the engine's batch-1 decode and prefix-cache TTFT rows (engine_ab_job) under XLA runtime
                 flags, one process each: programmatic dependent launch (a kernel's launch overlaps
-                the tail of the one before), the exclusive-lock executable (less per-call resource
+                the tail of the one before; the pass that marks the dependencies, the launch
+                attribute, both), the exclusive-lock executable (less per-call resource
                 bookkeeping), command buffers scheduled as a DAG, command buffers that remap buffer
                 addresses instead of updating the graph; as shipped first and last (the noise)
   attn_tiles    the paged decode attention alone, 16 layers in one jit, under named tilings

@@ -49,6 +49,8 @@ JOBS = {
     "engine_concurrent": ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", 75, " [cmdbuf concurrent]"),
     "engine_va": ("--xla_gpu_enable_command_buffer_va_remapping=true", 75, " [va remapping]"),
     "engine_pdl_lock": ("--xla_gpu_enable_pdl=true --xla_gpu_require_exclusive_lock=true", 75, " [pdl + lock]"),
+    "engine_pdl_launch": ("--xla_gpu_enable_pdl_launch=true", 75, " [pdl launch]"),
+    "engine_pdl_both": ("--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true", 75, " [pdl + pdl launch]"),
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
     "fp8": ("", 420, ""),
