@@ -38,7 +38,7 @@ def _first_rows(x, rows: int):
 
 def _write_partials(outs, m, l, acc):
     """(acc, m, l) refs <- the first out_rows rows; or, with one output ref, the normalised result."""
-    out_rows = outs[0].shape[0]                                                   # g, or rows when g does not divide it
+    out_rows = outs[0].shape[0]                                                   # g padded to a power of two
     if len(outs) == 1:                                                            # one split: finish here
         o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # inactive rows -> 0
         outs[0][...] = _first_rows(o, out_rows).astype(outs[0].dtype)

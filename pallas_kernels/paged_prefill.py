@@ -18,7 +18,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
 from pallas_kernels.paged_attention import merge_splits, merge_splits_kernel
-from pallas_kernels.paged_tiles import MIN_DOT, NEG, BlockSizes, page_loop, plan, split_range, stacked, whole
+from pallas_kernels.paged_tiles import (MIN_DOT, NEG, BlockSizes, page_loop, plan, pow2_at_least, split_range, stacked,
+                                        whole)
 
 PREFILL_BLOCK_Q = 16     # query tokens per program: with a GQA group of 4, [64, d] query tiles for the dots
 
@@ -27,15 +28,16 @@ def prefill_plan(block_sizes: BlockSizes, rows: int, chunk: int, kv_heads: int, 
                  group: int, head_dim: int) -> dict:
     """The static tiling of paged_prefill_attention, or a ValueError naming what the GPU tiles cannot
     take (the caller then uses another path): query tokens per program, splits, page blocks."""
+    group_rows = pow2_at_least(group)          # a group of 3 (Llama-3.2-3B) runs as 4, its last head repeated
     bq = min(PREFILL_BLOCK_Q, chunk)
-    while bq * group < MIN_DOT and bq < chunk:
+    while bq * group_rows < MIN_DOT and bq < chunk:
         bq *= 2
     p = plan(block_sizes, rows * (chunk // bq), kv_heads, max_pages, page_size, 1, head_dim)
-    tile = bq * group
-    if chunk % bq or tile & (tile - 1) or group & (group - 1) or (p["use_dot"] and tile < MIN_DOT):
+    tile = bq * group_rows
+    if chunk % bq or tile & (tile - 1) or (p["use_dot"] and tile < MIN_DOT):
         raise ValueError(f"paged_prefill_attention: chunk {chunk} and GQA group {group} need power-of-two "
-                         f"query tiles of >= {MIN_DOT} rows (got {bq} tokens x {group} heads)")
-    return dict(p, block_q=bq, q_blocks=chunk // bq)
+                         f"query tiles of >= {MIN_DOT} rows (got {bq} tokens x {group_rows} heads)")
+    return dict(p, block_q=bq, q_blocks=chunk // bq, group_rows=group_rows)
 
 
 def _prefill_kernel(layer_ref, starts_ref, ends_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
@@ -83,38 +85,41 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, starts, ends, layer
         raise ValueError(f"paged_prefill_attention: q {q.shape} does not match k/v pages {k_pages.shape}")
     g = h // kvh
     p = prefill_plan(block_sizes, rows, c, kvh, page_table.shape[1], page_size, g, d)
-    bq, nqb, splits = p["block_q"], p["q_blocks"], p["splits"]
+    bq, nqb, splits, gp = p["block_q"], p["q_blocks"], p["splits"], p["group_rows"]
+    q = q.reshape(rows, c, kvh, g, d)                                             # [k, c, kvh, g, d]
+    if gp > g:   # the group padded to a power of two by repeating its last head; the copies are dropped below
+        q = jnp.concatenate([q, jnp.repeat(q[:, :, :, -1:], gp - g, axis=3)], axis=3)   # [k, c, kvh, gp, d]
     kernel = functools.partial(_prefill_kernel, page_size=page_size, splits=splits, pages_per_block=p["pages_per_block"],
-                               q_blocks=nqb, block_q=bq, group=g, sm_scale=sm_scale if sm_scale is not None else d ** -0.5,
+                               q_blocks=nqb, block_q=bq, group=gp, sm_scale=sm_scale if sm_scale is not None else d ** -0.5,
                                use_dot=p["use_dot"], v_first=block_sizes.v_first)
     tok = lambda i: (i // nqb, i % nqb)  # noqa: E731 - grid row -> (sequence row, query block)
     in_specs = [whole((1,)), whole((rows,)), whole((rows,)), whole(page_table.shape),
-                pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0)),
+                pl.BlockSpec((None, bq, None, gp, d), lambda i, j, s: (*tok(i), j, 0, 0)),
                 whole(k_pages.shape), whole(v_pages.shape)]
     if splits == 1:
-        out_specs = [pl.BlockSpec((None, bq, None, g, d), lambda i, j, s: (*tok(i), j, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, g, d), q.dtype)]
+        out_specs = [pl.BlockSpec((None, bq, None, gp, d), lambda i, j, s: (*tok(i), j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, gp, d), q.dtype)]
     else:
-        out_specs = [pl.BlockSpec((None, bq, None, None, g, d), lambda i, j, s: (*tok(i), j, s, 0, 0)),
-                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0)),
-                     pl.BlockSpec((None, bq, None, None, g), lambda i, j, s: (*tok(i), j, s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, splits, g, d), jnp.float32),
-                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32),
-                     jax.ShapeDtypeStruct((rows, c, kvh, splits, g), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, bq, None, None, gp, d), lambda i, j, s: (*tok(i), j, s, 0, 0)),
+                     pl.BlockSpec((None, bq, None, None, gp), lambda i, j, s: (*tok(i), j, s, 0)),
+                     pl.BlockSpec((None, bq, None, None, gp), lambda i, j, s: (*tok(i), j, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, c, kvh, splits, gp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, gp), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, c, kvh, splits, gp), jnp.float32)]
     outs = pl.pallas_call(
         kernel, grid=(rows * nqb, kvh, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name="paged_prefill_attention",
         compiler_params=_CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
     )(jnp.asarray(layer, jnp.int32).reshape(1), starts.astype(jnp.int32), ends.astype(jnp.int32),
-      page_table.astype(jnp.int32), q.reshape(rows, c, kvh, g, d), k_pages, v_pages)
+      page_table.astype(jnp.int32), q, k_pages, v_pages)
     if splits == 1:
-        return outs[0].reshape(rows, c, h, d)
+        return outs[0][:, :, :, :g].reshape(rows, c, h, d)
     # The splits merged per query token in one launch (XLA's merge is three: an exp, a reduce and a
     # normalise; the first two took 3.6 us a layer for a 16-token tail on the H200). [k, c, ...] ->
     # [k * c, ...] is free.
     acc, m, l = (x.reshape(rows * c, *x.shape[2:]) for x in outs)                 # [k c, kvh, S, g(, d)]
     if block_sizes.merge == "xla":
-        o = merge_splits(acc, m, l, q.dtype)                                      # [k c, h, d]
+        o = merge_splits(*(x[:, :, :, :g] for x in (acc, m, l)), q.dtype)         # [k c, h, d]
     else:
         o = merge_splits_kernel(acc, m, l, q.dtype, g=g, rows_out=rows * c, interpret=interpret)
     return o.reshape(rows, c, h, d)

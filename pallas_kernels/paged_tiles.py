@@ -224,8 +224,11 @@ def plan(block_sizes: BlockSizes, batch: int, kv_heads: int, max_pages: int, pag
     splits = -(-max_pages // pps)
     use_dot = bs.score == "dot" and ppb * page_size >= MIN_DOT and head_dim >= MIN_DOT
     rows = pow2_at_least(max(group, MIN_DOT) if use_dot else group)             # Triton tiles are powers of 2
+    # The partials keep the group's rows padded to a power of two only (a group of 3: 4 rows, not the
+    # dots' 16): the merge loads [splits, out_rows, d] fp32 per program, and at 16 rows of d = 128 its
+    # registers spilled (llama3_3b's merge took 88 us a layer on the H100, its attention 8).
     return dict(pages_per_block=ppb, pages_per_split=pps, splits=splits, use_dot=use_dot, rows=rows,
-                out_rows=group if rows % group == 0 else rows)
+                out_rows=pow2_at_least(group))
 
 
 def whole(shape):

@@ -94,6 +94,9 @@ def test_plan_fills_the_gpu_at_batch_one():
     # llama3_1b at ctx 2048: 8 kv heads, 128 pages of 16, group 4, d 64
     one = plan(BlockSizes(pages_per_block=4), 1, 8, 128, 16, 4, 64)
     assert one["splits"] == 32 and one["use_dot"] and one["rows"] == 16 and one["out_rows"] == 4
+    # llama3_3b: a group of 3 computes on 16 rows but keeps 4 in the partials the merge reads
+    three = plan(BlockSizes(pages_per_block=4), 1, 8, 128, 16, 3, 128)
+    assert three["rows"] == 16 and three["out_rows"] == 4
     assert plan(BlockSizes(), 64, 8, 128, 16, 4, 64)["splits"] == 1               # 512 programs already
     # a table a little wider than the splits wanted (36 blocks of 4 pages, 33 wanted) still gets >= 33,
     # one block each, and any width keeps batch * kv heads * splits >= min_programs while blocks allow
@@ -368,9 +371,21 @@ def test_prefill_kernel_matches_reference(bs):
     # Prompt-chunk rows of 16 queries, GQA 4 (8 query / 2 kv heads): a chunk from position 0, a
     # cached prefix's tail starting mid-page (5 real queries then padding), a chunk ending at the
     # table's last slot, and an empty row (padding only: zeros)
+    _check_prefill_kernel(bs, h=8)
+
+
+@pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(), BlockSizes(1, merge="xla"), BlockSizes(pages_per_split=16)],
+                         ids=["split1page", "default", "xla_merge", "one_split"])
+def test_prefill_kernel_group_of_three(bs):
+    # GQA 3 (Llama-3.2-3B's 24 / 8): the group runs padded to 4 heads, the copies dropped, through
+    # one split, several with the merge launch, and XLA's merge
+    _check_prefill_kernel(bs, h=6)
+
+
+def _check_prefill_kernel(bs, h):
     from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
     rng = np.random.default_rng(11)
-    rows, c, h, kvh, d, page_size, max_pages, num_pages = 4, 16, 8, 2, 16, 4, 10, 48
+    rows, c, kvh, d, page_size, max_pages, num_pages = 4, 16, 2, 16, 4, 10, 48
     q = jnp.asarray(rng.normal(size=(rows, c, h, d)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, num_pages, page_size, kvh, d)), jnp.float32) for _ in range(2))
     table = jnp.asarray(rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages), jnp.int32)
@@ -400,6 +415,11 @@ def test_prefill_kernel_lowers_for_cuda():
         assert "paged_prefill_attention" in lowered.as_text()
         if c == 64:
             assert "paged_attention_merge" in lowered.as_text()
+    # llama3_3b's group of 3 (24 heads on 8, d 128): its tail row builds with the group padded to 4
+    args3 = (jax.ShapeDtypeStruct((1, 64, 24, 128), jnp.bfloat16), *(jax.ShapeDtypeStruct((2, 300, 16, 8, 128),
+                                                                                          jnp.bfloat16),) * 2, *args[3:])
+    assert "paged_attention_merge" in jax.jit(paged_prefill_attention).trace(*args3).lower(
+        lowering_platforms=("cuda",)).as_text()
     # the decode kernel with V loaded alongside K (a sweep config) builds too
     dec = (jax.ShapeDtypeStruct((1, 32, 64), jnp.bfloat16), args[1], args[2], jax.ShapeDtypeStruct((1, 128), jnp.int32),
            jax.ShapeDtypeStruct((1,), jnp.int32), args[-1])
@@ -413,9 +433,14 @@ def test_gpu_prompt_and_decode_kernels_match_references():
     # Compiled Triton on the GPU at llama3_1b's heads, bf16, an 8k-wide table holding ~2k tokens
     # (pages dealt over the splits at run time): a 64-wide row of a cached prefix's 16-token tail,
     # two 512-wide chunk rows (one from position 0), and decode rows at the same lengths
+    for h, kvh, d in ((32, 8, 64), (24, 8, 128)):             # llama3_1b's heads, llama3_3b's (a group of 3)
+        _gpu_prompt_and_decode_case(h, kvh, d)
+
+
+def _gpu_prompt_and_decode_case(h, kvh, d):
     from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
     rng = np.random.default_rng(0)
-    h, kvh, d, ps, max_pages, num_pages = 32, 8, 64, 16, 528, 1200
+    ps, max_pages, num_pages = 16, 528, 1200
     k, v = (jnp.asarray(rng.normal(size=(2, num_pages, ps, kvh, d)), jnp.bfloat16) for _ in range(2))
     tables = jnp.asarray(np.stack([rng.permutation(num_pages)[:max_pages] for _ in range(2)]), jnp.int32)
     for rows, c, starts, ends in ((1, 64, [2032], [2048]), (2, 512, [0, 1536], [512, 2048])):
