@@ -131,14 +131,18 @@ def test_bf16_and_gqa_group_of_four():
 
 # fused: RoPE + cache write inside the kernel (at one sequence, the residual stream's zero padding
 # row through every layer); kernels: also every decode matmul with its norm / residual / SwiGLU
-@pytest.mark.parametrize("layers,max_seqs", [("split", 2), ("fused", 2), ("fused", 1), ("kernels", 2), ("kernels", 1)])
-def test_engine_with_kernel_matches_uncached(layers, max_seqs):
+# (heads 6 on 2: a GQA group of 3, as Llama-3.2-3B's, through the prompt kernel and decode merge padded to 4)
+@pytest.mark.parametrize("layers,max_seqs,heads", [("split", 2, (4, 2)), ("fused", 2, (4, 2)), ("fused", 1, (4, 2)),
+                                                   ("kernels", 2, (4, 2)), ("kernels", 1, (4, 2)),
+                                                   ("kernels", 2, (6, 2))])
+def test_engine_with_kernel_matches_uncached(layers, max_seqs, heads):
     from flax import nnx
     import models
     from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
     from models import model_def
-    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2)
+    cfg = dataclasses.replace(models.preset("tiny"), dtype="float32", init_std=0.2, n_layers=2, n_heads=heads[0],
+                              n_kv_heads=heads[1])
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     eng = Engine(md, params, max_len=32, max_seqs=max_seqs, page_size=4, chunk=8, steps_per_call=1,
