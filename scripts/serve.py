@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):
-    from meshlab.infer.serve_cli import serve_parser, serve_until_signalled, start_server
+    from meshlab.infer.serve_cli import listen_url, serve_parser, serve_until_signalled, start_server
     args = serve_parser(__doc__.splitlines()[0]).parse_args(argv)
     try:
         server = start_server(args)
@@ -23,7 +23,7 @@ def main(argv=None):
         sys.exit(f"serve: {e}; install the serve extra: pip install -e '.[serve]'")
     except (ValueError, OSError, RuntimeError) as e:
         sys.exit(f"serve: {e}")
-    print(f"serving {args.model_name} on http://{args.host}:{server.port}", flush=True)
+    print(f"serving {args.model_name} on {listen_url(args.host, server.port)}", flush=True)
     serve_until_signalled(server, args.shutdown_timeout)
 
 

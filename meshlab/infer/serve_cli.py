@@ -155,6 +155,13 @@ def start_server(args):
                   idle_warmup=[WARMUP_KINDS[k] for k in idle if k not in kinds] if warm else ()).start()
 
 
+def listen_url(host: str, port: int) -> str:
+    """The address a client dials, as serve.py prints it: '' binds every interface (shown as 0.0.0.0),
+    an IPv6 literal goes in brackets."""
+    host = host or "0.0.0.0"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve_until_signalled(server, shutdown_timeout: float) -> None:
     """Serve until SIGINT or SIGTERM, then drain (new requests 503, those in flight get shutdown_timeout
     seconds; a second signal stops at once) and stop. Main thread only (signal handlers)."""

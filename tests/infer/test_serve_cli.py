@@ -478,3 +478,10 @@ def test_speculative_drafts_that_cannot_fit_a_row_are_refused(clean, monkeypatch
     assert ("generate: --speculative-tokens 1000000000000 must be below 16, the row's tokens (the prompt's 2 and "
             "--max-new-tokens 2, in pages of 16)") in str(stop.value.code)
     assert list(clean.iterdir()) == []
+
+
+def test_the_printed_address_is_one_a_client_can_dial():
+    from meshlab.infer.serve_cli import listen_url
+    assert listen_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert listen_url("", 8000) == "http://0.0.0.0:8000"          # '' binds every interface
+    assert listen_url("::1", 8001) == "http://[::1]:8001"
