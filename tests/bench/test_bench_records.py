@@ -85,7 +85,8 @@ def test_attention_cells_keep_cpu_rates_and_say_why_an_impl_failed(bench_attenti
 
 def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
     """A tied table is the LM head and is read whole each step; an untied one only at each row's token,
-    so its bytes past those rows are not in the roofline's denominator. A mixture of experts is refused."""
+    so its bytes past those rows are not in the roofline's denominator; a mixture of experts' routed
+    experts count as many as the rows are expected to touch."""
     import dataclasses
 
     import numpy as np
@@ -102,5 +103,16 @@ def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
     cfg = dataclasses.replace(cfg, tie_embeddings=False)
     assert weights_read_per_step(untied, cfg, batch=1) == (v * d + 4 * d * d + d) * 4
     assert weights_read_per_step(untied, cfg, batch=8) == (v * d + 4 * d * d + 8 * d) * 4
-    with pytest.raises(ValueError, match="routed experts"):
-        weights_read_per_step(tied, MoeConfig())
+    # a mixture of experts (8, top 2): a step of b rows reads 8 (1 - (3/4)^b) of the routed experts,
+    # the router and the shared expert whole
+    e, f = 8, 32
+    moe = {"embed": np.zeros((v, d), np.float32),
+           "layers": {"moe": {"router": np.zeros((2, d, e), np.float32),
+                              "w_gate": np.zeros((2, e, d, f), np.float32), "w_up": np.zeros((2, e, d, f), np.float32),
+                              "w_down": np.zeros((2, e, f, d), np.float32),
+                              "shared": {"w_gate": np.zeros((2, d, f), np.float32)}}}}
+    cfg = MoeConfig(vocab_size=v, d_model=d, n_experts=e, top_k=2, expert_mlp_dim=f)
+    dense = (v * d + 2 * d * e + 2 * d * f) * 4
+    expert = 2 * 3 * d * f * 4                                                          # one expert in both layers
+    assert weights_read_per_step(moe, cfg, batch=1) == dense + 2 * expert
+    assert weights_read_per_step(moe, cfg, batch=4) == int(dense + e * (1 - 0.75 ** 4) * expert)
