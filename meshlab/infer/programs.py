@@ -164,9 +164,13 @@ def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
     wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too.
     quantize="fp8": each of the four float8_e4m3fn, with its per-row fp32 scale beside it as
     `<name>_scale` (decode_gemv.quantize_rows)."""
-    drop = sum(FUSED.values(), ()) + (("wo", "w_down") if decode else ())
-    rest = {k: ({n: w for n, w in v.items() if n not in drop} if isinstance(v, dict) else v) for k, v in layer.items()}
-    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in FUSED.items()}
+    here = {(mod, new): olds for (mod, new), olds in FUSED.items() if mod in layer}   # a mixture of experts: no mlp
+    drop = {mod: olds for (mod, _), olds in here.items()}
+    if decode:
+        drop = {"attn": drop["attn"] + ("wo",), "mlp": drop["mlp"] + ("w_down",)}
+    rest = {k: ({n: w for n, w in v.items() if n not in drop.get(k, ())} if isinstance(v, dict) else v)
+            for k, v in layer.items()}
+    fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in here.items()}
     if not decode:
         return rest, fused
     d = layer["attn"]["wo"].shape[-1]
@@ -208,6 +212,9 @@ def serving_params(md, params, layers: str = "split", quantize: str | None = Non
     """
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
+    if layers == "kernels" and "mlp" not in md.abstract["layers"]:
+        raise ValueError("layers='kernels' runs a dense SwiGLU MLP through the decode kernels; a mixture of experts "
+                         "serves with layers='split' or 'fused' (auto: split)")
     if quantize not in (None, "fp8") or (quantize and layers != "kernels"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8', and fp8 needs layers='kernels' "
                          f"(got layers={layers!r}): the decode kernels and the prompt GEMMs read its [n, k] matrices")
