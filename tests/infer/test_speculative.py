@@ -230,11 +230,12 @@ def test_scripted_drafts_give_plain_decodings_tokens(tiny, monkeypatch, oracle):
         assert (eng.stats["spec_accepted"], bool(eng.stats["spec_drafted"])) == (kept, oracle), i
 
 
-@pytest.mark.parametrize("t,h,kvh,d", [(2, 4, 2, 16), (3, 8, 2, 64), (5, 8, 2, 64), (7, 4, 4, 16), (8, 32, 8, 64)])
+@pytest.mark.parametrize("t,h,kvh,d", [(2, 4, 2, 16), (3, 8, 2, 64), (5, 8, 2, 64), (7, 4, 4, 16), (8, 32, 8, 64),
+                                       (5, 6, 2, 16)])
 def test_span_attention_equals_the_gather_over_the_valid_queries(t, h, kvh, d):
     """A speculative step's k + 1 queries (consecutive positions, the valid ones first) through the paged
     prompt kernel, t padded to its query tile, equal the gather + dense causal attention on every valid
-    query: rows at the table's start, mid-page, at its end, and with one valid token; GQA 1, 2 and 4."""
+    query: rows at the table's start, mid-page, at its end, and with one valid token; GQA 1, 2, 3 and 4."""
     import jax.numpy as jnp
     from meshlab.infer import kv_cache
     rng = np.random.default_rng(t)
