@@ -76,6 +76,9 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 call) and with the attention tiles of attention_tiles(), and a profile of the fastest
                 kernels variant's batch-1 token (MESHLAB_BENCH_GEMV_SHORT=1: batch-1 decode alone
                 through kernels and "tuned" engines, alternated twice; for wide presets like llama3_8b)
+  layers_ab     batch-1 decode through engines with each layers mode the model takes (split, fused, and
+                kernels for a dense model), the shipped one first, alternated twice (a mixture of experts:
+                against its routed roofline)
   first_token_ab  (MESHLAB_BENCH_PACKED_XLA=triton_any,no_triton,cublaslt: as shipped, then engines whose packed
                 programs compile with those XLA options (first_token.PACKED_OPTIONS), each with its
                 TTFT rows and its short tail's profile; else:)

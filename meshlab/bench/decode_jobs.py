@@ -53,6 +53,7 @@ JOBS = {
     "engine_pdl_both": ("--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true", 75, " [pdl + pdl launch]"),
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
+    "layers_ab": ("", 300, ""),
     "fp8": ("", 420, ""),
     "kv_fp8": ("", 300, ""),
 }
@@ -496,6 +497,21 @@ def job_engine(c: Child):
             bench.fail_row(section, "engine", e)
 
 
+def job_layers_ab(c: Child):
+    """Batch-1 decode at ctx 2k through engines with each layers mode the model takes (kernels needs a
+    dense MLP), one at a time, the shipped one first, alternated twice."""
+    from meshlab.bench import serve as bs
+    shipped = shipped_layers(c.md)
+    modes = [shipped] + [m for m in ("split", "fused", "kernels") if m != shipped
+                         and (m != "kernels" or "mlp" in c.md.abstract["layers"])]
+    for again in ("", " again"):
+        for layers in modes:
+            eng = c.engine(layers=layers)
+            bs.engine_tpot(eng, c.bw, ctx=c.sz["ctx"], n=c.sz["tpot_n"], tag=f" [{layers}]{again}")
+            del eng
+            gc.collect()
+
+
 def job_engine_ab(c: Child):
     c.layers_gate(shipped_layers(c.md))    # fp32: a runtime flag must not change what is computed
     engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
@@ -523,7 +539,7 @@ CHILD_JOBS = {
     "pallas": job_pallas, "fusedk": job_fusedk, "kernels": job_kernels, "matmul": job_matmul,
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
-    "engine": job_engine, "engine_gemv": job_engine_gemv, "prefill_ab": job_prefill_ab,
+    "engine": job_engine, "engine_gemv": job_engine_gemv, "prefill_ab": job_prefill_ab, "layers_ab": job_layers_ab,
     **{name: _batched(f"job_{name}") for name in ("sweep_ab", "rows_ab", "sweep_engine", "buckets_ab", "attn_tiles",
                                                                    "splits_ab")},
     "first_token": lambda c: first_token_job(c, ab=False),
