@@ -54,6 +54,7 @@ JOBS = {
     "engine_ab2": ("", 75, " [ab: as shipped, again]"),
     "engine_gemv": ("", 300, ""),
     "layers_ab": ("", 300, ""),
+    "gmm_rows": ("", 200, ""),
     "fp8": ("", 420, ""),
     "kv_fp8": ("", 300, ""),
 }
@@ -512,6 +513,17 @@ def job_layers_ab(c: Child):
             gc.collect()
 
 
+def job_gmm_rows(c: Child):
+    from meshlab.bench import decode as bench
+    from meshlab.bench.expert_rows import gmm_rows
+    import models
+    cfg = models.preset("moe_tiny") if c.smoke else c.cfg
+    if not getattr(cfg, "n_experts", 0):
+        raise SystemExit(f"gmm_rows: {cfg.name} has no experts; pass --preset moe_1b_8e (or another mixture of experts)")
+    for row in gmm_rows(cfg, c.smoke):
+        bench.emit(row)
+
+
 def job_engine_ab(c: Child):
     c.layers_gate(shipped_layers(c.md))    # fp32: a runtime flag must not change what is computed
     engine_ab_job(c, c.tag, layers=shipped_layers(c.md))
@@ -540,6 +552,7 @@ CHILD_JOBS = {
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
     "engine": job_engine, "engine_gemv": job_engine_gemv, "prefill_ab": job_prefill_ab, "layers_ab": job_layers_ab,
+    "gmm_rows": job_gmm_rows,
     **{name: _batched(f"job_{name}") for name in ("sweep_ab", "rows_ab", "sweep_engine", "buckets_ab", "attn_tiles",
                                                                    "splits_ab")},
     "first_token": lambda c: first_token_job(c, ab=False),

@@ -116,3 +116,15 @@ def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
     expert = 2 * 3 * d * f * 4                                                          # one expert in both layers
     assert weights_read_per_step(moe, cfg, batch=1) == dense + 2 * expert
     assert weights_read_per_step(moe, cfg, batch=4) == int(dense + e * (1 - 0.75 ** 4) * expert)
+
+
+def test_decode_rows_route_each_token_to_distinct_experts():
+    # gmm_rows's routing: rows // top_k tokens, each to top_k distinct experts (batch 1: two experts, one row each)
+    import numpy as np
+
+    from meshlab.bench.expert_rows import route_rows
+    rng = np.random.default_rng(0)
+    one = route_rows(rng, 2, 8, 2)
+    assert one.sum() == 2 and one.max() == 1 and one.shape == (8,)
+    many = route_rows(rng, 64, 8, 2)
+    assert many.sum() == 64 and many.max() <= 32

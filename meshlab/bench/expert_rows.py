@@ -1,0 +1,59 @@
+"""The experts' grouped GEMM at a decode step's few rows (bench_decode.py's gmm_rows job).
+
+At batch 1 a mixture of experts' step routes 2 rows (top 2) to 2 of its experts, and the grouped
+GEMM's program count is its column tiles times the experts that have rows: the Hopper tiles' 256
+columns give moe_1b_8e's gate 32 programs and its down 16 on a 132-SM card (docs/benchmarks.md,
+Decode and serving). This times `grouped_matmul_triton` at 2, 16 and 64 rows on the preset's expert
+shapes under the default tiles and narrower ones, each against the default's output, with the bytes
+of the experts the rows touch over the time as the rate.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Narrow column tiles over long contraction chunks: more programs per touched expert, each with
+# more bytes in flight. Shared memory per stage: (16 x block_k + block_k x block_n) x 2 bytes.
+FEW_ROW_TILES = {
+    "n64k256s2": dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2),
+    "n64k256s3": dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3),
+    "n64k128s3": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "n32k256s3": dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
+    "n128k128s3": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3),
+}
+
+
+def route_rows(rng, rows: int, experts: int, top_k: int) -> np.ndarray:
+    """group_sizes [experts] of `rows // top_k` tokens, each sent to top_k distinct experts at random."""
+    tokens = max(1, rows // top_k)
+    picks = np.concatenate([rng.choice(experts, size=top_k, replace=False) for _ in range(tokens)])
+    return np.bincount(picks, minlength=experts).astype(np.int32)
+
+
+def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
+    """Rows of the gmm_rows job: us per call and GB/s of the touched experts, per (op, rows, tiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshlab.bench.timing import median_time
+    from pallas_kernels import grouped_matmul_triton as gmt
+    rng = np.random.default_rng(0)
+    dt = jnp.float32 if smoke else jnp.bfloat16
+    tiles = {"default": None, **{k: gmt.TritonTiles(**v) for k, v in FEW_ROW_TILES.items()}}
+    shapes = {"gate": (cfg.d_model, cfg.expert_mlp_dim), "down": (cfg.expert_mlp_dim, cfg.d_model)}
+    out = []
+    for op, (k, n) in shapes.items():
+        w = jnp.asarray(rng.normal(size=(cfg.n_experts, k, n)), dt)
+        for m in rows:
+            x = jnp.asarray(rng.normal(size=(m, k)), dt)
+            gs = jnp.asarray(route_rows(rng, m, cfg.n_experts, cfg.top_k))
+            touched = int((np.asarray(gs) > 0).sum()) * k * n * jnp.dtype(dt).itemsize
+            ref = None
+            for name, t in tiles.items():
+                f = jax.jit(lambda x, w, gs, t=t: gmt.grouped_matmul_triton(x, w, gs, tiles=t, interpret=smoke))
+                got = np.asarray(f(x, w, gs), np.float32)
+                ref = got if ref is None else ref
+                sec = median_time(f, x, w, gs, warmup=2, reps=5 if smoke else 10, inner=1 if smoke else 10)
+                out.append({"section": "gmm_rows", "setting": f"{op} rows={m} {name}", "value": sec * 1e6, "unit": "us",
+                            "note": f"{touched / sec / 1e9:.0f} GB/s of the {int((np.asarray(gs) > 0).sum())} experts "
+                                    f"touched, max difference from the default {np.abs(got - ref).max():.1e}"})
+    return out
