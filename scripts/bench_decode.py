@@ -131,7 +131,7 @@ PRESET_TAG = r"( \[[\w.-]+\])?"    # run_job's " [<preset>]" on the rows of a --
 
 def _gemv_tuned(rows) -> dict:
     """{MESHLAB_BENCH_GEMV_TUNED: json {"n,k,swiglu": label}}: the matmul job's fastest decode_gemv tile
-    per op at batch 1 (rows that passed its check), for decode_jobs.gemv_tuned_tiles()."""
+    per op at batch 1 (rows that passed its check), for decode_tiles.gemv_tuned_tiles()."""
     import re
     best: dict = {}
     for r in rows:
@@ -148,7 +148,7 @@ def _gemv_tuned(rows) -> dict:
 
 def _engine_choice(rows) -> dict:
     """{MESHLAB_BENCH_LAYERS, MESHLAB_BENCH_GEMV}: the engine_gemv variant with the most batch-1 decode
-    tokens/s (mean of its two measures): fused, or kernels under one of its variants (decode_jobs.tile_variant)."""
+    tokens/s (mean of its two measures): fused, or kernels under one of its variants (decode_tiles.tile_variant)."""
     import re
     rates: dict = {}
     for r in rows:

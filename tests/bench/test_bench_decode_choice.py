@@ -1,11 +1,11 @@
 """bench_decode.py's parent side: the tiles and layers a later job measures come from earlier rows
-(and the child side's reading of them, meshlab/bench/decode_jobs.py)."""
+(and the child side's reading of them, meshlab/bench/decode_tiles.py)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from meshlab.bench import decode_jobs as dj
+from meshlab.bench import decode_tiles as dj
 from tests.helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
