@@ -1,9 +1,11 @@
 """The one place that knows about differences between JAX versions (CPU: 0.10.x, GPU: 0.11.x)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 
 
@@ -127,3 +129,43 @@ def shard_map(f, *, mesh, in_specs, out_specs, axis_names=None):
 
 def set_mesh(mesh):
     return jax.set_mesh(mesh)
+
+
+def bf16_on_cpu(dtype) -> bool:
+    """Whether a collective over `dtype` would meet XLA:CPU's bf16 reducer abort (`all_gather`'s note)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def all_gather(w, axis, dim: int):
+    """jax.lax.all_gather(w, axis, axis=dim, tiled=True), whose transpose (a reduce-scatter) runs in
+    fp32 for bf16 on XLA's CPU backend. There a bf16 reduce-scatter is widened by a pass that rebuilds
+    its reducer as a binary op, and the reducers Shardy exports end in a copy: "Invalid binary
+    instruction opcode copy", an abort, in every rule file that gathers weights (fsdp, fsdp_tp,
+    pp_fsdp_tp, ...) under model.dtype=bfloat16. The GPU keeps the bf16 reduce-scatter (half the bytes)."""
+    if not bf16_on_cpu(w.dtype):
+        return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+    return _gather_fp32_transpose(w, axis, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_fp32_transpose(w, axis, dim):
+    return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(w, axis, dim):
+    return _gather_fp32_transpose(w, axis, dim), None
+
+
+def _gather_bwd(axis, dim, _, g):
+    return (jax.lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True).astype(g.dtype),)
+
+
+_gather_fp32_transpose.defvjp(_gather_fwd, _gather_bwd)
+
+
+def psum(x, axes):
+    """jax.lax.psum, over fp32 for bf16 on XLA's CPU backend (the reducer abort of `all_gather`'s note;
+    its transpose, a copy of the cotangent, has no reducer). The GPU sums bf16 as it comes."""
+    if not bf16_on_cpu(x.dtype):
+        return jax.lax.psum(x, axes)
+    return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)

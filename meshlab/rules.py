@@ -427,7 +427,7 @@ def gather_manual(w, names: Sequence[str | None]):
 
     def gather(w):
         for dim, axes in gathered:
-            w = jax.lax.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+            w = compat.all_gather(w, axes if len(axes) > 1 else axes[0], dim)
         return w
 
     # Auto axes (e.g. tensor) on other dims: gather inside a nested shard_map that makes them

@@ -112,11 +112,18 @@ def moe_ffn(x, route, weights, *, dispatch: str, capacity: int, backend: str = "
     tok = P(one(keep(batch)))
     w_in, w_out = P(one(keep(ep_axes)), None, one(keep(tp_axes))), P(one(keep(ep_axes)), one(keep(tp_axes)), None)
 
+    # An input replicated over an Auto axis (the tokens over the width split, a weight over the batch's) gets
+    # its cotangent psummed over it by shard_map's transpose: on XLA:CPU a bf16 one aborts (compat.all_gather's
+    # note), so there the tokens and weights cross the boundary in fp32.
+    dtypes = (x.dtype,) + tuple(w.dtype for w in weights)
+    widen = lambda a: a.astype(jnp.float32) if compat.bf16_on_cpu(a.dtype) else a  # noqa: E731
+
     def local(x, idx, comb, kp, pos, wg, wu, wd):
+        x, wg, wu, wd = (a.astype(dt) for a, dt in zip((x, wg, wu, wd), dtypes))
         return _local(x, idx, comb, kp, pos, wg, wu, wd, **kw)
 
     return compat.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tok,) * 5 + (w_in, w_in, w_out),
-                            out_specs=tok, axis_names=set(auto))(x, *route, *weights)
+                            out_specs=tok, axis_names=set(auto))(widen(x), *route, *map(widen, weights))
 
 
 # -- per device -----------------------------------------------------------------------------------
@@ -134,7 +141,7 @@ def _local(x, idx, comb, keep, pos, wg, wu, wd, *, dispatch, capacity, ep_axes, 
 
 def _tp_sum(y, tp_axes):
     """The down projection's partial sums over the expert width split (row-parallel)."""
-    return jax.lax.psum(y, tp_axes) if tp_axes else y
+    return compat.psum(y, tp_axes) if tp_axes else y
 
 
 def _exchange(buf, axes, split_axis, concat_axis):
