@@ -143,7 +143,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
             raise ValueError(f"max_len={max_len} must be a positive multiple of page_size={page_size} (>= 1)")
         if chunk < 1 or steps_per_call < 1 or max_seqs < 1:
             raise ValueError(f"chunk={chunk}, steps_per_call={steps_per_call} and max_seqs={max_seqs} must be >= 1")
-        rules = engine_rules(rules)
+        rules = engine_rules(rules, md=md, mesh=mesh)
         self.md, self.rules, self.mesh, self.chain_decode, self.overlap_steps = md, rules, mesh, chain_decode, overlap_steps
         self.first_token_decode, self.reuse_hidden = first_token_decode, reuse_hidden and prefix_cache
         self.chunk, self.steps_per_call, self.detokenize = min(chunk, max_len), steps_per_call, detokenize

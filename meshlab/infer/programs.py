@@ -145,10 +145,18 @@ def default_layers(md, impl: str, mesh=None) -> str:
 WHOLE_IN_ENGINE = ("act_batch", "act_seq", "act_attn_seq")
 
 
-def engine_rules(rules, names=WHOLE_IN_ENGINE):
-    """The rule file as the engine's programs run under it: `names` replicated."""
+def engine_rules(rules, names=WHOLE_IN_ENGINE, md=None, mesh=None):
+    """The rule file as the engine's programs run under it: `names` replicated. With the rows whole,
+    expert parallelism has no rows to exchange (a rank holds every row): for a mixture of experts (md),
+    a file that splits `experts` over an axis of `mesh` is refused."""
     if rules is None:
         return None
+    moe = md is not None and "mlp" not in md.abstract["layers"]
+    experts = rules.axes("experts", mesh) if moe and mesh is not None and "experts" in rules.rules else ()
+    if experts:
+        raise ValueError(f"{rules.path}: serving keeps the batch whole on every device, so the experts cannot be "
+                         f"split over {list(experts)} (expert parallelism exchanges rows between ranks); serve "
+                         "with a rule file whose `experts:` is null (tp, fsdp_tp) or on one device")
     return dataclasses.replace(rules, rules={**rules.rules, **{name: () for name in names}})
 
 

@@ -343,6 +343,26 @@ def test_greedy_decode_through_the_engine_equals_uncached_forward(layers):
         assert o == logits[len(p) - 1:len(seq) - 1].argmax(-1).tolist()
 
 
+def test_serving_over_an_expert_split_is_one_clear_error():
+    """The engine serves its rows together (act_batch whole), so expert parallelism has nothing to exchange:
+    a mixture of experts under a rule file that splits `experts` is refused at construction, in one line
+    naming the file and what to serve with; the same file serves a dense model."""
+    from flax import nnx
+    from meshlab.infer.engine import Engine
+    from meshlab.mesh import make_mesh
+    from models import model_def
+    mesh = make_mesh("expert=8", jax.devices())
+    for name, refused in (("moe_tiny", True), ("tiny", False)):
+        cfg = dataclasses.replace(models.preset(name), dtype="float32")
+        md = model_def(cfg)
+        params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
+        if refused:
+            with pytest.raises(ValueError, match=r"ep.yaml: serving keeps the batch whole .* split over \['expert'\]"):
+                Engine(md, params, max_len=16, max_seqs=1, page_size=4, chunk=8, rules=load_rules("ep"), mesh=mesh)
+        else:
+            Engine(md, params, max_len=16, max_seqs=1, page_size=4, chunk=8, rules=load_rules("ep"), mesh=mesh)
+
+
 @pytest.mark.parametrize("name,sizes", [("ep", "expert=8"), ("fsdp_ep", "fsdp=2,expert=4"),
                                         ("fsdp_tp_ep", "fsdp=2,tensor=2,expert=2")])
 def test_explain_splits_the_expert_banks_over_eight_devices(name, sizes):
