@@ -46,7 +46,8 @@ def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
         for m in rows:
             x = jnp.asarray(rng.normal(size=(m, k)), dt)
             gs = jnp.asarray(route_rows(rng, m, cfg.n_experts, cfg.top_k))
-            touched = int((np.asarray(gs) > 0).sum()) * k * n * jnp.dtype(dt).itemsize
+            experts = int((np.asarray(gs) > 0).sum())
+            touched = experts * k * n * jnp.dtype(dt).itemsize                     # bytes of the experts with rows
             ref = None
             for name, t in tiles.items():
                 f = jax.jit(lambda x, w, gs, t=t: gmt.grouped_matmul_triton(x, w, gs, tiles=t, interpret=smoke))
@@ -54,6 +55,6 @@ def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
                 ref = got if ref is None else ref
                 sec = median_time(f, x, w, gs, warmup=2, reps=5 if smoke else 10, inner=1 if smoke else 10)
                 out.append({"section": "gmm_rows", "setting": f"{op} rows={m} {name}", "value": sec * 1e6, "unit": "us",
-                            "note": f"{touched / sec / 1e9:.0f} GB/s of the {int((np.asarray(gs) > 0).sum())} experts "
+                            "note": f"{touched / sec / 1e9:.0f} GB/s of the {experts} experts "
                                     f"touched, max difference from the default {np.abs(got - ref).max():.1e}"})
     return out
