@@ -28,7 +28,8 @@ from flax import nnx
 
 from meshlab.rules import constrain
 from models.llama import F32, _interpret, _mm, _w, apply_rope, rope_scaling
-from pallas_kernels import decode_gemv as decode_kernels, rope as rope_kernels
+from models.moe import route
+from pallas_kernels import decode_gemv as decode_kernels, expert_gemv as expert_kernels, rope as rope_kernels
 
 ACT = ("act_batch", "act_seq", "act_embed")
 # The most decode rows a step runs through decode_step's kernels (at most decode_kernels.MAX_ROWS);
@@ -168,11 +169,12 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
     """One decoder block (Llama's or a mixture of experts') over x [b, t, d] -> ([b, t, d], cache).
     fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only), or
     {"decode": the layer's matrices stored [n, k]} (serving layers="kernels"): then a decode token
-    (t == 1, at most KERNEL_ROWS rows, kernels=True, the one-kernel attention offered)
-    goes through `decode_step`, anything else through `nk_step`."""
+    (t == 1, at most KERNEL_ROWS rows, a mixture of experts' one row, kernels=True, the one-kernel
+    attention offered) goes through `decode_step`, anything else through `nk_step`."""
     b, t, _ = x.shape
     if fused is not None and "decode" in fused:
-        if kernels and t == 1 and b <= KERNEL_ROWS and attend.fused is not None:
+        rows = 1 if hasattr(block, "moe") else KERNEL_ROWS       # the expert kernels take one token's choices
+        if kernels and t == 1 and b <= rows and attend.fused is not None:
             return decode_step(block, x, attend, layer, cache, fused)
         return nk_step(block, x, positions, attend, layer, cache, fused["decode"])
     h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,
@@ -204,6 +206,8 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(layer, q, k, v, cache)                                             # [b, t, h, hd]
     x = constrain(x + _mm_nk("bsn,dn->bsd", o.reshape(b, t, -1), w, "wo_t"), ACT)           # [b, t, d]
+    if hasattr(block, "moe"):              # the experts' own [E, k, n] matrices, through the dispatch
+        return constrain(x + feed_forward(block, block.mlp_norm(x)), ACT), cache
     gu = _mm_nk("bsd,gfd->bsgf", block.mlp_norm(x), w, "w_gate_up_t")                        # [b, t, 2, f]
     act = (jax.nn.silu(gu[:, :, 0].astype(F32)) * gu[:, :, 1].astype(F32)).astype(dt)        # [b, t, f]
     x = x + _mm_nk("bsf,df->bsd", act, w, "w_down_t")                                        # [b, t, d]
@@ -215,7 +219,8 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     attention], [wo + residual], [norm + gate|up + SwiGLU], [down + residual], over the layer's
     [n, k] copies fused["decode"] (meshlab/infer/programs.py); the same math and roundings as
     `block_step` (pallas_kernels/decode_gemv.py says why: at batch 1 a layer's XLA GEMMs and the
-    small kernels between them are mostly latency)."""
+    small kernels between them are mostly latency). A mixture of experts (one row) replaces the last
+    two with `experts_decode`."""
     cfg, w = block.attn.cfg, fused["decode"]
     b, _, d = x.shape
     mv = functools.partial(decode_kernels.decode_gemv, eps=cfg.norm_eps, interpret=_interpret())
@@ -225,9 +230,30 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale), **sc("wqkv_t"))    # [b, (h + 2 kvh) hd]
     o, cache = _fused_attend(attend, cfg, layer, qkv.reshape(b, 1, -1, cfg.head_dim), cache)   # [b, 1, h, hd]
     x = mv(o.reshape(b, -1), w["wo_t"], residual=x, **sc("wo_t"))                         # [b, h hd] . [d, h hd]^T -> [b, d]
+    if hasattr(block, "moe"):
+        return experts_decode(block, x, w, mv).reshape(b, 1, d), cache
     h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True, **sc("w_gate_up_t"))   # [b, f]
     x = mv(h, w["w_down_t"], residual=x, **sc("w_down_t"))                                # [b, d]
     return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
+
+
+def experts_decode(block, x, w, mv):
+    """A mixture of experts' feed-forward and residual for one token x [1, d] over the [n, k] copies w
+    (programs._experts_nk): the norm and the router in XLA (a few small fusions), then gate|up +
+    SwiGLU of the K chosen experts in one launch and their down projections, weighted and summed
+    with the residual, in another (pallas_kernels/expert_gemv.py); a shared expert as a dense MLP's
+    two decode_gemv launches. The model's math and roundings (models/moe.py MoeFFN)."""
+    moe, d = block.moe, x.shape[-1]
+    normed = block.mlp_norm(x[:, None])                                                   # [1, 1, d]
+    _, _, top_w, top_i = route(moe.cfg, normed, _w(moe.router, F32))                      # [1, 1, K] each
+    experts, combine, normed = top_i.reshape(-1), top_w.reshape(-1), normed.reshape(1, d)
+    gemv = functools.partial(expert_kernels.expert_gemv, experts=experts, interpret=_interpret())
+    h = gemv(normed, w["experts_gate_up_t"], swiglu=True)                                  # [K, f]
+    if "shared_w_gate_up_t" not in w:
+        return gemv(h, w["experts_down_t"], combine=combine, residual=x)                  # [1, d]
+    y = gemv(h, w["experts_down_t"], combine=combine)                                     # [1, d] the routed sum
+    hs = mv(normed, w["shared_w_gate_up_t"], swiglu=True)                                 # [1, f_shared]
+    return x + mv(hs, w["shared_w_down_t"], residual=y)                                   # x + (routed + shared)
 
 
 # -- the model -----------------------------------------------------------------------------------

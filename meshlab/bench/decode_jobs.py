@@ -390,12 +390,11 @@ def job_engine(c: Child):
 
 
 def job_layers_ab(c: Child):
-    """Batch-1 decode at ctx 2k through engines with each layers mode the model takes (kernels needs a
-    dense MLP), one at a time, the shipped one first, alternated twice."""
+    """Batch-1 decode at ctx 2k through engines with each layers mode, one at a time, the shipped one
+    first, alternated twice."""
     from meshlab.bench import serve as bs
     shipped = shipped_layers(c.md)
-    modes = [shipped] + [m for m in ("split", "fused", "kernels") if m != shipped
-                         and (m != "kernels" or "mlp" in c.md.abstract["layers"])]
+    modes = [shipped] + [m for m in ("split", "fused", "kernels") if m != shipped]
     for again in ("", " again"):
         for layers in modes:
             eng = c.engine(layers=layers)

@@ -169,13 +169,14 @@ def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
     """(params without the fused projections, {"wqkv", "w_gate_up"}) of one layer. decode: instead
     ({"decode": ...}, the layer's matrices stored [n, k], each output's weights contiguous, for
     pallas_kernels/decode_gemv.py; the prompt path reads them transposed): wqkv_t [(h + 2 kvh) hd, d],
-    wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too.
+    wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too (a
+    mixture of experts: the experts' copies of _experts_nk instead of the MLP's, its params unchanged).
     quantize="fp8": each of the four float8_e4m3fn, with its per-row fp32 scale beside it as
     `<name>_scale` (decode_gemv.quantize_rows)."""
     here = {(mod, new): olds for (mod, new), olds in FUSED.items() if mod in layer}   # a mixture of experts: no mlp
     drop = {mod: olds for (mod, _), olds in here.items()}
     if decode:
-        drop = {"attn": drop["attn"] + ("wo",), "mlp": drop["mlp"] + ("w_down",)}
+        drop = {**drop, "attn": drop["attn"] + ("wo",), **({"mlp": drop["mlp"] + ("w_down",)} if "mlp" in drop else {})}
     rest = {k: ({n: w for n, w in v.items() if n not in drop.get(k, ())} if isinstance(v, dict) else v)
             for k, v in layer.items()}
     fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in here.items()}
@@ -183,12 +184,27 @@ def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
         return rest, fused
     d = layer["attn"]["wo"].shape[-1]
     nk = {"wqkv_t": fused["wqkv"].reshape(d, -1).T,                                              # [(h+2kvh) hd, d]
-          "wo_t": layer["attn"]["wo"].reshape(-1, d).T,                                          # [d, h hd]
-          "w_gate_up_t": jnp.stack([layer["mlp"]["w_gate"].T, layer["mlp"]["w_up"].T]),          # [2, f, d]
-          "w_down_t": layer["mlp"]["w_down"].T}                                                 # [d, f]
+          "wo_t": layer["attn"]["wo"].reshape(-1, d).T}                                          # [d, h hd]
+    nk.update(_mlp_nk(layer["mlp"]) if "mlp" in layer else _experts_nk(layer["moe"]))
     if quantize == "fp8":
         nk = {key: v for name, w in nk.items() for key, v in zip((name, name + "_scale"), quantize_rows(w))}
     return rest, {"decode": nk}
+
+
+def _mlp_nk(mlp: dict, prefix: str = "") -> dict:
+    """A SwiGLU MLP's matrices stored [n, k]: w_gate_up_t [2, f, d], w_down_t [d, f]."""
+    return {prefix + "w_gate_up_t": jnp.stack([mlp["w_gate"].T, mlp["w_up"].T]), prefix + "w_down_t": mlp["w_down"].T}
+
+
+def _experts_nk(moe: dict) -> dict:
+    """A mixture of experts' matrices stored [n, k] for the one-token expert kernels
+    (pallas_kernels/expert_gemv.py): experts_gate_up_t [E, 2, f, d], experts_down_t [E, d, f], and a
+    shared expert's as `shared_` + _mlp_nk's. They are copies: the experts' own [E, k, n] matrices stay
+    for prompt chunks and larger decode batches (the grouped GEMM reads that layout), so the experts'
+    bytes are held twice."""
+    nk = {"experts_gate_up_t": jnp.stack([jnp.swapaxes(moe["w_gate"], 1, 2), jnp.swapaxes(moe["w_up"], 1, 2)], axis=1),
+          "experts_down_t": jnp.swapaxes(moe["w_down"], 1, 2)}
+    return {**nk, **(_mlp_nk(moe["shared"], "shared_") if "shared" in moe else {})}
 
 
 def weights_summary(params) -> str:
@@ -220,9 +236,6 @@ def serving_params(md, params, layers: str = "split", quantize: str | None = Non
     """
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r} must be one of {LAYER_MODES}")
-    if layers == "kernels" and "mlp" not in md.abstract["layers"]:
-        raise ValueError("layers='kernels' runs a dense SwiGLU MLP through the decode kernels; a mixture of experts "
-                         "serves with layers='split' or 'fused' (auto: split)")
     if quantize not in (None, "fp8") or (quantize and layers != "kernels"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8', and fp8 needs layers='kernels' "
                          f"(got layers={layers!r}): the decode kernels and the prompt GEMMs read its [n, k] matrices")

@@ -318,11 +318,12 @@ def test_active_and_total_counts_follow_the_config():
         6 * (cfg.matmul_param_count() - dense.matmul_param_count())
 
 
-@pytest.mark.parametrize("layers", ["auto", "fused"])
+@pytest.mark.parametrize("layers", ["auto", "fused", "kernels"])
 def test_greedy_decode_through_the_engine_equals_uncached_forward(layers):
-    """The paged engine (KV cache, continuous batching; layers auto -> split for MoE, or fused: q|k|v
-    in one GEMM) with greedy sampling gives the argmax of a full no-cache forward at every step;
-    layers="kernels" (a dense MLP's decode kernels) is refused in one line."""
+    """The paged engine (KV cache, continuous batching; layers auto -> split for MoE on the CPU, fused:
+    q|k|v in one GEMM, or kernels: a one-row decode step through the Pallas attention and the expert
+    kernels in interpret mode, two rows through the grouped GEMM) with greedy sampling gives the argmax of
+    a full no-cache forward at every step."""
     from flax import nnx
     from meshlab.infer.engine import Engine
     from meshlab.infer.sampler import SamplingParams
@@ -330,12 +331,12 @@ def test_greedy_decode_through_the_engine_equals_uncached_forward(layers):
     cfg = dataclasses.replace(models.preset("moe_tiny"), dtype="float32", init_std=0.2)
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
-    if layers == "fused":
-        with pytest.raises(ValueError, match="layers='kernels' runs a dense SwiGLU MLP"):
-            Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, layers="kernels")
-    engine = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=layers)
+    kw = dict(impl="pallas", interpret=True) if layers == "kernels" else {}
+    engine = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=layers, **kw)
     prompts = [[5, 6, 7], list(range(40, 52))]                     # both in flight: continuous batching
     outs = [r.output for r in engine.generate(prompts, SamplingParams(max_tokens=6))]
+    if layers == "kernels":                 # alone: one-row decode steps, through the expert kernels
+        assert [engine.generate([p], SamplingParams(max_tokens=6))[0].output for p in prompts] == outs
     fwd = jax.jit(lambda p, x: md.bind(p)(x)[..., :cfg.vocab_size])
     for p, o in zip(prompts, outs):
         seq = list(p) + list(o)

@@ -1,0 +1,153 @@
+"""pallas_kernels/expert_gemv.py against its jnp reference (interpret mode), its errors, its CUDA lowering,
+and a mixture of experts' decode layer through it against the XLA layer."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_gemv import BlockSizes
+from pallas_kernels.expert_gemv import MAX_CHOICES, expert_gemv, expert_gemv_reference
+
+pytestmark = pytest.mark.cheap_codegen
+
+E, K_IN, F = 5, 96, 48          # k = 96: chunks of 32 or 64 do not all divide it evenly -> the largest that does
+
+
+def _case(seed, dtype=jnp.float32, choices=(3, 1, 4)):
+    rng = np.random.default_rng(seed)
+    experts = jnp.asarray(choices, jnp.int32)
+    x = jnp.asarray(rng.normal(size=(1, K_IN)), dtype)
+    w_gate_up = jnp.asarray(rng.normal(size=(E, 2, F, K_IN)) / np.sqrt(K_IN), dtype)
+    h = jnp.asarray(rng.normal(size=(len(choices), F)), dtype)
+    w_down = jnp.asarray(rng.normal(size=(E, K_IN, F)) / np.sqrt(F), dtype)
+    combine = jnp.asarray(rng.dirichlet(np.ones(len(choices))), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(1, K_IN)), dtype)
+    return x, w_gate_up, h, w_down, experts, combine, residual
+
+
+TILES = [BlockSizes(block_n=16, block_k=32), BlockSizes(block_n=8, block_k=64, tiles_per_program=3, prefetch=1),
+         BlockSizes(block_n=4, block_k=128, tiles_per_program=2, prefetch=3)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=["chunks", "ahead", "far_ahead"])
+def test_gate_up_matches_reference(tiles):
+    x, w, *_, experts, _, _ = _case(1)
+    got = expert_gemv(x, w, experts, swiglu=True, block_sizes=tiles, interpret=True)
+    want = expert_gemv_reference(x, w, experts, swiglu=True)
+    assert got.shape == (3, F)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # each row is its own expert's: a different choice changes only that row
+    other = expert_gemv(x, w, experts.at[1].set(0), swiglu=True, block_sizes=tiles, interpret=True)
+    assert np.array_equal(np.asarray(other)[[0, 2]], np.asarray(got)[[0, 2]])
+    assert not np.allclose(np.asarray(other)[1], np.asarray(got)[1])
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=["chunks", "ahead", "far_ahead"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_down_weighted_sum_matches_reference(tiles, with_residual):
+    _, _, h, w, experts, combine, residual = _case(2)
+    res = residual if with_residual else None
+    got = expert_gemv(h, w, experts, combine=combine, residual=res, block_sizes=tiles, interpret=True)
+    want = expert_gemv_reference(h, w, experts, combine=combine, residual=res)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # the weighted sum, not its rows alone: with all the weight on one choice it is that expert's product
+    one = expert_gemv(h, w, experts, combine=jnp.array([0.0, 1.0, 0.0]), block_sizes=tiles, interpret=True)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(h[1:2] @ w[experts[1]].T), atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_rounds_each_expert_output_as_the_model():
+    # bf16: each expert's sum rounded to bf16 before its weight, the weighted sum rounded, then the residual
+    # add rounded (the grouped GEMM's output and the block's add): equal to the reference bit for bit here
+    x, wgu, h, wd, experts, combine, residual = _case(3, jnp.bfloat16)
+    tiles = BlockSizes(block_n=8, block_k=128)
+    for got, want in ((expert_gemv(x, wgu, experts, swiglu=True, block_sizes=tiles, interpret=True),
+                       expert_gemv_reference(x, wgu, experts, swiglu=True)),
+                      (expert_gemv(h, wd, experts, combine=combine, residual=residual, block_sizes=tiles, interpret=True),
+                       expert_gemv_reference(h, wd, experts, combine=combine, residual=residual))):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_errors_name_the_fix():
+    x, wgu, h, wd, experts, combine, residual = _case(4)
+    with pytest.raises(ValueError, match="one row per chosen expert"):
+        expert_gemv(h[:2], wd, experts, combine=combine, interpret=True)
+    with pytest.raises(ValueError, match="one row"):
+        expert_gemv(jnp.concatenate([x, x]), wgu, experts, swiglu=True, interpret=True)
+    with pytest.raises(ValueError, match="needs combine"):
+        expert_gemv(h, wd, experts, interpret=True)
+    with pytest.raises(ValueError, match="combine"):
+        expert_gemv(h, wd, experts, combine=combine[:2], interpret=True)
+    with pytest.raises(ValueError, match="share k and dtype"):
+        expert_gemv(x, wgu[:, 0], experts, swiglu=True, interpret=True)
+    with pytest.raises(ValueError, match=f"1..{MAX_CHOICES} chosen experts"):
+        expert_gemv(x, wgu, jnp.zeros((MAX_CHOICES + 1,), jnp.int32), swiglu=True, interpret=True)
+    with pytest.raises(ValueError, match="residual"):
+        expert_gemv(h, wd, experts, combine=combine, residual=residual[:, :8], interpret=True)
+    with pytest.raises(ValueError, match="block_n=16"):
+        expert_gemv(h, wd[:, :40], experts, combine=combine, block_sizes=BlockSizes(block_n=16), interpret=True)
+
+
+@pytest.mark.parametrize("preset", ["moe_1b_8e", "moe_1b_64e"])
+def test_lowers_for_cuda_at_the_presets_shapes(preset):
+    # the Triton path without a GPU, with the default tiles: top-2 of 8 experts of 4,096, top-8 of 64 of 512
+    import models
+    cfg = models.preset(preset)
+    d, f, e, k = cfg.d_model, cfg.expert_mlp_dim, cfg.n_experts, cfg.top_k
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    ids, f32 = jax.ShapeDtypeStruct((k,), jnp.int32), jax.ShapeDtypeStruct((k,), jnp.float32)
+    for fn, args in ((lambda x, w, i: expert_gemv(x, w, i, swiglu=True), (s(1, d), s(e, 2, f, d), ids)),
+                     (lambda h, w, i, c, r: expert_gemv(h, w, i, combine=c, residual=r), (s(k, f), s(e, d, f), ids, f32, s(1, d)))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "expert_gemv" in text
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_matches_reference_at_moe_1b_8e_shapes():
+    d, f, e = 2048, 4096, 8
+    rng = np.random.default_rng(0)
+    bf = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, jnp.bfloat16)  # noqa: E731
+    experts, combine = jnp.array([6, 1], jnp.int32), jnp.array([0.7, 0.3], jnp.float32)
+    x, wgu, wd, res = bf(1, d), bf(e, 2, f, d, scale=d ** -0.5), bf(e, d, f, scale=f ** -0.5), bf(1, d)
+    h = expert_gemv(x, wgu, experts, swiglu=True)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(expert_gemv_reference(x, wgu, experts, swiglu=True),
+                                                                     np.float32), atol=3e-2, rtol=3e-2)
+    got = expert_gemv(h, wd, experts, combine=combine, residual=res)
+    want = expert_gemv_reference(h, wd, experts, combine=combine, residual=res)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_moe_decode_step_matches_the_xla_block(shared):
+    # A mixture of experts' decode layer through the kernels (q|k|v, attention, wo, then the router in XLA
+    # and the two expert launches, plus a shared expert's two) against the same block through XLA's
+    # grouped GEMM dispatch (layers="fused"), in fp32; the jaxpr shows the expert launches
+    from flax import nnx
+    import models
+    from meshlab.infer import kv_cache
+    from meshlab.infer.programs import _fuse
+    from models.serving import block_step
+    cfg = dataclasses.replace(models.preset("moe_tiny"), dtype="float32", n_layers=1, shared_mlp_dim=shared,
+                              init_std=0.2)
+    block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
+    params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+    (_, nk), (_, fused) = _fuse(params, decode=True), _fuse(params)
+    one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], nnx.state(block)))
+    page_size, pages = 4, 4
+    cache = kv_cache.init_paged(cfg, pages + 1, page_size)
+    cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(3), c.shape, c.dtype), cache)
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32).reshape(1, pages)
+    positions = jnp.array([[9]], jnp.int32)
+    attend = kv_cache.paged_attend(positions, jnp.ones((1, 1), bool), table, "pallas", interpret=True)
+    x = jax.random.normal(jax.random.PRNGKey(4), (1, 1, cfg.d_model), jnp.float32)
+    kernels = lambda x: block_step(one, x, positions, attend, 0, cache, fused=nk, kernels=True)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(lambda x: kernels(x)[0])(x))
+    assert "name=expert_gemv_swiglu" in jaxpr and "name=expert_gemv_combine" in jaxpr
+    assert ("name=decode_gemv_swiglu" in jaxpr) == bool(shared) and "grouped_matmul" not in jaxpr
+    got, got_cache = kernels(x)
+    want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
