@@ -225,28 +225,39 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     b, _, d = x.shape
     mv = functools.partial(decode_kernels.decode_gemv, eps=cfg.norm_eps, interpret=_interpret())
     x = x.reshape(b, d)                                                                   # [b, d]
-    stored = lambda scale: _w(scale, scale[...].dtype)   # noqa: E731 - the kernel reads it in fp32 (no convert launch)
     sc = lambda name: {"w_scale": w[name + "_scale"]} if name + "_scale" in w else {}   # noqa: E731 - fp8 matrices
-    qkv = mv(x, w["wqkv_t"], norm_scale=stored(block.attn_norm.scale), **sc("wqkv_t"))    # [b, (h + 2 kvh) hd]
+    qkv = mv(x, w["wqkv_t"], norm_scale=_stored(block.attn_norm.scale), **sc("wqkv_t"))    # [b, (h + 2 kvh) hd]
     o, cache = _fused_attend(attend, cfg, layer, qkv.reshape(b, 1, -1, cfg.head_dim), cache)   # [b, 1, h, hd]
     x = mv(o.reshape(b, -1), w["wo_t"], residual=x, **sc("wo_t"))                         # [b, h hd] . [d, h hd]^T -> [b, d]
     if hasattr(block, "moe"):
         return experts_decode(block, x, w, mv).reshape(b, 1, d), cache
-    h = mv(x, w["w_gate_up_t"], norm_scale=stored(block.mlp_norm.scale), swiglu=True, **sc("w_gate_up_t"))   # [b, f]
+    h = mv(x, w["w_gate_up_t"], norm_scale=_stored(block.mlp_norm.scale), swiglu=True, **sc("w_gate_up_t"))   # [b, f]
     x = mv(h, w["w_down_t"], residual=x, **sc("w_down_t"))                                # [b, d]
     return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
 
 
+def _stored(var):
+    """A parameter as stored (a kernel widens it after its load: no convert launch before the call)."""
+    return _w(var, var[...].dtype)
+
+
 def experts_decode(block, x, w, mv):
     """A mixture of experts' feed-forward and residual for one token x [1, d] over the [n, k] copies w
-    (programs._experts_nk): the norm and the router in XLA (a few small fusions), then gate|up +
+    (programs._experts_nk): the norm, the router and its top k in one launch (expert_gemv.route_one; in
+    XLA where d or k is not a power of two: about seven small launches), then gate|up +
     SwiGLU of the K chosen experts in one launch and their down projections, weighted and summed
     with the residual, in another (pallas_kernels/expert_gemv.py); a shared expert as a dense MLP's
     two decode_gemv launches. The model's math and roundings (models/moe.py MoeFFN)."""
     moe, d = block.moe, x.shape[-1]
-    normed = block.mlp_norm(x[:, None])                                                   # [1, 1, d]
-    _, _, top_w, top_i = route(moe.cfg, normed, _w(moe.router, F32))                      # [1, 1, K] each
-    experts, combine, normed = top_i.reshape(-1), top_w.reshape(-1), normed.reshape(1, d)
+    cfg = moe.cfg
+    if d & (d - 1) or cfg.top_k & (cfg.top_k - 1):        # route_one's limits: the norm and router in XLA
+        normed = block.mlp_norm(x[:, None])                                               # [1, 1, d]
+        _, _, top_w, top_i = route(cfg, normed, _w(moe.router, F32))                      # [1, 1, K] each
+        experts, combine, normed = top_i.reshape(-1), top_w.reshape(-1), normed.reshape(1, d)
+    else:                                                 # the norm, the router and its top k: one launch
+        normed, experts, combine = expert_kernels.route_one(
+            x, _stored(block.mlp_norm.scale), _stored(moe.router), top_k=cfg.top_k, eps=block.mlp_norm.eps,
+            score=cfg.router_score, norm_topk=cfg.norm_topk, interpret=_interpret())      # [1, d], [K], [K]
     gemv = functools.partial(expert_kernels.expert_gemv, experts=experts, interpret=_interpret())
     h = gemv(normed, w["experts_gate_up_t"], swiglu=True)                                  # [K, f]
     if "shared_w_gate_up_t" not in w:

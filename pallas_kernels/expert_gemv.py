@@ -49,10 +49,16 @@ def _walk(steps, load, use, ahead):
         use(steps[i], loads.pop(i))
 
 
+def _expert(e_ref, j, w_ref):
+    """Chosen expert j's id, clamped to the bank here (an id out of range would read past it), where an
+    XLA clamp would be one more launch a call."""
+    return jnp.clip(e_ref[j], 0, w_ref.shape[0] - 1)
+
+
 def _swiglu_kernel(e_ref, x_ref, w_ref, o_ref, *, k, bn, bk, tpp, ahead):
     """Program (j, p): chosen expert j's gate and up rows for the column blocks p, p + P, ..."""
     j, pid = pl.program_id(0), pl.program_id(1)
-    programs, e, chunks, dt = o_ref.shape[1] // (bn * tpp), e_ref[j], k // bk, o_ref.dtype
+    programs, e, chunks, dt = o_ref.shape[1] // (bn * tpp), _expert(e_ref, j, w_ref), k // bk, o_ref.dtype
     col = lambda t: (pid + t * programs) * bn   # noqa: E731 - strided: programs running at once read neighbouring rows
     xs = [plgpu.load(x_ref.at[pl.ds(0, 1), pl.ds(c * bk, bk)]).astype(F32) for c in range(chunks)]   # [1, bk] each
     acc = {}
@@ -79,7 +85,7 @@ def _combine_kernel(e_ref, c_ref, x_ref, w_ref, *refs, k, bn, bk, tpp, ahead, ch
     pid = pl.program_id(0)
     programs, chunks, dt = o_ref.shape[1] // (bn * tpp), k // bk, o_ref.dtype
     col = lambda t: (pid + t * programs) * bn   # noqa: E731
-    es = [e_ref[j] for j in range(choices)]
+    es = [_expert(e_ref, j, w_ref) for j in range(choices)]
     acc, out = {}, {}
 
     def load(step):
@@ -102,6 +108,72 @@ def _combine_kernel(e_ref, c_ref, x_ref, w_ref, *refs, k, bn, bk, tpp, ahead, ch
                 o = (r.astype(F32) + o.astype(F32)).astype(dt)
             plgpu.store(o_ref.at[pl.ds(0, 1), pl.ds(col(t), bn)], o[None, :])
     _walk(_steps(tpp, choices, chunks), load, use, ahead)
+
+
+def _route_kernel(x_ref, scale_ref, w_ref, normed_ref, ids_ref, comb_ref, *, eps, top_k, experts, chunk, sigmoid,
+                  norm_topk):
+    """One program: RMSNorm of the token, its router logits in fp32 over `chunk`-row slices of the
+    router (all loads issued up front), the scores, the top k (lowest id first on ties, as lax.top_k)."""
+    d, e_pad = x_ref.shape[1], w_ref.shape[1]
+    dt = normed_ref.dtype
+    live = jnp.arange(e_pad) < experts                                                # the bank padded to a power of two
+    ws = [plgpu.load(w_ref.at[pl.ds(c, chunk), :], mask=live[None, :], other=0.0).astype(F32)
+          for c in range(0, d, chunk)]                                                # [chunk, e_pad] each
+    xf = plgpu.load(x_ref.at[pl.ds(0, 1), :]).astype(F32)                            # [1, d]
+    inv = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
+    normed = (xf * inv * plgpu.load(scale_ref.at[pl.ds(0, d)])[None, :]).astype(dt)   # the model's RMSNorm rounding
+    plgpu.store(normed_ref.at[pl.ds(0, 1), :], normed)
+    logits = 0.0
+    for i, c in enumerate(range(0, d, chunk)):                    # Triton has no slice: each chunk's x reloaded
+        xc = plgpu.load(x_ref.at[pl.ds(0, 1), pl.ds(c, chunk)]).astype(F32)
+        nc = (xc * inv * plgpu.load(scale_ref.at[pl.ds(c, chunk)])[None, :]).astype(dt).astype(F32)   # [1, chunk]
+        logits = logits + jnp.sum(jnp.reshape(nc, (chunk, 1)) * ws[i], axis=0)       # [e_pad]
+    if sigmoid:
+        scores = 1.0 / (1.0 + jnp.exp(-logits))
+    else:
+        z = jnp.exp(logits - jnp.max(jnp.where(live, logits, -jnp.inf)))
+        scores = z / jnp.sum(jnp.where(live, z, 0.0))
+    pick, idx, slot = jnp.where(live, scores, -1.0), jnp.arange(e_pad), jnp.arange(top_k)   # scores >= 0
+    ids, top = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), F32)
+    for j in range(top_k):
+        best = jnp.max(pick)
+        i = jnp.min(jnp.where(pick == best, idx, e_pad))
+        ids, top = jnp.where(slot == j, i, ids), jnp.where(slot == j, best, top)
+        pick = jnp.where(idx == i, -2.0, pick)
+    if norm_topk:
+        top = top / jnp.sum(top)
+    plgpu.store(ids_ref.at[pl.ds(0, top_k)], ids)
+    plgpu.store(comb_ref.at[pl.ds(0, top_k)], top)
+
+
+def route_one(x, norm_scale, w_router, *, top_k: int, eps: float = 1e-5, score: str = "softmax",
+              norm_topk: bool = True, interpret: bool = False):
+    """One token's routing in one launch: x [1, d] (the residual stream), norm_scale [d], w_router
+    [d, E] (widened to fp32 after its load: serving stores it in the compute dtype, and a convert
+    would be one more launch) -> (RMSNorm(x) * scale [1, d] in x's dtype, expert ids [top_k] int32, their weights
+    [top_k] fp32), models/moe.py `route`'s math with the logits summed in fp32 (the XLA path's fp32
+    dot may run in TF32 on a GPU). In XLA it is about seven small launches a layer (the norm, the
+    router's dot, softmax, the top-k sort, converts). Limits: d and top_k powers of two."""
+    (_, d), experts = x.shape, w_router.shape[1]
+    if x.shape[0] != 1 or w_router.shape[0] != d or norm_scale.shape != (d,) or d & (d - 1) or top_k & (top_k - 1) \
+            or not 1 <= top_k <= experts or score not in ("softmax", "sigmoid"):
+        raise ValueError(f"route_one: x {x.shape} must be one token [1, d] with d a power of two, norm_scale [d], "
+                         f"w_router [d, E] (got {norm_scale.shape}, {w_router.shape}), top_k={top_k} a power of two "
+                         f"<= E and score={score!r} softmax or sigmoid")
+    e_pad = 1 << (experts - 1).bit_length()
+    chunk = min(d, max(16, 4096 // e_pad))                      # 16 KiB of fp32 router a load
+    kernel = functools.partial(_route_kernel, eps=eps, top_k=top_k, experts=experts, chunk=chunk,
+                               sigmoid=score == "sigmoid", norm_topk=norm_topk)
+    w = jnp.pad(w_router, ((0, 0), (0, e_pad - experts))) if e_pad != experts else w_router
+    args = (x, norm_scale.astype(F32), w)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel, grid=(1,), in_specs=[whole(a.shape) for a in args],
+        out_specs=[whole((1, d)), whole((top_k,)), whole((top_k,))],
+        out_shape=[jax.ShapeDtypeStruct((1, d), x.dtype), jax.ShapeDtypeStruct((top_k,), jnp.int32),
+                   jax.ShapeDtypeStruct((top_k,), F32)],
+        interpret=interpret, compiler_params=_CompilerParams(num_warps=4, num_stages=1), name="expert_route",
+    )(*args)
 
 
 def default_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
@@ -144,7 +216,7 @@ def _expert_gemv(x, w, experts, *, combine, residual, swiglu, block_sizes, inter
     bk = bs.validate(n, k)
     kw = dict(k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel
-    experts = jnp.clip(experts.astype(jnp.int32), 0, w.shape[0] - 1)
+    experts = experts.astype(jnp.int32)
     if swiglu:
         kernel, grid, out = functools.partial(_swiglu_kernel, **kw), (choices, n // bs.block_n // bs.tiles_per_program), \
             (choices, n)

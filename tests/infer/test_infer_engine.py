@@ -337,13 +337,21 @@ def test_chained_decode_calls_equal_unchained(tiny):
 
 def test_auto_layers_pick_kernels_only_with_the_pallas_kernels_on_one_device(tiny):
     # kernels with the Pallas attention on one device (the decode GEMVs need its fused kernel), fused
-    # on one device otherwise, split on a mesh or for a mixture of experts (nothing to concatenate)
+    # on one device otherwise, split on a mesh
     from meshlab.infer.engine import default_impl, default_layers
+    from meshlab.infer.programs import expert_copy_bytes
     md = tiny[0]
     assert default_layers(md, "pallas") == "kernels" and default_layers(md, "xla") == "fused"
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
     assert default_layers(md, "pallas", mesh) == "split"
-    assert default_layers(model_def(models.preset("moe_tiny")), "pallas") == "split"
+    moe = model_def(models.preset("moe_tiny"))
+    # a mixture of experts: kernels on one GPU while the experts' second copy fits a quarter of its memory
+    copies = expert_copy_bytes(moe)
+    assert copies == 2 * 8 * 3 * 64 * 64 * 2 + 2 * 3 * 64 * 32 * 2                   # routed + shared, bf16, 2 layers
+    assert default_layers(moe, "pallas", device_bytes=4 * copies) == "kernels"
+    assert default_layers(moe, "pallas", device_bytes=4 * copies - 1) == "split"
+    assert default_layers(moe, "pallas", mesh, device_bytes=1 << 40) == "split"
+    assert default_layers(moe, "xla", device_bytes=1 << 40) == "split"
     assert default_impl() == ("pallas" if jax.default_backend() == "gpu" else "xla")
     assert default_impl(interpret=True) == "xla"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode_gemv import BlockSizes
-from pallas_kernels.expert_gemv import MAX_CHOICES, expert_gemv, expert_gemv_reference
+from pallas_kernels.expert_gemv import MAX_CHOICES, expert_gemv, expert_gemv_reference, route_one
 
 pytestmark = pytest.mark.cheap_codegen
 
@@ -90,6 +90,33 @@ def test_errors_name_the_fix():
         expert_gemv(h, wd[:, :40], experts, combine=combine, block_sizes=BlockSizes(block_n=16), interpret=True)
 
 
+@pytest.mark.parametrize("experts, top_k, score, d", [(8, 2, "softmax", 64), (6, 2, "softmax", 64),
+                                                      (64, 8, "sigmoid", 128), (8, 4, "softmax", 2048)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_route_one_matches_the_models_router(experts, top_k, score, d, dtype):
+    # the norm rounded as RMSNorm rounds it, then models/moe.py's route over the normed token: the same ids
+    # (lowest first on ties), their weights to fp32 rounding; 6 experts: the bank padded to 8 inside
+    import models
+    from models.moe import route
+    rng = np.random.default_rng(experts + top_k + d)
+    cfg = dataclasses.replace(models.preset("moe_tiny"), n_experts=experts, top_k=top_k, router_score=score, d_model=d)
+    x = jnp.asarray(rng.normal(size=(1, d)), dtype)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, size=d), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, experts)) * 0.3, dtype)             # serving stores it in the compute dtype
+    normed, ids, weights = route_one(x, scale, w, top_k=top_k, score=score, interpret=True)
+    xf = x.astype(jnp.float32)
+    want_normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5) * scale).astype(dtype)
+    _, _, want_w, want_i = route(cfg, want_normed[None], w.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_i).ravel())
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w).ravel(), atol=1e-6, rtol=1e-6)
+    # ties: equal logits go lowest id first, as lax.top_k
+    _, tied, _ = route_one(x, scale, jnp.zeros((d, experts), dtype), top_k=top_k, score=score, interpret=True)
+    assert np.asarray(tied).tolist() == list(range(top_k))
+    with pytest.raises(ValueError, match="top_k=3 a power of two"):
+        route_one(x, scale, w, top_k=3, interpret=True)
+
+
 @pytest.mark.parametrize("preset", ["moe_1b_8e", "moe_1b_64e"])
 def test_lowers_for_cuda_at_the_presets_shapes(preset):
     # the Triton path without a GPU, with the default tiles: top-2 of 8 experts of 4,096, top-8 of 64 of 512
@@ -102,6 +129,10 @@ def test_lowers_for_cuda_at_the_presets_shapes(preset):
                      (lambda h, w, i, c, r: expert_gemv(h, w, i, combine=c, residual=r), (s(k, f), s(e, d, f), ids, f32, s(1, d)))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "expert_gemv" in text
+    route = lambda x, g, w: route_one(x, g, w, top_k=k, score=cfg.router_score)  # noqa: E731
+    text = jax.jit(route).trace(s(1, d), jax.ShapeDtypeStruct((d,), jnp.float32), s(d, e)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "expert_route" in text
 
 
 @pytest.mark.gpu
@@ -117,20 +148,31 @@ def test_gpu_compiled_matches_reference_at_moe_1b_8e_shapes():
     got = expert_gemv(h, wd, experts, combine=combine, residual=res)
     want = expert_gemv_reference(h, wd, experts, combine=combine, residual=res)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    # the routing launch: the normed token as RMSNorm rounds it, and the router's top 2 of a clear margin
+    import models
+    from models.moe import route
+    scale, router = jnp.asarray(rng.uniform(0.5, 1.5, size=d), jnp.float32), bf(d, e, scale=0.3)
+    normed, ids, weights = route_one(x, scale, router, top_k=2)
+    xf = x.astype(jnp.float32)
+    want_normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5) * scale).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32), atol=1e-2, rtol=1e-2)
+    _, _, want_w, want_i = route(models.preset("moe_1b_8e"), want_normed[None], router.astype(jnp.float32))
+    assert np.asarray(ids).tolist() == np.asarray(want_i).ravel().tolist()
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w).ravel(), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("shared", [0, 32])
-def test_moe_decode_step_matches_the_xla_block(shared):
-    # A mixture of experts' decode layer through the kernels (q|k|v, attention, wo, then the router in XLA
+@pytest.mark.parametrize("shared, top_k", [(0, 2), (32, 2), (0, 3)])
+def test_moe_decode_step_matches_the_xla_block(shared, top_k):
+    # A mixture of experts' decode layer through the kernels (q|k|v, attention, wo, then the routing launch
     # and the two expert launches, plus a shared expert's two) against the same block through XLA's
-    # grouped GEMM dispatch (layers="fused"), in fp32; the jaxpr shows the expert launches
+    # grouped GEMM dispatch (layers="fused"), in fp32; the jaxpr shows the launches. Top 3: the router in XLA
     from flax import nnx
     import models
     from meshlab.infer import kv_cache
     from meshlab.infer.programs import _fuse
     from models.serving import block_step
     cfg = dataclasses.replace(models.preset("moe_tiny"), dtype="float32", n_layers=1, shared_mlp_dim=shared,
-                              init_std=0.2)
+                              top_k=top_k, init_std=0.2)
     block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
     params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
     (_, nk), (_, fused) = _fuse(params, decode=True), _fuse(params)
@@ -146,6 +188,7 @@ def test_moe_decode_step_matches_the_xla_block(shared):
     jaxpr = str(jax.make_jaxpr(lambda x: kernels(x)[0])(x))
     assert "name=expert_gemv_swiglu" in jaxpr and "name=expert_gemv_combine" in jaxpr
     assert ("name=decode_gemv_swiglu" in jaxpr) == bool(shared) and "grouped_matmul" not in jaxpr
+    assert ("name=expert_route" in jaxpr) == (top_k == 2)
     got, got_cache = kernels(x)
     want, want_cache = block_step(one, x, positions, attend, 0, cache, fused=fused)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
