@@ -121,12 +121,12 @@ def _route_kernel(x_ref, scale_ref, w_ref, normed_ref, ids_ref, comb_ref, *, eps
           for c in range(0, d, chunk)]                                                # [chunk, e_pad] each
     xf = plgpu.load(x_ref.at[pl.ds(0, 1), :]).astype(F32)                            # [1, d]
     inv = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
-    normed = (xf * inv * plgpu.load(scale_ref.at[pl.ds(0, d)])[None, :]).astype(dt)   # the model's RMSNorm rounding
+    normed = (xf * inv * plgpu.load(scale_ref.at[pl.ds(0, d)]).astype(F32)[None, :]).astype(dt)   # the model's RMSNorm rounding
     plgpu.store(normed_ref.at[pl.ds(0, 1), :], normed)
     logits = 0.0
     for i, c in enumerate(range(0, d, chunk)):                    # Triton has no slice: each chunk's x reloaded
         xc = plgpu.load(x_ref.at[pl.ds(0, 1), pl.ds(c, chunk)]).astype(F32)
-        nc = (xc * inv * plgpu.load(scale_ref.at[pl.ds(c, chunk)])[None, :]).astype(dt).astype(F32)   # [1, chunk]
+        nc = (xc * inv * plgpu.load(scale_ref.at[pl.ds(c, chunk)]).astype(F32)[None, :]).astype(dt).astype(F32)   # [1, chunk]
         logits = logits + jnp.sum(jnp.reshape(nc, (chunk, 1)) * ws[i], axis=0)       # [e_pad]
     if sigmoid:
         scores = 1.0 / (1.0 + jnp.exp(-logits))
@@ -148,7 +148,8 @@ def _route_kernel(x_ref, scale_ref, w_ref, normed_ref, ids_ref, comb_ref, *, eps
 
 def route_one(x, norm_scale, w_router, *, top_k: int, eps: float = 1e-5, score: str = "softmax",
               norm_topk: bool = True, interpret: bool = False):
-    """One token's routing in one launch: x [1, d] (the residual stream), norm_scale [d], w_router
+    """One token's routing in one launch: x [1, d] (the residual stream), norm_scale [d] (as stored:
+    widened after its load, as the router), w_router
     [d, E] (widened to fp32 after its load: serving stores it in the compute dtype, and a convert
     would be one more launch) -> (RMSNorm(x) * scale [1, d] in x's dtype, expert ids [top_k] int32, their weights
     [top_k] fp32), models/moe.py `route`'s math with the logits summed in fp32 (the XLA path's fp32
@@ -165,7 +166,7 @@ def route_one(x, norm_scale, w_router, *, top_k: int, eps: float = 1e-5, score: 
     kernel = functools.partial(_route_kernel, eps=eps, top_k=top_k, experts=experts, chunk=chunk,
                                sigmoid=score == "sigmoid", norm_topk=norm_topk)
     w = jnp.pad(w_router, ((0, 0), (0, e_pad - experts))) if e_pad != experts else w_router
-    args = (x, norm_scale.astype(F32), w)
+    args = (x, norm_scale, w)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(1,), in_specs=[whole(a.shape) for a in args],
