@@ -30,6 +30,8 @@ from meshlab.rules import constrain
 from models.llama import F32, _interpret, _mm, _w, apply_rope, rope_scaling
 from models.moe import route
 from pallas_kernels import decode_gemv as decode_kernels, expert_gemv as expert_kernels, rope as rope_kernels
+from pallas_kernels.grouped_matmul import grouped_matmul_nk
+from pallas_kernels.swiglu import silu_mul
 
 ACT = ("act_batch", "act_seq", "act_embed")
 # The most decode rows a step runs through decode_step's kernels (at most decode_kernels.MAX_ROWS);
@@ -195,7 +197,7 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
     operands (cuBLAS and Triton read either layout at the same rate); decode rows take the
     one-kernel attention when the `Attend` offers it, as fused layers do. fp8 matrices (`_mm_nk`)
     go through FP8 GEMMs from FP8_GEMM_ROWS tokens (prompt chunks), widened below (byte-bound rows)."""
-    cfg, dt = block.attn.cfg, jnp.dtype(block.attn.cfg.dtype)
+    cfg = block.attn.cfg
     b, t, _ = x.shape
     h = block.attn_norm(x)
     qkv = _mm_nk("bsd,nd->bsn", h, w, "wqkv_t").reshape(b, t, -1, cfg.head_dim)            # [b, t, h + 2 kvh, hd]
@@ -206,12 +208,39 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(layer, q, k, v, cache)                                             # [b, t, h, hd]
     x = constrain(x + _mm_nk("bsn,dn->bsd", o.reshape(b, t, -1), w, "wo_t"), ACT)           # [b, t, d]
-    if hasattr(block, "moe"):              # the experts' own [E, k, n] matrices, through the dispatch
-        return constrain(x + feed_forward(block, block.mlp_norm(x)), ACT), cache
-    gu = _mm_nk("bsd,gfd->bsgf", block.mlp_norm(x), w, "w_gate_up_t")                        # [b, t, 2, f]
+    ffn = experts_ffn if hasattr(block, "moe") else _mlp_nk
+    return constrain(x + ffn(block, block.mlp_norm(x), w), ACT), cache
+
+
+def _mlp_nk(block, x, w, prefix: str = ""):
+    """A SwiGLU MLP over normed x [b, t, d] from its [n, k] matrices w[prefix + "w_gate_up_t" / "w_down_t"]:
+    one GEMM for gate|up, the model's fp32 SiLU * up, then down."""
+    dt = x.dtype
+    gu = _mm_nk("bsd,gfd->bsgf", x, w, prefix + "w_gate_up_t")                                 # [b, t, 2, f]
     act = (jax.nn.silu(gu[:, :, 0].astype(F32)) * gu[:, :, 1].astype(F32)).astype(dt)        # [b, t, f]
-    x = x + _mm_nk("bsf,df->bsd", act, w, "w_down_t")                                        # [b, t, d]
-    return constrain(x, ACT), cache
+    return _mm_nk("bsf,df->bsd", act, w, prefix + "w_down_t")                                # [b, t, d]
+
+
+def experts_ffn(block, x, w):
+    """A mixture of experts' feed-forward over normed x [b, t, d] from the [n, k] copies w
+    (programs._experts_nk) for steps past one decode token (prompt chunks, decode batches): the
+    model's dropless dispatch on one device (assignments sorted by expert, grouped GEMMs, restored,
+    weighted and summed: meshlab/parallel/experts.py), its grouped GEMMs reading the copies
+    transposed (grouped_matmul_nk), so the layer holds its experts once."""
+    moe = block.moe
+    cfg, dt, (b, t, d) = moe.cfg, x.dtype, x.shape
+    n_experts, k, f = cfg.n_experts, cfg.top_k, w["experts_down_t"].shape[-1]
+    _, _, top_w, top_i = route(cfg, x, _w(moe.router, F32))                                # [b, t, K] each
+    e = top_i.reshape(-1)                                                                  # [A = b t K]
+    order = jnp.argsort(e, stable=True)                                                    # by expert
+    xs = x.reshape(b * t, d)[order // k]                                                   # [A, d] sorted
+    gmm = functools.partial(grouped_matmul_nk, group_sizes=jnp.bincount(e, length=n_experts), backend=cfg.gemm,
+                            interpret=_interpret())
+    gu = gmm(xs, w["experts_gate_up_t"].reshape(n_experts, 2 * f, d))                      # [A, 2f]: gate | up
+    y = gmm(silu_mul(gu[:, :f], gu[:, f:]), w["experts_down_t"])                           # [A, d]
+    y = jnp.zeros_like(y).at[order].set(y).reshape(b, t, k, d)                            # assignment order
+    y = jnp.sum(y.astype(F32) * top_w[..., None], axis=2).astype(dt)                      # [b, t, d]
+    return y + _mlp_nk(block, x, w, "shared_") if "shared_w_down_t" in w else y
 
 
 def decode_step(block, x, attend: Attend, layer, cache, fused):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from pallas_kernels.attention import on_hopper
-from pallas_kernels.grouped_matmul_triton import TritonTiles, grouped_matmul_triton
+from pallas_kernels.grouped_matmul_triton import TritonTiles, gmm_call, grouped_matmul_triton
 
 BACKENDS = ("auto", "mosaic", "triton", "xla")
 
@@ -121,6 +121,20 @@ def _call(fn, *args, **kw):
     """Call a JAX example kernel with only the keyword arguments its installed version takes."""
     params = inspect.signature(fn).parameters
     return fn(*args, **{k: v for k, v in kw.items() if k in params})
+
+
+def grouped_matmul_nk(x, w_nk, group_sizes, *, backend: str = "auto", interpret: bool = False):
+    """x [M, K] @ w_nk[g]^T, each group's matrix stored [N, K] (w_nk [G, N, K], the layout serving's
+    one-token expert kernels read) -> [M, N] in x's dtype; forward only (serving). The triton kernels
+    read w_nk transposed in place, their dX path; xla and mosaic take a transposed copy (the CPU's
+    tests, or whoever asks for mosaic)."""
+    if x.ndim != 2 or w_nk.ndim != 3 or x.shape[1] != w_nk.shape[2] or group_sizes.shape != (w_nk.shape[0],):
+        raise ValueError(f"grouped_matmul_nk: x {x.shape} [M, K], w_nk {w_nk.shape} [G, N, K] and group_sizes "
+                         f"{group_sizes.shape} [G] do not fit together")
+    group_sizes = group_sizes.astype(jnp.int32)
+    if resolve_backend(backend, interpret) == "triton":
+        return gmm_call(x, w_nk.astype(x.dtype), group_sizes, TritonTiles.default(x.dtype), interpret, trans_rhs=True)
+    return grouped_matmul(x, jnp.swapaxes(w_nk, 1, 2), group_sizes, backend=backend, interpret=interpret)
 
 
 def _row_mask(out, group_sizes, all_rows=False):

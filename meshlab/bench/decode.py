@@ -51,7 +51,7 @@ def weights_read_per_step(params, cfg, batch: int = 1) -> int:
     return total - embed.nbytes + batch * embed.nbytes // embed.shape[0]
 
 
-EXPERT_COPIES = ("experts_gate_up_t", "experts_down_t", "shared_w_gate_up_t", "shared_w_down_t")
+ROUTED_NK = ("experts_gate_up_t", "experts_down_t")
 
 
 def _share_read(path, cfg, batch: int) -> float:
@@ -59,13 +59,11 @@ def _share_read(path, cfg, batch: int) -> float:
     ([..., E, ...] under `moe`, not its shared expert) the experts the step's rows are expected to
     touch, E (1 - (1 - k/E)^batch) of E: each row routes to k distinct experts, taken here as uniform
     (a random router's; a trained one's skew touches fewer, so the roofline is then a little low).
-    The experts' [n, k] copies of serving's kernels layers (programs._experts_nk) count 0: a step
-    reads them instead of the experts' own matrices, which are counted."""
+    Serving's kernels layers hold the routed experts as `experts_*_t` (programs._experts_nk)."""
     n_experts = getattr(cfg, "n_experts", 0)
     keys = [getattr(k, "key", None) for k in path]
-    if n_experts and keys[-1] in EXPERT_COPIES:
-        return 0.0
-    if not n_experts or len(keys) < 2 or keys[-2] != "moe" or keys[-1] not in ("w_gate", "w_up", "w_down"):
+    routed = keys[-1] in ROUTED_NK or (len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in ("w_gate", "w_up", "w_down"))
+    if not n_experts or not routed:
         return 1.0
     return 1.0 - (1.0 - cfg.top_k / n_experts) ** batch
 

@@ -35,8 +35,9 @@ from meshlab.infer.first_tokens import FirstTokens
 from meshlab.infer.decode_calls import DecodeCalls
 from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
-from meshlab.infer.programs import (BIAS, COUNTS, TOP_LOGPROBS, add_own_entries, check_quantize, default_impl,
-                                    default_layers, engine_rules, head_params, make_engine_programs, make_head_program,
+from meshlab.infer.programs import (BIAS, COUNTS, TOP_LOGPROBS, add_own_entries, check_layers, check_quantize,
+                                    default_impl, default_layers, engine_rules, head_params, make_engine_programs,
+                                    make_head_program,
                                     placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
@@ -166,6 +167,7 @@ class Engine(PackedSteps, DecodeCalls, FirstTokens, Warmup, Scoring, Guided, Spe
             self.sched.scores = ScoreStore(page_size, capacity=max(1024, num_pages))
         check_quantize(md, quantize, mesh)
         layers = ("kernels" if quantize else default_layers(md, impl, mesh)) if layers == "auto" else layers
+        check_layers(md, layers, mesh)
         self.impl, self.layers = impl, layers
         if prefill not in ("auto", "paged", "flash", "xla"):
             raise ValueError(f"prefill={prefill!r} must be auto (the paged prompt kernel with impl=pallas), paged, "

@@ -126,37 +126,26 @@ def check_fp8_devices(devices) -> None:
                          f"{old[0].device_kind} is {old[0].compute_capability}: serve it in bf16 (leave --quantize out)")
 
 
-# A mixture of experts' kernels layers hold its experts twice (_experts_nk): `auto` takes them on one GPU
-# while the copies fit in this share of the device's memory, leaving the rest to the KV cache.
-MOE_COPY_SHARE = 0.25
-
-
-def default_layers(md, impl: str, mesh=None, device_bytes: int | None = None) -> str:
+def default_layers(md, impl: str, mesh=None) -> str:
     """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
     batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
-    1, level at 16 and 64; H200, docs/benchmarks.md). Else fused: one q|k|v GEMM and, with the
-    Pallas kernel at batch <= 16, RoPE + cache write inside the attention kernel. Both concatenate
-    weights, so a tensor-sharded mesh keeps split. A mixture of experts takes kernels on one GPU too
-    (moe_1b_8e at batch 1: 809 against 430 tokens/s split on an H100) while its experts' copies fit
-    MOE_COPY_SHARE of `device_bytes` (default: the first device's), else split (fused: 9% slower)."""
-    one = mesh is None or mesh.size == 1
-    if one and "mlp" in md.abstract["layers"]:
-        return "kernels" if impl == "pallas" else "fused"
-    if one and impl == "pallas" and expert_copy_bytes(md) <= MOE_COPY_SHARE * (device_bytes or _device_bytes()):
+    1, level at 16 and 64; H200, docs/benchmarks.md); a mixture of experts too (moe_1b_8e at batch 1:
+    856 against 433 tokens/s split on an H100). Else fused: one q|k|v GEMM and, with the Pallas
+    kernel at batch <= 16, RoPE + cache write inside the attention kernel; a mixture of experts
+    split (fused: 9% slower). Both concatenate weights, so a tensor-sharded mesh keeps split."""
+    if mesh is not None and mesh.size > 1:
+        return "split"
+    if impl == "pallas":
         return "kernels"
-    return "split"
+    return "fused" if "mlp" in md.abstract["layers"] else "split"
 
 
-def expert_copy_bytes(md) -> int:
-    """Bytes of a mixture of experts' routed and shared expert matrices in the compute dtype: what its
-    kernels layers hold a second time (0 for a dense model)."""
-    moe = {k: v for k, v in md.abstract["layers"].get("moe", {}).items() if k != "router"}
-    return sum(a.size for a in jax.tree.leaves(moe)) * jnp.dtype(md.cfg.dtype).itemsize
-
-
-def _device_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 0))
+def check_layers(md, layers: str, mesh=None) -> None:
+    """layers="kernels" serves a mixture of experts on one device: its experts' grouped GEMMs read
+    the [n, k] copies in place of the experts (experts_ffn), outside the rule file's expert dispatch."""
+    if layers == "kernels" and "mlp" not in md.abstract["layers"] and mesh is not None and mesh.size > 1:
+        raise ValueError(f"layers='kernels' serves a mixture of experts on one device; on this mesh of {mesh.size} "
+                         "devices use layers='split' (or 'auto')")
 
 
 # The engine's activations are one packed stream ([1, T, d]) or a decode bucket ([b, 1, d], b from 1):
@@ -191,13 +180,14 @@ def _fuse(layer: dict, decode: bool = False, quantize: str | None = None):
     ({"decode": ...}, the layer's matrices stored [n, k], each output's weights contiguous, for
     pallas_kernels/decode_gemv.py; the prompt path reads them transposed): wqkv_t [(h + 2 kvh) hd, d],
     wo_t [d, h hd], w_gate_up_t [2, f, d], w_down_t [d, f]; wo and w_down leave the params too (a
-    mixture of experts: the experts' copies of _experts_nk instead of the MLP's, its params unchanged).
+    mixture of experts: its experts' matrices as _experts_nk lays them out, in place of its own).
     quantize="fp8": each of the four float8_e4m3fn, with its per-row fp32 scale beside it as
     `<name>_scale` (decode_gemv.quantize_rows)."""
     here = {(mod, new): olds for (mod, new), olds in FUSED.items() if mod in layer}   # a mixture of experts: no mlp
     drop = {mod: olds for (mod, _), olds in here.items()}
     if decode:
-        drop = {**drop, "attn": drop["attn"] + ("wo",), **({"mlp": drop["mlp"] + ("w_down",)} if "mlp" in drop else {})}
+        drop = {**drop, "attn": drop["attn"] + ("wo",),
+                **({"mlp": drop["mlp"] + ("w_down",)} if "mlp" in drop else {"moe": ("w_gate", "w_up", "w_down", "shared")})}
     rest = {k: ({n: w for n, w in v.items() if n not in drop.get(k, ())} if isinstance(v, dict) else v)
             for k, v in layer.items()}
     fused = {new: jnp.concatenate([layer[mod][n] for n in olds], axis=1) for (mod, new), olds in here.items()}
@@ -220,9 +210,8 @@ def _mlp_nk(mlp: dict, prefix: str = "") -> dict:
 def _experts_nk(moe: dict) -> dict:
     """A mixture of experts' matrices stored [n, k] for the one-token expert kernels
     (pallas_kernels/expert_gemv.py): experts_gate_up_t [E, 2, f, d], experts_down_t [E, d, f], and a
-    shared expert's as `shared_` + _mlp_nk's. They are copies: the experts' own [E, k, n] matrices stay
-    for prompt chunks and larger decode batches (the grouped GEMM reads that layout), so the experts'
-    bytes are held twice."""
+    shared expert's as `shared_` + _mlp_nk's. Prompt chunks and decode batches read them too, the
+    grouped GEMMs transposed (models/serving.py experts_ffn), so they replace the experts' own."""
     nk = {"experts_gate_up_t": jnp.stack([jnp.swapaxes(moe["w_gate"], 1, 2), jnp.swapaxes(moe["w_up"], 1, 2)], axis=1),
           "experts_down_t": jnp.swapaxes(moe["w_down"], 1, 2)}
     return {**nk, **(_mlp_nk(moe["shared"], "shared_") if "shared" in moe else {})}

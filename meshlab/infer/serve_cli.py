@@ -39,10 +39,9 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1 (a mixture of experts: "
-                         "its experts held twice); auto: kernels on one GPU with the Pallas attention (a mixture "
-                         "of experts: while the copies fit a quarter of its memory), fused on one other device "
-                         "(dense), else split")
+                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1 (one device); "
+                         "auto: kernels on one GPU with the Pallas attention, fused on one other device "
+                         "(split for a mixture of experts), else split")
     add_storage_args(ap)
     add_speculative_args(ap)
     ap.add_argument("--max-body-bytes", type=count_arg(1), default=1 << 20, help="larger request bodies get 413")

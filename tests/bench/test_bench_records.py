@@ -116,8 +116,8 @@ def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
     expert = 2 * 3 * d * f * 4                                                          # one expert in both layers
     assert weights_read_per_step(moe, cfg, batch=1) == dense + 2 * expert
     assert weights_read_per_step(moe, cfg, batch=4) == int(dense + e * (1 - 0.75 ** 4) * expert)
-    # serving's kernels layers hold the experts twice (their [n, k] copies for one-row steps): a step
-    # reads one of the two, so the bytes are the split layers' (q|k|v and wo rearranged, not added)
+    # serving's kernels layers hold the experts as [n, k] matrices in place of their own: the same bytes as
+    # the split layers' (q|k|v and wo rearranged), the routed ones read as touched
     import models
     from meshlab.infer.loading import random_params
     from meshlab.infer.programs import serving_params
@@ -125,7 +125,7 @@ def test_the_decode_roofline_counts_one_row_of_an_untied_embedding():
     md = model_def(models.preset("moe_tiny"))
     params = random_params(md.cfg)
     split, kernels = (serving_params(md, params, layers) for layers in ("split", "kernels"))
-    assert "experts_down_t" in kernels["layers"][0][1]["decode"]
+    assert "experts_down_t" in kernels["layers"][0][1]["decode"] and "w_down" not in kernels["layers"][0][0]["moe"]
     for b in (1, 4):
         assert weights_read_per_step(kernels, md.cfg, b) == weights_read_per_step(split, md.cfg, b)
 

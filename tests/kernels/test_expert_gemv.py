@@ -195,3 +195,36 @@ def test_moe_decode_step_matches_the_xla_block(shared, top_k):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_moe_steps_past_one_token_read_the_nk_experts(shared):
+    # Two decode rows and a 4-token prompt chunk through nk_step (the kernels layers' path past one token):
+    # the dropless dispatch's grouped GEMMs over the experts' [n, k] matrices (read transposed) equal the
+    # XLA block over the experts' own; the layer's params no longer hold those (placeholders, as the engine's)
+    from flax import nnx
+    import models
+    from meshlab.infer import kv_cache
+    from meshlab.infer.programs import _fuse
+    from models.serving import block_step
+    cfg = dataclasses.replace(models.preset("moe_tiny"), dtype="float32", n_layers=1, shared_mlp_dim=shared,
+                              init_std=0.2)
+    block = nnx.merge(*nnx.split(models.build(cfg, nnx.Rngs(0)).layers))
+    params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+    (rest, nk), (_, fused) = _fuse(params, decode=True), _fuse(params)
+    assert set(rest["moe"]) == {"router"}
+    one = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: a[0], nnx.state(block)))
+    only_nk = nnx.merge(nnx.graphdef(block), jax.tree.map(lambda a: jnp.full(a.shape[1:], jnp.nan, a.dtype),
+                                                          nnx.state(block)))
+    nnx.update(only_nk, rest)                                  # the experts' own matrices NaN: must not be read
+    page_size, pages = 4, 4
+    for rows, t, start in ((2, 1, 9), (1, 4, 5)):
+        cache = kv_cache.init_paged(cfg, rows * pages + 1, page_size)
+        cache = jax.tree.map(lambda c: jax.random.normal(jax.random.PRNGKey(3), c.shape, c.dtype), cache)
+        table = jnp.arange(1, rows * pages + 1, dtype=jnp.int32).reshape(rows, pages)
+        positions = jnp.broadcast_to(start + jnp.arange(t), (rows, t)).astype(jnp.int32)
+        attend = kv_cache.paged_attend(positions, jnp.ones((rows, t), bool), table, "pallas", interpret=True)
+        x = jax.random.normal(jax.random.PRNGKey(4), (rows, t, cfg.d_model), jnp.float32)
+        got, _ = block_step(only_nk, x, positions, attend, 0, cache, fused=nk, kernels=True)
+        want, _ = block_step(one, x, positions, attend, 0, cache, fused=fused)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

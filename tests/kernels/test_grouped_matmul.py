@@ -97,6 +97,21 @@ def test_triton_interpret_matches_reference_forward_and_grads(m, k, n, sizes, dt
     assert not np.asarray(dw[sizes.index(0)], np.float32).any()                 # an empty group: dW = 0
 
 
+@pytest.mark.parametrize("backend, interpret", [("xla", False), ("triton", True)])
+def test_nk_layout_matches_the_kn_reference(backend, interpret):
+    # grouped_matmul_nk: each group's matrix stored [N, K] (serving's expert copies), read transposed by the
+    # triton kernels in place; rows past the groups' total come out zero, as grouped_matmul's
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(37, 48)), jnp.float32)
+    w_nk = jnp.asarray(rng.normal(size=(5, 80, 48)), jnp.float32)
+    sizes = jnp.array([7, 0, 12, 9, 6], jnp.int32)                                  # 34 of 37 rows
+    got = gm.grouped_matmul_nk(x, w_nk, sizes, backend=backend, interpret=interpret)
+    want = gm.grouped_matmul_reference(x, jnp.swapaxes(w_nk, 1, 2), sizes)
+    assert rel_err(got, want) < 1e-6 and not np.asarray(got[34:]).any()
+    with pytest.raises(ValueError, match=r"w_nk \(5, 80, 47\) \[G, N, K\]"):
+        gm.grouped_matmul_nk(x, w_nk[..., :47], sizes, backend=backend, interpret=interpret)
+
+
 def test_triton_row_tiles_cover_each_row_once_inside_its_group():
     """The forward's tile list: every row of [0, M) in exactly one used tile, whose group is the row's
     (G for the padding), inside one aligned block_m tile; never more than cdiv(M, block_m) + G tiles."""
