@@ -222,10 +222,11 @@ def _mlp_nk(block, x, w, prefix: str = ""):
 
 
 def experts_ffn(block, x, w):
-    """A mixture of experts' feed-forward over normed x [b, t, d] from the [n, k] copies w
+    """A mixture of experts' feed-forward over normed x [b, t, d] from its [n, k] matrices w
     (programs._experts_nk) for steps past one decode token (prompt chunks, decode batches): the
-    model's dropless dispatch on one device (assignments sorted by expert, grouped GEMMs, restored,
-    weighted and summed: meshlab/parallel/experts.py), its grouped GEMMs reading the copies
+    model's dropless dispatch on one device, whatever a rule file's `experts.dispatch` (serving drops
+    no assignment, as the one-token kernels drop none: sorted by expert, grouped GEMMs, restored,
+    weighted and summed: meshlab/parallel/experts.py), its grouped GEMMs reading those
     transposed (grouped_matmul_nk), so the layer holds its experts once."""
     moe = block.moe
     cfg, dt, (b, t, d) = moe.cfg, x.dtype, x.shape
@@ -271,7 +272,7 @@ def _stored(var):
 
 
 def experts_decode(block, x, w, mv):
-    """A mixture of experts' feed-forward and residual for one token x [1, d] over the [n, k] copies w
+    """A mixture of experts' feed-forward and residual for one token x [1, d] over its [n, k] matrices w
     (programs._experts_nk): the norm, the router and its top k in one launch (expert_gemv.route_one; in
     XLA where d or k is not a power of two: about seven small launches), then gate|up +
     SwiGLU of the K chosen experts in one launch and their down projections, weighted and summed

@@ -4,19 +4,17 @@
         row j: silu(x @ w[e_j, 0].T) * (x @ w[e_j, 1].T)          each chosen expert's gate|up
     expert_gemv(h [K, k], w [E, n, k], experts [K], combine=[K])         -> [1, n]
         sum_j combine[j] * (h[j] @ w[e_j].T)  (+ residual [1, n])  the down projections, weighted and summed
+    route_one(x [1, d], norm_scale [d], w_router [d, E], top_k=K)        -> (normed [1, d], experts, combine)
+        the RMSNorm, the router and its top k, in one program
 
-Why: at one token the dropless dispatch (meshlab/parallel/experts.py) sorts K assignments, builds the
-grouped GEMM's row tiles, permutes rows there and back and weights them: about twenty small launches a
-layer, each mostly latency, and the grouped GEMM's 256-column tiles run a 2-row step on 32 programs of
-a 132-SM card (moe_1b_8e on an H100: 2,439 us a token, 37% of its routed roofline). Here the expert ids
-are scalars the kernel reads before its weight loads, and a program's tiles are `block_n` output rows
-of the chosen experts' [n, k] copies, so the grid and the bytes per program are decode_gemv's at the
-same width (two experts of 4,096 are llama3_1b's 8,192): gate|up runs (K, column blocks) programs;
-down runs a program per column block that walks the K experts' rows, so their weighted sum needs no
-second launch. The experts' outputs are rounded to x's dtype before the weights, as the model's grouped
-GEMM writes them (models/moe.py, meshlab/parallel/experts.py `_local`).
+Why: at one token the dropless dispatch (meshlab/parallel/experts.py) is about twenty small launches a
+layer, and the grouped GEMM's 256-column tiles run a 2-row step on a few dozen programs. Here the expert
+ids are scalars read before the weight loads, and a program's tiles are `block_n` output rows of the
+chosen experts' [n, k] matrices: decode_gemv's grid and bytes per program at the same width. Down walks
+the K experts' rows in one program, so their weighted sum needs no second launch; each expert's output is
+rounded to x's dtype before its weight, as the model's grouped GEMM writes it.
 Limits: K <= MAX_CHOICES, n % block_n == 0 (k in power-of-two chunks <= block_k), no fp8, Triton or
-interpret=True. Tiles: decode_gemv.BlockSizes (block_n, block_k, tiles_per_program, prefetch, num_warps).
+interpret=True. Tiles: decode_gemv.BlockSizes. Speed: docs/benchmarks.md#decode-and-serving.
 """
 from __future__ import annotations
 

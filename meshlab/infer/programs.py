@@ -9,9 +9,9 @@ temporary before the GEMM (the layer scan's dynamic slice, and the unrolled scan
 alike), tripling those bytes. layers="fused" also concatenates wq|wk|wv and w_gate|w_up per
 layer (two GEMM launches instead of five; XLA's own dot merger would concatenate them at run
 time); it assumes those weights are not tensor-sharded. layers="kernels" stores each layer's
-matrices [n, k] instead (models/serving.py nk_step reads them transposed); its decode tokens (batch
-<= 4, Pallas attention) run each layer as five Pallas launches (decode_step). layers="scan" | "unroll"
-keep the stacked params.
+matrices [n, k] instead (a mixture of experts' experts too; models/serving.py nk_step reads them
+transposed); its decode tokens (one row, Pallas attention) run each layer as five Pallas launches
+(decode_step; a mixture of experts: six). layers="scan" | "unroll" keep the stacked params.
 
 Programs:
   make_programs          (step, decode_loop) over a fixed batch [b, t] (the contiguous generator
@@ -127,8 +127,8 @@ def check_fp8_devices(devices) -> None:
 
 
 def default_layers(md, impl: str, mesh=None) -> str:
-    """Engine(layers="auto"). With the Pallas kernels on one device: kernels, each decode layer at
-    batch <= 4 as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
+    """Engine(layers="auto"). With the Pallas kernels on one device: kernels, a one-row decode layer
+    as five Pallas launches over [n, k] matrices (1,114-1,128 vs 1,010 tokens/s at batch
     1, level at 16 and 64; H200, docs/benchmarks.md); a mixture of experts too (moe_1b_8e at batch 1:
     856 against 433 tokens/s split on an H100). Else fused: one q|k|v GEMM and, with the Pallas
     kernel at batch <= 16, RoPE + cache write inside the attention kernel; a mixture of experts
@@ -141,8 +141,7 @@ def default_layers(md, impl: str, mesh=None) -> str:
 
 
 def check_layers(md, layers: str, mesh=None) -> None:
-    """layers="kernels" serves a mixture of experts on one device: its experts' grouped GEMMs read
-    the [n, k] copies in place of the experts (experts_ffn), outside the rule file's expert dispatch."""
+    """A mixture of experts' kernels layers run outside the rule file's expert dispatch: one device only."""
     if layers == "kernels" and "mlp" not in md.abstract["layers"] and mesh is not None and mesh.size > 1:
         raise ValueError(f"layers='kernels' serves a mixture of experts on one device; on this mesh of {mesh.size} "
                          "devices use layers='split' (or 'auto')")
@@ -208,10 +207,9 @@ def _mlp_nk(mlp: dict, prefix: str = "") -> dict:
 
 
 def _experts_nk(moe: dict) -> dict:
-    """A mixture of experts' matrices stored [n, k] for the one-token expert kernels
-    (pallas_kernels/expert_gemv.py): experts_gate_up_t [E, 2, f, d], experts_down_t [E, d, f], and a
-    shared expert's as `shared_` + _mlp_nk's. Prompt chunks and decode batches read them too, the
-    grouped GEMMs transposed (models/serving.py experts_ffn), so they replace the experts' own."""
+    """A mixture of experts' matrices stored [n, k] (pallas_kernels/expert_gemv.py; models/serving.py
+    experts_ffn reads them transposed): experts_gate_up_t [E, 2, f, d], experts_down_t [E, d, f], a
+    shared expert's as `shared_` + _mlp_nk's."""
     nk = {"experts_gate_up_t": jnp.stack([jnp.swapaxes(moe["w_gate"], 1, 2), jnp.swapaxes(moe["w_up"], 1, 2)], axis=1),
           "experts_down_t": jnp.swapaxes(moe["w_down"], 1, 2)}
     return {**nk, **(_mlp_nk(moe["shared"], "shared_") if "shared" in moe else {})}
