@@ -14,7 +14,8 @@ chosen experts' [n, k] matrices: decode_gemv's grid and bytes per program at the
 the K experts' rows in one program, so their weighted sum needs no second launch; each expert's output is
 rounded to x's dtype before its weight, as the model's grouped GEMM writes it.
 Limits: K <= MAX_CHOICES, n % block_n == 0 (k in power-of-two chunks <= block_k), no fp8, Triton or
-interpret=True. Tiles: decode_gemv.BlockSizes. Speed: docs/benchmarks.md#decode-and-serving.
+interpret=True. Tiles: decode_gemv's (`default_block_sizes`; `rolled` walks unrolled here, the same sums).
+Speed: docs/benchmarks.md#decode-and-serving.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.compat import TritonCompilerParams as _CompilerParams
-from pallas_kernels.decode_gemv import F32, BlockSizes, decode_gemv_reference, shape_block_sizes
+from pallas_kernels import decode_gemv
+from pallas_kernels.decode_gemv import F32, BlockSizes, decode_gemv_reference
 
 MAX_CHOICES = 8    # the down kernel unrolls the K experts' tiles: top-8 (fine-grained experts) at most
 
@@ -108,14 +110,13 @@ def _combine_kernel(e_ref, c_ref, x_ref, w_ref, *refs, k, bn, bk, tpp, ahead, ch
     _walk(_steps(tpp, choices, chunks), load, use, ahead)
 
 
-def _route_kernel(x_ref, scale_ref, w_ref, normed_ref, ids_ref, comb_ref, *, eps, top_k, experts, chunk, sigmoid,
+def _route_kernel(x_ref, scale_ref, w_ref, normed_ref, ids_ref, comb_ref, *, eps, top_k, e_pad, chunk, sigmoid,
                   norm_topk):
     """One program: RMSNorm of the token, its router logits in fp32 over `chunk`-row slices of the
     router (all loads issued up front), the scores, the top k (lowest id first on ties, as lax.top_k)."""
-    d, e_pad = x_ref.shape[1], w_ref.shape[1]
-    dt = normed_ref.dtype
-    live = jnp.arange(e_pad) < experts                                                # the bank padded to a power of two
-    ws = [plgpu.load(w_ref.at[pl.ds(c, chunk), :], mask=live[None, :], other=0.0).astype(F32)
+    d, dt = x_ref.shape[1], normed_ref.dtype
+    live = jnp.arange(e_pad) < w_ref.shape[1]              # the bank read as a power of two wide, the rest masked
+    ws = [plgpu.load(w_ref.at[pl.ds(c, chunk), pl.ds(0, e_pad)], mask=live[None, :], other=0.0).astype(F32)
           for c in range(0, d, chunk)]                                                # [chunk, e_pad] each
     xf = plgpu.load(x_ref.at[pl.ds(0, 1), :]).astype(F32)                            # [1, d]
     inv = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
@@ -161,10 +162,9 @@ def route_one(x, norm_scale, w_router, *, top_k: int, eps: float = 1e-5, score: 
                          f"<= E and score={score!r} softmax or sigmoid")
     e_pad = 1 << (experts - 1).bit_length()
     chunk = min(d, max(16, 4096 // e_pad))                      # 16 KiB of fp32 router a load
-    kernel = functools.partial(_route_kernel, eps=eps, top_k=top_k, experts=experts, chunk=chunk,
+    kernel = functools.partial(_route_kernel, eps=eps, top_k=top_k, e_pad=e_pad, chunk=chunk,
                                sigmoid=score == "sigmoid", norm_topk=norm_topk)
-    w = jnp.pad(w_router, ((0, 0), (0, e_pad - experts))) if e_pad != experts else w_router
-    args = (x, norm_scale, w)
+    args = (x, norm_scale, w_router)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(1,), in_specs=[whole(a.shape) for a in args],
@@ -175,18 +175,13 @@ def route_one(x, norm_scale, w_router, *, top_k: int, eps: float = 1e-5, score: 
     )(*args)
 
 
-def default_block_sizes(n: int, k: int, swiglu: bool) -> BlockSizes:
-    """decode_gemv's tiles for the same role and shape (module-level, so a benchmark can swap it)."""
-    return shape_block_sizes(n, k, swiglu)
-
-
 def expert_gemv(x, w, experts, *, combine=None, residual=None, swiglu: bool = False,
                 block_sizes: BlockSizes | None = None, interpret: bool = False):
     """See the module doc. swiglu: x [1, k] (the normed token), w [E, 2, f, k] -> [K, f]; else x [K, k]
     (row j for experts[j]), w [E, n, k], combine [K] fp32 -> [1, n] in x's dtype."""
     n, k = w.shape[-2], x.shape[-1]
     return _expert_gemv(x, w, experts, combine=combine, residual=residual, swiglu=swiglu,
-                        block_sizes=block_sizes or default_block_sizes(n, k, swiglu),
+                        block_sizes=block_sizes or decode_gemv.default_block_sizes(n, k, swiglu),
                         interpret=interpret)
 
 
@@ -210,8 +205,6 @@ def _expert_gemv(x, w, experts, *, combine, residual, swiglu, block_sizes, inter
     if residual is not None and (swiglu or residual.shape != (1, n)):
         raise ValueError(f"expert_gemv: residual {residual.shape} must be [1, {n}], and not with swiglu")
     bs = block_sizes
-    if bs.rolled:
-        raise ValueError("expert_gemv: BlockSizes.rolled is decode_gemv's; leave it False")
     bk = bs.validate(n, k)
     kw = dict(k=k, bn=bs.block_n, bk=bk, tpp=bs.tiles_per_program, ahead=bs.prefetch)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - pointers, tiles picked in-kernel

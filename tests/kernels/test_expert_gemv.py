@@ -115,6 +115,28 @@ def test_route_one_matches_the_models_router(experts, top_k, score, d, dtype):
     assert np.asarray(tied).tolist() == list(range(top_k))
     with pytest.raises(ValueError, match="top_k=3 a power of two"):
         route_one(x, scale, w, top_k=3, interpret=True)
+    if experts & (experts - 1):     # a bank not a power of two wide: read masked in place, no pad launch before
+        text = jax.jit(lambda x, g, w: route_one(x, g, w, top_k=top_k, score=score)).trace(x, scale, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "expert_route" in text and "stablehlo.pad" not in text
+
+
+def test_default_tiles_are_decode_gemvs_as_a_benchmark_sets_them(monkeypatch):
+    # the tiles a call names none of come from decode_gemv.default_block_sizes at call time (bench_decode's
+    # tile variants swap it); a rolled tile runs unrolled, the same sums
+    from pallas_kernels import decode_gemv
+    rng = np.random.default_rng(5)
+    x, w = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32), jnp.asarray(rng.normal(size=(E, 2, F, 64)), jnp.float32)
+    experts, seen = jnp.array([4, 2], jnp.int32), []
+
+    def tiles(n, k, swiglu):
+        seen.append((n, k, swiglu))
+        return BlockSizes(block_n=8, block_k=128, tiles_per_program=2, prefetch=1, rolled=True)
+    monkeypatch.setattr(decode_gemv, "default_block_sizes", tiles)
+    got = expert_gemv(x, w, experts, swiglu=True, interpret=True)
+    assert seen == [(F, 64, True)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expert_gemv_reference(x, w, experts, swiglu=True)),
+                               atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("preset", ["moe_1b_8e", "moe_1b_64e"])
