@@ -40,6 +40,12 @@ ACT = ("act_batch", "act_seq", "act_embed")
 # tokens/s through the kernels against 1,962 / 3,728 through XLA; batch 1 level). Module-level,
 # read when a step traces: a benchmark swaps it (bench_decode.py --jobs rows_ab).
 KERNEL_ROWS = 1
+# The most decode rows of a mixture of experts whose experts run through the expert kernels
+# (pallas_kernels/expert_gemv.py: a program per (token, choice) pair and column block, a padding
+# row's pairs reading nothing); past one row the attention's projections stay XLA's GEMMs
+# (KERNEL_ROWS), and past these rows the dropless dispatch's grouped GEMM takes the experts. Four:
+# the engine's decode bucket after one. Module-level, read when a step traces (bench_decode.py swaps it).
+EXPERT_KERNEL_ROWS = 4
 # fp8 matrices (serving_params(quantize="fp8")) meet steps of at least this many tokens (prompt chunks,
 # large decode batches) in FP8 GEMMs, W8A8: each token's activations scaled to e4m3 (its amax to 448,
 # as the weights' rows are), one cuBLASLt FP8 GEMM at twice bf16's tensor-core rate, both scales on
@@ -73,9 +79,12 @@ class Attend:
     fused(layer, qkv [b, t, h + 2 kvh, hd] before RoPE, inv_freq, cache) -> (o, cache), or None: RoPE,
       the cache write and attention in one kernel, offered for decode tokens only; a layer uses it
       when its q|k|v weights are concatenated. It passes a zero padding row through as zeros.
+    live: [b] bool or None: the rows whose first token this step is real (a decode bucket's padding
+      rows, and rows past their last position, are not); the expert kernels read nothing for the others.
     """
     attend: Callable
     fused: Optional[Callable] = None
+    live: Optional[jax.Array] = None
 
     def __call__(self, layer, q, k, v, cache):
         return self.attend(layer, q, k, v, cache)
@@ -172,13 +181,15 @@ def block_step(block, x, positions, attend: Attend, layer, cache, fused=None, ke
     fused: {"wqkv", "w_gate_up"} concatenated at load (a mixture of experts: "wqkv" only), or
     {"decode": the layer's matrices stored [n, k]} (serving layers="kernels"): then a decode token
     (t == 1, at most KERNEL_ROWS rows, a mixture of experts' one row, kernels=True, the one-kernel
-    attention offered) goes through `decode_step`, anything else through `nk_step`."""
+    attention offered) goes through `decode_step`, anything else through `nk_step` (a mixture of
+    experts' decode rows up to EXPERT_KERNEL_ROWS with its experts through the expert kernels)."""
     b, t, _ = x.shape
     if fused is not None and "decode" in fused:
-        rows = 1 if hasattr(block, "moe") else KERNEL_ROWS       # the expert kernels take one token's choices
-        if kernels and t == 1 and b <= rows and attend.fused is not None:
+        moe = hasattr(block, "moe")
+        if kernels and t == 1 and b <= (1 if moe else KERNEL_ROWS) and attend.fused is not None:
             return decode_step(block, x, attend, layer, cache, fused)
-        return nk_step(block, x, positions, attend, layer, cache, fused["decode"])
+        rows = moe and kernels and t == 1 and b <= EXPERT_KERNEL_ROWS
+        return nk_step(block, x, positions, attend, layer, cache, fused["decode"], expert_rows=rows)
     h, cache = attention(block.attn, block.attn_norm(x), positions, attend, layer, cache,
                          wqkv=None if fused is None else fused.get("wqkv"))
     x = constrain(x + h, ACT)
@@ -191,12 +202,13 @@ def _mm_nk(spec, x, w, name):
     return _mm_decode(spec, x, w[name], w.get(name + "_scale"))
 
 
-def nk_step(block, x, positions, attend: Attend, layer, cache, w):
+def nk_step(block, x, positions, attend: Attend, layer, cache, w, expert_rows: bool = False):
     """`block_step`'s math over w = the layer's matrices stored [n, k] (serving layers="kernels"):
     prompt chunks and decode batches past decode_step's rows, as XLA GEMMs on the transposed
     operands (cuBLAS and Triton read either layout at the same rate); decode rows take the
     one-kernel attention when the `Attend` offers it, as fused layers do. fp8 matrices (`_mm_nk`)
-    go through FP8 GEMMs from FP8_GEMM_ROWS tokens (prompt chunks), widened below (byte-bound rows)."""
+    go through FP8 GEMMs from FP8_GEMM_ROWS tokens (prompt chunks), widened below (byte-bound rows).
+    expert_rows: a mixture of experts' decode rows, its experts through `experts_decode`."""
     cfg = block.attn.cfg
     b, t, _ = x.shape
     h = block.attn_norm(x)
@@ -208,6 +220,8 @@ def nk_step(block, x, positions, attend: Attend, layer, cache, w):
         q, k = apply_rope(cfg, q, k, positions)
         o, cache = attend(layer, q, k, v, cache)                                             # [b, t, h, hd]
     x = constrain(x + _mm_nk("bsn,dn->bsd", o.reshape(b, t, -1), w, "wo_t"), ACT)           # [b, t, d]
+    if expert_rows:
+        return experts_decode(block, x.reshape(b, -1), w, live=attend.live).reshape(b, 1, -1), cache   # [b, 1, d]
     ffn = experts_ffn if hasattr(block, "moe") else _mlp_nk
     return constrain(x + ffn(block, block.mlp_norm(x), w), ACT), cache
 
@@ -260,7 +274,7 @@ def decode_step(block, x, attend: Attend, layer, cache, fused):
     o, cache = _fused_attend(attend, cfg, layer, qkv.reshape(b, 1, -1, cfg.head_dim), cache)   # [b, 1, h, hd]
     x = mv(o.reshape(b, -1), w["wo_t"], residual=x, **sc("wo_t"))                         # [b, h hd] . [d, h hd]^T -> [b, d]
     if hasattr(block, "moe"):
-        return experts_decode(block, x, w, mv).reshape(b, 1, d), cache
+        return experts_decode(block, x, w, mv=mv).reshape(b, 1, d), cache
     h = mv(x, w["w_gate_up_t"], norm_scale=_stored(block.mlp_norm.scale), swiglu=True, **sc("w_gate_up_t"))   # [b, f]
     x = mv(h, w["w_down_t"], residual=x, **sc("w_down_t"))                                # [b, d]
     return x.reshape(b, 1, d), cache                                                      # [b, 1, d]
@@ -271,28 +285,34 @@ def _stored(var):
     return _w(var, var[...].dtype)
 
 
-def experts_decode(block, x, w, mv):
-    """A mixture of experts' feed-forward and residual for one token x [1, d] over its [n, k] matrices w
-    (programs._experts_nk): the norm, the router and its top k in one launch (expert_gemv.route_one; in
-    XLA where d or k is not a power of two: about seven small launches), then gate|up +
-    SwiGLU of the K chosen experts in one launch and their down projections, weighted and summed
-    with the residual, in another (pallas_kernels/expert_gemv.py); a shared expert as a dense MLP's
-    two decode_gemv launches. The model's math and roundings (models/moe.py MoeFFN)."""
+def experts_decode(block, x, w, live=None, mv=None):
+    """A mixture of experts' feed-forward and residual for decode tokens x [b, d] over its [n, k] matrices
+    w (programs._experts_nk): the norm, the router and its top k in one launch (expert_gemv.route_rows;
+    in XLA where d or k is not a power of two: about seven small launches), then gate|up + SwiGLU of
+    each token's K chosen experts in one launch and their down projections, weighted and summed with
+    the residual, in another (pallas_kernels/expert_gemv.py). live [b] (Attend.live): rows not live
+    route nowhere and read no expert. A shared expert: decode_gemv's two launches (mv, one row) or
+    XLA's GEMMs. The model's math and roundings (models/moe.py MoeFFN)."""
     moe, d = block.moe, x.shape[-1]
     cfg = moe.cfg
-    if d & (d - 1) or cfg.top_k & (cfg.top_k - 1):        # route_one's limits: the norm and router in XLA
-        normed = block.mlp_norm(x[:, None])                                               # [1, 1, d]
-        _, _, top_w, top_i = route(cfg, normed, _w(moe.router, F32))                      # [1, 1, K] each
-        experts, combine, normed = top_i.reshape(-1), top_w.reshape(-1), normed.reshape(1, d)
+    if d & (d - 1) or cfg.top_k & (cfg.top_k - 1):        # route_rows' limits: the norm and router in XLA
+        normed = block.mlp_norm(x[:, None])                                               # [b, 1, d]
+        _, _, top_w, top_i = route(cfg, normed, _w(moe.router, F32))                      # [b, 1, K] each
+        experts, combine, normed = top_i[:, 0], top_w[:, 0], normed[:, 0]
+        if live is not None:
+            experts, combine = jnp.where(live[:, None], experts, -1), jnp.where(live[:, None], combine, 0.0)
     else:                                                 # the norm, the router and its top k: one launch
-        normed, experts, combine = expert_kernels.route_one(
-            x, _stored(block.mlp_norm.scale), _stored(moe.router), top_k=cfg.top_k, eps=block.mlp_norm.eps,
-            score=cfg.router_score, norm_topk=cfg.norm_topk, interpret=_interpret())      # [1, d], [K], [K]
-    gemv = functools.partial(expert_kernels.expert_gemv, experts=experts, interpret=_interpret())
-    h = gemv(normed, w["experts_gate_up_t"], swiglu=True)                                  # [K, f]
+        normed, experts, combine = expert_kernels.route_rows(
+            x, _stored(block.mlp_norm.scale), _stored(moe.router), top_k=cfg.top_k, live=live, eps=block.mlp_norm.eps,
+            score=cfg.router_score, norm_topk=cfg.norm_topk, interpret=_interpret())      # [b, d], [b, K], [b, K]
+    gemv = functools.partial(expert_kernels.expert_gemv, experts=experts, masked=live is not None,
+                             interpret=_interpret())
+    h = gemv(normed, w["experts_gate_up_t"], swiglu=True)                                  # [b K, f]
     if "shared_w_gate_up_t" not in w:
-        return gemv(h, w["experts_down_t"], combine=combine, residual=x)                  # [1, d]
-    y = gemv(h, w["experts_down_t"], combine=combine)                                     # [1, d] the routed sum
+        return gemv(h, w["experts_down_t"], combine=combine, residual=x)                  # [b, d]
+    y = gemv(h, w["experts_down_t"], combine=combine)                                     # [b, d] the routed sums
+    if mv is None:                                                                        # XLA's GEMMs
+        return x + (y + _mlp_nk(block, normed[:, None], w, "shared_")[:, 0])
     hs = mv(normed, w["shared_w_gate_up_t"], swiglu=True)                                 # [1, f_shared]
     return x + mv(hs, w["shared_w_down_t"], residual=y)                                   # x + (routed + shared)
 

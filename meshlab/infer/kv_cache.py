@@ -145,7 +145,7 @@ def contiguous_attend(positions, valid):
                for name, x in (("k", k), ("v", v))}
         o = dense_attention(q, new["k"][layer], new["v"][layer], positions)
         return o, new
-    return Attend(attend)
+    return Attend(attend, live=valid[:, 0])
 
 
 def gathered_attention(q, cache, layer, page_table, q_pos):
@@ -341,4 +341,4 @@ def paged_attend(positions, valid, page_table, impl: str = "xla", interpret: boo
     # llama3_1b, ctx 2048 (docs/benchmarks.md#decode-and-serving): b=1 921 vs 873 tokens/s; b=16 10,329
     # vs 10,147; b=32 12,560 vs 15,730; b=64 15,787 vs 21,595 (fused vs unfused).
     small = positions.shape[0] <= FUSED_MAX_BATCH
-    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None)
+    return Attend(attend, fused if impl == "pallas" and positions.shape[1] == 1 and small else None, live=valid[:, 0])

@@ -322,7 +322,8 @@ def test_active_and_total_counts_follow_the_config():
 def test_greedy_decode_through_the_engine_equals_uncached_forward(layers):
     """The paged engine (KV cache, continuous batching; layers auto -> split for MoE on the CPU, fused:
     q|k|v in one GEMM, or kernels: a one-row decode step through the Pallas attention and the expert
-    kernels in interpret mode, two rows through the grouped GEMM) with greedy sampling gives the argmax of
+    kernels in interpret mode, three rows through XLA's projections and the expert kernels, a padding row
+    routed nowhere, prompt chunks through the grouped GEMM) with greedy sampling gives the argmax of
     a full no-cache forward at every step."""
     from flax import nnx
     from meshlab.infer.engine import Engine
@@ -332,8 +333,9 @@ def test_greedy_decode_through_the_engine_equals_uncached_forward(layers):
     md = model_def(cfg)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, nnx.Rngs(0)), nnx.Param))
     kw = dict(impl="pallas", interpret=True) if layers == "kernels" else {}
-    engine = Engine(md, params, max_len=32, max_seqs=2, page_size=4, chunk=8, steps_per_call=4, layers=layers, **kw)
-    prompts = [[5, 6, 7], list(range(40, 52))]                     # both in flight: continuous batching
+    engine = Engine(md, params, max_len=32, max_seqs=4, page_size=4, chunk=8, steps_per_call=4, layers=layers, **kw)
+    # all in flight (continuous batching); three rows decode in the bucket of four: one padding row
+    prompts = [[5, 6, 7], list(range(40, 52)), [9, 3, 3, 1, 2]]
     outs = [r.output for r in engine.generate(prompts, SamplingParams(max_tokens=6))]
     if layers == "kernels":                 # alone: one-row decode steps, through the expert kernels
         assert [engine.generate([p], SamplingParams(max_tokens=6))[0].output for p in prompts] == outs
