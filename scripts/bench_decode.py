@@ -70,7 +70,7 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 splits wanted) or up, alternated twice
   rows_ab       batch 1 / 2 / 4 through engines whose decode steps take the kernels up to the shipped
                 rows (models.serving.KERNEL_ROWS) or up to 4 (more rows: XLA GEMMs), alternated twice
-  expert_rows_ab  a mixture of experts (--preset moe_1b_8e) at batch 1 / 2 / 3 / 4 with the decode rows
+  expert_rows_ab  a mixture of experts (--preset moe_1b_8e) at batch 1 / 2 / 4 with the decode rows
                 past one through the expert kernels (models.serving.EXPERT_KERNEL_ROWS) or the grouped GEMM,
                 alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows

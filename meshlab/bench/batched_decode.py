@@ -160,15 +160,15 @@ def job_rows_ab(c):
 
 
 def job_expert_rows_ab(c):
-    """A mixture of experts' batch 1 / 2 / 3 / 4 through engines whose decode rows past one take the expert
+    """A mixture of experts' batch 1 / 2 / 4 through engines whose decode rows past one take the expert
     kernels up to the shipped rows (models.serving.EXPERT_KERNEL_ROWS) or none of them (the grouped
-    GEMM); the engine pads 2 and 3 rows to its bucket of 4, whose padding row routes nowhere. Alternated
+    GEMM); the engine pads 2 rows to its bucket of 4, whose padding rows route nowhere. Alternated
     twice; the limit is read when a program traces: each engine runs under its own, compiles included."""
     engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in sorted({serving.EXPERT_KERNEL_ROWS, 1})}
     for _ in range(2):
         for rows, eng in engines.items():
             with mock.patch.object(serving, "EXPERT_KERNEL_ROWS", rows):
-                bs.engine_sweep(eng, c.bw, [1, 2, 3, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
+                bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
                                 tag=f" [expert kernel rows {rows}]")
 
 
