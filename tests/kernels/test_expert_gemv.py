@@ -190,11 +190,22 @@ def test_lowers_for_cuda_at_the_presets_shapes(preset):
                      (lambda h, w, i, c, r: expert_gemv(h, w, i, combine=c, residual=r), (s(k, f), s(e, d, f), ids, f32, s(1, d)))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "expert_gemv" in text
+    # four rows with their loads masked (a decode bucket's padding rows): the predicated tiles lower too
+    ids4, f32_4 = jax.ShapeDtypeStruct((4, k), jnp.int32), jax.ShapeDtypeStruct((4, k), jnp.float32)
+    for fn, args in ((lambda x, w, i: expert_gemv(x, w, i, swiglu=True, masked=True), (s(4, d), s(e, 2, f, d), ids4)),
+                     (lambda h, w, i, c, r: expert_gemv(h, w, i, combine=c, residual=r, masked=True),
+                      (s(4 * k, f), s(e, d, f), ids4, f32_4, s(4, d)))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "expert_gemv" in text
     route = lambda x, g, w: route_rows(x, g, w, top_k=k, score=cfg.router_score)  # noqa: E731
     for scale in (jax.ShapeDtypeStruct((d,), jnp.float32), s(d)):
         text = jax.jit(route).trace(s(1, d), scale, s(d, e)).lower(lowering_platforms=("cuda",)).as_text()
         # the scale and the router as stored (serving's bf16): widened in the kernel, no convert launch before it
         assert "expert_route" in text and "stablehlo.convert" not in text
+    live = jax.ShapeDtypeStruct((4,), jnp.bool_)
+    text = jax.jit(lambda x, g, w, m: route_rows(x, g, w, top_k=k, live=m)).trace(s(4, d), s(d), s(d, e), live).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "expert_route" in text
 
 
 @pytest.mark.gpu
