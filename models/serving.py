@@ -43,8 +43,11 @@ KERNEL_ROWS = 1
 # The most decode rows of a mixture of experts whose experts run through the expert kernels
 # (pallas_kernels/expert_gemv.py: a program per (token, choice) pair and column block, a padding
 # row's pairs reading nothing); past one row the attention's projections stay XLA's GEMMs
-# (KERNEL_ROWS), and past these rows the dropless dispatch's grouped GEMM takes the experts. Four:
-# the engine's decode bucket after one. Module-level, read when a step traces (bench_decode.py swaps it).
+# (KERNEL_ROWS), and past these rows the dropless dispatch's grouped GEMM takes the experts. Four,
+# the engine's decode bucket after one (H100, moe_1b_8e, ctx 2k, through Engine: batch 2 / 4 at
+# 1,142 / 1,742 tokens/s against 742 / 1,339 through the grouped GEMM; at 8 / 16 rows the kernels'
+# one row a program loses, 2,000 / 3,186 against 2,252 / 4,060). Module-level, read when a step
+# traces (bench_decode.py --jobs expert_rows_ab swaps it).
 EXPERT_KERNEL_ROWS = 4
 # fp8 matrices (serving_params(quantize="fp8")) meet steps of at least this many tokens (prompt chunks,
 # large decode batches) in FP8 GEMMs, W8A8: each token's activations scaled to e4m3 (its amax to 448,
