@@ -15,7 +15,7 @@ launch side by side, so rows that share an expert read its tiles from L2. Down w
 in one program: the weighted sum needs no second launch. Each expert's output is rounded to x's dtype
 before its weight, as the model's grouped GEMM writes it. An id < 0 (a padding row's) reads nothing.
 Limits: K <= MAX_CHOICES, n % block_n == 0 (k in power-of-two chunks <= block_k), no fp8, Triton or
-interpret=True. Tiles: decode_gemv's (`default_block_sizes`, walked unrolled). Speed: docs/benchmarks.md.
+interpret=True. Tiles: decode_gemv's (`default_block_sizes`, walked unrolled). Speed: docs/benchmarks.md#decode-and-serving.
 """
 from __future__ import annotations
 

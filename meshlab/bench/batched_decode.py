@@ -1,7 +1,6 @@
 """Batched decode: the paged attention kernel's tiles by batch, and the Engine A/Bs behind the
 batch-dependent choices (bench_decode.py's jobs attn_tiles, sweep_ab, rows_ab, expert_rows_ab, buckets_ab,
-splits_ab and
-the sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
+splits_ab and the sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
 
 `attention_tile_sweep` times the decode attention alone: `layers` layers of one stacked paged cache
 in one jit (each layer's K/V read in place, 67 MB a layer at llama3_1b's batch 16 and ctx 2k, past
