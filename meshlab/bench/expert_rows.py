@@ -1,11 +1,12 @@
-"""The experts' grouped GEMM at a decode step's few rows (bench_decode.py's gmm_rows job).
+"""The experts' grouped GEMM at a decode step's rows (bench_decode.py's gmm_rows job).
 
-At batch 1 a mixture of experts' step routes 2 rows (top 2) to 2 of its experts, and the grouped
-GEMM's program count is its column tiles times the experts that have rows: the Hopper tiles' 256
-columns give moe_1b_8e's gate 32 programs and its down 16 on a 132-SM card (docs/benchmarks.md,
-Decode and serving). This times `grouped_matmul_triton` at 2, 16 and 64 rows on the preset's expert
-shapes under the default tiles and narrower ones, each against the default's output, with the bytes
-of the experts the rows touch over the time as the rate.
+Decode batches past models.serving.EXPERT_KERNEL_ROWS run a mixture of experts' experts through the
+grouped GEMM over their [E, n, k] matrices, read transposed (`grouped_matmul_nk`): a batch of b rows
+routes b x top_k rows, in its decode bucket's padded count. The Hopper tiles (128 rows x 256 columns)
+compute a 128-row tile for a group of a few rows. This times that call at 32, 128 and 512 rows (the
+buckets of 16, 64 and 256 at top 2) on the preset's expert shapes under the default tiles and narrower
+ones (16 rows), each against the default's output, with the bytes of the experts the rows touch over
+the time as the rate.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ FEW_ROW_TILES = {
     "n64k128s3": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
     "n32k256s3": dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3),
     "n128k128s3": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    "m16n256k64s3w8": dict(block_m=16, block_n=256, block_k=64, num_warps=8, num_stages=3),   # Hopper's, 16 rows
+    "m32n128k64s4": dict(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4),
 }
 
 
@@ -29,7 +32,7 @@ def route_rows(rng, rows: int, experts: int, top_k: int) -> np.ndarray:
     return np.bincount(picks, minlength=experts).astype(np.int32)
 
 
-def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
+def gmm_rows(cfg, smoke: bool = False, rows=(32, 128, 512)) -> list[dict]:
     """Rows of the gmm_rows job: us per call and GB/s of the touched experts, per (op, rows, tiles)."""
     import jax
     import jax.numpy as jnp
@@ -39,10 +42,10 @@ def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
     rng = np.random.default_rng(0)
     dt = jnp.float32 if smoke else jnp.bfloat16
     tiles = {"default": None, **{k: gmt.TritonTiles(**v) for k, v in FEW_ROW_TILES.items()}}
-    shapes = {"gate": (cfg.d_model, cfg.expert_mlp_dim), "down": (cfg.expert_mlp_dim, cfg.d_model)}
+    shapes = {"gate|up": (cfg.d_model, 2 * cfg.expert_mlp_dim), "down": (cfg.expert_mlp_dim, cfg.d_model)}
     out = []
     for op, (k, n) in shapes.items():
-        w = jnp.asarray(rng.normal(size=(cfg.n_experts, k, n)), dt)
+        w = jnp.asarray(rng.normal(size=(cfg.n_experts, n, k)), dt)                       # [E, n, k], as serving holds them
         for m in rows:
             x = jnp.asarray(rng.normal(size=(m, k)), dt)
             gs = jnp.asarray(route_rows(rng, m, cfg.n_experts, cfg.top_k))
@@ -50,7 +53,8 @@ def gmm_rows(cfg, smoke: bool = False, rows=(2, 16, 64)) -> list[dict]:
             touched = experts * k * n * jnp.dtype(dt).itemsize                     # bytes of the experts with rows
             ref = None
             for name, t in tiles.items():
-                f = jax.jit(lambda x, w, gs, t=t: gmt.grouped_matmul_triton(x, w, gs, tiles=t, interpret=smoke))
+                f = jax.jit(lambda x, w, gs, t=t: gmt.gmm_call(x, w, gs, t or gmt.TritonTiles.default(x.dtype), smoke,
+                                                               trans_rhs=True))
                 got = np.asarray(f(x, w, gs), np.float32)
                 ref = got if ref is None else ref
                 sec = median_time(f, x, w, gs, warmup=2, reps=5 if smoke else 10, inner=1 if smoke else 10)
