@@ -42,7 +42,7 @@ def gmm_rows(cfg, smoke: bool = False, rows=(32, 128, 512)) -> list[dict]:
     rng = np.random.default_rng(0)
     dt = jnp.float32 if smoke else jnp.bfloat16
     tiles = {"default": None, **{k: gmt.TritonTiles(**v) for k, v in FEW_ROW_TILES.items()}}
-    shapes = {"gate|up": (cfg.d_model, 2 * cfg.expert_mlp_dim), "down": (cfg.expert_mlp_dim, cfg.d_model)}
+    shapes = {"gate_up": (cfg.d_model, 2 * cfg.expert_mlp_dim), "down": (cfg.expert_mlp_dim, cfg.d_model)}
     out = []
     for op, (k, n) in shapes.items():
         w = jnp.asarray(rng.normal(size=(cfg.n_experts, n, k)), dt)                       # [E, n, k], as serving holds them
