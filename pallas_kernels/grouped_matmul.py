@@ -125,7 +125,7 @@ def _call(fn, *args, **kw):
 
 def grouped_matmul_nk(x, w_nk, group_sizes, *, backend: str = "auto", interpret: bool = False):
     """x [M, K] @ w_nk[g]^T, each group's matrix stored [N, K] (w_nk [G, N, K], the layout serving's
-    one-token expert kernels read) -> [M, N] in x's dtype; forward only (serving). The triton kernels
+    expert kernels read) -> [M, N] in x's dtype; forward only (serving). The triton kernels
     read w_nk transposed in place, their dX path; xla and mosaic take a transposed copy (the CPU's
     tests, or whoever asks for mosaic)."""
     if x.ndim != 2 or w_nk.ndim != 3 or x.shape[1] != w_nk.shape[2] or group_sizes.shape != (w_nk.shape[0],):

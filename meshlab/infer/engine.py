@@ -37,8 +37,7 @@ from meshlab.infer.packed import Flight, PackedSteps
 from meshlab.infer.guided import Guided, mask_words
 from meshlab.infer.programs import (BIAS, COUNTS, TOP_LOGPROBS, add_own_entries, check_layers, check_quantize,
                                     default_impl, default_layers, engine_rules, head_params, make_engine_programs,
-                                    make_head_program,
-                                    placement, serving_params)
+                                    make_head_program, placement, serving_params)
 from meshlab.infer.sampler import SamplingParams, bias_row, cuts, penalised_row, row_arrays
 from meshlab.infer.scheduler import AdmissionError, Request, Scheduler, output_decoder
 from meshlab.infer.scoring import ScoreStore, Scoring

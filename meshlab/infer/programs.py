@@ -11,7 +11,8 @@ layer (two GEMM launches instead of five; XLA's own dot merger would concatenate
 time); it assumes those weights are not tensor-sharded. layers="kernels" stores each layer's
 matrices [n, k] instead (a mixture of experts' experts too; models/serving.py nk_step reads them
 transposed); its decode tokens (one row, Pallas attention) run each layer as five Pallas launches
-(decode_step; a mixture of experts: six). layers="scan" | "unroll" keep the stacked params.
+(decode_step; a mixture of experts: six, and its experts through the same expert kernels up to four
+rows). layers="scan" | "unroll" keep the stacked params.
 
 Programs:
   make_programs          (step, decode_loop) over a fixed batch [b, t] (the contiguous generator

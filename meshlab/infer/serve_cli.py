@@ -39,7 +39,8 @@ def serve_parser(description: str = "OpenAI-compatible HTTP server") -> argparse
     ap.add_argument("--layers", default="auto", choices=("auto", "split", "fused", "kernels", "scan", "unroll"),
                     help="how the layer weights are held (meshlab/infer/engine.py): fused launches fewer "
                          "GEMMs (meant for one device); split keeps each weight's tensor sharding; "
-                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1 (one device); "
+                         "kernels: [n, k] matrices, Pallas decode matmuls at batch 1 (a mixture of experts' experts "
+                         "up to batch 4; one device); "
                          "auto: kernels on one GPU with the Pallas attention, fused on one other device "
                          "(split for a mixture of experts), else split")
     add_storage_args(ap)

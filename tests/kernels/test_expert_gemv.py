@@ -320,6 +320,12 @@ def test_moe_steps_past_one_token_read_the_nk_experts(shared, monkeypatch):
         assert np.isfinite(np.asarray(got)).all()
         if rows == 3:
             three = (positions, attend, cache)
+            # the padding row reads no expert: other routed experts change the live rows only
+            other = {**nk, "decode": {**nk["decode"], **{name: -nk["decode"][name] for name in
+                                                         ("experts_gate_up_t", "experts_down_t")}}}
+            moved, _ = serving.block_step(only_nk, x, positions, attend, 0, cache, fused=other, kernels=True)
+            np.testing.assert_array_equal(np.asarray(moved)[1], np.asarray(got)[1])
+            assert not np.allclose(np.asarray(moved)[[0, 2]], np.asarray(got)[[0, 2]])
     monkeypatch.setattr(serving, "EXPERT_KERNEL_ROWS", 2)
     positions, attend, cache = three
     jaxpr = str(jax.make_jaxpr(lambda x: serving.block_step(only_nk, x, positions, attend, 0, cache, fused=nk,
