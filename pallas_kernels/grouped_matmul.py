@@ -123,17 +123,36 @@ def _call(fn, *args, **kw):
     return fn(*args, **{k: v for k, v in kw.items() if k in params})
 
 
+# A decode batch routes a few rows to each expert: the Hopper tile's 128 rows x 256 columns computes
+# mostly empty rows on few programs, so the experts stream from few SMs. Narrow columns over long
+# contraction chunks keep more programs and bytes in flight: on an H100, moe_1b_8e's experts at 32 /
+# 128 routed rows (bench_decode.py --jobs gmm_rows, then engine decode through --jobs gmm_tiles_ab).
+# Shared memory a stage: (block_m x block_k + block_k x block_n) x 2 B, 120 KiB at 3 stages: Hopper's.
+HOPPER_FEW_ROWS = ((64, TritonTiles(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
+                   (128, TritonTiles(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4)))
+
+
+def nk_tiles(rows: int, dtype) -> TritonTiles:
+    """grouped_matmul_nk's triton tiles for a static row count: HOPPER_FEW_ROWS for 2-byte inputs on
+    Hopper up to 128 rows (decode batches), TritonTiles.default past them (prompt chunks)."""
+    if jnp.dtype(dtype).itemsize == 2 and on_hopper():
+        for limit, tiles in HOPPER_FEW_ROWS:
+            if rows <= limit:
+                return tiles
+    return TritonTiles.default(dtype)
+
+
 def grouped_matmul_nk(x, w_nk, group_sizes, *, backend: str = "auto", interpret: bool = False):
     """x [M, K] @ w_nk[g]^T, each group's matrix stored [N, K] (w_nk [G, N, K], the layout serving's
     expert kernels read) -> [M, N] in x's dtype; forward only (serving). The triton kernels
-    read w_nk transposed in place, their dX path; xla and mosaic take a transposed copy (the CPU's
-    tests, or whoever asks for mosaic)."""
+    read w_nk transposed in place, their dX path, with tiles by M (nk_tiles); xla and mosaic take a
+    transposed copy (the CPU's tests, or whoever asks for mosaic)."""
     if x.ndim != 2 or w_nk.ndim != 3 or x.shape[1] != w_nk.shape[2] or group_sizes.shape != (w_nk.shape[0],):
         raise ValueError(f"grouped_matmul_nk: x {x.shape} [M, K], w_nk {w_nk.shape} [G, N, K] and group_sizes "
                          f"{group_sizes.shape} [G] do not fit together")
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, interpret) == "triton":
-        return gmm_call(x, w_nk.astype(x.dtype), group_sizes, TritonTiles.default(x.dtype), interpret, trans_rhs=True)
+        return gmm_call(x, w_nk.astype(x.dtype), group_sizes, nk_tiles(x.shape[0], x.dtype), interpret, trans_rhs=True)
     return grouped_matmul(x, jnp.swapaxes(w_nk, 1, 2), group_sizes, backend=backend, interpret=interpret)
 
 

@@ -1,6 +1,6 @@
 """Batched decode: the paged attention kernel's tiles by batch, and the Engine A/Bs behind the
-batch-dependent choices (bench_decode.py's jobs attn_tiles, sweep_ab, rows_ab, expert_rows_ab, buckets_ab,
-splits_ab and the sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
+batch-dependent choices (bench_decode.py's jobs attn_tiles, sweep_ab, rows_ab, expert_rows_ab, gmm_tiles_ab,
+buckets_ab, splits_ab and the sweep 1..256, sweep_engine; each job takes the child's context, decode_jobs.Child).
 
 `attention_tile_sweep` times the decode attention alone: `layers` layers of one stacked paged cache
 in one jit (each layer's K/V read in place, 67 MB a layer at llama3_1b's batch 16 and ctx 2k, past
@@ -169,6 +169,24 @@ def job_expert_rows_ab(c):
             with mock.patch.object(serving, "EXPERT_KERNEL_ROWS", rows):
                 bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
                                 tag=f" [expert kernel rows {rows}]")
+
+
+def job_gmm_tiles_ab(c):
+    """A mixture of experts' batch 8 / 16 / 64 / 128 (32 / 32 / 128 / 256 routed rows in their decode
+    buckets at top 2) through engines whose grouped GEMM takes the tiles by rows (shipped,
+    grouped_matmul.nk_tiles: the few-row tiles on Hopper) or the defaults (TritonTiles.default);
+    batch 128 routes past the few-row tiles, the same program in both. Alternated twice; the tiles are
+    read when a program traces: each engine runs under its own, compiles included."""
+    from pallas_kernels import grouped_matmul as gm
+    from pallas_kernels.grouped_matmul_triton import TritonTiles
+    variants = {"tiles by rows": gm.nk_tiles, "default tiles": lambda rows, dtype: TritonTiles.default(dtype)}
+    big = min(128, c.sz["big"])
+    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big) for tag in variants}
+    for _ in range(2):
+        for tag, eng in engines.items():
+            with mock.patch.object(gm, "nk_tiles", variants[tag]):
+                bs.engine_sweep(eng, c.bw, sorted({min(b, big) for b in (8, 16, 64, 128)}), ctx=c.sz["ctx"],
+                                n=min(128, c.sz["n"] * 4), tag=f" [grouped GEMM {tag}]")
 
 
 def job_buckets_ab(c):
