@@ -173,10 +173,10 @@ def job_expert_rows_ab(c):
 
 def job_gmm_tiles_ab(c):
     """A mixture of experts' batch 8 / 16 / 64 / 128 (32 / 32 / 128 / 256 routed rows in their decode
-    buckets at top 2) through engines whose grouped GEMM takes the tiles by rows (shipped,
-    grouped_matmul.nk_tiles: the few-row tiles on Hopper) or the defaults (TritonTiles.default);
-    batch 128 routes past the few-row tiles, the same program in both. Alternated twice; the tiles are
-    read when a program traces: each engine runs under its own, compiles included."""
+    buckets at top 2), then TTFT of 512- and 2,048-token prompts, through engines whose grouped GEMM
+    takes the tiles by rows (shipped, grouped_matmul.nk_tiles: the few-row tiles on Hopper) or the
+    defaults (TritonTiles.default). Alternated twice; the tiles are read when a program traces: each
+    engine runs under its own, compiles included."""
     from pallas_kernels import grouped_matmul as gm
     from pallas_kernels.grouped_matmul_triton import TritonTiles
     variants = {"tiles by rows": gm.nk_tiles, "default tiles": lambda rows, dtype: TritonTiles.default(dtype)}
@@ -187,6 +187,7 @@ def job_gmm_tiles_ab(c):
             with mock.patch.object(gm, "nk_tiles", variants[tag]):
                 bs.engine_sweep(eng, c.bw, sorted({min(b, big) for b in (8, 16, 64, 128)}), ctx=c.sz["ctx"],
                                 n=min(128, c.sz["n"] * 4), tag=f" [grouped GEMM {tag}]")
+                bs.ttft(eng, sorted({min(n, c.sz["ctx"]) for n in (512, 2048)}), tag=f" [grouped GEMM {tag}]")
 
 
 def job_buckets_ab(c):

@@ -328,7 +328,7 @@ def _time(engine, prompts, max_tokens) -> float:
     return time.perf_counter() - t
 
 
-def ttft(engine, lengths) -> list[dict]:
+def ttft(engine, lengths, tag: str = "") -> list[dict]:
     """Time to first token of one fresh prompt per length (prefill in chunks + the first sample);
     a warm call on another prompt first, so neither compiles nor the prefix cache count."""
     rng = np.random.default_rng(0)
@@ -336,7 +336,7 @@ def ttft(engine, lengths) -> list[dict]:
     for n in lengths:
         _time(engine, [_prompt(rng, engine, n)], 1)
         t = _time(engine, [_prompt(rng, engine, n)], 1)
-        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}", "value": t * 1e3, "unit": "ms",
+        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}{tag}", "value": t * 1e3, "unit": "ms",
                          "note": f"chunk {engine.chunk}, uncached"}))
     return out
 
