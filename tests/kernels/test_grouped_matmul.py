@@ -113,14 +113,14 @@ def test_nk_layout_matches_the_kn_reference(backend, interpret):
 
 
 def test_nk_tiles_by_rows_and_their_kernels_match_the_reference(monkeypatch):
-    """Decode rows on Hopper take the few-row tiles (16 or 32 rows, narrow columns), prompt chunks and
-    4-byte inputs the defaults; each few-row tile's transposed read matches the reference at ragged M, K
-    and N (an empty group, padding rows) in interpret mode, and lowers for CUDA at moe_1b_8e's down shape."""
+    """Decode rows on Hopper take the few-row tile (16 rows, narrow columns), prompt chunks and 4-byte
+    inputs the defaults; the few-row tile's transposed read matches the reference at ragged M, K and N
+    (an empty group, padding rows) in interpret mode, and lowers for CUDA at moe_1b_8e's down shape."""
     monkeypatch.setattr(gm, "on_hopper", lambda: True)
     monkeypatch.setattr(gmt, "on_hopper", lambda: True)
-    (lim16, few16), (lim32, few32) = gm.HOPPER_FEW_ROWS
-    assert [gm.nk_tiles(m, jnp.bfloat16) for m in (1, lim16, lim16 + 1, lim32, lim32 + 1, 4096)] == \
-        [few16, few16, few32, few32, gmt.HOPPER_BF16, gmt.HOPPER_BF16]
+    few, limit = gm.HOPPER_FEW_ROWS, gm.FEW_ROWS
+    assert [gm.nk_tiles(m, jnp.bfloat16) for m in (1, limit, limit + 1, 4096)] == \
+        [few, few, gmt.HOPPER_BF16, gmt.HOPPER_BF16]
     assert gm.nk_tiles(32, jnp.float32) == gmt.TritonTiles.default(jnp.float32)
     monkeypatch.setattr(gm, "on_hopper", lambda: False)
     monkeypatch.setattr(gmt, "on_hopper", lambda: False)
@@ -130,13 +130,12 @@ def test_nk_tiles_by_rows_and_their_kernels_match_the_reference(monkeypatch):
     w_nk = jnp.asarray(rng.normal(size=(5, 80, 300)), jnp.float32)                   # N: past one 64 column tile
     sizes = jnp.array([9, 0, 17, 3, 5], jnp.int32)                                 # 34 of 37 rows
     want = gm.grouped_matmul_reference(x, jnp.swapaxes(w_nk, 1, 2), sizes)
-    for tiles in (few16, few32):
-        got = gmt.gmm_call(x, w_nk, sizes, tiles, True, trans_rhs=True)
-        assert rel_err(got, want) < 1e-6 and not np.asarray(got[34:]).any(), tiles
-        s = lambda *shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d)  # noqa: E731
-        text = jax.jit(lambda a, b, g, t=tiles: gmt.gmm_call(a, b, g, t, False, trans_rhs=True)).trace(
-            s(32, 4096), s(8, 2048, 4096), s(8, d=jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-        assert 'name = "grouped_matmul_triton_dx"' in text
+    got = gmt.gmm_call(x, w_nk, sizes, few, True, trans_rhs=True)
+    assert rel_err(got, want) < 1e-6 and not np.asarray(got[34:]).any()
+    s = lambda *shape, d=jnp.bfloat16: jax.ShapeDtypeStruct(shape, d)  # noqa: E731
+    text = jax.jit(lambda a, b, g: gmt.gmm_call(a, b, g, few, False, trans_rhs=True)).trace(
+        s(32, 4096), s(8, 2048, 4096), s(8, d=jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert 'name = "grouped_matmul_triton_dx"' in text
 
 
 def test_triton_row_tiles_cover_each_row_once_inside_its_group():
