@@ -74,7 +74,7 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 past one through the expert kernels (models.serving.EXPERT_KERNEL_ROWS) or the grouped GEMM,
                 alternated twice
   gmm_tiles_ab  a mixture of experts at batch 8 / 16 / 64 (and TTFT 512 / 2k) with its grouped GEMM's tiles by rows (shipped:
-                the few-row tiles on Hopper, grouped_matmul.nk_tiles) or the defaults, alternated twice
+                the few-row tile on Hopper, grouped_matmul.nk_tiles) or the defaults, alternated twice
   engine_gemv   fp32 gate with layers=kernels (pallas_kernels/decode_gemv.py), then the same rows
                 through engines with layers=fused and =kernels (the shipped tiles), then kernels with
                 each op's fastest tile in the matmul job ("tuned", when that job ran earlier in the

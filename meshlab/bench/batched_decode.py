@@ -174,7 +174,7 @@ def job_expert_rows_ab(c):
 def job_gmm_tiles_ab(c):
     """A mixture of experts' batch 8 / 16 / 64 (32 / 32 / 128 routed rows in their decode buckets at
     top 2), then TTFT of 512- and 2,048-token prompts, through engines whose grouped GEMM
-    takes the tiles by rows (shipped, grouped_matmul.nk_tiles: the few-row tiles on Hopper) or the
+    takes the tiles by rows (shipped, grouped_matmul.nk_tiles: the few-row tile on Hopper) or the
     defaults (TritonTiles.default). Alternated twice; the tiles are read when a program traces: each
     engine runs under its own, compiles included."""
     from pallas_kernels import grouped_matmul as gm
