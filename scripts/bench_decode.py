@@ -85,8 +85,9 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 kernels for a dense model), the shipped one first, alternated twice (a mixture of experts:
                 against its routed roofline)
   gmm_rows      a mixture of experts' grouped GEMM over its [E, n, k] matrices (serving's) at a decode step's
-                32 / 128 / 512 rows on the preset's expert shapes, the default tiles against narrower ones
-                (meshlab/bench/expert_rows.py)
+                32 / 128 / 512 rows on the preset's expert shapes, the default and shipped tiles against narrower
+                ones, then at prompt chunks' 1,024 / 4,096 rows against wider ones, and at every row count the
+                same product over [E, k, n] read in place (meshlab/bench/expert_rows.py)
   first_token_ab  (MESHLAB_BENCH_PACKED_XLA=triton_any,no_triton,cublaslt: as shipped, then engines whose packed
                 programs compile with those XLA options (first_token.PACKED_OPTIONS), each with its
                 TTFT rows and its short tail's profile; else:)
