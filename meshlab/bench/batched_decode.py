@@ -123,17 +123,24 @@ def before_batch_tiles(batch: int = 1, fused: bool = True):
     return BATCH1 if fused else _B()
 
 
-def job_sweep_ab(c):
-    """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
-    (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice. The tiles
-    are read when a program traces: each engine runs under its own, compiles included."""
-    variants = {" [attention tiles by batch]": pt.decode_block_sizes, " [attention tiles before]": before_batch_tiles}
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=c.sz["big"]) for tag in variants}
+def _alternated(c, owner, attr: str, variants: dict, batches, max_seqs: int, then=None) -> None:
+    """One engine of max_seqs rows per variant (row tag -> the value `owner.attr` takes), alternated
+    twice, each run under its own value: the sweep's `batches` at ctx ~2k, then `then(engine, tag)`.
+    The value is read when a program traces, so each engine runs under its own, compiles included."""
+    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=max_seqs) for tag in variants}
     for _ in range(2):
         for tag, eng in engines.items():
-            with mock.patch.object(pt, "decode_block_sizes", variants[tag]):
-                bs.engine_sweep(eng, c.bw, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), ctx=c.sz["ctx"],
-                                n=min(128, c.sz["n"] * 4), tag=tag)
+            with mock.patch.object(owner, attr, variants[tag]):
+                bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4), tag=tag)
+                if then is not None:
+                    then(eng, tag)
+
+
+def job_sweep_ab(c):
+    """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
+    (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice."""
+    variants = {" [attention tiles by batch]": pt.decode_block_sizes, " [attention tiles before]": before_batch_tiles}
+    _alternated(c, pt, "decode_block_sizes", variants, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), c.sz["big"])
 
 
 def job_sweep_engine(c):
@@ -147,47 +154,33 @@ def job_sweep_engine(c):
 def job_rows_ab(c):
     """Batch 1 / 2 / 4 through engines whose decode steps take decode_step's kernels up to the shipped
     rows (models.serving.KERNEL_ROWS) or up to the kernel's limit (decode_gemv.MAX_ROWS); past it
-    nk_step's XLA GEMMs; the engine pads 2 rows to its bucket of 4. Alternated twice. The limit is
-    read when a program traces: each engine runs under its own, compiles included."""
+    nk_step's XLA GEMMs; the engine pads 2 rows to its bucket of 4. Alternated twice."""
     from pallas_kernels.decode_gemv import MAX_ROWS
-    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in sorted({serving.KERNEL_ROWS, MAX_ROWS})}
-    for _ in range(2):
-        for rows, eng in engines.items():
-            with mock.patch.object(serving, "KERNEL_ROWS", rows):
-                bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
-                                tag=f" [kernel rows {rows}]")
+    variants = {f" [kernel rows {rows}]": rows for rows in sorted({serving.KERNEL_ROWS, MAX_ROWS})}
+    _alternated(c, serving, "KERNEL_ROWS", variants, [1, 2, 4], 4)
 
 
 def job_expert_rows_ab(c):
     """A mixture of experts' batch 1 / 2 / 4 through engines whose decode rows past one take the expert
     kernels up to the shipped rows (models.serving.EXPERT_KERNEL_ROWS) or none of them (the grouped
-    GEMM); the engine pads 2 rows to its bucket of 4, whose padding rows route nowhere. Alternated
-    twice; the limit is read when a program traces: each engine runs under its own, compiles included."""
-    engines = {rows: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=4) for rows in sorted({serving.EXPERT_KERNEL_ROWS, 1})}
-    for _ in range(2):
-        for rows, eng in engines.items():
-            with mock.patch.object(serving, "EXPERT_KERNEL_ROWS", rows):
-                bs.engine_sweep(eng, c.bw, [1, 2, 4], ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4),
-                                tag=f" [expert kernel rows {rows}]")
+    GEMM); the engine pads 2 rows to its bucket of 4, whose padding rows route nowhere. Alternated twice."""
+    variants = {f" [expert kernel rows {rows}]": rows for rows in sorted({serving.EXPERT_KERNEL_ROWS, 1})}
+    _alternated(c, serving, "EXPERT_KERNEL_ROWS", variants, [1, 2, 4], 4)
 
 
 def job_gmm_tiles_ab(c):
     """A mixture of experts' batch 8 / 16 / 64 (32 / 32 / 128 routed rows in their decode buckets at
     top 2), then TTFT of 512- and 2,048-token prompts, through engines whose grouped GEMM
     takes the tiles by rows (shipped, grouped_matmul.nk_tiles: the few-row tile on Hopper) or the
-    defaults (TritonTiles.default). Alternated twice; the tiles are read when a program traces: each
-    engine runs under its own, compiles included."""
+    defaults (TritonTiles.default). Alternated twice."""
     from pallas_kernels import grouped_matmul as gm
     from pallas_kernels.grouped_matmul_triton import TritonTiles
-    variants = {"tiles by rows": gm.nk_tiles, "default tiles": lambda rows, dtype: TritonTiles.default(dtype)}
+    variants = {" [grouped GEMM tiles by rows]": gm.nk_tiles,
+                " [grouped GEMM default tiles]": lambda rows, dtype: TritonTiles.default(dtype)}
     big = min(64, c.sz["big"])
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=big) for tag in variants}
-    for _ in range(2):
-        for tag, eng in engines.items():
-            with mock.patch.object(gm, "nk_tiles", variants[tag]):
-                bs.engine_sweep(eng, c.bw, sorted({min(b, big) for b in (8, 16, 64)}), ctx=c.sz["ctx"],
-                                n=min(128, c.sz["n"] * 4), tag=f" [grouped GEMM {tag}]")
-                bs.ttft(eng, sorted({min(n, c.sz["ctx"]) for n in (512, 2048)}), tag=f" [grouped GEMM {tag}]")
+    lengths = sorted({min(n, c.sz["ctx"]) for n in (512, 2048)})
+    _alternated(c, gm, "nk_tiles", variants, sorted({min(b, big) for b in (8, 16, 64)}), big,
+                then=lambda eng, tag: bs.ttft(eng, lengths, tag=tag))
 
 
 def job_buckets_ab(c):
