@@ -21,15 +21,12 @@ from pallas_kernels.paged_attention import merge_splits, merge_splits_kernel
 from pallas_kernels.paged_tiles import (MIN_DOT, NEG, BlockSizes, page_loop, plan, pow2_at_least, split_range, stacked,
                                         whole)
 
-PREFILL_BLOCK_Q = 16     # query tokens per program: with a GQA group of 4, [64, d] query tiles for the dots
-
-
 def prefill_plan(block_sizes: BlockSizes, rows: int, chunk: int, kv_heads: int, max_pages: int, page_size: int,
                  group: int, head_dim: int) -> dict:
     """The static tiling of paged_prefill_attention, or a ValueError naming what the GPU tiles cannot
     take (the caller then uses another path): query tokens per program, splits, page blocks."""
     group_rows = pow2_at_least(group)          # a group of 3 (Llama-3.2-3B) runs as 4, its last head repeated
-    bq = min(PREFILL_BLOCK_Q, chunk)
+    bq = min(block_sizes.block_q, chunk)
     while bq * group_rows < MIN_DOT and bq < chunk:
         bq *= 2
     p = plan(block_sizes, rows * (chunk // bq), kv_heads, max_pages, page_size, 1, head_dim)

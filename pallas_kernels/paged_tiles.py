@@ -40,6 +40,10 @@ class BlockSizes:
     # How the splits' partials are combined: "kernel" (one Pallas launch, merge_splits_kernel) or
     # "xla" (merge_splits: XLA's exp, reduce and normalise kernels; the benchmark's A/B).
     merge: str = "kernel"
+    # Prompt rows only (paged_prefill): query tokens per program (a power of two, grown until the
+    # tile has MIN_DOT rows). The block's tokens x the GQA group share each K/V load, so a row of a
+    # 512-token chunk reads its pages 512 / block_q times; wider blocks cost registers.
+    block_q: int = 16
 
 
 # Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in
@@ -81,9 +85,10 @@ def decode_block_sizes(batch: int = 1, fused: bool = True) -> BlockSizes:
     return BlockSizes(num_stages=1)
 
 
-def prefill_block_sizes() -> BlockSizes:
-    """The tiles the serving step's prompt rows get (paged_prefill via meshlab/infer/kv_cache.py);
-    module-level, as decode_block_sizes, so that a benchmark can swap it before building an engine."""
+def prefill_block_sizes(chunk: int = 16) -> BlockSizes:
+    """The tiles the serving step's prompt rows of `chunk` tokens get (paged_prefill via
+    meshlab/infer/kv_cache.py); module-level, as decode_block_sizes, so that a benchmark can swap it
+    before building an engine."""
     return BlockSizes()
 
 

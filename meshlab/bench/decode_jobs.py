@@ -46,6 +46,8 @@ JOBS = {
     "first_token_ab": ("", 130, ""),
     "first_token_host": ("", 40, ""),
     "prefill_ab": ("", 150, ""),
+    "prompt_tiles": ("", 200, ""),
+    "prompt_tiles_ab": ("", 300, ""),
     # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
     "engine_ab": ("", 75, " [ab: as shipped]"),
     "engine_pdl": ("--xla_gpu_enable_pdl=true", 75, " [pdl]"),
@@ -294,7 +296,7 @@ def job_base(c: Child):
 
 
 def _batched(name: str, module: str = "batched_decode"):
-    """A job of meshlab/bench/<module>.py (batched_decode, fp8_jobs), imported when it runs (the parent
+    """A job of meshlab/bench/<module>.py (batched_decode, fp8_jobs, prompt_attention), imported when it runs (the parent
     imports no JAX)."""
     def job(c: Child):
         import importlib
@@ -450,6 +452,7 @@ CHILD_JOBS = {
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
     "first_token_host": job_first_token_host, **{name: _batched(f"job_{name}", "fp8_jobs") for name in ("fp8", "kv_fp8")},
+    **{name: _batched(f"job_{name}", "prompt_attention") for name in ("prompt_tiles", "prompt_tiles_ab")},
     **{name: job_engine_ab for name in ENGINE_AB},
 }
 

@@ -301,7 +301,7 @@ def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
                         raise ValueError(f"prefill tiles {name!r} unknown; known: {', '.join(variants)}")
                     engines[name] = (eng, variants[name])
                 eng, tiles = engines[name]
-                pt.prefill_block_sizes = lambda tiles=tiles: tiles          # noqa: E731
+                pt.prefill_block_sizes = lambda *_, tiles=tiles: tiles      # noqa: E731
                 bs.prefix_ttft(eng, n=n, tag=f" [prefill {name}{', again' if r else ''}]")
     finally:
         pt.prefill_block_sizes = shipped

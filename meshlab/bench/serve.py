@@ -328,16 +328,17 @@ def _time(engine, prompts, max_tokens) -> float:
     return time.perf_counter() - t
 
 
-def ttft(engine, lengths, tag: str = "") -> list[dict]:
-    """Time to first token of one fresh prompt per length (prefill in chunks + the first sample);
-    a warm call on another prompt first, so neither compiles nor the prefix cache count."""
+def ttft(engine, lengths, tag: str = "", reps: int = 1) -> list[dict]:
+    """Time to first token of fresh prompts per length (prefill in chunks + the first sample), the
+    median of reps; a warm call on another prompt first, so neither compiles nor the prefix cache count."""
     rng = np.random.default_rng(0)
     out = []
     for n in lengths:
         _time(engine, [_prompt(rng, engine, n)], 1)
-        t = _time(engine, [_prompt(rng, engine, n)], 1)
-        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}{tag}", "value": t * 1e3, "unit": "ms",
-                         "note": f"chunk {engine.chunk}, uncached"}))
+        times = [_time(engine, [_prompt(rng, engine, n)], 1) for _ in range(reps)]
+        spread = f", {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms over {reps}" if reps > 1 else ""
+        out.append(emit({"section": "ttft", "setting": f"engine prompt={n}{tag}", "value": float(np.median(times)) * 1e3,
+                         "unit": "ms", "note": f"chunk {engine.chunk}, uncached{spread}"}))
     return out
 
 

@@ -226,7 +226,7 @@ def packed_attend(positions, write_page, write_off, dec_table, dec_len, pre_tabl
                 from pallas_kernels.paged_tiles import prefill_block_sizes
                 real = jnp.sum((write_page[n_dec:] < new["k"].shape[1]).reshape(k_rows, chunk), axis=1)   # [k]
                 o = paged_prefill_attention(qp, new["k"], new["v"], pre_table, pos[:, 0], pos[:, 0] + real, layer,
-                                            block_sizes=prefill_block_sizes(), interpret=interpret)
+                                            block_sizes=prefill_block_sizes(chunk), interpret=interpret)
             elif how == "flash":
                 o = windowed_flash_attention(qp, new, layer, pre_table, pos[:, 0], interpret)
             else:
@@ -246,7 +246,7 @@ def prefill_path(prefill: str, impl: str, rows: int, chunk: int, heads: int, cac
     from pallas_kernels.paged_tiles import prefill_block_sizes
     _, _, page_size, kvh, d = cache_shape
     try:
-        prefill_plan(prefill_block_sizes(), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)
+        prefill_plan(prefill_block_sizes(chunk), rows, chunk, kvh, max_pages, page_size, heads // kvh, d)
         return "paged"
     except ValueError:                        # the GPU tiles cannot take this group / chunk: the window
         return "flash"
@@ -264,12 +264,12 @@ def span_attention(q, cache, layer, page_table, start, count, interpret: bool = 
     page_size, kvh = cache["k"].shape[2:4]
     for width in (pow2_at_least(t) << i for i in range(4)):
         try:
-            prefill_plan(prefill_block_sizes(), b, width, kvh, page_table.shape[1], page_size, h // kvh, d)
+            prefill_plan(prefill_block_sizes(width), b, width, kvh, page_table.shape[1], page_size, h // kvh, d)
         except ValueError:
             continue
         qp = jnp.pad(q, ((0, 0), (0, width - t), (0, 0), (0, 0)))                     # [b, width, h, d]
         o = paged_prefill_attention(qp, cache["k"], cache["v"], page_table, start, start + count, layer,
-                                    block_sizes=prefill_block_sizes(), interpret=interpret)
+                                    block_sizes=prefill_block_sizes(width), interpret=interpret)
         return o[:, :t]                                                                # [b, t, h, d]
     return None
 

@@ -386,18 +386,28 @@ def test_prefill_kernel_group_of_three(bs):
     _check_prefill_kernel(bs, h=6)
 
 
-def _check_prefill_kernel(bs, h):
+@pytest.mark.parametrize("bs", [BlockSizes(block_q=32), BlockSizes(block_q=64, pages_per_block=4, num_warps=8)],
+                         ids=["block_q32", "block_q64"])
+def test_prefill_kernel_wide_query_blocks(bs):
+    # 64-token chunk rows in query blocks of 32 / 64 tokens (128 / 256 tile rows at GQA 4): a row from
+    # position 0, one starting mid-page whose real queries end inside its second block, one ending at
+    # the table's last slot, and an empty row
+    _check_prefill_kernel(bs, h=8, c=64, max_pages=40, starts=[0, 21, 96, 3], ends=[64, 61, 160, 3])
+
+
+def _check_prefill_kernel(bs, h, c=16, max_pages=10, starts=(0, 21, 24, 3), ends=(16, 26, 40, 3)):
     from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
     rng = np.random.default_rng(11)
-    rows, c, kvh, d, page_size, max_pages, num_pages = 4, 16, 2, 16, 4, 10, 48
+    rows, kvh, d, page_size = 4, 2, 16, 4
+    num_pages = rows * max_pages + 8
     q = jnp.asarray(rng.normal(size=(rows, c, h, d)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, num_pages, page_size, kvh, d)), jnp.float32) for _ in range(2))
     table = jnp.asarray(rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages), jnp.int32)
-    starts, ends = jnp.asarray([0, 21, 24, 3], jnp.int32), jnp.asarray([16, 26, 40, 3], jnp.int32)
+    starts, ends = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
     want = paged_prefill_reference(q, k[1], v[1], table, starts, ends)
     got = paged_prefill_attention(q, k, v, table, starts, ends, jnp.int32(1), block_sizes=bs, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    assert np.all(np.asarray(got)[1, 5:] == 0) and np.all(np.asarray(got)[3] == 0)
+    assert np.all(np.asarray(got)[1, int(ends[1] - starts[1]):] == 0) and np.all(np.asarray(got)[3] == 0)
     # the reference is the gather + dense causal attention the XLA path runs
     dense = kv_cache.gathered_attention(q, {"k": k, "v": v}, 1, table, starts[:, None] + jnp.arange(c)[None])
     real = np.asarray(starts[:, None] + jnp.arange(c)[None] < ends[:, None])
@@ -417,6 +427,9 @@ def test_prefill_kernel_lowers_for_cuda():
                 jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
         lowered = jax.jit(paged_prefill_attention).trace(*args).lower(lowering_platforms=("cuda",))
         assert "paged_prefill_attention" in lowered.as_text()
+        wide = jax.jit(lambda *a: paged_prefill_attention(*a, block_sizes=BlockSizes(block_q=64, pages_per_block=4,
+                                                                                      num_warps=8)))
+        assert "paged_prefill_attention" in wide.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         if c == 64:
             assert "paged_attention_merge" in lowered.as_text()
     # llama3_3b's group of 3 (24 heads on 8, d 128): its tail row builds with the group padded to 4
