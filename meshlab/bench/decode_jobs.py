@@ -48,6 +48,7 @@ JOBS = {
     "prefill_ab": ("", 150, ""),
     "prompt_tiles": ("", 200, ""),
     "prompt_tiles_ab": ("", 300, ""),
+    "ttft_profile": ("", 150, ""),
     # the same engine rows under XLA runtime flags (ENGINE_AB), each in its own process
     "engine_ab": ("", 75, " [ab: as shipped]"),
     "engine_pdl": ("--xla_gpu_enable_pdl=true", 75, " [pdl]"),
@@ -452,7 +453,7 @@ CHILD_JOBS = {
     "first_token": lambda c: first_token_job(c, ab=False),
     "first_token_ab": lambda c: first_token_job(c, ab=True),
     "first_token_host": job_first_token_host, **{name: _batched(f"job_{name}", "fp8_jobs") for name in ("fp8", "kv_fp8")},
-    **{name: _batched(f"job_{name}", "prompt_attention") for name in ("prompt_tiles", "prompt_tiles_ab")},
+    **{name: _batched(f"job_{name}", "prompt_attention") for name in ("prompt_tiles", "prompt_tiles_ab", "ttft_profile")},
     **{name: job_engine_ab for name in ENGINE_AB},
 }
 

@@ -7,7 +7,8 @@ row attending to every earlier position of its sequence through the paged prompt
 at each context (16 layers of one stacked cache in one jit, so no layer's K/V sits in L2 from the
 last), under named tilings, against the flash kernel over each row's gathered window (the path for
 shapes the paged kernel refuses). FLOPs are causal: a query at position p costs 4 * (p + 1) * d per
-head. `job_prompt_tiles_ab` then times TTFT through engines whose prompt rows take each tiling.
+head. `job_prompt_tiles_ab` then times TTFT through engines whose prompt rows take each tiling, and
+`job_ttft_profile` says where an uncached prompt's device time goes, by kernel class.
 """
 from __future__ import annotations
 
@@ -124,3 +125,34 @@ def job_prompt_tiles_ab(c):
             with mock.patch.object(pt, "prefill_block_sizes", patch):
                 bs.ttft(eng, lengths, tag=f" [prompt tiles {name}]", reps=3)
 
+
+
+def ttft_profile(engine, trace_dir, n: int) -> dict:
+    """TTFT of fresh n-token prompts (median of 3), then the device time by kernel class and by kernel
+    of one more, traced (profiling runs the ops one by one: busy time, not wall time)."""
+    from meshlab.bench.decode import _kernel_table
+    from meshlab.infer.sampler import SamplingParams
+    t = bs.ttft(engine, [n], reps=3)[0]["value"]
+    prompt = np.random.default_rng(n).integers(0, engine.md.cfg.vocab_size, n).tolist()
+
+    def traced():
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            engine.generate([prompt], SamplingParams(max_tokens=1))
+        return 1
+    row = {"section": "profile", "setting": f"engine prompt={n} uncached: device time by kernel", "unit": "ms",
+           "value": t}
+    s = _kernel_table(row, trace_dir, traced)
+    top = ", ".join(f"{c} {ms:.2f}" for c, ms in row.get("classes", [])[:6])
+    row["note"] = (f"TTFT {t:.1f} ms (median of 3); device busy {s['busy_ms_per_step']:.2f} ms: {top}" if s
+                   else f"TTFT {t:.1f} ms; no profile: {row.get('error', '')}")
+    return row
+
+
+def job_ttft_profile(c):
+    """ttft_profile at 2k and 8k (the CPU smoke: 64 tokens, no kernels to profile) through the
+    engine every job builds, its max_len 8k + 256."""
+    from meshlab.bench.decode_jobs import TRACES
+    lengths = [64] if c.smoke else [2048, 8192]
+    eng = c.engine(max_len=max(lengths) + 256)
+    for n in lengths:
+        emit(ttft_profile(eng, TRACES / f"ttft_{n}", n))
