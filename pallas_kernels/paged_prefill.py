@@ -38,7 +38,7 @@ def prefill_plan(block_sizes: BlockSizes, rows: int, chunk: int, kv_heads: int, 
 
 
 def _prefill_kernel(layer_ref, starts_ref, ends_ref, table_ref, q_ref, k_ref, v_ref, *outs, page_size, splits,
-                    pages_per_block, q_blocks, block_q, group, sm_scale, use_dot, v_first):
+                    pages_per_block, q_blocks, block_q, group, sm_scale, use_dot, v_first, mask_tail):
     """One (row, query block, kv head, split): block_q query tokens x the kv head's group of query
     heads against the pages up to the block's last real query; each query row sees its own position."""
     i, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -51,7 +51,8 @@ def _prefill_kernel(layer_ref, starts_ref, ends_ref, table_ref, q_ref, k_ref, v_
     q = q_ref[...].reshape(block_q * group, -1)                                   # [rows, d]
     m, l, acc = page_loop(table_ref, k_ref, v_ref, (q,), b=row, kh=kh, layer=layer_ref[0], first=first,
                           n_blocks=n_blocks, visible=jnp.where(qpos < hi, qpos + 1, 0), page_size=page_size,
-                          ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, per_row=True, v_first=v_first)
+                          ppb=pages_per_block, sm_scale=sm_scale, use_dot=use_dot, per_row=True, v_first=v_first,
+                          clear_before=lo if mask_tail else None)
     d = acc.shape[-1]
     if len(outs) == 1:                                                            # one split: finish here
         o = acc / jnp.where(l > 0, l, 1.0)[:, None]                               # padding queries -> 0
@@ -88,7 +89,7 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, starts, ends, layer
         q = jnp.concatenate([q, jnp.repeat(q[:, :, :, -1:], gp - g, axis=3)], axis=3)   # [k, c, kvh, gp, d]
     kernel = functools.partial(_prefill_kernel, page_size=page_size, splits=splits, pages_per_block=p["pages_per_block"],
                                q_blocks=nqb, block_q=bq, group=gp, sm_scale=sm_scale if sm_scale is not None else d ** -0.5,
-                               use_dot=p["use_dot"], v_first=block_sizes.v_first)
+                               use_dot=p["use_dot"], v_first=block_sizes.v_first, mask_tail=block_sizes.mask_tail)
     tok = lambda i: (i // nqb, i % nqb)  # noqa: E731 - grid row -> (sequence row, query block)
     in_specs = [whole((1,)), whole((rows,)), whole((rows,)), whole(page_table.shape),
                 pl.BlockSpec((None, bq, None, gp, d), lambda i, j, s: (*tok(i), j, 0, 0)),

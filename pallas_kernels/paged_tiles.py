@@ -44,6 +44,10 @@ class BlockSizes:
     # tile has MIN_DOT rows). The block's tokens x the GQA group share each K/V load, so a row of a
     # 512-token chunk reads its pages 512 / block_q times; wider blocks cost registers.
     block_q: int = 16
+    # Prompt rows only: the page blocks wholly before the query block's first position (all but the
+    # last few of a long context's) run in a loop without the causal mask's compares and selects; a
+    # second loop masks the rest, and padding query rows are cleared at the end.
+    mask_tail: bool = False
 
 
 # Named configurations for the GPU sweep (bench.kernel_peers times each; the tests check each in
@@ -117,13 +121,15 @@ def pow2_at_most(n: int) -> int:
 
 
 def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks, visible, page_size, ppb,
-               sm_scale, use_dot, per_row=False, v_first=False):
+               sm_scale, use_dot, per_row=False, v_first=False, clear_before=None):
     """Online softmax of the query rows over page blocks [first, first + n_blocks) of one sequence's
     kv head: (m [rows], l [rows], acc [rows, d]) unnormalised. Positions >= `visible` are masked.
     qparts: (q,) [rows, d], or the two rotate-half halves of a RoPE'd q, ([rows, d/2],) * 2,
     against which K is loaded in the same column halves (Triton has no concatenate).
     per_row: `visible` is [rows] (causal prompt rows: a row may see none of a block that others
-    see, so its probabilities are masked too, not only its scores)."""
+    see, so its probabilities are masked too, not only its scores).
+    clear_before (per_row): every row with visible > 0 sees all positions below it; the blocks
+    ending there run unmasked, and rows with visible == 0 come back empty (m NEG, l 0, acc 0)."""
     rows, max_pages, tile = qparts[0].shape[0], table_ref.shape[1], ppb * page_size
     d = sum(qp.shape[1] for qp in qparts)
     col = [pl.ds(sum(qp.shape[1] for qp in qparts[:i]), qp.shape[1]) for i, qp in enumerate(qparts)]
@@ -137,7 +143,7 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
     else:
         qparts = tuple(qp.astype(jnp.float32) * sm_scale for qp in qparts)
 
-    def body(i, carry):
+    def body(i, carry, masked=True):
         m, l, acc = carry
         start = first + i * ppb
         # [ppb] page ids; a block running past the table's end repeats its last entry (those
@@ -159,13 +165,14 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
             scores = scores * sm_scale
         if v is None:
             v = v_ref[layer, ids, :, kh, :].reshape(tile, -1)
-        pos = start * page_size + jnp.arange(tile)
-        seen = pos[None, :] < (visible[:, None] if per_row else visible)          # [rows or 1, tile]
-        scores = jnp.where(seen, scores, NEG)                                     # past the length
+        if masked:
+            pos = start * page_size + jnp.arange(tile)
+            seen = pos[None, :] < (visible[:, None] if per_row else visible)      # [rows or 1, tile]
+            scores = jnp.where(seen, scores, NEG)                                 # past the length
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         alpha = jnp.exp(m - m_new)
         probs = jnp.exp(scores - m_new[:, None])                                  # [rows, tile]
-        if per_row:                                # a row with nothing visible yet has m_new = NEG
+        if per_row and masked:                     # a row with nothing visible yet has m_new = NEG
             probs = jnp.where(seen, probs, 0.0)
         l = l * alpha + jnp.sum(probs, axis=-1)
         if use_dot:
@@ -177,7 +184,13 @@ def page_loop(table_ref, k_ref, v_ref, qparts, *, b, kh, layer, first, n_blocks,
         return m_new, l, acc
 
     init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
-    return jax.lax.fori_loop(0, n_blocks, body, init)
+    if clear_before is None:
+        return jax.lax.fori_loop(0, n_blocks, body, init)
+    n_clear = jnp.clip(clear_before // tile - first // ppb, 0, n_blocks)         # first is whole blocks
+    carry = jax.lax.fori_loop(0, n_clear, lambda i, c: body(i, c, masked=False), init)
+    m, l, acc = jax.lax.fori_loop(n_clear, n_blocks, body, carry)
+    real = visible > 0                                                            # padding rows: empty
+    return jnp.where(real, m, NEG), jnp.where(real, l, 0.0), jnp.where(real[:, None], acc, 0.0)
 
 
 def split_range(length, s, *, splits, page_size, ppb):

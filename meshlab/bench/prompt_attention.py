@@ -26,7 +26,8 @@ from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_
 
 _B = pt.BlockSizes
 # Named tilings of the prompt kernel: the shipped one, then wider query blocks (fewer reads of each
-# page per chunk) with fewer pages a block or more warps to hold the larger score tiles.
+# page per chunk) with fewer pages a block or more warps to hold the larger score tiles, and the
+# causal mask kept to the blocks that need it (mask_tail).
 PROMPT_TILES = {
     "shipped": None,
     "q16_st1": _B(num_stages=1),
@@ -38,6 +39,9 @@ PROMPT_TILES = {
     "q64_w8": _B(block_q=64, num_warps=8),
     "q64_w8_st1": _B(block_q=64, num_warps=8, num_stages=1),
     "q128_ppb4_w8": _B(block_q=128, pages_per_block=4, num_warps=8),
+    "q16_mask_tail": _B(mask_tail=True),
+    "q32_mask_tail": _B(block_q=32, mask_tail=True),
+    "q64_ppb4_w8_mask_tail": _B(block_q=64, pages_per_block=4, num_warps=8, mask_tail=True),
 }
 
 

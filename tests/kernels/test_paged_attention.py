@@ -370,7 +370,8 @@ def test_windowed_flash_equals_gathered_dense():
 
 
 @pytest.mark.parametrize("bs", [BlockSizes(1), BlockSizes(), BlockSizes(score="vpu", pages_per_block=2),
-                                BlockSizes(1, merge="xla")], ids=["split1page", "default", "vpu", "xla_merge"])
+                                BlockSizes(1, merge="xla"), BlockSizes(1, mask_tail=True)],
+                         ids=["split1page", "default", "vpu", "xla_merge", "split1page_mask_tail"])
 def test_prefill_kernel_matches_reference(bs):
     # Prompt-chunk rows of 16 queries, GQA 4 (8 query / 2 kv heads): a chunk from position 0, a
     # cached prefix's tail starting mid-page (5 real queries then padding), a chunk ending at the
@@ -386,12 +387,15 @@ def test_prefill_kernel_group_of_three(bs):
     _check_prefill_kernel(bs, h=6)
 
 
-@pytest.mark.parametrize("bs", [BlockSizes(block_q=32), BlockSizes(block_q=64, pages_per_block=4, num_warps=8)],
-                         ids=["block_q32", "block_q64"])
+@pytest.mark.parametrize("bs", [BlockSizes(block_q=32), BlockSizes(block_q=64, pages_per_block=4, num_warps=8),
+                                BlockSizes(block_q=32, pages_per_block=2, mask_tail=True),
+                                BlockSizes(pages_per_split=16, pages_per_block=2, mask_tail=True)],
+                         ids=["block_q32", "block_q64", "block_q32_mask_tail", "one_split_mask_tail"])
 def test_prefill_kernel_wide_query_blocks(bs):
-    # 64-token chunk rows in query blocks of 32 / 64 tokens (128 / 256 tile rows at GQA 4): a row from
+    # 64-token chunk rows in query blocks of 16-64 tokens (64-256 tile rows at GQA 4): a row from
     # position 0, one starting mid-page whose real queries end inside its second block, one ending at
-    # the table's last slot, and an empty row
+    # the table's last slot, and an empty row. mask_tail: the blocks before a query block run unmasked
+    # (several splits, and one split that finishes in the kernel), the padding rows cleared
     _check_prefill_kernel(bs, h=8, c=64, max_pages=40, starts=[0, 21, 96, 3], ends=[64, 61, 160, 3])
 
 
@@ -427,9 +431,9 @@ def test_prefill_kernel_lowers_for_cuda():
                 jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
         lowered = jax.jit(paged_prefill_attention).trace(*args).lower(lowering_platforms=("cuda",))
         assert "paged_prefill_attention" in lowered.as_text()
-        wide = jax.jit(lambda *a: paged_prefill_attention(*a, block_sizes=BlockSizes(block_q=64, pages_per_block=4,
-                                                                                      num_warps=8)))
-        assert "paged_prefill_attention" in wide.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for tiles in (BlockSizes(block_q=64, pages_per_block=4, num_warps=8), BlockSizes(block_q=32, mask_tail=True)):
+            wide = jax.jit(lambda *a, tiles=tiles: paged_prefill_attention(*a, block_sizes=tiles))
+            assert "paged_prefill_attention" in wide.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         if c == 64:
             assert "paged_attention_merge" in lowered.as_text()
     # llama3_3b's group of 3 (24 heads on 8, d 128): its tail row builds with the group padded to 4
@@ -463,9 +467,11 @@ def _gpu_prompt_and_decode_case(h, kvh, d):
     for rows, c, starts, ends in ((1, 64, [2032], [2048]), (2, 512, [0, 1536], [512, 2048])):
         q = jnp.asarray(rng.normal(size=(rows, c, h, d)), jnp.bfloat16)
         s, e = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
-        got = paged_prefill_attention(q, k, v, tables[:rows], s, e, jnp.int32(1))
         want = paged_prefill_reference(q, k[1], v[1], tables[:rows], s, e)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+        # the default tiles, and wide query blocks with the mask kept to the last blocks (a sweep config)
+        for tiles in (BlockSizes(), BlockSizes(block_q=64, pages_per_block=4, num_warps=8, mask_tail=True)):
+            got = paged_prefill_attention(q, k, v, tables[:rows], s, e, jnp.int32(1), block_sizes=tiles)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
     q = jnp.asarray(rng.normal(size=(2, h, d)), jnp.bfloat16)
     lengths = jnp.asarray([2048, 17], jnp.int32)
     for bs in (BlockSizes(), CONFIGS["dot8_vfirst"], decode_block_sizes(2, fused=False)):   # the serving tiles too
