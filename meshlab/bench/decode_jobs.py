@@ -343,7 +343,7 @@ def job_kernels(c: Child):
 def job_matmul(c: Child):
     from meshlab.bench.matmul import matmul_peers
     for batch in (1,) if c.args.quick else (1, 4):
-        matmul_peers(c.cfg, c.bw, batch, matmul_configs(quick=c.smoke, wide=c.cfg.d_model >= 4096))
+        matmul_peers(c.cfg, c.bw, batch, matmul_configs(quick=c.smoke, wide=c.cfg.d_model >= 4096, rows=batch))
 
 
 def job_engine(c: Child):

@@ -24,16 +24,27 @@ def gemv_tuned_tiles():
     return lambda n, k, sw: configs.get(tuned.get(f"{n},{k},{int(sw)}"), B())
 
 
-def matmul_configs(quick=False, wide=False):
+def matmul_configs(quick=False, wide=False, rows=1):
     """decode_gemv tiles for the matmul job (kernel alone against XLA): label -> BlockSizes, or
     (BlockSizes, the op names it is timed on). Labels: n<block_n> w<warps, 4 if absent>
     t<tiles_per_program> p<prefetch> k<block_k, 2048 if absent> s<num_stages, 2 if absent>, r rolled.
     wide (d_model >= 4096, e.g. llama3_8b): also tiles that load k = 4096 in one chunk, and deeper
-    pipelines for down's k = 14336 (seven chunks of 2048, the largest power of two dividing it)."""
+    pipelines for down's k = 14336 (seven chunks of 2048, the largest power of two dividing it).
+    rows > 1: also tiles that stream k in short pipelined chunks (_rows_configs)."""
     from pallas_kernels.decode_gemv import BlockSizes as B
     if quick:
         return {"n4": B(block_n=4)}
-    return {**_narrow_configs(B), **(_wide_configs(B) if wide else {})}
+    return {**_narrow_configs(B), **(_wide_configs(B) if wide else {}), **(_rows_configs(B) if rows > 1 else {})}
+
+
+def _rows_configs(B):
+    """Tiles for 2-4 rows: each row's product of a whole [block_n, 2048] tile is a register tile of its
+    own, which the one-row tiles fill (the kernels lost to XLA's GEMMs at 2-4 rows through the engine:
+    models.serving.KERNEL_ROWS); k in chunks of 256-1024 pipelined over 2-4 stages keeps them small."""
+    return {"n4k512s3": B(block_k=512, num_stages=3), "n4k1024s2": B(block_k=1024),
+            "n8k512s3w8": B(block_n=8, block_k=512, num_stages=3, num_warps=8), "n2k512s3": B(block_n=2, block_k=512, num_stages=3),
+            "n4k256s4": B(block_k=256, num_stages=4), "n2k1024s3w2": B(block_n=2, block_k=1024, num_stages=3, num_warps=2),
+            "n1k512s3w1": B(block_n=1, block_k=512, num_stages=3, num_warps=1)}
 
 
 QKV, WO, GATE_UP, DOWN = "qkv+norm", "wo+residual", "gate_up+norm+swiglu", "down+residual"
