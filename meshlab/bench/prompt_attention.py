@@ -49,18 +49,17 @@ def tiles_named(name: str, chunk: int) -> pt.BlockSizes:
     return pt.prefill_block_sizes(chunk) if PROMPT_TILES[name] is None else PROMPT_TILES[name]
 
 
-def _step(cfg, ctx: int, rows: int, chunk: int, layers: int, page_size: int = 16):
-    """One sequence's step that ends at ctx: rows chunk rows at [ctx - rows * chunk, ctx), its pages
-    scattered over a stacked cache of `layers` layers; (q, k, v, table, starts, ends)."""
-    pages = ctx // page_size
+def _cache(cfg, width: int, rows: int, chunk: int, layers: int, page_size: int = 16):
+    """A stacked cache of `layers` layers whose one sequence holds `width` positions in scattered pages,
+    its table (the same for the step's rows, as the engine's rows of one prompt) and the rows' queries;
+    (q, k, v, table). A step ending at ctx <= width reads only the pages below it."""
+    pages = width // page_size
     shape = (layers, pages + 8, page_size, cfg.n_kv_heads, cfg.head_dim)
     k = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
     v = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
-    table = np.random.default_rng(0).permutation(pages)
-    table = jnp.asarray(np.broadcast_to(table, (rows, pages)), jnp.int32)
-    starts = jnp.asarray([ctx - (rows - i) * chunk for i in range(rows)], jnp.int32)
+    table = jnp.asarray(np.broadcast_to(np.random.default_rng(0).permutation(pages), (rows, pages)), jnp.int32)
     q = jax.random.normal(jax.random.key(2), (rows, chunk, cfg.n_heads, cfg.head_dim), jnp.bfloat16)
-    return q, k, v, table, starts, starts + chunk
+    return q, k, v, table
 
 
 def causal_flops(cfg, starts, chunk: int) -> float:
@@ -69,32 +68,36 @@ def causal_flops(cfg, starts, chunk: int) -> float:
     return float(4 * np.sum(p + 1) * cfg.head_dim * cfg.n_heads)
 
 
-def _timed(f, args, layers: int) -> tuple[float, jax.Array]:
-    out = f(*args)
-    return median_time(lambda: f(*args), warmup=1, reps=10) / layers, out
-
-
 def prompt_tile_sweep(cfg, contexts=(2048, 4096, 8192), rows: int = 4, chunk: int = 512, layers: int = 16,
-                      names=None) -> None:
-    """Rows of us per layer and TFLOP/s for each named tiling (PROMPT_TILES) at each context, with
-    layer 1's max error against the fp32 reference; the windowed flash kernel as the peer."""
+                      names=None, width: int | None = None) -> None:
+    """Rows of us per layer and TFLOP/s for each named tiling (PROMPT_TILES) on the step that ends at
+    each context (its rows at [ctx - rows * chunk, ctx)), with layer 1's max error against the fp32
+    reference; the windowed flash kernel as the peer. The table is `width` positions wide (default
+    the engines' 8k + 256) at every context, as an engine's is, so each tiling compiles once; the
+    flash peer gathers that whole width, as the engine's flash path would."""
+    from meshlab.bench.decode_tiles import ENGINE_MAX_LEN
     from meshlab.infer.kv_cache import windowed_flash_attention
     interpret = jax.default_backend() != "gpu"
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    q, k, v, table = _cache(cfg, width or ENGINE_MAX_LEN, rows, chunk, layers)
+    steps = {}
     for ctx in contexts:
-        q, k, v, table, starts, ends = _step(cfg, ctx, rows, chunk, layers)
-        want = paged_prefill_reference(f32(q), f32(k[1]), f32(v[1]), table, starts, ends)
-        flops = causal_flops(cfg, starts, chunk)
-        runs = {name: lambda q, k, v, t, s, e, tiles=tiles_named(name, chunk): jnp.stack([
-            paged_prefill_attention(q, k, v, t, s, e, jnp.int32(i), block_sizes=tiles, interpret=interpret)
-            for i in range(layers)]) for name in (names or PROMPT_TILES)}
-        runs["flash window"] = lambda q, k, v, t, s, e: jnp.stack([
-            windowed_flash_attention(q, {"k": k, "v": v}, i, t, s, interpret) for i in range(layers)])
-        for name, run in runs.items():
+        starts = jnp.asarray([ctx - (rows - i) * chunk for i in range(rows)], jnp.int32)
+        want = paged_prefill_reference(f32(q), f32(k[1]), f32(v[1]), table, starts, starts + chunk)
+        steps[ctx] = (starts, want, causal_flops(cfg, starts, chunk))
+    runs = {name: lambda q, k, v, t, s, e, tiles=tiles_named(name, chunk): jnp.stack([
+        paged_prefill_attention(q, k, v, t, s, e, jnp.int32(i), block_sizes=tiles, interpret=interpret)
+        for i in range(layers)]) for name in (names or PROMPT_TILES)}
+    runs["flash window"] = lambda q, k, v, t, s, e: jnp.stack([
+        windowed_flash_attention(q, {"k": k, "v": v}, i, t, s, interpret) for i in range(layers)])
+    for name, run in runs.items():
+        f = jax.jit(run)
+        for ctx, (starts, want, flops) in steps.items():
             setting = f"prompt attention [{name}] x{layers}L {rows}x{chunk} ending at ctx={ctx}"
             try:
-                sec, out = _timed(jax.jit(run), (q, k, v, table, starts, ends), layers)
-                err = float(jnp.max(jnp.abs(f32(out[1]) - want)))
+                args = (q, k, v, table, starts, starts + chunk)
+                err = float(jnp.max(jnp.abs(f32(f(*args)[1]) - want)))
+                sec = median_time(lambda: f(*args), warmup=1, reps=10) / layers
                 emit({"section": "kernel", "setting": setting, "value": sec * 1e6, "unit": "us",
                       "note": f"per layer, {layers} layers in one jit; {flops / sec / 1e12:.0f} TFLOP/s causal; "
                               f"max error {err:.1e} against fp32"})
@@ -109,7 +112,8 @@ def job_prompt_tiles(c):
     import os
     names = [n for n in os.environ.get("MESHLAB_BENCH_PROMPT_TILES", "").split(",") if n] or None
     if c.smoke:
-        prompt_tile_sweep(c.cfg, contexts=(64,), rows=2, chunk=32, layers=2, names=["shipped", "q32", "q64_w8"])
+        prompt_tile_sweep(c.cfg, contexts=(64, 96), rows=2, chunk=32, layers=2, names=["shipped", "q32", "q64_w8"],
+                          width=128)
     else:
         prompt_tile_sweep(c.cfg, names=names)
 
