@@ -1,5 +1,5 @@
-"""Prompt-chunk attention over the paged cache at long contexts (bench_decode.py's jobs prompt_tiles and
-prompt_tiles_ab; each takes the child's context, decode_jobs.Child).
+"""Prompt-chunk attention over the paged cache at long contexts (bench_decode.py's jobs prompt_tiles,
+prompt_tiles_ab and ttft_profile; each takes the child's context, decode_jobs.Child).
 
 An uncached prompt is fed in steps of `rows` chunk rows of `chunk` tokens (the engine's 4 x 512), each
 row attending to every earlier position of its sequence through the paged prompt kernel
@@ -132,7 +132,6 @@ def job_prompt_tiles_ab(c):
             patch = pt.prefill_block_sizes if tiles is None else (lambda chunk=16, tiles=tiles: tiles)
             with mock.patch.object(pt, "prefill_block_sizes", patch):
                 bs.ttft(eng, lengths, tag=f" [prompt tiles {name}]", reps=3)
-
 
 
 def ttft_profile(engine, trace_dir, n: int) -> dict:
