@@ -15,7 +15,6 @@ pytestmark = pytest.mark.cheap_codegen
 def test_windowed_flash_equals_gathered_dense():
     """Prompt-chunk rows through the flash kernel over a window ending at each chunk (starts 0, not
     page-aligned, and at the end of the table) equal the gather + dense causal attention."""
-    from meshlab.infer import kv_cache
     rng = np.random.default_rng(0)
     cache = {n: jnp.asarray(rng.normal(size=(2, 20, 4, 2, 16)), jnp.float32) for n in "kv"}
     table = jnp.asarray(np.stack([rng.permutation(np.arange(1, 20))[:8] for _ in range(3)]), jnp.int32)
