@@ -123,24 +123,28 @@ def before_batch_tiles(batch: int = 1, fused: bool = True):
     return BATCH1 if fused else _B()
 
 
-def _alternated(c, owner, attr: str, variants: dict, batches, max_seqs: int, then=None) -> None:
-    """One engine of max_seqs rows per variant (row tag -> the value `owner.attr` takes), alternated
-    twice, each run under its own value: the sweep's `batches` at ctx ~2k, then `then(engine, tag)`.
-    The value is read when a program traces, so each engine runs under its own, compiles included."""
-    engines = {tag: c.engine(max_len=c.sz["ctx"] + 128, max_seqs=max_seqs) for tag in variants}
+def alternated(c, owner, attr: str, variants: dict, run, max_seqs: int = 1, max_len: int | None = None) -> None:
+    """One engine of max_seqs rows (max_len: default the sweep's ctx + 128) per variant (row tag -> the
+    value `owner.attr` takes), alternated twice, `run(engine, tag)` under each engine's own value. The
+    value is read when a program traces, so each engine runs under its own, compiles included."""
+    engines = {tag: c.engine(max_len=max_len or c.sz["ctx"] + 128, max_seqs=max_seqs) for tag in variants}
     for _ in range(2):
         for tag, eng in engines.items():
             with mock.patch.object(owner, attr, variants[tag]):
-                bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4), tag=tag)
-                if then is not None:
-                    then(eng, tag)
+                run(eng, tag)
+
+
+def _sweep(c, batches):
+    """run for alternated: the batch sweep's TPOT rows at `batches`, ctx ~2k."""
+    return lambda eng, tag: bs.engine_sweep(eng, c.bw, batches, ctx=c.sz["ctx"], n=min(128, c.sz["n"] * 4), tag=tag)
 
 
 def job_sweep_ab(c):
     """The sweep's batches 4 / 16 / 64 through engines whose decode attention takes the shipped tiles
     (paged_tiles.decode_block_sizes, by batch) or before_batch_tiles, alternated twice."""
     variants = {" [attention tiles by batch]": pt.decode_block_sizes, " [attention tiles before]": before_batch_tiles}
-    _alternated(c, pt, "decode_block_sizes", variants, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)}), c.sz["big"])
+    alternated(c, pt, "decode_block_sizes", variants, _sweep(c, sorted({min(b, c.sz["big"]) for b in (4, 16, 64)})),
+               c.sz["big"])
 
 
 def job_sweep_engine(c):
@@ -157,7 +161,7 @@ def job_rows_ab(c):
     nk_step's XLA GEMMs; the engine pads 2 rows to its bucket of 4. Alternated twice."""
     from pallas_kernels.decode_gemv import MAX_ROWS
     variants = {f" [kernel rows {rows}]": rows for rows in sorted({serving.KERNEL_ROWS, MAX_ROWS})}
-    _alternated(c, serving, "KERNEL_ROWS", variants, [1, 2, 4], 4)
+    alternated(c, serving, "KERNEL_ROWS", variants, _sweep(c, [1, 2, 4]), 4)
 
 
 def job_expert_rows_ab(c):
@@ -165,7 +169,7 @@ def job_expert_rows_ab(c):
     kernels up to the shipped rows (models.serving.EXPERT_KERNEL_ROWS) or none of them (the grouped
     GEMM); the engine pads 2 rows to its bucket of 4, whose padding rows route nowhere. Alternated twice."""
     variants = {f" [expert kernel rows {rows}]": rows for rows in sorted({serving.EXPERT_KERNEL_ROWS, 1})}
-    _alternated(c, serving, "EXPERT_KERNEL_ROWS", variants, [1, 2, 4], 4)
+    alternated(c, serving, "EXPERT_KERNEL_ROWS", variants, _sweep(c, [1, 2, 4]), 4)
 
 
 def job_gmm_tiles_ab(c):
@@ -179,8 +183,12 @@ def job_gmm_tiles_ab(c):
                 " [grouped GEMM default tiles]": lambda rows, dtype: TritonTiles.default(dtype)}
     big = min(64, c.sz["big"])
     lengths = sorted({min(n, c.sz["ctx"]) for n in (512, 2048)})
-    _alternated(c, gm, "nk_tiles", variants, sorted({min(b, big) for b in (8, 16, 64)}), big,
-                then=lambda eng, tag: bs.ttft(eng, lengths, tag=tag))
+    sweep = _sweep(c, sorted({min(b, big) for b in (8, 16, 64)}))
+
+    def run(eng, tag):
+        sweep(eng, tag)
+        bs.ttft(eng, lengths, tag=tag)
+    alternated(c, gm, "nk_tiles", variants, run, big)
 
 
 def job_buckets_ab(c):

@@ -12,13 +12,12 @@ head. `job_prompt_tiles_ab` then times TTFT through engines whose prompt rows ta
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from meshlab.bench import serve as bs
+from meshlab.bench.batched_decode import alternated
 from meshlab.bench.decode import emit
 from meshlab.bench.timing import median_time
 from pallas_kernels import paged_tiles as pt
@@ -125,13 +124,10 @@ def job_prompt_tiles_ab(c):
     import os
     names = ["shipped"] + [n for n in os.environ.get("MESHLAB_BENCH_PROMPT_AB", "q32,q64_ppb4_w8").split(",") if n]
     lengths = [64] if c.smoke else [2048, 4096, 8192]
-    engines = {n: c.engine(max_len=max(lengths) + 256) for n in names}
-    for _ in range(2):
-        for name, eng in engines.items():
-            tiles = PROMPT_TILES[name]
-            patch = pt.prefill_block_sizes if tiles is None else (lambda chunk=16, tiles=tiles: tiles)
-            with mock.patch.object(pt, "prefill_block_sizes", patch):
-                bs.ttft(eng, lengths, tag=f" [prompt tiles {name}]", reps=3)
+    variants = {f" [prompt tiles {n}]": pt.prefill_block_sizes if PROMPT_TILES[n] is None
+                else (lambda chunk=16, tiles=PROMPT_TILES[n]: tiles) for n in names}
+    alternated(c, pt, "prefill_block_sizes", variants, lambda eng, tag: bs.ttft(eng, lengths, tag=tag, reps=3),
+               max_len=max(lengths) + 256)
 
 
 def ttft_profile(engine, trace_dir, n: int) -> dict:
