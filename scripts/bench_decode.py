@@ -108,8 +108,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 over an fp8 one (Engine(kv_cache_dtype="fp8")), alternated by batch, each against its own roofline;
                 how many greedy tokens of one prompt the two share
   prefill_ab    the prefix-cache TTFT rows through engines whose prompt rows take other paged_prefill tiles
-                (MESHLAB_BENCH_PREFILL: names of layer_chain.attention_variants, default the shipped; xla_merge:
-                the splits merged by XLA), alternated twice (first_token.prefill_tiles_ab)
+                (MESHLAB_BENCH_PREFILL: served = the shipped tiles, default = the kernel's, names of
+                layer_chain.attention_variants; xla_merge: the splits merged by XLA), alternated twice (first_token.prefill_tiles_ab)
 
 The roofline's bandwidth is the highest copy rate any copy job measured in the call.
 Writes bench_decode.json / bench_decode.md, child logs and the decode HLO (gzip) to $OUT (or

@@ -426,7 +426,7 @@ def job_engine_ab(c: Child):
 
 def job_prefill_ab(c: Child):
     from meshlab.bench import first_token
-    names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "default,xla_merge,st1,st1_ppb4_vfirst").split(",") if v]
+    names = [v for v in os.environ.get("MESHLAB_BENCH_PREFILL", "served,default,xla_merge,st1").split(",") if v]
     first_token.prefill_tiles_ab(c.engine, n=min(2048, c.sz["lengths"][-1]), names=names)
 
 

@@ -281,8 +281,9 @@ def host_rows(engine, n: int = 2048, reps: int = 30) -> list[dict]:
 def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
     """prefix_ttft's rows (a 16-token tail after n - 16 cached tokens, all cached, and uncached n-token
     prompts in chunks) through engines whose prompt rows take other paged_prefill tiles: names of
-    layer_chain.attention_variants ("default": the kernel's defaults, shipped), or "xla_merge" (the
-    shipped tiles, the splits merged by XLA instead of one launch). Engines are alternated over
+    layer_chain.attention_variants ("default": the kernel's defaults), "served" (prefill_block_sizes
+    as shipped, by width) or "xla_merge" (the 16-wide row's shipped tiles, the splits merged by XLA
+    instead of one launch). Engines are alternated over
     `rounds`, each call under its own tiles (read when a program traces); rows tagged [prefill <name>]."""
     import dataclasses
     from meshlab.bench import serve as bs
@@ -295,13 +296,13 @@ def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
             for name in names:
                 if name not in engines:
                     eng = make_engine()
-                    variants = dict(attention_variants(eng.sched.max_pages),
+                    variants = dict(attention_variants(eng.sched.max_pages), served=None,
                                     xla_merge=dataclasses.replace(shipped(), merge="xla"))
                     if name not in variants:
                         raise ValueError(f"prefill tiles {name!r} unknown; known: {', '.join(variants)}")
                     engines[name] = (eng, variants[name])
                 eng, tiles = engines[name]
-                pt.prefill_block_sizes = lambda *_, tiles=tiles: tiles      # noqa: E731
+                pt.prefill_block_sizes = shipped if tiles is None else (lambda *_, tiles=tiles: tiles)   # noqa: E731
                 bs.prefix_ttft(eng, n=n, tag=f" [prefill {name}{', again' if r else ''}]")
     finally:
         pt.prefill_block_sizes = shipped

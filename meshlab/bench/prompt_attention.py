@@ -24,11 +24,13 @@ from pallas_kernels import paged_tiles as pt
 from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
 
 _B = pt.BlockSizes
-# Named tilings of the prompt kernel: the shipped one, then wider query blocks (fewer reads of each
-# page per chunk) with fewer pages a block or more warps to hold the larger score tiles, and the
-# causal mask kept to the blocks that need it (mask_tail).
+# Named tilings of the prompt kernel: the shipped one (prefill_block_sizes), the kernel's defaults
+# (q16: 16-token query blocks, the causal mask on every block), then wider query blocks (fewer reads
+# of each page per chunk) with fewer pages a block or more warps to hold the larger score tiles, and
+# the causal mask kept to the blocks that need it (mask_tail).
 PROMPT_TILES = {
     "shipped": None,
+    "q16": _B(),
     "q16_st1": _B(num_stages=1),
     "q16_w8": _B(num_warps=8),
     "q32": _B(block_q=32),
@@ -41,6 +43,8 @@ PROMPT_TILES = {
     "q16_mask_tail": _B(mask_tail=True),
     "q32_mask_tail": _B(block_q=32, mask_tail=True),
     "q64_ppb4_w8_mask_tail": _B(block_q=64, pages_per_block=4, num_warps=8, mask_tail=True),
+    "q32_st3_mask_tail": _B(block_q=32, num_stages=3, mask_tail=True),
+    "q64_w8_mask_tail": _B(block_q=64, num_warps=8, mask_tail=True),
 }
 
 
@@ -119,10 +123,10 @@ def job_prompt_tiles(c):
 
 def job_prompt_tiles_ab(c):
     """TTFT of 2k / 4k / 8k prompts (median of 3 fresh prompts each) through engines whose prompt rows
-    take the shipped tiles or each named one (MESHLAB_BENCH_PROMPT_AB, default q32,q64_ppb4_w8),
+    take the shipped tiles or each named one (MESHLAB_BENCH_PROMPT_AB, default q16),
     alternated twice; the tiles are read when a program traces: each engine runs under its own."""
     import os
-    names = ["shipped"] + [n for n in os.environ.get("MESHLAB_BENCH_PROMPT_AB", "q32,q64_ppb4_w8").split(",") if n]
+    names = ["shipped"] + [n for n in os.environ.get("MESHLAB_BENCH_PROMPT_AB", "q16").split(",") if n]
     lengths = [64] if c.smoke else [2048, 4096, 8192]
     variants = {f" [prompt tiles {n}]": pt.prefill_block_sizes if PROMPT_TILES[n] is None
                 else (lambda chunk=16, tiles=PROMPT_TILES[n]: tiles) for n in names}
