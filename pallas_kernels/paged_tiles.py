@@ -92,10 +92,10 @@ def decode_block_sizes(batch: int = 1, fused: bool = True) -> BlockSizes:
 def prefill_block_sizes(chunk: int = 16) -> BlockSizes:
     """The tiles the serving step's prompt rows of `chunk` tokens get (paged_prefill via
     meshlab/infer/kv_cache.py); module-level, as decode_block_sizes, so that a benchmark can swap it
-    before building an engine. Page blocks wholly before a query block skip the causal mask; prompt
-    chunks take 32-token query blocks (H100, llama3_1b, the step ending at 8k: 587 us a layer against
-    857 with 16 and the mask on every block)."""
-    return BlockSizes(block_q=32 if chunk >= 32 else 16, mask_tail=True)
+    before building an engine. Page blocks wholly before a query block skip the causal mask; chunks
+    that 32 divides take 32-token query blocks (H100, llama3_1b, the step ending at 8k: 587 us a layer
+    against 857 with 16 and the mask on every block), others 16 (a chunk of 48 keeps the paged path)."""
+    return BlockSizes(block_q=32 if chunk % 32 == 0 else 16, mask_tail=True)
 
 
 def to_cache(x, dtype):

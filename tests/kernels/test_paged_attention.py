@@ -517,7 +517,7 @@ def test_engine_pages_an_fp8_cache_past_the_wrap_for_the_compiled_kernels(monkey
 @pytest.mark.parametrize("name", ["llama3_1b", "llama3_3b", "llama3_8b", "moe_1b_8e"])
 def test_every_shipped_preset_serves_through_the_paged_kernels(name):
     # No shipped shape may fall back off the paged kernels on a GPU: a prompt row of any width the
-    # engine packs (a 16-token tail, the narrow bucket, full chunks of 512) takes the paged prompt
+    # engine packs (a 16-token tail, the narrow bucket, a chunk 32 does not divide, full chunks of 512) takes the paged prompt
     # kernel, not the flash kernel over the table's whole window (2.8 ms a cached tail at llama3_3b's
     # shape on an H100), and the decode partials keep only the group's padded rows (the merge of 16
     # rows of d = 128 spills).
@@ -526,7 +526,7 @@ def test_every_shipped_preset_serves_through_the_paged_kernels(name):
     cfg = models.preset(name)
     group, max_pages = cfg.n_heads // cfg.n_kv_heads, 8448 // 16
     cache_shape = (cfg.n_layers, 1200, 16, cfg.n_kv_heads, cfg.head_dim)
-    for rows, chunk in ((1, 16), (1, 64), (1, 512), (4, 512)):
+    for rows, chunk in ((1, 16), (1, 48), (1, 64), (1, 512), (4, 512)):
         assert kv_cache.prefill_path("auto", "pallas", rows, chunk, cfg.n_heads, cache_shape, max_pages) == "paged"
     for batch in (1, 16, 64):
         p = plan(decode_block_sizes(batch, fused=batch <= 16), batch, cfg.n_kv_heads, max_pages, 16, group, cfg.head_dim)
