@@ -4,6 +4,9 @@ import os
 # On the GPU machine run `MESHLAB_TEST_GPU=1 pytest -m gpu`; everywhere else tests see the CPU.
 if not os.environ.get("MESHLAB_TEST_GPU"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+elif os.environ.get("PYTEST_XDIST_WORKER"):
+    # xdist workers share the card: each would take 75% of its memory at start and the second fails
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
