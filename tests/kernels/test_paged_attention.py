@@ -517,10 +517,10 @@ def test_engine_pages_an_fp8_cache_past_the_wrap_for_the_compiled_kernels(monkey
 @pytest.mark.parametrize("name", ["llama3_1b", "llama3_3b", "llama3_8b", "moe_1b_8e"])
 def test_every_shipped_preset_serves_through_the_paged_kernels(name):
     # No shipped shape may fall back off the paged kernels on a GPU: a prompt row of any width the
-    # engine packs (a 16-token tail, the narrow bucket, a chunk 32 does not divide, full chunks of 512) takes the paged prompt
-    # kernel, not the flash kernel over the table's whole window (2.8 ms a cached tail at llama3_3b's
-    # shape on an H100), and the decode partials keep only the group's padded rows (the merge of 16
-    # rows of d = 128 spills).
+    # engine packs (a 16-token tail, the narrow bucket, a chunk 32 does not divide, full chunks of
+    # 512) takes the paged prompt kernel, not the flash kernel over the table's whole window (2.8 ms
+    # a cached tail at llama3_3b's shape on an H100), and the decode partials keep only the group's
+    # padded rows (the merge of 16 rows of d = 128 spills).
     import models
     from pallas_kernels.paged_tiles import pow2_at_least
     cfg = models.preset(name)
