@@ -29,6 +29,8 @@ earlier jobs left, so the whole call ends inside --budget-s. Children share a co
                 residual / SwiGLU), then kernels vs fused at batch 1 (both profiled), 4 and 16
   matmul        the four decode matmuls (decode_gemv) in a BlockSizes sweep against XLA, batch 1 and 4
                 (--quick: 1); a later engine_gemv job runs each op's fastest tile
+  read_rate     read-only streams over 1 GiB (torch and XLA sums, cuBLAS / XLA one-row GEMVs, decode_gemv in each
+                role's tiles) against the copy rate: the ceiling of a decode weight stream
   profile1      batch-1 fused pallas decode only, profiled, with its HLO (the quick look after a change)
   cublas        batch-1 fused pallas decode with XLA's Triton GEMMs off (cuBLAS for every dot)
   engine        the fp32 gate (cached greedy == uncached argmax) for the engine's programs, then

@@ -33,6 +33,7 @@ JOBS = {
     "profile1": ("", 60, ""),
     "kernels": ("", 120, ""),
     "matmul": ("", 120, ""),
+    "read_rate": ("", 60, ""),
     "engine": ("", 150, ""),
     "sweep_ab": ("", 240, ""),
     "sweep_engine": ("", 240, ""),
@@ -346,6 +347,11 @@ def job_matmul(c: Child):
         matmul_peers(c.cfg, c.bw, batch, matmul_configs(quick=c.smoke, wide=c.cfg.d_model >= 4096, rows=batch))
 
 
+def job_read_rate(c: Child):
+    from meshlab.bench.matmul import read_rates
+    read_rates(c.bw, smoke=c.smoke)
+
+
 def job_engine(c: Child):
     """The engine job (the script's job list): the layers measured are the shipped ones (Engine's
     layers="auto"), or engine_gemv's faster choice when it ran earlier in the call
@@ -444,6 +450,7 @@ CHILD_JOBS = {
     "dsfusion": lambda c: (c.decode(1, "scan", detail=True), c.decode(1, "unroll")),
     "no_cmdbuf": lambda c: c.decode(1, "fused"),
     "pallas": job_pallas, "fusedk": job_fusedk, "kernels": job_kernels, "matmul": job_matmul,
+    "read_rate": job_read_rate,
     "profile1": lambda c: c.decode(1, "fused", impl="pallas", detail=True, profile=True),
     "cublas": lambda c: c.decode(1, "fused", impl="pallas", profile=True),
     "engine": job_engine, "engine_gemv": job_engine_gemv, "prefill_ab": job_prefill_ab, "layers_ab": job_layers_ab,

@@ -108,3 +108,74 @@ def matmul_peers(cfg, bw, batch: int, configs: dict) -> list[dict]:
                 out.append(emit({"section": "matmul", "setting": setting, "value": float("nan"), "unit": "us",
                                  "note": f"FAILED {type(e).__name__}: {str(e)[:200]}"}))
     return out
+
+
+def _torch_read_rates(nbytes: int, k: int, reps: int = 20) -> dict:
+    """torch's read-only streams over nbytes of bf16 (CUDA events, median of reps): a sum, and
+    one row times an [n, k] weight through cuBLAS (torch.mv). {name: bytes read per second}."""
+    import torch
+    t = {"x": torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda"),
+         "w": torch.randn(nbytes // (2 * k), k, dtype=torch.bfloat16, device="cuda"),
+         "v": torch.randn(k, dtype=torch.bfloat16, device="cuda")}
+    out = {}
+    for name, op in (("sum", lambda: t["x"].sum(dtype=torch.float32)), ("mv", lambda: torch.mv(t["w"], t["v"]))):
+        op()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / sorted(times)[len(times) // 2]
+    t.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+def read_rates(bw: float, smoke: bool = False) -> list[dict]:
+    """How fast a stream that only reads can go, against the copy rate `bw` (read + write) the decode
+    roofline divides by: a decode step reads its weights and writes almost nothing, so its ceiling is
+    this rate, not the copy's. Over 1 GiB of bf16: a sum and a one-row GEMV in torch (cuBLAS) and in
+    XLA, and decode_gemv in each role's shipped tiles (shape_block_sizes) at a width of 1 GiB, where
+    its steady rate shows without the launch's ramp and tail that a layer-sized call pays."""
+    from pallas_kernels.decode_gemv import decode_gemv, shape_block_sizes
+    interpret = jax.default_backend() != "gpu"
+    nbytes = (1 << 20) if smoke else (1 << 30)
+    size = f"{nbytes >> 20} MiB"
+    rows = []
+
+    def row(setting, rate, note=""):
+        rows.append(emit({"section": "read", "setting": setting, "value": rate / 1e9, "unit": "GB/s",
+                          "note": f"{rate / bw:.0%} of copy bw (read + write){'; ' + note if note else ''}"}))
+    if not interpret:
+        for name, rate in _torch_read_rates(nbytes, 2048).items():
+            row(f"torch {name} {size} bf16", rate, "CUDA events")
+    key = jax.random.split(jax.random.key(2), 3)
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=F32))
+    row(f"xla sum {size} bf16", nbytes / median_time(total, x, reps=10))
+    del x
+    # each role's shipped tiles at llama3_1b's shapes, run on a [n, k] weight of 1 GiB at that role's k
+    roles = {"q|k|v": (3072, 2048, False), "wo": (2048, 2048, False), "gate|up": (8192, 2048, True),
+             "down": (2048, 8192, False)}
+    tiles = {}
+    for role, (n, k, swiglu) in roles.items():
+        bs = shape_block_sizes(n, k, swiglu)
+        tiles[f"{role} n{bs.block_n}k{bs.block_k}w{bs.num_warps}t{bs.tiles_per_program}p{bs.prefetch}"] = (k, bs)
+    for k in sorted({k for k, _ in tiles.values()}):
+        n = nbytes // (2 * k)
+        w = (jax.random.normal(key[0], (n, k), F32) / math.sqrt(k)).astype(jnp.bfloat16)             # [n, k]
+        v = jax.random.normal(key[1], (1, k), jnp.bfloat16)                                          # [1, k]
+        want = jax.jit(lambda v, w: jnp.dot(v, w.T, preferred_element_type=F32))(v, w)               # [1, n]
+        dot = jax.jit(lambda v, w: jnp.dot(v, w.T, preferred_element_type=F32).astype(v.dtype))
+        row(f"xla one-row dot [{n}, {k}]", nbytes / median_time(dot, v, w, reps=10))
+        for label, (tk, bs) in tiles.items():
+            if tk != k:
+                continue
+            fn = jax.jit(lambda v, w, bs=bs: decode_gemv(v, w, block_sizes=bs, interpret=interpret))
+            err = float(jnp.max(jnp.abs(fn(v, w).astype(F32) - want)))
+            row(f"decode_gemv {label} [{n}, {k}]", nbytes / median_time(fn, v, w, reps=10), f"max error {err:.1e}")
+        del w
+    return rows
