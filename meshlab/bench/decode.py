@@ -95,19 +95,23 @@ def torch_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> dict:
     import torch
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    out = {}
-    for name, op in (("copy_", lambda: y.copy_(x)), ("mul_", lambda: x.mul_(1.0))):
+    return {name: 2 * x.nbytes / torch_event_seconds(op, reps)
+            for name, op in (("copy_", lambda: y.copy_(x)), ("mul_", lambda: x.mul_(1.0)))}
+
+
+def torch_event_seconds(op, reps: int = 20) -> float:
+    """Median seconds of the CUDA work `op()` queues, timed by CUDA events after one warm call."""
+    import torch
+    op()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
         op()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            op()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        out[name] = 2 * x.nbytes / sorted(times)[len(times) // 2]
-    return out
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 # -- HLO traffic ------------------------------------------------------------------------------

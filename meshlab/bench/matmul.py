@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlab.bench.timing import median_time
-from meshlab.bench.decode import emit
+from meshlab.bench.decode import emit, torch_event_seconds
 
 F32 = jnp.float32
 
@@ -117,18 +117,8 @@ def _torch_read_rates(nbytes: int, k: int, reps: int = 20) -> dict:
     t = {"x": torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda"),
          "w": torch.randn(nbytes // (2 * k), k, dtype=torch.bfloat16, device="cuda"),
          "v": torch.randn(k, dtype=torch.bfloat16, device="cuda")}
-    out = {}
-    for name, op in (("sum", lambda: t["x"].sum(dtype=torch.float32)), ("mv", lambda: torch.mv(t["w"], t["v"]))):
-        op()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            op()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        out[name] = nbytes / sorted(times)[len(times) // 2]
+    out = {name: nbytes / torch_event_seconds(op, reps)
+           for name, op in (("sum", lambda: t["x"].sum(dtype=torch.float32)), ("mv", lambda: torch.mv(t["w"], t["v"])))}
     t.clear()
     torch.cuda.empty_cache()
     return out
