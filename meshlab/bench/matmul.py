@@ -129,7 +129,8 @@ def read_rates(bw: float, smoke: bool = False) -> list[dict]:
     roofline divides by: a decode step reads its weights and writes almost nothing, so its ceiling is
     this rate, not the copy's. Over 1 GiB of bf16: a sum and a one-row GEMV in torch (cuBLAS) and in
     XLA, and decode_gemv in each role's shipped tiles (shape_block_sizes) at a width of 1 GiB, where
-    its steady rate shows without the launch's ramp and tail that a layer-sized call pays."""
+    its steady rate shows without the launch's ramp and tail that a layer-sized call pays. JAX calls are
+    timed ten back to back, waited on once, so the host's dispatch and sync stay out of a ~0.25 ms call."""
     from pallas_kernels.decode_gemv import decode_gemv, shape_block_sizes
     interpret = jax.default_backend() != "gpu"
     nbytes = (1 << 20) if smoke else (1 << 30)
@@ -145,7 +146,7 @@ def read_rates(bw: float, smoke: bool = False) -> list[dict]:
     key = jax.random.split(jax.random.key(2), 3)
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     total = jax.jit(lambda a: jnp.sum(a, dtype=F32))
-    row(f"xla sum {size} bf16", nbytes / median_time(total, x, reps=10))
+    row(f"xla sum {size} bf16", nbytes / median_time(total, x, reps=10, inner=10))
     del x
     # each role's shipped tiles at llama3_1b's shapes, run on a [n, k] weight of 1 GiB at that role's k
     roles = {"q|k|v": (3072, 2048, False), "wo": (2048, 2048, False), "gate|up": (8192, 2048, True),
@@ -160,12 +161,12 @@ def read_rates(bw: float, smoke: bool = False) -> list[dict]:
         v = jax.random.normal(key[1], (1, k), jnp.bfloat16)                                          # [1, k]
         want = jax.jit(lambda v, w: jnp.dot(v, w.T, preferred_element_type=F32))(v, w)               # [1, n]
         dot = jax.jit(lambda v, w: jnp.dot(v, w.T, preferred_element_type=F32).astype(v.dtype))
-        row(f"xla one-row dot [{n}, {k}]", nbytes / median_time(dot, v, w, reps=10))
+        row(f"xla one-row dot [{n}, {k}]", nbytes / median_time(dot, v, w, reps=10, inner=10))
         for label, (tk, bs) in tiles.items():
             if tk != k:
                 continue
             fn = jax.jit(lambda v, w, bs=bs: decode_gemv(v, w, block_sizes=bs, interpret=interpret))
             err = float(jnp.max(jnp.abs(fn(v, w).astype(F32) - want)))
-            row(f"decode_gemv {label} [{n}, {k}]", nbytes / median_time(fn, v, w, reps=10), f"max error {err:.1e}")
+            row(f"decode_gemv {label} [{n}, {k}]", nbytes / median_time(fn, v, w, reps=10, inner=10), f"max error {err:.1e}")
         del w
     return rows
