@@ -282,9 +282,9 @@ def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
     """prefix_ttft's rows (a 16-token tail after n - 16 cached tokens, all cached, and uncached n-token
     prompts in chunks) through engines whose prompt rows take other paged_prefill tiles: names of
     layer_chain.attention_variants ("default": the kernel's defaults), "served" (prefill_block_sizes
-    as shipped, by width) or "xla_merge" (the 16-wide row's shipped tiles, the splits merged by XLA
-    instead of one launch). Engines are alternated over
-    `rounds`, each call under its own tiles (read when a program traces); rows tagged [prefill <name>]."""
+    as shipped, by width) or "xla_merge" (the shipped tiles of each width, the splits merged by XLA
+    instead of one launch). Engines are alternated over `rounds`, each call under its own tiles
+    (read when a program traces); rows tagged [prefill <name>]."""
     import dataclasses
     from meshlab.bench import serve as bs
     from meshlab.bench.layer_chain import attention_variants
@@ -296,13 +296,15 @@ def prefill_tiles_ab(make_engine, n: int, names, rounds: int = 2) -> None:
             for name in names:
                 if name not in engines:
                     eng = make_engine()
-                    variants = dict(attention_variants(eng.sched.max_pages), served=None,
-                                    xla_merge=dataclasses.replace(shipped(), merge="xla"))
+                    # each variant as prefill_block_sizes(chunk) would answer it
+                    variants = {k: (lambda chunk=16, tiles=v: tiles) for k, v in
+                                attention_variants(eng.sched.max_pages).items()}
+                    variants.update(served=shipped,
+                                    xla_merge=lambda chunk=16: dataclasses.replace(shipped(chunk), merge="xla"))
                     if name not in variants:
                         raise ValueError(f"prefill tiles {name!r} unknown; known: {', '.join(variants)}")
                     engines[name] = (eng, variants[name])
-                eng, tiles = engines[name]
-                pt.prefill_block_sizes = shipped if tiles is None else (lambda *_, tiles=tiles: tiles)   # noqa: E731
+                eng, pt.prefill_block_sizes = engines[name]
                 bs.prefix_ttft(eng, n=n, tag=f" [prefill {name}{', again' if r else ''}]")
     finally:
         pt.prefill_block_sizes = shipped
